@@ -1,0 +1,154 @@
+// The one launcher every ffn_ext CUDA kernel uses.
+//
+// A problem is `rows` x `cols` elements; each operand (NI inputs, NO outputs, one dtype T) is a base pointer and a
+// row stride in elements, with unit stride along cols. That covers contiguous tensors (one row of numel
+// elements), `chunk(2, -1)` views (row stride 2M) and the two halves of a packed [..., 2M] tensor, all without
+// a copy.
+//
+// Per row, the elements before output 0 reaches a 16-byte boundary (the head, < VEC) and after the last whole
+// vector (the tail, < VEC) are done one by one; the body moves 16 bytes per load/store, UNROLL vectors in flight
+// per thread. An operand whose body start is not 16-byte aligned when output 0's is (it sits at another offset
+// mod 16 bytes) uses element loads/stores for its body; the others stay vectorized. All offsets are int64.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace ffn_ext {
+namespace cuda {
+
+constexpr int kUnroll = 4;
+constexpr int kMaxThreads = 256;
+
+template <int NI, int NO>
+struct RowProblem {
+  const void* in[NI];
+  void* out[NO];
+  int64_t in_stride[NI];
+  int64_t out_stride[NO];
+  int64_t rows;
+  int64_t cols;
+};
+
+template <typename T, int VEC>
+struct alignas(16) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ bool aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+template <typename T, typename F, int VEC>
+__global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
+  constexpr int NI = F::NI, NO = F::NO;
+  using A = at::opmath_type<T>;
+  const int64_t cols = p.cols;
+
+  for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    const T* in[NI];
+    T* out[NO];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) in[i] = static_cast<const T*>(p.in[i]) + row * p.in_stride[i];
+#pragma unroll
+    for (int o = 0; o < NO; ++o) out[o] = static_cast<T*>(p.out[o]) + row * p.out_stride[o];
+
+    // Head: elements before out[0] + head is 16-byte aligned.
+    const int64_t mis = (reinterpret_cast<uintptr_t>(out[0]) / sizeof(T)) % VEC;
+    const int64_t head = std::min<int64_t>(cols, (VEC - mis) % VEC);
+    const int64_t nvec = (cols - head) / VEC;
+    const int64_t tail_start = head + nvec * VEC;
+
+    // One element at index j, scalar loads and stores (head and tail).
+    auto one = [&](int64_t j) {
+      A a[NI], r[NO];
+#pragma unroll
+      for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(in[i][j]);
+      f(a, r);
+#pragma unroll
+      for (int o = 0; o < NO; ++o) out[o][j] = static_cast<T>(r[o]);
+    };
+    if (blockIdx.x == 0) {
+      const int64_t t = threadIdx.x;
+      if (t < head) one(t);
+      if (t < cols - tail_start) one(tail_start + t);
+    }
+
+    bool in_vec[NI], out_vec[NO];
+#pragma unroll
+    for (int i = 0; i < NI; ++i) in_vec[i] = aligned16<T, VEC>(in[i] + head);
+#pragma unroll
+    for (int o = 0; o < NO; ++o) out_vec[o] = aligned16<T, VEC>(out[o] + head);
+
+    // Body: this block's UNROLL * blockDim vectors; thread t takes vectors t, t + blockDim, ... (coalesced).
+    const int64_t v0 = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+    Pack<T, VEC> buf[kUnroll][NI];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+      if (v < nvec) {
+#pragma unroll
+        for (int i = 0; i < NI; ++i) {
+          const T* src = in[i] + head + v * VEC;
+          if (in_vec[i]) {
+            buf[u][i] = *reinterpret_cast<const Pack<T, VEC>*>(src);
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) buf[u][i].v[k] = src[k];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
+      if (v < nvec) {
+        Pack<T, VEC> res[NO];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          A a[NI], r[NO];
+#pragma unroll
+          for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(buf[u][i].v[k]);
+          f(a, r);
+#pragma unroll
+          for (int o = 0; o < NO; ++o) res[o].v[k] = static_cast<T>(r[o]);
+        }
+#pragma unroll
+        for (int o = 0; o < NO; ++o) {
+          T* dst = out[o] + head + v * VEC;
+          if (out_vec[o]) {
+            *reinterpret_cast<Pack<T, VEC>*>(dst) = res[o];
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) dst[k] = res[o].v[k];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Launch shape: blocks along a row cover UNROLL * threads vectors each; rows go on grid.y (strided loop past
+// 65535). Short rows get fewer threads per block so that small (decode) problems still spread over many blocks.
+template <typename T, typename F>
+void launch_rows(const F& f, const RowProblem<F::NI, F::NO>& p) {
+  constexpr int VEC = 16 / sizeof(T);
+  if (p.rows == 0 || p.cols == 0) return;
+  const int64_t vecs = (p.cols + VEC - 1) / VEC;
+  const int64_t want = (vecs + kUnroll - 1) / kUnroll;
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (want + 31) / 32 * 32)));
+  const int64_t per_block = static_cast<int64_t>(threads) * kUnroll;
+  const int64_t bx = std::max<int64_t>(1, (vecs + per_block - 1) / per_block);
+  TORCH_CHECK(bx <= 0x7fffffff, "ffn_ext: row of ", p.cols, " elements is too long for one launch");
+  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(std::min<int64_t>(p.rows, 65535)));
+  rows_kernel<T, F, VEC><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, f);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+}  // namespace ffn_ext

@@ -1,0 +1,41 @@
+// Declarations shared by the ffn_ext sources. Map of the code:
+//   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; Meta kernels (shape + input checks, used by fake
+//                      tensors, torch.compile and export); build information
+//   aten_ops.cpp       CPU kernels: ATen composites (also serve CUDA tensors in a build without CUDA kernels)
+//   cuda/kernels.cu    CUDA kernels: the functors of ffn_math.h run by the launcher in cuda/rows_launcher.cuh
+//   python_module.cpp  the pybind11 module ffn_ext._C (build info, host-math test path); Python extension only
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace ffn_ext {
+
+// ---- input checks and output allocation (shapes.cpp) ----
+// Every kernel starts with one of these, and the Meta kernels are exactly these, so real and fake tensors accept
+// and reject the same inputs. Errors (TypeError / ValueError / RuntimeError) name the op, the argument, what was
+// expected and what was given. Outputs are always freshly allocated and contiguous.
+at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu
+at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x);
+at::Tensor alloc_swiglu(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> alloc_swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                         const at::Tensor& up);
+at::Tensor alloc_swiglu_packed(const at::Tensor& gate_up);
+at::Tensor alloc_swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up);
+
+// ---- what the build contains ----
+std::vector<std::pair<std::string, std::string>> build_info();
+
+#ifdef FFN_EXT_WITH_CUDA
+namespace cuda {
+// CUDA runtime version the kernels were compiled with, and the architectures (nvcc's __CUDA_ARCH_LIST__).
+std::string compiled_cuda_version();
+std::string compiled_arch_list();
+}  // namespace cuda
+#endif
+
+}  // namespace ffn_ext

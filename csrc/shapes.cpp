@@ -1,0 +1,122 @@
+// Input checks and output sizes, written once over SymInts so that the real kernels and the Meta kernels
+// (fake tensors, torch.compile with dynamic shapes, export) accept and reject exactly the same inputs.
+#include "ffn_ext.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+namespace ffn_ext {
+namespace {
+const char* dtype_name(at::ScalarType st) {
+  switch (st) {
+    case at::kDouble: return "torch.float64";
+    case at::kFloat: return "torch.float32";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return c10::toString(st);
+  }
+}
+
+void check_input(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": `", name, "` is an undefined tensor");
+  TORCH_CHECK_TYPE(!t.is_nested(), op, ": `", name, "` is a nested tensor; expected a dense strided tensor");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, op, ": expected `", name, "` to be a dense strided tensor, got layout ",
+                   t.layout());
+  TORCH_CHECK_TYPE(!t.is_quantized(), op, ": `", name, "` is a quantized tensor; expected a floating-point tensor");
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kDouble || st == at::kFloat || st == at::kHalf || st == at::kBFloat16, op,
+                   ": expected `", name, "` to have dtype float64, float32, float16 or bfloat16, got ",
+                   dtype_name(st));
+}
+
+void check_like(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
+  check_input(op, name, t);
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": expected `", name, "` to have the dtype of `", ref_name,
+                   "` (", dtype_name(ref.scalar_type()), "), got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.device() == ref.device(), op, ": expected `", name, "` to be on the device of `", ref_name, "` (",
+              ref.device(), "), got ", t.device());
+  TORCH_CHECK_VALUE(t.sym_sizes() == ref.sym_sizes(), op, ": expected `", name, "` to have the shape of `", ref_name,
+                    "` ", ref.sym_sizes(), ", got ", t.sym_sizes());
+}
+
+// Validates gate_up for the packed ops and returns its half width M.
+c10::SymInt check_packed(const char* op, const at::Tensor& gate_up) {
+  check_input(op, "gate_up", gate_up);
+  TORCH_CHECK_VALUE(gate_up.dim() >= 1, op, ": expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a ",
+                    "0-dim tensor");
+  const c10::SymInt& last = gate_up.sym_size(-1);
+  TORCH_CHECK_VALUE(last % 2 == 0, op, ": expected the last dimension of `gate_up` to be even ([..., 2*M]), got ",
+                    "shape ", gate_up.sym_sizes());
+  return last / 2;
+}
+
+// t's sizes with the last one replaced.
+std::vector<c10::SymInt> with_last(const at::Tensor& t, const c10::SymInt& last) {
+  std::vector<c10::SymInt> sizes(t.sym_sizes().begin(), t.sym_sizes().end());
+  sizes.back() = last;
+  return sizes;
+}
+
+at::Tensor empty_like_sizes(const at::Tensor& ref, c10::SymIntArrayRef sizes) {
+  return at::empty_symint(sizes, ref.options().memory_format(at::MemoryFormat::Contiguous));
+}
+}  // namespace
+
+// ---- per-op checks + allocation ----
+at::Tensor alloc_unary(const char* op, const at::Tensor& x) {
+  check_input(op, "x", x);
+  return empty_like_sizes(x, x.sym_sizes());
+}
+
+at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x) {
+  check_input(op, "x", x);
+  check_like(op, "grad", grad, "x", x);
+  return empty_like_sizes(x, x.sym_sizes());
+}
+
+at::Tensor alloc_swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  const char* op = "ffn_ext.swiglu";
+  check_input(op, "gate", gate);
+  check_like(op, "up", up, "gate", gate);
+  return empty_like_sizes(gate, gate.sym_sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> alloc_swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                         const at::Tensor& up) {
+  const char* op = "ffn_ext.swiglu_backward";
+  check_input(op, "gate", gate);
+  check_like(op, "up", up, "gate", gate);
+  check_like(op, "grad", grad, "gate", gate);
+  return {empty_like_sizes(gate, gate.sym_sizes()), empty_like_sizes(gate, gate.sym_sizes())};
+}
+
+at::Tensor alloc_swiglu_packed(const at::Tensor& gate_up) {
+  const auto m = check_packed("ffn_ext.swiglu_packed", gate_up);
+  return empty_like_sizes(gate_up, with_last(gate_up, m));
+}
+
+at::Tensor alloc_swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
+  const char* op = "ffn_ext.swiglu_packed_backward";
+  const auto m = check_packed(op, gate_up);
+  check_input(op, "grad", grad);
+  // grad must look like the forward output: gate_up's shape with the last dimension halved.
+  const auto out_sizes = with_last(gate_up, m);
+  TORCH_CHECK_TYPE(grad.scalar_type() == gate_up.scalar_type(), op, ": expected `grad` to have the dtype of `gate_up` (",
+                   dtype_name(gate_up.scalar_type()), "), got ", dtype_name(grad.scalar_type()));
+  TORCH_CHECK(grad.device() == gate_up.device(), op, ": expected `grad` to be on the device of `gate_up` (",
+              gate_up.device(), "), got ", grad.device());
+  TORCH_CHECK_VALUE(grad.sym_sizes() == c10::SymIntArrayRef(out_sizes), op,
+                    ": expected `grad` to have the forward output's shape ", c10::SymIntArrayRef(out_sizes),
+                    " (gate_up's with the last dimension halved), got ", grad.sym_sizes());
+  return empty_like_sizes(gate_up, gate_up.sym_sizes());
+}
+
+}  // namespace ffn_ext
