@@ -34,15 +34,38 @@ struct RowProblem {
   int64_t cols;
 };
 
+// VEC elements of one operand, moved to and from memory as one 16-byte uint4 (LDG.E.128 / STG.E.128).
 template <typename T, int VEC>
 struct alignas(16) Pack {
   T v[VEC];
 };
 
 template <typename T, int VEC>
-__device__ __forceinline__ bool aligned16(const T* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+__device__ __forceinline__ void load_pack(Pack<T, VEC>& dst, const T* src, bool vectorized) {
+  if (vectorized) {
+    const uint4 bits = *reinterpret_cast<const uint4*>(src);
+    memcpy(&dst, &bits, sizeof(bits));
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dst.v[k] = src[k];
+  }
 }
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* dst, const Pack<T, VEC>& src, bool vectorized) {
+  if (vectorized) {
+    uint4 bits;
+    memcpy(&bits, &src, sizeof(bits));
+    // Explicit 128-bit store: for float/double nvcc otherwise splits this into two 64-bit stores.
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(bits.x), "r"(bits.y), "r"(bits.z),
+                 "r"(bits.w));
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dst[k] = src.v[k];
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <typename T, typename F, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
@@ -81,9 +104,9 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
 
     bool in_vec[NI], out_vec[NO];
 #pragma unroll
-    for (int i = 0; i < NI; ++i) in_vec[i] = aligned16<T, VEC>(in[i] + head);
+    for (int i = 0; i < NI; ++i) in_vec[i] = aligned16(in[i] + head);
 #pragma unroll
-    for (int o = 0; o < NO; ++o) out_vec[o] = aligned16<T, VEC>(out[o] + head);
+    for (int o = 0; o < NO; ++o) out_vec[o] = aligned16(out[o] + head);
 
     // Body: this block's UNROLL * blockDim vectors; thread t takes vectors t, t + blockDim, ... (coalesced).
     const int64_t v0 = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
@@ -93,15 +116,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
       const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
       if (v < nvec) {
 #pragma unroll
-        for (int i = 0; i < NI; ++i) {
-          const T* src = in[i] + head + v * VEC;
-          if (in_vec[i]) {
-            buf[u][i] = *reinterpret_cast<const Pack<T, VEC>*>(src);
-          } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) buf[u][i].v[k] = src[k];
-          }
-        }
+        for (int i = 0; i < NI; ++i) load_pack(buf[u][i], in[i] + head + v * VEC, in_vec[i]);
       }
     }
 #pragma unroll
@@ -119,15 +134,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
           for (int o = 0; o < NO; ++o) res[o].v[k] = static_cast<T>(r[o]);
         }
 #pragma unroll
-        for (int o = 0; o < NO; ++o) {
-          T* dst = out[o] + head + v * VEC;
-          if (out_vec[o]) {
-            *reinterpret_cast<Pack<T, VEC>*>(dst) = res[o];
-          } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) dst[k] = res[o].v[k];
-          }
-        }
+        for (int o = 0; o < NO; ++o) store_pack(out[o] + head + v * VEC, res[o], out_vec[o]);
       }
     }
   }
