@@ -1,0 +1,231 @@
+"""nn.Modules on top of the ffn_ext ops: activations, a standard FFN and a memory-lean SwiGLU FFN.
+
+    act = ffn_ext.SwiGLU();  h = act(gate, up)  or  act(gate_up)      # [..., 2M] -> [..., M]
+    mlp = ffn_ext.SwiGLUFFN(896, 4864)   # gate_proj / up_proj / down_proj: loads a Llama/Qwen2 MLP state_dict
+    ffn = ffn_ext.FFN(768, 3072, activation="gelu")
+
+SwiGLUFFN's training memory: its autograd (``swiglu_mlp``) saves the input x and the two projections gate and up,
+and recomputes h = silu(gate) * up in backward (for the down projection's weight gradient) instead of keeping it.
+Eager PyTorch keeps four [tokens, d_ff] tensors (gate, silu(gate), up, h); this keeps two. The recompute is one
+memory-bound elementwise pass (ffn_ext.swiglu) next to three GEMMs.
+
+Double backward (create_graph=True, e.g. gradient penalties) is supported: when backward runs with grad mode on,
+it recomputes gate and up from the saved x and weights with differentiable ops, so second derivatives flow to x,
+the weights and the incoming gradient (checked with gradgradcheck). Plain backward never recomputes the GEMMs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops as _ops
+from .sizing import swiglu_hidden_dim
+
+__all__ = ["GELU", "SiLU", "SwiGLU", "FFN", "SwiGLUFFN", "swiglu_mlp", "swiglu_mlp_packed"]
+
+
+# ---------------------------------------------------------------- activation modules
+class GELU(nn.Module):
+    """Exact (erf) GELU, as nn.GELU() (approximate='none'); uses ffn_ext.gelu."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ops.gelu(x)
+
+
+class SiLU(nn.Module):
+    """SiLU / swish, x * sigmoid(x), as nn.SiLU(); uses ffn_ext.silu."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ops.silu(x)
+
+
+class SwiGLU(nn.Module):
+    """silu(gate) * up. ``SwiGLU()(gate, up)``; with one argument it takes the packed tensor [..., 2M] (gate first,
+    then up, as ``chunk(2, -1)``) and returns [..., M]."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        return _ops.swiglu_packed(gate) if up is None else _ops.swiglu(gate, up)
+
+
+# ---------------------------------------------------------------- ops with an ATen fallback (backward side)
+def _swiglu(gate, up):
+    return torch.ops.ffn_ext.swiglu(gate, up) if _ops._native_for(gate) else F.silu(gate) * up
+
+
+def _swiglu_backward(grad, gate, up):
+    if _ops._native_for(gate):
+        return torch.ops.ffn_ext.swiglu_backward(grad, gate, up)
+    s = torch.sigmoid(gate)
+    return grad * up * (s * (1 + gate * (1 - s))), grad * (gate * s)
+
+
+def _swiglu_packed(gate_up):
+    if _ops._native_for(gate_up):
+        return torch.ops.ffn_ext.swiglu_packed(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_packed_backward(grad, gate_up):
+    if _ops._native_for(gate_up):
+        return torch.ops.ffn_ext.swiglu_packed_backward(grad, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.cat(_swiglu_backward(grad, gate, up), dim=-1)
+
+
+def _cast(t, dtype):
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _rows(t):  # [..., K] -> [N, K]
+    return t.reshape(-1, t.shape[-1])
+
+
+def _input_grads(x, d_pre, w_pre, need_x, need_w_pre, need_b_pre):
+    """dx (contribution), dW and db of one input projection pre = x @ W^T + b, given d_pre."""
+    dx = d_pre.matmul(w_pre) if need_x else None
+    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w_pre else None
+    db = _rows(d_pre).sum(0) if need_b_pre else None
+    return dx, dw, db
+
+
+class _SwiGLUMLP(torch.autograd.Function):
+    """y = down(silu(gate(x)) * up(x)); saves x, gate, up; recomputes h in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        gate = F.linear(x, w_gate, b_gate)
+        up = F.linear(x, w_up, b_up)
+        y = F.linear(_swiglu(gate, up), w_down, b_down)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, b_gate, b_up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate, up, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
+        n_x, n_wg, n_wu, n_wd, n_bg, n_bu, n_bd = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: make gate/up functions of x and the weights again
+            gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        dtype = gate.dtype  # differs from the parameters' dtype under autocast
+        dy, x = _cast(dy, dtype), _cast(x, dtype)
+        w_gate, w_up, w_down = _cast(w_gate, dtype), _cast(w_up, dtype), _cast(w_down, dtype)
+        d_wd = _rows(dy).t().matmul(_rows(_swiglu(gate, up))) if n_wd else None  # the recompute
+        d_bd = _rows(dy).sum(0) if n_bd else None
+        d_x = d_wg = d_wu = d_bg = d_bu = None
+        if n_x or n_wg or n_wu or n_bg or n_bu:
+            d_gate, d_up = _swiglu_backward(dy.matmul(w_down), gate, up)
+            dx_g, d_wg, d_bg = _input_grads(x, d_gate, w_gate, n_x, n_wg, n_bg)
+            dx_u, d_wu, d_bu = _input_grads(x, d_up, w_up, n_x, n_wu, n_bu)
+            d_x = dx_g + dx_u if n_x else None
+        return d_x, d_wg, d_wu, d_wd, d_bg, d_bu, d_bd
+
+
+class _SwiGLUMLPPacked(torch.autograd.Function):
+    """y = down(swiglu_packed(gate_up(x))); saves x and gate_up; recomputes h in backward."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, b_gate_up, b_down):
+        gate_up = F.linear(x, w_gate_up, b_gate_up)
+        y = F.linear(_swiglu_packed(gate_up), w_down, b_down)
+        ctx.save_for_backward(x, gate_up, w_gate_up, w_down, b_gate_up)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, gate_up, w_gate_up, w_down, b_gate_up = ctx.saved_tensors
+        n_x, n_wgu, n_wd, n_bgu, n_bd = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            gate_up = F.linear(x, w_gate_up, b_gate_up)
+        dtype = gate_up.dtype
+        dy, x, w_gate_up, w_down = _cast(dy, dtype), _cast(x, dtype), _cast(w_gate_up, dtype), _cast(w_down, dtype)
+        d_wd = _rows(dy).t().matmul(_rows(_swiglu_packed(gate_up))) if n_wd else None
+        d_bd = _rows(dy).sum(0) if n_bd else None
+        d_x = d_wgu = d_bgu = None
+        if n_x or n_wgu or n_bgu:
+            d_gate_up = _swiglu_packed_backward(dy.matmul(w_down), gate_up)
+            d_x, d_wgu, d_bgu = _input_grads(x, d_gate_up, w_gate_up, n_x, n_wgu, n_bgu)
+        return d_x, d_wgu, d_wd, d_bgu, d_bd
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
+    """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up).
+
+    Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]."""
+    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+
+
+def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torch.Tensor:
+    """Same for a packed gate/up projection (Phi-3): w_gate_up [2*d_ff, d_model], gate rows first. Saves x and
+    gate_up [tokens, 2*d_ff]."""
+    return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
+
+
+# ---------------------------------------------------------------- FFN modules
+def _hooked(*modules) -> bool:
+    """True when forward hooks (module or global) would see the submodules' outputs: the modules must then run."""
+    mod = nn.modules.module
+    if getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _plain_linear(*modules) -> bool:
+    return all(type(m) is nn.Linear for m in modules)
+
+
+_ACTIVATIONS = {"gelu": GELU, "silu": SiLU, "relu": nn.ReLU}
+
+
+class FFN(nn.Module):
+    """Standard transformer FFN: down_proj(act(up_proj(x))), d_model -> d_ff -> d_model.
+
+    activation: "gelu" (exact erf GELU), "silu" or "relu"."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        key = activation.lower() if isinstance(activation, str) else activation
+        if key not in _ACTIVATIONS:
+            raise ValueError(f"ffn_ext.FFN: unknown activation {activation!r}; expected one of "
+                             f"{sorted(_ACTIVATIONS)} (for SwiGLU use ffn_ext.SwiGLUFFN)")
+        self.activation = key
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.act = _ACTIVATIONS[key]()
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class SwiGLUFFN(nn.Module):
+    """SwiGLU FFN: down_proj(silu(gate_proj(x)) * up_proj(x)), with the Llama/Qwen2 submodule names, so a Hugging
+    Face MLP's state_dict loads unchanged.
+
+    d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). Training keeps two [tokens, d_ff]
+    tensors (gate, up) instead of eager PyTorch's four; h is recomputed in backward. When forward hooks are
+    registered on the projections or on `act` (or globally), or a projection is not a plain nn.Linear (LoRA,
+    quantized layers), the submodules run as modules (the activation is still ffn_ext's) so the hooks fire.
+    """
+
+    def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,
+                 device=None, dtype=None):
+        super().__init__()
+        d_ff = swiglu_hidden_dim(d_model, multiple_of) if d_ff is None else d_ff
+        self.d_model, self.d_ff = d_model, d_ff
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+        self.act = SwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if _plain_linear(g, u, d) and not _hooked(g, u, d, self.act):
+            return swiglu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+        return d(self.act(g(x), u(x)))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}"

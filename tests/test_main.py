@@ -1,0 +1,86 @@
+"""python -m ffn_ext: the full demo in a subprocess (exit status, key lines), and its checker can fail."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ffn_ext
+from ffn_ext import __main__ as demo
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
+
+
+@pytest.fixture(scope="module")
+def full_run():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    return proc
+
+
+def test_main_exits_zero_with_pass(full_run):
+    assert full_run.returncode == 0, full_run.stdout[-4000:] + full_run.stderr[-4000:]
+    last = full_run.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS: ffn_ext ops vs ATen on " + ("GPU" if GPU else "CPU")), last
+    assert "FAIL" not in full_run.stdout
+
+
+def test_main_key_lines(full_run):
+    out = full_run.stdout
+    assert "cuda_kernels" in out and "native" in out  # build_summary()
+    # the shape walk, through the forward hooks
+    assert re.search(r"gate_proj\s+Linear\s+\(1, 16, 896\) -> \(1, 16, 4864\)", out)
+    assert re.search(r"up_proj\s+Linear\s+\(1, 16, 896\) -> \(1, 16, 4864\)", out)
+    assert re.search(r"act\s+SwiGLU\s+\(1, 16, 4864\) x \(1, 16, 4864\) -> \(1, 16, 4864\)", out)
+    assert re.search(r"down_proj\s+Linear\s+\(1, 16, 4864\) -> \(1, 16, 896\)", out)
+    one = 16 * 4864 * 4
+    assert f"ffn_ext 2 ({2 * one:,} bytes), eager PyTorch 4 ({4 * one:,} bytes)" in out
+    # the parameter table
+    assert re.search(r"standard FFN, d_ff = 4D\s+2\s+16384\s+134,217,728", out)
+    assert re.search(r"SwiGLU, 8/3 rule to 256 \(LLaMA\)\s+3\s+11008\s+135,266,304", out)
+    # every op, every dtype, and the module
+    for op in demo.OPS:
+        for dtype in ("float64", "float32", "bfloat16"):
+            assert re.search(rf"^\s+{op}\s+{dtype}\s+\S+\s+\S+\s+\S+\s+\S+\s+ok$", out, re.M), (op, dtype)
+    assert re.search(r"SwiGLUFFN fwd\+bwd\s+float32 .* ok$", out, re.M)
+    # the timing, labelled with the device
+    assert re.search(r"== Timing on " + ("GPU" if GPU else "CPU"), out)
+    assert re.search(r"swiglu fwd\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out)
+
+
+def test_checker_catches_a_wrong_op(capsys):
+    """A case whose 'ffn_ext' side is off by 1% (fp32) or inf (bf16) makes check_ops report FAIL."""
+    unary = demo.op_cases()["gelu"][0]
+    cases = {
+        "gelu_off_by_1%": (unary, lambda x: torch.nn.functional.gelu(x) * 1.01, torch.nn.functional.gelu),
+        "gelu_inf": (unary, lambda x: torch.nn.functional.gelu(x) / (x != x[0, 0]), torch.nn.functional.gelu),
+    }
+    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
+                              cases=dict(list(cases.items())[:1]))
+    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.bfloat16,), rows=4, cols=33,
+                              cases=dict(list(cases.items())[1:]))
+    assert demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
+                          cases={"gelu": demo.op_cases()["gelu"]})
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 2
+
+
+def test_main_returns_one_on_fail(monkeypatch, capsys):
+    real = demo.op_cases
+
+    def broken():
+        cases = real()
+        make, op, ref = cases["silu"]
+        cases["silu"] = (make, lambda x: op(x) + 1e-3, ref)
+        return cases
+
+    monkeypatch.setattr(demo, "op_cases", broken)
+    assert demo.main(["--quick", "--device", "cpu", "--threads", "0"]) == 1  # 0: leave torch threads
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("FAIL")
+    assert "Timing" not in out  # --quick

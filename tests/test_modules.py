@@ -1,0 +1,364 @@
+"""ffn_ext.GELU/SiLU/SwiGLU, FFN, SwiGLUFFN (lean autograd: gradcheck, saved bytes, torch.compile) and sizing."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ffn_ext
+from ffn_ext import modules as M
+
+CUDA = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+DEVICES = ["cpu", pytest.param("cuda", marks=[cuda, needs_cuda])]
+
+
+def _close(a, b, dtype=None):
+    atol, rtol = TOL[dtype or b.dtype]
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+def _rand(*shape, dtype=torch.float32, device="cpu", scale=2.0):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).to(device=device, dtype=dtype).requires_grad_()
+
+
+# ---------------------------------------------------------------- activation modules
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ours,ref", [(ffn_ext.GELU, nn.GELU), (ffn_ext.SiLU, nn.SiLU)])
+def test_unary_modules_match_torch(ours, ref, dtype, device):
+    torch.manual_seed(0)
+    x = _rand(7, 131, dtype=dtype, device=device)
+    x0 = x.detach().clone().requires_grad_()
+    y, y0 = ours()(x), ref()(x0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    _close(y, y0)
+    _close(x.grad, x0.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_swiglu_module_two_args_and_packed(dtype, device):
+    torch.manual_seed(1)
+    gate_up = _rand(5, 3, 2 * 97, dtype=dtype, device=device)
+    ref_in = gate_up.detach().clone().requires_grad_()
+    act = ffn_ext.SwiGLU()
+    g, u = gate_up.chunk(2, dim=-1)
+    g0, u0 = ref_in.chunk(2, dim=-1)
+    ref = F.silu(g0) * u0
+    two, packed = act(g, u), act(gate_up)
+    assert packed.shape == two.shape == (5, 3, 97)
+    _close(two, ref)
+    _close(packed, ref)
+    w = torch.randn_like(ref)
+    ((two + packed) * w).sum().backward()
+    (2 * ref * w).sum().backward()
+    _close(gate_up.grad, ref_in.grad)
+
+
+def test_swiglu_module_rejects_odd_packed_width():
+    with pytest.raises(ValueError):
+        ffn_ext.SwiGLU()(torch.randn(4, 7))
+
+
+# ---------------------------------------------------------------- FFN
+@pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("silu", F.silu), ("relu", F.relu), ("GELU", F.gelu)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ffn_matches_composite(activation, fn, bias):
+    torch.manual_seed(2)
+    ffn = ffn_ext.FFN(48, 160, activation=activation, bias=bias)
+    assert set(ffn.state_dict()) == {"up_proj.weight", "down_proj.weight"} | (
+        {"up_proj.bias", "down_proj.bias"} if bias else set())
+    x = _rand(2, 9, 48)
+    y = ffn(x)
+    y0 = ffn.down_proj(fn(ffn.up_proj(x)))
+    _close(y, y0)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, *ffn.parameters()), gy)
+    ref = torch.autograd.grad(y0, (x, *ffn.parameters()), gy)
+    for a, b in zip(got, ref):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("bad", ["tanh", "swiglu", "", None])
+def test_ffn_unknown_activation(bad):
+    with pytest.raises(ValueError, match="activation"):
+        ffn_ext.FFN(8, 16, activation=bad)
+
+
+# ---------------------------------------------------------------- SwiGLUFFN
+def _eager(mlp, x):
+    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def test_swiglu_ffn_names_and_default_width():
+    mlp = ffn_ext.SwiGLUFFN(64, 176)
+    assert set(mlp.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    assert all(type(getattr(mlp, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+    assert mlp.gate_proj.weight.shape == (176, 64) and mlp.down_proj.weight.shape == (64, 176)
+    assert ffn_ext.SwiGLUFFN(4096, device="meta").d_ff == 11008
+    assert ffn_ext.SwiGLUFFN(896, multiple_of=64, device="meta").d_ff == 2432
+    assert ffn_ext.SwiGLUFFN(64, 176, bias=True).down_proj.bias.shape == (64,)
+
+
+def test_swiglu_ffn_loads_a_llama_style_state_dict():
+    class HFStyleMLP(nn.Module):  # the attribute names of LlamaMLP / Qwen2MLP / MistralMLP
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(32, 80, bias=False), nn.Linear(32, 80, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(80, 32, bias=False), nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    torch.manual_seed(3)
+    hf = HFStyleMLP()
+    mlp = ffn_ext.SwiGLUFFN(32, 80)
+    mlp.load_state_dict(hf.state_dict(), strict=True)
+    x = torch.randn(4, 32)
+    _close(mlp(x), hf(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_ffn_matches_eager(bias, dtype, device):
+    torch.manual_seed(4)
+    mlp = ffn_ext.SwiGLUFFN(48, 136, bias=bias).to(device=device, dtype=dtype)
+    x = _rand(3, 11, 48, dtype=dtype, device=device, scale=1.0)
+    y = mlp(x)
+    assert "_SwiGLUMLP" in type(y.grad_fn).__name__  # the lean Function, not the module path
+    y0 = _eager(mlp, x)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, *mlp.parameters()), gy)
+    ref = torch.autograd.grad(y0, (x, *mlp.parameters()), gy)
+    if dtype == torch.bfloat16:  # eager rounds silu(gate) to bf16 first; compare relative to the magnitude
+        for a, b in zip((y, *got), (y0, *ref)):
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+    else:
+        _close(y, y0)
+        for a, b in zip(got, ref):
+            _close(a, b)
+
+
+def test_swiglu_ffn_partial_requires_grad():
+    torch.manual_seed(5)
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True)
+    mlp.gate_proj.requires_grad_(False)
+    mlp.down_proj.bias.requires_grad_(False)
+    x = torch.randn(6, 16)  # no grad for x
+    mlp(x).square().sum().backward()
+    grads = {n: p.grad for n, p in mlp.named_parameters()}
+    mlp.zero_grad()
+    _eager(mlp, x).square().sum().backward()
+    for n, p in mlp.named_parameters():
+        if p.requires_grad:
+            _close(grads[n], p.grad)
+        else:
+            assert grads[n] is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_mlp_gradcheck_and_gradgradcheck(bias):
+    torch.manual_seed(6)
+    d, m = 5, 7
+    x = _rand(2, 3, d, dtype=torch.float64, scale=1.0)
+    ws = [_rand(m, d, dtype=torch.float64), _rand(m, d, dtype=torch.float64), _rand(d, m, dtype=torch.float64)]
+    bs = [_rand(m, dtype=torch.float64), _rand(m, dtype=torch.float64), _rand(d, dtype=torch.float64)] if bias \
+        else [None, None, None]
+    args = (x, *ws, *bs)
+    packed = (x, _rand(2 * m, d, dtype=torch.float64), ws[2], _rand(2 * m, dtype=torch.float64) if bias else None,
+              bs[2])
+    assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp, args)
+    assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp_packed, packed)
+    if bias:  # double backward (create_graph=True recomputes gate/up differentiably); once is enough for time
+        assert torch.autograd.gradgradcheck(ffn_ext.swiglu_mlp, args)
+        assert torch.autograd.gradgradcheck(ffn_ext.swiglu_mlp_packed, packed)
+
+
+def test_swiglu_ffn_aten_fallback(monkeypatch):
+    """Without a native library the lean Function runs on ATen ops (still the same results)."""
+    torch.manual_seed(7)
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True).double()
+    x = _rand(4, 16, dtype=torch.float64)
+    monkeypatch.setattr(ffn_ext.ops, "_native", None)
+    y = mlp(x)
+    assert "_SwiGLUMLP" in type(y.grad_fn).__name__
+    y0 = _eager(mlp, x)
+    _close(y, y0)
+    for a, b in zip(torch.autograd.grad(y.sum(), (x, *mlp.parameters())),
+                    torch.autograd.grad(y0.sum(), (x, *mlp.parameters()))):
+        _close(a, b)
+    assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp_packed,
+                                    (x[:2, :5].detach().requires_grad_(), _rand(6, 5, dtype=torch.float64),
+                                     _rand(5, 3, dtype=torch.float64), None, None))
+
+
+def test_swiglu_ffn_hooks_and_non_plain_linear_use_module_path():
+    torch.manual_seed(8)
+    mlp = ffn_ext.SwiGLUFFN(24, 64)
+    x = torch.randn(2, 5, 24)
+    ref = _eager(mlp, x)
+    seen = []
+    handle = mlp.up_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    _close(mlp(x), ref)
+    handle.remove()
+    assert seen == [torch.Size([2, 5, 64])]
+
+    class MyLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    lin = MyLinear(64, 24, bias=False)
+    lin.weight = mlp.down_proj.weight
+    mlp.down_proj = lin
+    _close(mlp(x), 2.0 * ref)
+
+
+def _saved_activations(fn, tokens, width):
+    """Distinct storages (count, bytes) that autograd saves for activations of shape [tokens, width]."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter) and t.shape[-1:] == (width,) and t.numel() == tokens * width:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return len(seen), sum(seen.values()), out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,size", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_saved_tensor_bytes_two_vs_four(dtype, size, device):
+    tokens, d_model, d_ff = 2 * 37, 48, 200  # tokens differs from d_model and d_ff
+    torch.manual_seed(9)
+    mlp = ffn_ext.SwiGLUFFN(d_model, d_ff).to(device=device, dtype=dtype)
+    x = _rand(2, 37, d_model, dtype=dtype, device=device, scale=1.0)
+    n, nbytes, y = _saved_activations(lambda: mlp(x), tokens, d_ff)
+    n0, nbytes0, y0 = _saved_activations(lambda: _eager(mlp, x), tokens, d_ff)
+    one = tokens * d_ff * size
+    assert (n, nbytes) == (2, 2 * one)  # gate, up
+    assert (n0, nbytes0) == (4, 4 * one)  # gate, silu(gate), up, h
+    y.sum().backward()  # the saved tensors are enough to run backward
+    assert mlp.down_proj.weight.grad is not None
+
+
+def test_autocast_cpu_bf16():
+    torch.manual_seed(10)
+    mlp = ffn_ext.SwiGLUFFN(32, 96, bias=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+        y0 = _eager(mlp, x)
+    assert y.dtype == y0.dtype == torch.bfloat16
+    got = torch.autograd.grad(y.float().sum(), (x, *mlp.parameters()))
+    ref = torch.autograd.grad(y0.float().sum(), (x, *mlp.parameters()))
+    for a, b in zip((y, *got), (y0, *ref)):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+
+
+# ---------------------------------------------------------------- torch.compile
+def test_compile_graphs_use_ffn_ext_ops_without_recomputing_gemms():
+    """aot_eager: the forward graph calls ffn_ext.swiglu; the backward recomputes swiglu, not the projections."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True)
+    x = torch.randn(3, 16, requires_grad=True)
+    compiled = torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    compiled(x).sum().backward()
+    fwd, bwd = graphs
+    assert "ffn_ext.swiglu.default" in fwd
+    assert "ffn_ext.swiglu.default" in bwd and "ffn_ext.swiglu_backward.default" in bwd
+    assert sum(t.startswith("aten.addmm") or t.startswith("aten.mm") for t in fwd) == 3
+    assert not any(t.startswith("aten.addmm") for t in bwd)  # no projection recomputed
+    assert sum(t.startswith("aten.mm") for t in bwd) == 6  # dW_down, dh, 2 x (dx, dW)
+
+
+def _compile_matches_eager(device, bias):
+    torch._dynamo.reset()
+    torch.manual_seed(11)
+    mlp = ffn_ext.SwiGLUFFN(32, 72, bias=bias).to(device)
+    x = torch.randn(2, 9, 32, device=device, requires_grad=True)
+    compiled = torch.compile(mlp, fullgraph=True)
+    y = compiled(x)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, *mlp.parameters()), gy)
+    y0 = _eager(mlp, x)
+    ref = torch.autograd.grad(y0, (x, *mlp.parameters()), gy)
+    for a, b in zip((y, *got), (y0, *ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compile_fullgraph_matches_eager_cpu():
+    _compile_matches_eager("cpu", bias=True)
+
+
+@cuda
+@needs_cuda
+def test_compile_fullgraph_matches_eager_cuda():
+    _compile_matches_eager("cuda", bias=False)
+
+
+@cuda
+@needs_cuda
+def test_swiglu_ffn_large_rows_cuda():
+    """Many tokens, odd d_ff: the CUDA kernels' tails and the lean backward against eager, bf16."""
+    torch.manual_seed(12)
+    mlp = ffn_ext.SwiGLUFFN(256, 1000).cuda().bfloat16()
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, y0 = mlp(x), _eager(mlp, x)
+    got = torch.autograd.grad(y.float().square().sum(), (x, *mlp.parameters()))
+    ref = torch.autograd.grad(y0.float().square().sum(), (x, *mlp.parameters()))
+    for a, b in zip((y, *got), (y0, *ref)):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+
+
+# ---------------------------------------------------------------- sizing
+def test_swiglu_hidden_dim():
+    assert ffn_ext.swiglu_hidden_dim(4096) == 11008  # LLaMA(-2)-7B
+    assert ffn_ext.swiglu_hidden_dim(5120) == 13824  # LLaMA-2-13B
+    assert ffn_ext.swiglu_hidden_dim(4096, 1024, ffn_dim_multiplier=1.3) == 14336  # LLaMA-3-8B
+    assert ffn_ext.swiglu_hidden_dim(8192, 4096, ffn_dim_multiplier=1.3) == 28672  # LLaMA-2-70B
+    # Qwen2.5-0.5B: 896 -> 4864 is not the 8/3 rule for any multiple_of below 4864
+    assert ffn_ext.swiglu_hidden_dim(896) == 2560
+    assert [m for m in range(1, 4865) if ffn_ext.swiglu_hidden_dim(896, m) == 4864] == [4864]
+    assert ffn_ext.swiglu_hidden_dim(896, 256, ffn_dim_multiplier=2.0) == 4864
+    assert ffn_ext.swiglu_hidden_dim(3, multiple_of=1) == 8
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError):
+            ffn_ext.swiglu_hidden_dim(bad)
+    with pytest.raises(ValueError):
+        ffn_ext.swiglu_hidden_dim(64, multiple_of=0)
+
+
+def test_parameter_counts():
+    D = 4096
+    assert ffn_ext.ffn_params(D, 4 * D) == 134_217_728
+    assert ffn_ext.swiglu_ffn_params(D, 11008) == 135_266_304
+    assert ffn_ext.swiglu_ffn_params(D) == 135_266_304
+    assert ffn_ext.swiglu_ffn_params(896, 4864) == 13_074_432  # Qwen2.5-0.5B, per layer
+    assert ffn_ext.ffn_params(D, 4 * D, bias=True) == 134_217_728 + 4 * D + D
+    assert ffn_ext.swiglu_ffn_params(D, 11008, bias=True) == 135_266_304 + 2 * 11008 + D
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_parameter_counts_match_modules(bias):
+    assert sum(p.numel() for p in ffn_ext.FFN(40, 112, bias=bias).parameters()) == ffn_ext.ffn_params(40, 112, bias)
+    mlp = ffn_ext.SwiGLUFFN(40, 112, bias=bias)
+    assert sum(p.numel() for p in mlp.parameters()) == ffn_ext.swiglu_ffn_params(40, 112, bias)
+    big = ffn_ext.SwiGLUFFN(4096, bias=bias, device="meta")
+    assert sum(p.numel() for p in big.parameters()) == ffn_ext.swiglu_ffn_params(4096, bias=bias)
