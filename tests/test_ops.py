@@ -1,0 +1,433 @@
+"""Every ffn_ext op (forward and backward) against its float64 ATen reference, over shapes, layouts and dtypes.
+
+CPU: the ATen composite kernels. CUDA (marked `cuda`): the extension's own kernels, with the caching allocator
+poisoned with NaN before each case so unwritten output elements show, plus the launcher's edge cases (head/tail
+peeling, multi-block rows, > 65535 rows, chunk views at odd alignments), ATen CUDA agreement, the infinity
+semantics, and (marked `large`) tensors past 2**31 elements.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ffn_ext
+from conftest import (
+    CPU_DTYPES,
+    FLOAT_DTYPES,
+    OPS,
+    UNARY_OPS,
+    as_tuple,
+    assert_close_to,
+    assert_matches_reference,
+    is_packed,
+    make_chunk_pair,
+    make_inputs,
+    make_layout,
+    op,
+    poison_cuda_cache,
+    reference,
+    tolerance,
+)
+
+# Output shapes (for the packed ops: the output [..., M]; gate_up is [..., 2M], so odd last dims give odd M).
+SHAPES = [
+    (0,), (0, 5), (4, 0), (0, 0), (2, 0, 3),  # empty
+    (), (1,), (1, 1),  # 0-dim and one element
+    (3, 7), (5, 1001), (1, 13),  # odd
+    (4, 7), (4, 8), (4, 9), (4, 15), (4, 16), (4, 17), (3, 31), (3, 33), (2, 64), (2, 65),  # around vector widths
+    (2, 3, 5), (3, 2, 17), (2, 1, 9), (1, 4, 16),  # 3-D
+]
+LAYOUTS_TESTED = ("contiguous", "transposed", "step", "row_step", "padded", "offset", "expanded", "chunk", "scalar")
+
+
+def _shapes_for(name):
+    return [s for s in SHAPES if not (is_packed(name) and len(s) == 0)]
+
+
+def _run_case(name, shape, dtype, device, layout, grad_layout=None, poison=False):
+    if poison:
+        poison_cuda_cache(device, nbytes=32 << 20, small_blocks=4)
+    inputs = make_inputs(name, shape, dtype, device, layout, grad_layout=grad_layout)
+    before = [t.clone() for t in inputs]
+    out = op(name)(*inputs)
+    assert_matches_reference(name, inputs, out, msg=f"shape={shape} dtype={dtype} layout={layout} grad={grad_layout}")
+    for k, (a, b) in enumerate(zip(inputs, before)):
+        assert torch.equal(a, b), f"{name} modified its input {k} (shape={shape} layout={layout})"
+    for o in as_tuple(out):  # outputs are fresh tensors, never views of the inputs
+        for t in inputs:
+            if o.numel() and t.numel():
+                assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- CPU
+@pytest.mark.parametrize("layout", LAYOUTS_TESTED)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_cpu_matches_fp64_reference(name, dtype, layout):
+    for shape in _shapes_for(name):
+        _run_case(name, shape, dtype, "cpu", layout)
+
+
+@pytest.mark.parametrize("grad_layout", ["contiguous", "transposed", "scalar", "offset"])
+@pytest.mark.parametrize("name", ["gelu_backward", "silu_backward", "swiglu_backward", "swiglu_packed_backward"])
+def test_cpu_backward_grad_layout_differs(name, grad_layout):
+    for shape in [(3, 7), (4, 16), (2, 3, 9)]:
+        for layout in ("chunk", "contiguous", "offset"):
+            _run_case(name, shape, torch.float32, "cpu", layout, grad_layout=grad_layout)
+
+
+@pytest.mark.parametrize("name", ["swiglu_packed", "swiglu_packed_backward"])
+def test_cpu_packed_odd_m_matches_chunked_swiglu(name):
+    # The packed ops equal swiglu / swiglu_backward on the two halves (same CPU math, so exactly).
+    for m in (1, 3, 7, 33, 1001):
+        gate_up = make_layout((5, 2 * m), torch.float32)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if name == "swiglu_packed":
+            torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up), ffn_ext.swiglu(gate, up), rtol=0, atol=0)
+        else:
+            grad = make_layout((5, m), torch.float32)
+            dgate, dup = torch.ops.ffn_ext.swiglu_backward(grad, gate, up)
+            out = torch.ops.ffn_ext.swiglu_packed_backward(grad, gate_up)
+            assert out.shape == (5, 2 * m)
+            torch.testing.assert_close(out, torch.cat([dgate, dup], -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_cpu_extreme_finite_values(name, dtype):
+    # Large magnitudes (sigmoid/exp overflow regions, erf saturation) and tiny ones, all finite.
+    vals = torch.tensor([-1e4, -300.0, -100.0, -88.5, -30.0, -10.0, -1.2785, -0.7517, -1e-3, -1e-30, 1e-30, 1e-3, 0.5,
+                         10.0, 30.0, 88.5, 100.0, 300.0, 1e4], dtype=torch.float64)
+    n = vals.numel()
+    inputs = make_inputs(name, (2, n), dtype)
+    # x (unary), gate (swiglu), or the gate half of gate_up (packed): the argument the nonlinearity applies to.
+    target = inputs[0] if name in ("gelu", "silu", "swiglu", "swiglu_packed") else inputs[1]
+    target[..., :n].copy_(vals.expand(2, n).to(dtype))
+    out = op(name)(*inputs)
+    assert_matches_reference(name, inputs, out)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["gelu", "silu", "gelu_backward", "silu_backward", "swiglu"])
+def test_cpu_nonfinite_follow_aten(name, dtype):
+    # The CPU kernels are ATen's: for inf/nan inputs they give what ATen gives in that dtype.
+    x = torch.tensor([-math.inf, math.inf, math.nan, -2.0, 3.0], dtype=dtype)
+    grad = torch.tensor([1.0, -2.0, 0.5, math.inf, math.nan], dtype=dtype)
+    if name == "gelu":
+        got, want = ffn_ext.gelu(x), F.gelu(x)
+    elif name == "silu":
+        got, want = ffn_ext.silu(x), F.silu(x)
+    elif name == "gelu_backward":
+        got, want = torch.ops.ffn_ext.gelu_backward(grad, x), torch.ops.aten.gelu_backward(grad, x)
+    elif name == "silu_backward":
+        got, want = torch.ops.ffn_ext.silu_backward(grad, x), torch.ops.aten.silu_backward(grad, x)
+    else:
+        got, want = ffn_ext.swiglu(x, grad), F.silu(x) * grad
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[2]), "NaN input must give NaN"
+
+
+def test_reference_helpers_can_fail():
+    # Guard the guards: the tolerance rejects the tanh GELU approximation (~5e-4 off) in fp32 and a one-ulp-off
+    # fp64 result; the reference of swiglu_backward is not the forward's.
+    x = make_layout((64,), torch.float32)
+    with pytest.raises(AssertionError):
+        assert_close_to(F.gelu(x, approximate="tanh"), reference("gelu", x), torch.float32)
+    xd = make_layout((64,), torch.float64)
+    with pytest.raises(AssertionError):
+        assert_close_to(F.gelu(xd) * (1 + 1e-11), reference("gelu", xd), torch.float64)
+    g, u = make_layout((8,), torch.float64), make_layout((8,), torch.float64)
+    dg, du = reference("swiglu_backward", torch.ones(8, dtype=torch.float64), g, u)
+    torch.testing.assert_close(du, F.silu(g))
+    assert not torch.allclose(dg, du)
+
+
+# ---------------------------------------------------------------- CUDA: the same matrix, poisoned cache
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", LAYOUTS_TESTED)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_cuda_matches_fp64_reference(name, dtype, layout):
+    for shape in _shapes_for(name):
+        _run_case(name, shape, dtype, "cuda", layout, poison=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("grad_layout", ["contiguous", "transposed", "scalar", "offset", "padded"])
+@pytest.mark.parametrize("name", ["gelu_backward", "silu_backward", "swiglu_backward", "swiglu_packed_backward"])
+def test_cuda_backward_grad_layout_differs(name, grad_layout):
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(3, 7), (4, 16), (2, 3, 9), (3, 1001)]:
+            for layout in ("chunk", "contiguous", "offset", "padded"):
+                _run_case(name, shape, dtype, "cuda", layout, grad_layout=grad_layout, poison=True)
+
+
+# Columns that exercise head/tail peeling and rows spanning several blocks (256 threads x 4 x 16 B per block).
+LAUNCHER_COLS = (1, 2, 3, 5, 8, 127, 1023, 1024, 1025, 2049, 4095, 4096, 4097, 4864, 8193, 11008, 14336 + 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_cuda_launcher_cols(name, dtype):
+    for cols in LAUNCHER_COLS:
+        for layout in ("contiguous", "padded", "chunk", "offset"):
+            _run_case(name, (3, cols), dtype, "cuda", layout, poison=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["gelu", "swiglu", "swiglu_backward", "swiglu_packed", "swiglu_packed_backward"])
+def test_cuda_many_rows(name, dtype):
+    # rows past the 65535 grid.y limit: row-wise layouts (not merged into one long row) and contiguous.
+    for rows in (1, 2, 63, 65535, 65536, 70000):
+        for cols in (16, 3):
+            for layout in ("chunk", "padded", "contiguous"):
+                _run_case(name, (rows, cols), dtype, "cuda", layout, poison=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cuda_chunk_views_odd_m_alignments(dtype):
+    # gate, up = t.chunk(2, -1) with t shifted by 0..7 elements: gate and up at different 16-byte alignments,
+    # both different from the (fresh, aligned) output's.
+    for m in (1, 3, 5, 7, 9, 15, 17, 33, 1001, 4097):
+        for offset in range(8):
+            poison_cuda_cache(nbytes=32 << 20, small_blocks=4)
+            gate, up = make_chunk_pair((6, m), dtype, "cuda", offset=offset)
+            grad = make_layout((6, m), dtype, "cuda", "offset" if offset % 2 else "contiguous")
+            msg = f"m={m} offset={offset}"
+            assert_matches_reference("swiglu", (gate, up), torch.ops.ffn_ext.swiglu(gate, up), msg)
+            assert_matches_reference("swiglu_backward", (grad, gate, up),
+                                     torch.ops.ffn_ext.swiglu_backward(grad, gate, up), msg)
+            buf = make_layout((6 * 2 * m + offset,), dtype, "cuda")
+            gate_up = buf[offset:].view(6, 2 * m)
+            assert_matches_reference("swiglu_packed", (gate_up,), torch.ops.ffn_ext.swiglu_packed(gate_up), msg)
+            assert_matches_reference("swiglu_packed_backward", (grad, gate_up),
+                                     torch.ops.ffn_ext.swiglu_packed_backward(grad, gate_up), msg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["gelu", "silu_backward", "swiglu", "swiglu_backward"])
+def test_cuda_inputs_misaligned_relative_to_output(name, dtype):
+    # Each input a contiguous view at its own element offset (1..7) from a 16-byte boundary.
+    n_in = {"gelu": 1, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}[name]
+    for shape in [(4, 37), (1, 4096), (3, 4864), (2, 2, 257)]:
+        n = math.prod(shape)
+        for shift in range(1, 8):
+            poison_cuda_cache(nbytes=32 << 20, small_blocks=4)
+            inputs = tuple(make_layout((n + 8,), dtype, "cuda")[(shift * (k + 1)) % 8:][:n].view(shape)
+                           for k in range(n_in))
+            assert_matches_reference(name, inputs, op(name)(*inputs), f"shape={shape} shift={shift}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", OPS)
+def test_cuda_matches_aten_cuda(name, dtype):
+    # Finite inputs: the fused kernels agree with ATen's CUDA ops (which may round an intermediate: 2x tolerance).
+    for shape in [(7, 4864), (33, 17), (2, 3, 1001)]:
+        inputs = make_inputs(name, shape, dtype, "cuda", "chunk" if name.startswith("swiglu") else "contiguous")
+        got = as_tuple(op(name)(*inputs))
+        if name == "gelu":
+            want = (F.gelu(inputs[0]),)
+        elif name == "silu":
+            want = (F.silu(inputs[0]),)
+        elif name == "gelu_backward":
+            want = (torch.ops.aten.gelu_backward(*inputs),)
+        elif name == "silu_backward":
+            want = (torch.ops.aten.silu_backward(*inputs),)
+        elif name == "swiglu":
+            want = (F.silu(inputs[0]) * inputs[1],)
+        elif name == "swiglu_backward":
+            grad, gate, up = inputs
+            want = (torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate))
+        elif name == "swiglu_packed":
+            gate, up = inputs[0].chunk(2, -1)
+            want = (F.silu(gate) * up,)
+        else:
+            grad, gate_up = inputs
+            gate, up = gate_up.chunk(2, -1)
+            want = (torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], -1),)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            assert_close_to(g, w.double(), dtype, f"{name} {shape} vs ATen CUDA", scale=2.0)
+
+
+SPECIAL = [-math.inf, math.inf, math.nan, -1e4, -100.0, -88.7, -20.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 20.0, 88.7, 100.0,
+           1e4]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cuda_infinity_semantics(dtype):
+    x = torch.tensor(SPECIAL, dtype=torch.float64).to(dtype).cuda()
+    ones = torch.ones_like(x)
+    ninf, pinf, nan = 0, 1, 2
+    for name in ("gelu", "silu"):
+        y = op(name)(x)
+        assert y[ninf].item() == 0.0 and math.copysign(1.0, y[ninf].item()) == -1.0, f"{name}(-inf) must be -0"
+        assert y[pinf].item() == math.inf, f"{name}(+inf) must be +inf"
+        assert math.isnan(y[nan].item()), f"{name}(nan) must be nan"
+        assert_close_to(y, reference(name, x, inf_limits=True), dtype, name)
+    for name in ("gelu_backward", "silu_backward"):
+        d = op(name)(ones, x)
+        assert d[ninf].item() == 0.0 and d[pinf].item() == 1.0, f"{name}: derivative must be 0 at -inf, 1 at +inf"
+        assert math.isnan(d[nan].item())
+        assert_close_to(d, reference(name, ones, x, inf_limits=True), dtype, name)
+    up = make_layout(x.shape, dtype, "cuda")
+    h = torch.ops.ffn_ext.swiglu(x, up)
+    assert h[ninf].item() == 0.0 and h[pinf].item() == (math.inf if up[pinf] > 0 else -math.inf)
+    assert_close_to(h, reference("swiglu", x, up, inf_limits=True), dtype, "swiglu")
+    grad = make_layout(x.shape, dtype, "cuda")
+    dgate, dup = torch.ops.ffn_ext.swiglu_backward(grad, x, up)
+    rg, ru = reference("swiglu_backward", grad, x, up, inf_limits=True)
+    assert dgate[ninf].item() == 0.0 and dup[ninf].item() == 0.0
+    assert_close_to(dgate, rg, dtype, "swiglu_backward dgate")
+    assert_close_to(dup, ru, dtype, "swiglu_backward dup")
+    gate_up = torch.cat([x, up]).view(1, -1)
+    assert_close_to(torch.ops.ffn_ext.swiglu_packed(gate_up), reference("swiglu_packed", gate_up, inf_limits=True),
+                    dtype, "swiglu_packed")
+    g1 = grad.view(1, -1)
+    assert_close_to(torch.ops.ffn_ext.swiglu_packed_backward(g1, gate_up),
+                    reference("swiglu_packed_backward", g1, gate_up, inf_limits=True), dtype, "swiglu_packed_bwd")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cuda_agrees_with_host_math(dtype):
+    # ffn_ext._C._host_math runs the kernels' element math on the host: same functors, same single rounding.
+    x = torch.cat([torch.tensor(SPECIAL, dtype=torch.float64).to(dtype), make_layout((4096,), dtype)])
+    grad, up = make_layout(x.shape, dtype), make_layout(x.shape, dtype)
+    cases = {"gelu": [x], "silu": [x], "gelu_backward": [grad, x], "silu_backward": [grad, x], "swiglu": [x, up],
+             "swiglu_backward": [grad, x, up]}
+    for name, ins in cases.items():
+        host = ffn_ext._C._host_math(name, ins)
+        dev = as_tuple(op(name)(*[t.cuda() for t in ins]))
+        for h, d in zip(host, dev):
+            # The device's erff/expf may differ from the host libm by an ulp of float: allow one storage ulp.
+            tol = tolerance(dtype)
+            torch.testing.assert_close(d.cpu().double(), h.double(), rtol=tol["rtol"], atol=tol["atol"],
+                                       equal_nan=True, msg=lambda m: f"{name} {dtype}: {m}")
+            same_sign = torch.signbit(d.cpu()) == torch.signbit(h)
+            assert same_sign[(h == 0)].all(), f"{name}: signed zeros differ from the host math"
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream_and_device_guard():
+    # Kernels launch on the current stream: work queued on a side stream after a producer on that stream.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = make_layout((257, 1001), torch.float32, "cuda") * 1.0
+        y = torch.ops.ffn_ext.gelu(x)
+        gu = make_layout((300, 2 * 4097), torch.bfloat16, "cuda")
+        h = torch.ops.ffn_ext.swiglu_packed(gu)
+    s.synchronize()
+    assert_close_to(y, reference("gelu", x), torch.float32)
+    assert_close_to(h, reference("swiglu_packed", gu), torch.bfloat16)
+    if torch.cuda.device_count() > 1:  # a tensor on another device than the current one
+        x1 = make_layout((33, 4864), torch.float32, "cuda:1")
+        with torch.cuda.device(0):
+            y1 = torch.ops.ffn_ext.silu(x1)
+        assert y1.device == x1.device
+        assert_close_to(y1, reference("silu", x1), torch.float32)
+
+
+# ---------------------------------------------------------------- CUDA: past 2**31 elements
+def _need_gib(gib):
+    free, _ = torch.cuda.mem_get_info()
+    if free < gib * (1 << 30):
+        pytest.skip(f"needs {gib} GiB of free GPU memory, {free / (1 << 30):.1f} GiB free")
+
+
+def _check_rows(out, ref_fn, rows=4, samples=32, name=""):
+    """out (2-D) vs ref_fn(row_slice) -> float32 recomputation: the first and last `rows` rows in full (within
+    one bf16 ulp: the float math of torch and of the kernel may round differently), plus `samples` random rows."""
+    last = out[-rows:].float()
+    torch.testing.assert_close(last, ref_fn(slice(out.shape[0] - rows, out.shape[0])), rtol=8e-3, atol=1e-6,
+                               msg=lambda m: f"{name} last rows: {m}")
+    first = out[:rows].float()
+    torch.testing.assert_close(first, ref_fn(slice(0, rows)), rtol=8e-3, atol=1e-6,
+                               msg=lambda m: f"{name} first rows: {m}")
+    for rr in torch.randint(0, out.shape[0], (samples,)).tolist():
+        torch.testing.assert_close(out[rr : rr + 1].float(), ref_fn(slice(rr, rr + 1)), rtol=8e-3, atol=1e-6,
+                                   msg=lambda m: f"{name} row {rr}: {m}")
+    assert not torch.isnan(out).any().item(), f"{name}: NaN in the output (an unwritten element?)"
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+def test_cuda_large_swiglu_packed_bf16():
+    # [149910, 2*14336] -> [149910, 14336]: the output has 2.149e9 > 2**31 elements (vLLM's int32 overflow case).
+    _need_gib(40)
+    rows, m = 149_910, 14_336
+    assert rows * m > 2**31
+    poison_cuda_cache(nbytes=1 << 30)
+    gate_up = torch.randn(rows, 2 * m, dtype=torch.bfloat16, device="cuda")
+    out = torch.ops.ffn_ext.swiglu_packed(gate_up)
+    assert out.shape == (rows, m) and out.is_contiguous()
+
+    def ref(sl):
+        g, u = gate_up[sl].float().chunk(2, -1)
+        return F.silu(g) * u
+
+    _check_rows(out, ref, name="swiglu_packed")
+    grad = torch.randn(rows, m, dtype=torch.bfloat16, device="cuda")
+    del out
+    dgu = torch.ops.ffn_ext.swiglu_packed_backward(grad, gate_up)
+    assert dgu.shape == gate_up.shape
+
+    def ref_bwd(sl):
+        g, u = gate_up[sl].float().chunk(2, -1)
+        gr = grad[sl].float()
+        s = torch.sigmoid(g)
+        return torch.cat([gr * u * s * (1 + g * (1 - s)), gr * g * s], -1)
+
+    _check_rows(dgu, ref_bwd, name="swiglu_packed_backward")
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+def test_cuda_large_swiglu_chunk_bf16():
+    # gate, up: chunk views of one [rows, 2M] tensor, each with > 2**31 elements (row stride 2M).
+    _need_gib(30)
+    rows, m = 131_073, 16_384
+    assert rows * m > 2**31
+    t = torch.randn(rows, 2 * m, dtype=torch.bfloat16, device="cuda")
+    gate, up = t.chunk(2, -1)
+    poison_cuda_cache(nbytes=1 << 30)
+    out = torch.ops.ffn_ext.swiglu(gate, up)
+
+    def ref(sl):
+        return F.silu(gate[sl].float()) * up[sl].float()
+
+    _check_rows(out, ref, name="swiglu")
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+def test_cuda_large_gelu_fp16():
+    # One contiguous tensor of 2**31 + 1001 elements: a single long "row" for the launcher.
+    _need_gib(24)
+    n = 2**31 + 1001
+    x = torch.randn(n, dtype=torch.float16, device="cuda")
+    poison_cuda_cache(nbytes=1 << 30)
+    y = torch.ops.ffn_ext.gelu(x)
+    assert y.shape == (n,)
+    y2, x2 = y[-8008:], x[-8008:]  # the tail, past 2**31
+    torch.testing.assert_close(y2.float(), F.gelu(x2.float()), rtol=2e-3, atol=1e-5)
+    idx = torch.randint(0, n, (1 << 20,), device="cuda")
+    torch.testing.assert_close(y[idx].float(), F.gelu(x[idx].float()), rtol=2e-3, atol=1e-5)
+    assert not torch.isnan(y).any().item()
+    g = torch.randn(n, dtype=torch.float16, device="cuda")
+    del y
+    dx = torch.ops.ffn_ext.gelu_backward(g, x)
+    ref = torch.ops.aten.gelu_backward(g[idx].float(), x[idx].float())
+    torch.testing.assert_close(dx[idx].float(), ref, rtol=2e-3, atol=1e-5)
+    torch.testing.assert_close(dx[-5000:].float(), torch.ops.aten.gelu_backward(g[-5000:].float(), x[-5000:].float()),
+                               rtol=2e-3, atol=1e-5)
+    assert not torch.isnan(dx).any().item()
