@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""FFN-level benchmark: a SwiGLU FFN on ffn_ext vs an eager Llama-style MLP and its torch.compile form.
+
+    python benchmarks/bench_ffn.py --quick                       # CPU here, GPU where there is one
+    python benchmarks/bench_ffn.py --quick --device cuda --out $OUT/bench
+    python benchmarks/bench_ffn.py --smoke --out /tmp/x          # tiny CI check of the pipeline
+
+Widths: Llama-7B (4096 -> 11008) and Qwen2.5-0.5B (896 -> 4864); all three implementations share the same
+weights. Measured: forward (no grad) and forward+backward time (gradients of x and of every weight), the bytes
+autograd saves for backward beyond the parameters and the input x ("activation memory"), and on GPU the peak
+memory allocated during forward+backward above what was allocated before. The ffn_ext side is
+ffn_ext.SwiGLUFFN when the package has it, else a local module (gate/up/down Linear + ffn_ext.swiglu); the
+results say which. Writes ffn.md, ffn.json and ffn.png into the output directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ffn_ext  # noqa: E402
+
+MODELS = {"qwen2.5-0.5b": (896, 4864), "llama-7b": (4096, 11008), "tiny": (64, 176)}
+IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager Llama MLP", "compile": "torch.compile(eager)"}
+
+
+class EagerLlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), as Hugging Face's LlamaMLP / Qwen2MLP compute it."""
+
+    def __init__(self, d_model, d_ff, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(d_model, d_ff, **kw)
+        self.up_proj = nn.Linear(d_model, d_ff, **kw)
+        self.down_proj = nn.Linear(d_ff, d_model, **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LocalSwiGLUFFN(EagerLlamaMLP):
+    """The same projections with the activation fused by ffn_ext.swiglu (used when ffn_ext has no SwiGLUFFN)."""
+
+    def forward(self, x):
+        return self.down_proj(ffn_ext.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def make_ffn_ext_module(d_model, d_ff, dev, dtype, notes):
+    if hasattr(ffn_ext, "SwiGLUFFN"):
+        try:
+            return ffn_ext.SwiGLUFFN(d_model, d_ff, bias=False, device=dev, dtype=dtype), "ffn_ext.SwiGLUFFN"
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"ffn_ext.SwiGLUFFN({d_model}, {d_ff}) failed ({type(e).__name__}: {e}); local module used")
+    return LocalSwiGLUFFN(d_model, d_ff, device=dev, dtype=dtype), "local module (nn.Linear x3 + ffn_ext.swiglu)"
+
+
+def plan_for(mode, dev):
+    """[(model, tokens, dtype)]"""
+    if mode == "smoke":
+        return [("tiny", 32, "fp32")]
+    if dev.type == "cuda":
+        if mode == "full":
+            return [(m, t, d) for d in ("bf16", "fp16") for m in ("qwen2.5-0.5b", "llama-7b")
+                    for t in (1024, 4096, 16384)]
+        return [("qwen2.5-0.5b", 4096, "bf16"), ("llama-7b", 4096, "bf16")]
+    if mode == "full":
+        return [("qwen2.5-0.5b", 256, "fp32"), ("qwen2.5-0.5b", 1024, "fp32"), ("llama-7b", 64, "fp32"),
+                ("qwen2.5-0.5b", 256, "bf16")]
+    return [("qwen2.5-0.5b", 128, "fp32"), ("llama-7b", 16, "fp32")]
+
+
+def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes):
+    params = [p for p in module.parameters()]
+
+    def fwd(x, g):
+        with torch.no_grad():
+            return module(x)
+
+    def fwd_bwd(x, g):
+        return torch.autograd.grad(module(x), [x, *params], g)
+
+    sets = list(zip(x_sets, grad_sets))
+    out = {"fwd": common.time_fn(fwd, sets, dev, target_ms=target_ms, min_reps=3),
+           "fwd+bwd": common.time_fn(fwd_bwd, sets, dev, target_ms=target_ms, min_reps=3)}
+    x, g = sets[0]
+    with common.SavedTensors(exclude=[x, *params]) as saved:
+        y = module(x)
+    del y
+    out["activation_bytes"] = saved.extra_bytes
+    out["activation_tf_units"] = saved.extra_bytes / tf_bytes
+    out["saved_total_bytes"] = saved.total_bytes
+    out["peak_extra_bytes"] = common.peak_extra_bytes(lambda: fwd_bwd(x, g), dev)
+    return out
+
+
+def run(args) -> dict:
+    dev = common.resolve_device(args.device)
+    mode = common.mode_of(args)
+    use_compile = not args.no_compile and mode != "smoke"
+    notes: list[str] = []
+    if dev.type == "cpu":
+        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate)")
+    if mode == "smoke":
+        notes.append("smoke run: tiny width, numbers are meaningless")
+    if not use_compile:
+        notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
+    if use_compile:
+        common.setup_compile()
+    plan = plan_for(mode, dev)
+    if args.dtypes:
+        keep = {d.strip() for d in args.dtypes.split(",")}
+        plan = [p for p in plan if p[2] in keep] or [(m, t, d) for m, t, _ in plan[:1] for d in sorted(keep)]
+    if args.tokens:
+        plan = [(m, int(t), d) for m, _, d in dict.fromkeys((m, 0, d) for m, _, d in plan)
+                for t in args.tokens.split(",")]
+    target_ms = args.target_ms or {"smoke": 5.0, "quick": 150.0 if dev.type == "cuda" else 30.0, "full": 400.0}[mode]
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    results, errors = [], []
+    n_impl = 3 if use_compile else 2
+    bar = common.progress(len(plan) * n_impl, f"bench_ffn [{dev.type}, {mode}]", disable=args.no_progress)
+    t_start = time.time()
+    ffn_kind = None
+    for model, tokens, dname in plan:
+        dtype = common.DTYPES[dname]
+        d_model, d_ff = MODELS[model]
+        es = torch.empty((), dtype=dtype).element_size()
+        common.free_memory(dev)
+        eager = EagerLlamaMLP(d_model, d_ff, device=dev, dtype=dtype)
+        ours, ffn_kind = make_ffn_ext_module(d_model, d_ff, dev, dtype, notes)
+        ours.load_state_dict(eager.state_dict())
+        mods = {"ffn_ext": ours, "eager": eager}
+        if use_compile:
+            mods["compile"] = torch.compile(eager)
+        k = 2
+        x_sets = [torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+                  .requires_grad_(True) for _ in range(k)]
+        grad_sets = [torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+                     for _ in range(k)]
+        # the implementations must agree before their times mean anything
+        with torch.no_grad():
+            ref = eager(x_sets[0]).float()
+            for name, m in mods.items():
+                err = (m(x_sets[0]).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+                if err > (1e-4 if dtype == torch.float32 else 5e-2):
+                    errors.append(f"{name} {model} {tokens} {dname}: output differs from eager (rel {err:.3g})")
+        for name, m in mods.items():
+            bar.set_postfix_str(f"{model} {tokens} {dname} {name}")
+            try:
+                r = measure(name, m, x_sets, grad_sets, dev, target_ms, tokens * d_ff * es)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{name} {model} {tokens} {dname}: {type(e).__name__}: {str(e)[:300]}")
+                bar.update()
+                continue
+            fb = r.pop("fwd+bwd")
+            fw = r.pop("fwd")
+            results.append({"model": model, "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
+                            "impl": name, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
+                            "p90_ms": fb["p90_ms"], "reps": fb["reps"], "fwd_median_ms": fw["median_ms"],
+                            "fwd_reps": fw["reps"], "tf_bytes": tokens * d_ff * es, **r})
+            bar.update()
+        del mods, eager, ours, x_sets, grad_sets
+    bar.close()
+    index = {(r["model"], r["tokens"], r["dtype"], r["impl"]): r for r in results}
+    for r in results:
+        r["speedup_vs"] = {p: index[key]["median_ms"] / r["median_ms"] for p in ("ffn_ext", "eager", "compile")
+                           if p != r["impl"] and (key := (r["model"], r["tokens"], r["dtype"], p)) in index}
+        e = index.get((r["model"], r["tokens"], r["dtype"], "eager"))
+        r["activation_vs_eager"] = r["activation_bytes"] / e["activation_bytes"] if e and e["activation_bytes"] else None
+    meta = common.metadata(dev, mode, sys.argv)
+    meta["elapsed_s"] = round(time.time() - t_start, 1)
+    meta["ffn_ext_module"] = ffn_kind
+    payload = {"meta": meta, "notes": notes, "errors": errors, "results": results}
+    payload["targets"] = targets(results, dev)
+    return payload
+
+
+def targets(results, dev):
+    out = []
+    for model in ("llama-7b", "qwen2.5-0.5b", "tiny"):
+        rows = [r for r in results if r["model"] == model and r["impl"] == "ffn_ext"
+                and r["activation_vs_eager"] is not None]
+        if not rows:
+            continue
+        rows.sort(key=lambda r: (r["dtype"] == "bf16", r["tokens"]))
+        r = rows[-1]
+        out.append(common.make_target(
+            f"{model}: SwiGLUFFN activation memory <= 0.5x eager's [tokens, d_ff] bytes",
+            r["activation_vs_eager"], 0.5, False, "x",
+            f"{r['activation_tf_units']:.3g} vs "
+            f"{r['activation_tf_units'] / r['activation_vs_eager']:.3g} [tokens, d_ff] tensors, "
+            f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}", True))
+    if not out:
+        out.append(common.make_target("SwiGLUFFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None,
+                                      0.5, False))
+    return out
+
+
+def markdown(payload):
+    meta = payload["meta"]
+    lines = [f"# ffn_ext FFN benchmark — {meta['device_name']} ({meta['device_type'].upper()})", "",
+             f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
+             f" commit {meta['git_commit']}; timing: {meta['timing']}; ffn_ext side: {meta['ffn_ext_module']}", ""]
+    lines += [f"- {n}" for n in payload["notes"]] + [""]
+    headers = ["model", "d_model→d_ff", "tokens", "dtype", "impl", "fwd ms", "fwd+bwd ms", "× eager", "× compile",
+               "activations MiB", "[T,d_ff] units", "vs eager", "peak MiB"]
+    rows = []
+    for r in payload["results"]:
+        sv = r["speedup_vs"]
+        rows.append([r["model"], f"{r['d_model']}→{r['d_ff']}", r["tokens"], r["dtype"], IMPL_LABEL[r["impl"]],
+                     common.fmt(r["fwd_median_ms"], ".4g"), common.fmt(r["median_ms"], ".4g"),
+                     common.fmt(sv.get("eager")), common.fmt(sv.get("compile")),
+                     common.fmt(r["activation_bytes"] / common.MiB, ".4g"),
+                     common.fmt(r["activation_tf_units"], ".3g"), common.fmt(r["activation_vs_eager"]),
+                     common.fmt(r["peak_extra_bytes"] / common.MiB, ".4g") if r["peak_extra_bytes"] is not None
+                     else "n/a (CPU)"])
+    lines += [common.markdown_table(headers, rows), ""]
+    if payload["errors"]:
+        lines += ["Errors:", ""] + [f"- {e}" for e in payload["errors"]] + [""]
+    lines += ["```", common.targets_block(payload["targets"]), "```"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
+    args = p.parse_args(argv)
+    payload = run(args)
+    dev = common.resolve_device(args.device)
+    out_dir = args.out or common.default_out_dir(dev)
+    md = markdown(payload)
+    print(md)
+    files = common.write_outputs(out_dir, "ffn", payload, md)
+    if not args.no_plots:
+        import plot
+
+        files += plot.plot_ffn(payload, out_dir)
+    print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

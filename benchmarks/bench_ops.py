@@ -1,0 +1,385 @@
+#!/usr/bin/env python
+"""Per-op benchmark of ffn_ext's activation kernels against ATen eager, torch.compile and Liger-Kernel.
+
+    python benchmarks/bench_ops.py --quick                       # CPU here, GPU where there is one
+    python benchmarks/bench_ops.py --quick --device cuda --out $OUT/bench
+    python benchmarks/bench_ops.py --full --device cuda          # every dtype at 2**12 .. 2**28 elements
+    python benchmarks/bench_ops.py --smoke --out /tmp/x          # tiny CI check of the pipeline
+
+Ops: gelu, silu, swiglu, swiglu_packed; directions fwd, bwd, fwd+bwd; dtypes fp32, fp16, bf16. "Size" is the
+number of elements N of the op's output (swiglu_packed reads a [.., 2M] input: 2N elements). Bytes moved are
+counted per op (see BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N elements
+measured in the same run. Writes ops.md, ops.json and plots into the output directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ffn_ext  # noqa: E402
+
+OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+IMPLS = ("ffn_ext", "eager", "compile", "liger")
+IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "ATen eager", "compile": "torch.compile", "liger": "Liger"}
+
+# Elements moved per output element N, by a kernel that reads each input once and writes each output once:
+#   gelu/silu     fwd: read x, write y = 2N;           bwd: read grad, x, write dx = 3N
+#   swiglu        fwd: read g, u, write h = 3N;        bwd: read grad, g, u, write dg, du = 5N
+#   swiglu_packed fwd: read gate_up (2N), write h = 3N; bwd: read grad (N), gate_up (2N), write dgate_up (2N) = 5N
+#   fwd+bwd: the sum.  Implementations that move more (ATen eager) are still credited with these bytes only, so
+#   GB/s is "effective" bandwidth and comparable across implementations.
+BYTES_PER_ELEMENT = {
+    "gelu": {"fwd": 2, "bwd": 3},
+    "silu": {"fwd": 2, "bwd": 3},
+    "swiglu": {"fwd": 3, "bwd": 5},
+    "swiglu_packed": {"fwd": 3, "bwd": 5},
+}
+for _v in BYTES_PER_ELEMENT.values():
+    _v["fwd+bwd"] = _v["fwd"] + _v["bwd"]
+
+DECODE = ("16x4864", (16, 4864))
+
+
+def pow2_size(k: int):
+    n = 1 << k
+    cols = 4096 if n >= 4096 else n
+    return (f"2^{k}", (n // cols, cols))
+
+
+def sizes_for(mode: str, dev: torch.device) -> dict:
+    """{dtype: [(name, (rows, cols))]} and the (dtype, size-name) pairs that also run torch.compile."""
+    if mode == "smoke":
+        sz = [("4x256", (4, 256)), ("64x512", (64, 512))]
+        return {"fp32": sz}, None
+    if dev.type == "cuda":
+        if mode == "full":
+            allsz = [DECODE] + [pow2_size(k) for k in range(12, 29, 2)]
+            return {d: allsz for d in ("fp32", "fp16", "bf16")}, None
+        return {"bf16": [DECODE, pow2_size(20), pow2_size(24), pow2_size(28)],
+                "fp16": [DECODE, pow2_size(24)],
+                "fp32": [DECODE, pow2_size(24)]}, None
+    # CPU: wall-clock, small sizes; torch.compile (C++ codegen, slow to compile on few cores) at a few sizes only
+    if mode == "full":
+        allsz = [DECODE] + [pow2_size(k) for k in (12, 16, 20, 22)]
+        return {d: allsz for d in ("fp32", "bf16", "fp16")}, None
+    return ({"fp32": [DECODE, pow2_size(16), pow2_size(20)], "bf16": [DECODE, pow2_size(20)]},
+            {("fp32", "2^16")})
+
+
+# ---------------------------------------------------------------- implementations
+def _eager_gelu(x):
+    return F.gelu(x)
+
+
+def _eager_silu(x):
+    return F.silu(x)
+
+
+def _eager_swiglu(g, u):
+    return F.silu(g) * u
+
+
+def _eager_swiglu_packed(gu):
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+EAGER = {"gelu": _eager_gelu, "silu": _eager_silu, "swiglu": _eager_swiglu, "swiglu_packed": _eager_swiglu_packed}
+FFN = {"gelu": ffn_ext.gelu, "silu": ffn_ext.silu, "swiglu": ffn_ext.swiglu, "swiglu_packed": ffn_ext.swiglu_packed}
+
+
+def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
+    impls = {"ffn_ext": dict(FFN), "eager": dict(EAGER)}
+    if use_compile:
+        common.setup_compile()
+        impls["compile"] = {op: torch.compile(fn) for op, fn in EAGER.items()}
+    liger, why = common.liger_swiglu()
+    if liger is None:
+        notes.append(f"Liger skipped: {why}")
+    elif dev.type != "cuda":
+        notes.append("Liger skipped: its kernels are Triton (CUDA only)")
+    else:
+        def liger_packed(gu):
+            g, u = gu.chunk(2, dim=-1)
+            return liger(g, u)
+
+        impls["liger"] = {"swiglu": liger, "swiglu_packed": liger_packed}
+    return impls
+
+
+def make_inputs(op: str, shape, dtype, dev, requires_grad: bool, gen: torch.Generator):
+    rows, cols = shape
+    in_shape = (rows, 2 * cols) if op == "swiglu_packed" else (rows, cols)
+    n_in = 2 if op == "swiglu" else 1
+
+    def rnd(s):
+        return torch.randn(s, generator=gen, device=dev, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+    return tuple(rnd(in_shape) for _ in range(n_in))
+
+
+def input_bytes(op: str, numel: int, es: int, direction: str) -> int:
+    """Bytes of one input set: the op's inputs (+ the incoming gradient unless fwd)."""
+    n_in = numel if op in ("gelu", "silu") else 2 * numel
+    return (n_in + (numel if direction != "fwd" else 0)) * es
+
+
+def runner(fn, direction: str):
+    if direction == "fwd":
+        def run(*ins):
+            with torch.no_grad():
+                return fn(*ins)
+        return run
+    if direction == "fwd+bwd":
+        def run(*args):
+            *ins, grad = args
+            return torch.autograd.grad(fn(*ins), ins, grad)
+        return run
+
+    def run(y, ins, grad):  # bwd: the graph was recorded once per input set
+        return torch.autograd.grad(y, ins, grad, retain_graph=True)
+    return run
+
+
+# ---------------------------------------------------------------- measuring
+def bench_case(op, direction, impl, fn, shape, dtype, dev, n_sets, gen, target_ms):
+    """Times one (op, direction, impl) at one shape; for fwd+bwd also the memory probes."""
+    rows, cols = shape
+    grad_needed = direction != "fwd"
+    sets = []
+    for _ in range(n_sets):
+        ins = make_inputs(op, shape, dtype, dev, grad_needed, gen)
+        if direction == "fwd":
+            sets.append(ins)
+            continue
+        grad = torch.randn((rows, cols), generator=gen, device=dev, dtype=torch.float32).to(dtype)
+        if direction == "fwd+bwd":
+            sets.append((*ins, grad))
+        else:
+            sets.append((fn(*ins), ins, grad))
+    res = common.time_fn(runner(fn, direction), sets, dev, target_ms=target_ms)
+    if direction == "fwd+bwd":
+        ins = sets[0][:-1]
+        grad = sets[0][-1]
+        with common.SavedTensors(exclude=ins) as saved:
+            y = fn(*ins)
+        res["saved_bytes"] = saved.total_bytes
+        res["saved_extra_bytes"] = saved.extra_bytes
+        del y
+        res["peak_extra_bytes"] = common.peak_extra_bytes(lambda: torch.autograd.grad(fn(*ins), ins, grad), dev)
+    del sets
+    return res
+
+
+def bench_copy(numel, dtype, dev, gen, target_ms):
+    es = torch.empty((), dtype=dtype).element_size()
+    k = common.num_sets(2 * numel * es, dev)
+    sets = [(torch.empty(numel, device=dev, dtype=dtype),
+             torch.randn(numel, generator=gen, device=dev, dtype=torch.float32).to(dtype)) for _ in range(k)]
+    res = common.time_fn(lambda dst, src: dst.copy_(src), sets, dev, target_ms=target_ms)
+    res["gbps"] = 2 * numel * es / (res["median_ms"] * 1e-3) / 1e9
+    return res
+
+
+def run(args) -> dict:
+    dev = common.resolve_device(args.device)
+    mode = common.mode_of(args)
+    use_compile = not args.no_compile and mode != "smoke"
+    notes: list[str] = []
+    if dev.type == "cpu":
+        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites, so CPU numbers say "
+                     "nothing about the CUDA kernels")
+    if dev.type == "cuda" and not ffn_ext.has_cuda_kernels():
+        notes.append("WARNING: the loaded ffn_ext has no CUDA kernels; 'ffn_ext' rows are the ATen fallback")
+    if mode == "smoke":
+        notes.append("smoke run: tiny sizes, numbers are meaningless")
+    if not use_compile:
+        notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
+    plan, compile_only = sizes_for(mode, dev)
+    if args.dtypes:
+        keep = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        bad = [d for d in keep if d not in common.DTYPES]
+        if bad:
+            raise SystemExit(f"--dtypes: unknown {bad}; choose from {list(common.DTYPES)}")
+        plan = {d: plan.get(d) or next(iter(plan.values())) for d in keep}
+    if args.ops:
+        ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+        bad = [o for o in ops if o not in OPS]
+        if bad:
+            raise SystemExit(f"--ops: unknown {bad}; choose from {list(OPS)}")
+    else:
+        ops = list(OPS)
+    if use_compile and compile_only is not None:
+        notes.append("torch.compile measured only at " + ", ".join(f"{d} {s}" for d, s in sorted(compile_only))
+                     + " (compiling on CPU is slow)")
+    target_ms = args.target_ms or {"smoke": 5.0, "quick": 40.0 if dev.type == "cuda" else 20.0, "full": 150.0}[mode]
+    impls = build_impls(dev, use_compile, notes)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+
+    cases = []
+    for dname, sizes in plan.items():
+        for sname, shape in sizes:
+            for op in ops:
+                for direction in DIRECTIONS:
+                    for impl, table in impls.items():
+                        if op not in table:
+                            continue
+                        if impl == "compile" and compile_only is not None and (dname, sname) not in compile_only:
+                            continue
+                        cases.append((dname, sname, shape, op, direction, impl))
+    results, copies, errors = [], [], []
+    bar = common.progress(len(cases), f"bench_ops [{dev.type}, {mode}]", disable=args.no_progress)
+    t_start = time.time()
+    last_size = None
+    for dname, sname, shape, op, direction, impl in cases:
+        dtype = common.DTYPES[dname]
+        es = torch.empty((), dtype=dtype).element_size()
+        numel = shape[0] * shape[1]
+        if (dname, sname) != last_size:
+            common.free_memory(dev)
+            last_size = (dname, sname)
+            c = bench_copy(numel, dtype, dev, gen, target_ms)
+            copies.append({"dtype": dname, "size": sname, "shape": list(shape), "numel": numel, **c})
+            copy_gbps = c["gbps"]
+        bar.set_postfix_str(f"{dname} {sname} {op} {direction} {impl}")
+        max_sets = 2 if mode == "smoke" else 32 if dev.type == "cuda" else 8
+        n_sets = common.num_sets(input_bytes(op, numel, es, direction), dev, max_sets=max_sets)
+        try:
+            r = bench_case(op, direction, impl, impls[impl][op], shape, dtype, dev, n_sets, gen, target_ms)
+        except Exception as e:  # noqa: BLE001  (one failing peer must not end the run)
+            errors.append(f"{impl} {op} {direction} {dname} {sname}: {type(e).__name__}: {str(e)[:300]}")
+            bar.update()
+            continue
+        bytes_moved = BYTES_PER_ELEMENT[op][direction] * numel * es
+        gbps = bytes_moved / (r["median_ms"] * 1e-3) / 1e9
+        results.append({"op": op, "direction": direction, "dtype": dname, "size": sname, "shape": list(shape),
+                        "numel": numel, "impl": impl, "bytes_moved": bytes_moved, "gbps": gbps,
+                        "copy_gbps": copy_gbps, "frac_copy": gbps / copy_gbps, **r})
+        bar.update()
+    bar.close()
+    add_ratios(results)
+    meta = common.metadata(dev, mode, sys.argv)
+    meta["elapsed_s"] = round(time.time() - t_start, 1)
+    meta["ffn_ext_kind"] = "CUDA kernels" if dev.type == "cuda" and ffn_ext.has_cuda_kernels() else "ATen composite"
+    payload = {"meta": meta, "notes": notes, "errors": errors, "bytes_per_element": BYTES_PER_ELEMENT,
+               "results": results, "copy": copies}
+    payload["targets"] = targets(results, dev)
+    return payload
+
+
+def add_ratios(results: list) -> None:
+    """speedup_vs[peer] = t_peer / t_this (> 1: this implementation is faster than the peer)."""
+    index = {(r["op"], r["direction"], r["dtype"], r["size"], r["impl"]): r["median_ms"] for r in results}
+    for r in results:
+        r["speedup_vs"] = {}
+        for peer in IMPLS:
+            t = index.get((r["op"], r["direction"], r["dtype"], r["size"], peer))
+            if peer != r["impl"] and t is not None:
+                r["speedup_vs"][peer] = t / r["median_ms"]
+
+
+# ---------------------------------------------------------------- targets
+def _pick(results, op, direction, impl, size=None, peer=None):
+    """The bf16 row at 2**28 (the targets' condition), else the closest available: bf16 first, largest size
+    (among the rows that have a time of `peer`, if given)."""
+    rows = [r for r in results if r["op"] == op and r["direction"] == direction and r["impl"] == impl
+            and (size is None or r["size"] == size) and (peer is None or peer in r["speedup_vs"])]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (r["dtype"] == "bf16", r["numel"]))
+    return rows[-1]
+
+
+def targets(results: list, dev: torch.device) -> list:
+    out = []
+
+    def where(r):
+        return f"{r['dtype']} {r['size']} on {dev.type.upper()}"
+
+    def cond(r, size="2^28"):
+        return dev.type == "cuda" and r["dtype"] == "bf16" and r["size"] == size
+
+    for op in OPS:
+        for direction in ("fwd", "bwd"):
+            r = _pick(results, op, direction, "ffn_ext")
+            out.append(common.make_target(
+                f"{op} {direction}: ffn_ext >= 92% of copy bandwidth (H200 bf16 2^28)",
+                r and r["frac_copy"] * 100, 92.0, True, "%", r and where(r), bool(r) and cond(r)))
+    for peer, thr in (("eager", 1.7), ("compile", 1.0), ("liger", 1.1)):
+        r = _pick(results, "swiglu", "fwd+bwd", "ffn_ext", peer=peer)
+        v = r and r["speedup_vs"].get(peer)
+        out.append(common.make_target(
+            f"swiglu fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)", v, thr, True, "x",
+            (r and where(r)) if v is not None else f"{IMPL_LABEL[peer]} not measured", bool(r) and cond(r)))
+    for op in OPS:
+        r = _pick(results, op, "fwd", "ffn_ext", size=DECODE[0])
+        v = r and r["speedup_vs"].get("eager")
+        out.append(common.make_target(
+            f"{op} fwd decode 16x4864: ffn_ext latency <= 0.8x ATen eager (H200 bf16)",
+            (1.0 / v) if v else None, 0.8, False, "x", r and where(r),
+            bool(r) and dev.type == "cuda" and r["dtype"] == "bf16"))
+    return out
+
+
+# ---------------------------------------------------------------- report
+def markdown(payload: dict) -> str:
+    meta = payload["meta"]
+    lines = [f"# ffn_ext op benchmark — {meta['device_name']} ({meta['device_type'].upper()})", "",
+             f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
+             f" commit {meta['git_commit']}, ffn_ext: {meta['ffn_ext_kind']}; timing: {meta['timing']}", ""]
+    lines += [f"- {n}" for n in payload["notes"]] + [""]
+    headers = ["op", "dir", "dtype", "size", "impl", "time µs", "GB/s", "% copy", "× eager", "× compile",
+               "× Liger", "peak MiB", "saved MiB (extra)"]
+    rows = []
+    for r in payload["results"]:
+        sv = r["speedup_vs"]
+        saved = (f"{r['saved_bytes'] / common.MiB:.3g} ({r['saved_extra_bytes'] / common.MiB:.3g})"
+                 if "saved_bytes" in r else "")
+        peak = common.fmt(r["peak_extra_bytes"] / common.MiB) if r.get("peak_extra_bytes") is not None else (
+            "n/a (CPU)" if "saved_bytes" in r else "")
+        rows.append([r["op"], r["direction"], r["dtype"], r["size"], IMPL_LABEL[r["impl"]],
+                     common.fmt(r["median_ms"] * 1e3, ".4g"), common.fmt(r["gbps"], ".4g"),
+                     common.fmt(100 * r["frac_copy"], ".3g"), common.fmt(sv.get("eager"), ".3g"),
+                     common.fmt(sv.get("compile"), ".3g"), common.fmt(sv.get("liger"), ".3g"), peak, saved])
+    lines += [common.markdown_table(headers, rows), ""]
+    lines += ["Copy baseline (`dst.copy_(src)`, 2 x N x element size bytes):", ""]
+    lines += [common.markdown_table(["dtype", "size", "time µs", "GB/s"],
+                                    [[c["dtype"], c["size"], common.fmt(c["median_ms"] * 1e3, ".4g"),
+                                      common.fmt(c["gbps"], ".4g")] for c in payload["copy"]]), ""]
+    if payload["errors"]:
+        lines += ["Errors:", ""] + [f"- {e}" for e in payload["errors"]] + [""]
+    lines += ["```", common.targets_block(payload["targets"]), "```"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(p)
+    p.add_argument("--ops", default=None, help="comma-separated subset of " + ",".join(OPS))
+    args = p.parse_args(argv)
+    payload = run(args)
+    dev = common.resolve_device(args.device)
+    out_dir = args.out or common.default_out_dir(dev)
+    md = markdown(payload)
+    print(md)
+    files = common.write_outputs(out_dir, "ops", payload, md)
+    if not args.no_plots:
+        import plot
+
+        files += plot.plot_ops(payload, out_dir)
+    print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Shared pieces of the ffn_ext benchmarks: timing, byte counting, memory probes, metadata, output files.
+
+Nothing here needs a GPU; on CPU every time is a wall-clock median and is labelled CPU. matplotlib and tqdm are
+optional (plots are skipped with a note, the progress bar falls back to a plain stderr counter).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+if str(REPO_DIR) not in sys.path:  # run as `python benchmarks/x.py` from anywhere
+    sys.path.insert(0, str(REPO_DIR))
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MiB = float(1 << 20)
+
+
+# ---------------------------------------------------------------- progress
+class _Counter:
+    """A minimal progress counter on stderr for when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self._t0, self._last = total, desc, 0, time.time(), 0.0
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        now = time.time()
+        if now - self._last > 1.0 or self.n >= self.total:
+            self._last = now
+            print(f"\r{self.desc}: {self.n}/{self.total} ({now - self._t0:.0f}s)", end="", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, s: str) -> None:  # tqdm-compatible no-op
+        pass
+
+    def close(self) -> None:
+        print(file=sys.stderr, flush=True)
+
+
+def progress(total: int, desc: str, disable: bool = False):
+    """tqdm on stderr when importable, else a plain counter. `disable` gives a silent counter."""
+    if disable:
+        c = _Counter(total, desc)
+        c.update = lambda k=1: None  # type: ignore[method-assign]
+        c.close = lambda: None  # type: ignore[method-assign]
+        return c
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Counter(total, desc)
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+# ---------------------------------------------------------------- device / metadata
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible to torch")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU ({cpu_name()}, {os.cpu_count()} logical cores)"
+
+
+def device_slug(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        raw = torch.cuda.get_device_name(dev)
+    else:
+        raw = f"cpu-{os.cpu_count()}core"
+    slug = re.sub(r"[^a-z0-9]+", "-", raw.lower()).strip("-")
+    return slug[:40] or "device"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=10)
+        commit = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_DIR,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (commit + ("+dirty" if dirty else "")) if commit else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def metadata(dev: torch.device, mode: str, argv: list[str]) -> dict:
+    import ffn_ext
+
+    meta = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device_type": dev.type,
+        "device_name": device_name(dev),
+        "timing": "CUDA events, median" if dev.type == "cuda" else "CPU wall-clock (time.perf_counter), median",
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(),
+        "ffn_ext_build_info": ffn_ext.build_info(),
+        "mode": mode,
+        "argv": argv,
+        "cpu_threads": torch.get_num_threads(),
+        "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        meta.update(gpu_sms=p.multi_processor_count, gpu_memory_bytes=p.total_memory,
+                    gpu_l2_bytes=getattr(p, "L2_cache_size", None), cudnn=torch.backends.cudnn.version())
+    return meta
+
+
+def default_out_dir(dev: torch.device) -> Path:
+    return BENCH_DIR / "results" / f"{_dt.date.today().isoformat()}_{device_slug(dev)}"
+
+
+def l2_bytes(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 60 * (1 << 20))
+    return 32 * (1 << 20)  # a guess at a CPU's last-level cache
+
+
+def num_sets(set_bytes: int, dev: torch.device, max_sets: int = 32, budget_bytes: int | None = None) -> int:
+    """How many independent input sets to rotate among so that the working set is at least twice the L2
+    (large sizes are then never served from cache), capped by `max_sets` and a memory budget."""
+    if budget_bytes is None:
+        budget_bytes = (8 << 30) if dev.type == "cuda" else (1 << 30)
+    want = math.ceil(2 * l2_bytes(dev) / max(set_bytes, 1))
+    cap = max(1, budget_bytes // max(set_bytes, 1))
+    return int(max(2, min(want, max_sets, cap))) if set_bytes * 2 <= budget_bytes else 1
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ---------------------------------------------------------------- timing
+def time_fn(fn, arg_sets: list, dev: torch.device, target_ms: float = 100.0, min_reps: int = 5,
+            max_reps: int = 2000, warmup: int = 3) -> dict:
+    """Median time of fn(*arg_sets[i % len(arg_sets)]) in milliseconds.
+
+    CUDA: one pair of CUDA events around every call (so launch overhead of multi-kernel implementations counts,
+    as it does for a decode step), after warm-up; CPU: time.perf_counter around every call. The number of
+    repetitions is chosen from the warm-up so the measurement takes about `target_ms`.
+    """
+    k = len(arg_sets)
+    # warm-up: every set at least once, and at least `warmup` calls
+    t0 = time.perf_counter()
+    for i in range(max(warmup, k)):
+        fn(*arg_sets[i % k])
+    synchronize(dev)
+    est_ms = (time.perf_counter() - t0) * 1e3 / max(warmup, k)
+    reps = int(min(max_reps, max(min_reps, target_ms / max(est_ms, 1e-4))))
+    times = []
+    if dev.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            args = arg_sets[i % k]
+            starts[i].record()
+            fn(*args)
+            ends[i].record()
+        torch.cuda.synchronize(dev)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for i in range(reps):
+            args = arg_sets[i % k]
+            t = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return {"median_ms": statistics.median(times), "p10_ms": q[0], "p90_ms": q[-1], "reps": reps, "sets": k}
+
+
+# ---------------------------------------------------------------- memory probes
+class SavedTensors:
+    """Context manager: records the unique storages saved for backward (saved_tensors_hooks) while active.
+
+    total_bytes: sum of untyped_storage().nbytes() over unique storages; extra_bytes: the same without the
+    storages of `exclude` tensors (inputs, parameters), i.e. the memory autograd keeps alive beyond what the
+    caller already holds.
+    """
+
+    def __init__(self, exclude=()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.storages: dict[int, int] = {}
+        self._ctx = None
+
+    def _pack(self, t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        return False
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.storages.values())
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(n for p, n in self.storages.items() if p not in self._exclude)
+
+
+def peak_extra_bytes(fn, dev: torch.device) -> int | None:
+    """Peak CUDA memory allocated during fn() above what was allocated before it; None on CPU."""
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    torch.cuda.synchronize(dev)
+    return int(torch.cuda.max_memory_allocated(dev) - base)
+
+
+def free_memory(dev: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- optional peers
+def liger_swiglu():
+    """(LigerSiLUMulFunction.apply, None) when liger_kernel is importable, else (None, reason)."""
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except Exception as e:  # noqa: BLE001  (ImportError, or triton missing inside it)
+        return None, f"liger_kernel not importable ({type(e).__name__}: {e})"
+    return LigerSiLUMulFunction.apply, None
+
+
+def setup_compile() -> None:
+    """Room for one compiled graph per (op, dtype, direction) and a static + a dynamic-shape recompile each."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 256))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
+    elif hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 4096)
+
+
+# ---------------------------------------------------------------- output
+def fmt(v, spec: str = ".3g", none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return none
+    if isinstance(v, str):
+        return v
+    return format(v, spec)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def targets_block(targets: list[dict]) -> str:
+    lines = ["Targets (reported, not asserted):"]
+    for t in targets:
+        status = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
+        lines.append(f"  [{status:>7}] {t['target']}: measured {t['measured_str']}"
+                     + (f"  ({t['note']})" if t.get("note") else ""))
+    return "\n".join(lines)
+
+
+def make_target(target: str, value, threshold: float, higher_is_better: bool, unit: str = "",
+                note: str = "", spec_conditions_met: bool = True) -> dict:
+    if value is None:
+        met = None
+        measured_str = "not measured"
+    else:
+        met = bool(value >= threshold) if higher_is_better else bool(value <= threshold)
+        measured_str = f"{value:.3g}{unit}"
+    if not spec_conditions_met and value is not None:
+        note = (note + "; " if note else "") + "measured outside the target's conditions"
+    return {"target": target, "measured": value, "measured_str": measured_str, "threshold": threshold,
+            "higher_is_better": higher_is_better, "met": met, "note": note,
+            "conditions_met": spec_conditions_met}
+
+
+def write_outputs(out_dir: Path, stem: str, payload: dict, markdown: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+    md.write_text(markdown + "\n")
+    js.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return [md, js]
+
+
+def add_common_args(p) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="fewer sizes and dtypes (default)")
+    g.add_argument("--full", action="store_true", help="every size and dtype (GPU: minutes)")
+    g.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, no torch.compile: a CI check of the "
+                   "pipeline (numbers are meaningless)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default benchmarks/results/<YYYY-MM-DD>_<device-slug>/)")
+    p.add_argument("--dtypes", default=None, help="comma-separated subset of fp32,fp16,bf16")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--target-ms", type=float, default=None,
+                   help="approximate measuring time per timed case (after warm-up)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def mode_of(args) -> str:
+    return "full" if args.full else "smoke" if args.smoke else "quick"

@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""PNG plots of the benchmark JSON files (matplotlib optional: without it, plots are skipped with a note).
+
+    python benchmarks/plot.py benchmarks/results/<dir>        # re-plot ops.json / ffn.json found there
+
+ops: one figure per op, bandwidth (GB/s) vs size, a panel per (dtype, direction), the measured copy bandwidth
+drawn as the ceiling; one figure per dtype with the speedup over ATen eager vs size.
+ffn: time of forward+backward and saved activation memory per implementation and model width.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+IMPL_STYLE = {"ffn_ext": ("ffn_ext", "tab:red", "o"), "eager": ("ATen eager", "tab:blue", "s"),
+              "compile": ("torch.compile", "tab:green", "^"), "liger": ("Liger", "tab:purple", "D")}
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; plots skipped (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def _label(meta: dict) -> str:
+    return f"{meta['device_name']} ({meta['device_type'].upper()}), {meta['mode']}, {meta['date'][:10]}"
+
+
+def _ordered(keys, order):
+    return [k for k in order if k in keys] + sorted(k for k in keys if k not in order)
+
+
+def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
+    plt = _plt()
+    if plt is None:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res, copies, meta = payload["results"], payload["copy"], payload["meta"]
+    if not res:
+        return []
+    dtypes = _ordered({r["dtype"] for r in res}, ["bf16", "fp16", "fp32"])
+    dirs = _ordered({r["direction"] for r in res}, ["fwd", "bwd", "fwd+bwd"])
+    ops = _ordered({r["op"] for r in res}, ["gelu", "silu", "swiglu", "swiglu_packed"])
+    files = []
+    for op in ops:
+        fig, axes = plt.subplots(len(dtypes), len(dirs), figsize=(4.2 * len(dirs), 3.2 * len(dtypes)),
+                                 squeeze=False, sharex=True)
+        for i, dt in enumerate(dtypes):
+            cp = sorted((c for c in copies if c["dtype"] == dt), key=lambda c: c["numel"])
+            for j, d in enumerate(dirs):
+                ax = axes[i][j]
+                if cp:
+                    ax.plot([c["numel"] for c in cp], [c["gbps"] for c in cp], "k--", lw=1.2,
+                            label="copy (ceiling)")
+                for impl, (lab, col, mk) in IMPL_STYLE.items():
+                    pts = sorted(((r["numel"], r["gbps"]) for r in res if r["op"] == op and r["dtype"] == dt
+                                  and r["direction"] == d and r["impl"] == impl))
+                    if pts:
+                        ax.plot(*zip(*pts), color=col, marker=mk, ms=4, label=lab)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"{op} {d} {dt}", fontsize=9)
+                ax.grid(alpha=0.3)
+                if j == 0:
+                    ax.set_ylabel("effective GB/s")
+                if i == len(dtypes) - 1:
+                    ax.set_xlabel("elements per tensor (N)")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"ffn_ext {op}: bandwidth vs size — {_label(meta)}", fontsize=10)
+        fig.tight_layout()
+        f = out_dir / f"ops_bandwidth_{op}.png"
+        fig.savefig(f, dpi=90)
+        plt.close(fig)
+        files.append(f)
+    for dt in dtypes:
+        fig, axes = plt.subplots(1, len(ops), figsize=(4.0 * len(ops), 3.4), squeeze=False, sharey=True)
+        for j, op in enumerate(ops):
+            ax = axes[0][j]
+            for impl, (lab, col, _) in IMPL_STYLE.items():
+                if impl == "eager":
+                    continue
+                for d, ls, mk in (("fwd", "-", "o"), ("bwd", "--", "s"), ("fwd+bwd", ":", "^")):
+                    pts = sorted((r["numel"], r["speedup_vs"]["eager"]) for r in res
+                                 if r["op"] == op and r["dtype"] == dt and r["direction"] == d
+                                 and r["impl"] == impl and "eager" in r["speedup_vs"])
+                    if pts:
+                        ax.plot(*zip(*pts), color=col, ls=ls, marker=mk, ms=4, label=f"{lab} {d}")
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op} {dt}", fontsize=9)
+            ax.set_xlabel("elements per tensor (N)")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("speedup vs ATen eager (×)")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(f"speedup over ATen eager, {dt} — {_label(meta)}", fontsize=10)
+        fig.tight_layout()
+        f = out_dir / f"ops_speedup_{dt}.png"
+        fig.savefig(f, dpi=90)
+        plt.close(fig)
+        files.append(f)
+    return files
+
+
+def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
+    plt = _plt()
+    if plt is None:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res, meta = payload["results"], payload["meta"]
+    if not res:
+        return []
+    configs = []
+    for r in res:
+        key = (r["model"], r["tokens"], r["dtype"])
+        if key not in configs:
+            configs.append(key)
+    impls = [i for i in ("ffn_ext", "eager", "compile") if any(r["impl"] == i for r in res)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.8 / max(len(impls), 1)
+    for k, impl in enumerate(impls):
+        lab, col, _ = IMPL_STYLE[impl]
+        xs, ts, ms = [], [], []
+        for i, key in enumerate(configs):
+            r = next((r for r in res if (r["model"], r["tokens"], r["dtype"]) == key and r["impl"] == impl), None)
+            if r is None:
+                continue
+            xs.append(i + (k - (len(impls) - 1) / 2) * width)
+            ts.append(r["median_ms"])
+            ms.append(r["activation_bytes"] / 2**20)
+        axes[0].bar(xs, ts, width, color=col, label=lab)
+        axes[1].bar(xs, ms, width, color=col, label=lab)
+    names = [f"{m}\n{t} tok {d}" for m, t, d in configs]
+    for ax, yl in ((axes[0], "forward+backward time (ms)"), (axes[1], "saved activations (MiB)")):
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels(names, fontsize=7)
+        ax.set_ylabel(yl)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"SwiGLU FFN — {_label(meta)}", fontsize=10)
+    fig.tight_layout()
+    f = out_dir / "ffn.png"
+    fig.savefig(f, dpi=90)
+    plt.close(fig)
+    return [f]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    d = Path(argv[0])
+    files = []
+    if (d / "ops.json").exists():
+        files += plot_ops(json.loads((d / "ops.json").read_text()), d)
+    if (d / "ffn.json").exists():
+        files += plot_ffn(json.loads((d / "ffn.json").read_text()), d)
+    print("wrote: " + ", ".join(map(str, files)) if files else "no plots written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Smoke test of the benchmark suite: `--smoke` runs of benchmarks/bench_ops.py and bench_ffn.py in a subprocess
+write the markdown table, the JSON with sane numbers, and (when matplotlib is installed) the plots."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--device", "cpu",
+                           "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+@pytest.mark.slow
+def test_bench_ops_smoke(tmp_path):
+    proc = _run("bench_ops.py", tmp_path)
+    assert "Targets (reported, not asserted)" in proc.stdout
+    data = json.loads((tmp_path / "ops.json").read_text())
+    md = (tmp_path / "ops.md").read_text()
+    assert "| op | dir | dtype |" in md and "Targets" in md
+    meta = data["meta"]
+    for key in ("date", "device_name", "torch_version", "git_commit", "ffn_ext_build_info", "mode"):
+        assert key in meta, key
+    assert meta["mode"] == "smoke" and meta["device_type"] == "cpu"
+    assert not data["errors"], data["errors"]
+    res = data["results"]
+    # every op x direction x {ffn_ext, eager} at both smoke sizes
+    seen = {(r["op"], r["direction"], r["impl"], r["size"]) for r in res}
+    assert len(seen) == 4 * 3 * 2 * 2, sorted(seen)
+    for r in res:
+        assert _positive(r["median_ms"]) and _positive(r["gbps"]) and _positive(r["frac_copy"]), r
+        assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["bytes_moved"] == data["bytes_per_element"][r["op"]][r["direction"]] * r["numel"] * 4
+        if r["impl"] == "ffn_ext":
+            assert _positive(r["speedup_vs"]["eager"])
+        if r["direction"] == "fwd+bwd":
+            assert r["saved_bytes"] > 0 and r["saved_extra_bytes"] >= 0
+            assert r["peak_extra_bytes"] is None  # CPU: not measured
+    for c in data["copy"]:
+        assert _positive(c["gbps"])
+    # ffn_ext's swiglu saves only its inputs; eager also saves silu(gate) (N fp32 elements)
+    for r in res:
+        if r["op"] == "swiglu" and r["direction"] == "fwd+bwd":
+            expect = 0 if r["impl"] == "ffn_ext" else r["numel"] * 4
+            assert r["saved_extra_bytes"] == expect, r
+    assert len(data["targets"]) >= 10 and all("met" in t for t in data["targets"])
+    if _has_matplotlib():
+        pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+        assert "ops_bandwidth_swiglu.png" in pngs and "ops_speedup_fp32.png" in pngs, pngs
+        assert all((tmp_path / p).stat().st_size > 1000 for p in pngs)
+
+
+@pytest.mark.slow
+def test_bench_ffn_smoke(tmp_path):
+    _run("bench_ffn.py", tmp_path)
+    data = json.loads((tmp_path / "ffn.json").read_text())
+    assert "| model |" in (tmp_path / "ffn.md").read_text()
+    assert not data["errors"], data["errors"]
+    assert data["meta"]["ffn_ext_module"]
+    res = {r["impl"]: r for r in data["results"]}
+    assert set(res) == {"ffn_ext", "eager"}
+    for r in res.values():
+        assert _positive(r["median_ms"]) and _positive(r["fwd_median_ms"]) and _positive(r["activation_bytes"])
+    # eager saves gate, silu(gate), up and h: 4 [tokens, d_ff] tensors
+    assert res["eager"]["activation_tf_units"] == pytest.approx(4.0)
+    assert res["ffn_ext"]["activation_vs_eager"] == pytest.approx(
+        res["ffn_ext"]["activation_bytes"] / res["eager"]["activation_bytes"])
+    if _has_matplotlib():
+        assert (tmp_path / "ffn.png").stat().st_size > 1000
