@@ -2,6 +2,7 @@
 //   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; Meta kernels (shape + input checks, used by fake
 //                      tensors, torch.compile and export); build information
 //   aten_ops.cpp       CPU kernels: ATen composites (also serve CUDA tensors in a build without CUDA kernels)
+//   autograd.cpp       Autograd kernels of all eight ops (double backward included)
 //   cuda/kernels.cu    CUDA kernels: the functors of ffn_math.h run by the launcher in cuda/rows_launcher.cuh
 //   python_module.cpp  the pybind11 module ffn_ext._C (build info, host-math test path); Python extension only
 #pragma once
