@@ -1,0 +1,127 @@
+"""Thread safety of the Python layer: many threads making their first ffn_ext calls at once, in a fresh process (so
+the first-use paths -- torch.ops attribute lookup, OpOverload caching, autograd registration, the dispatcher's
+kernel lookup -- really run concurrently), give correct results, raise nothing, and warn at most once.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+_SCRIPT = textwrap.dedent(r"""
+    import sys, threading, warnings
+    warnings.simplefilter("always")  # every warning is shown, so a repeated one would be counted twice
+    N_THREADS, DEVICE, IMPORT_IN_THREADS = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    import torch
+    import torch.nn.functional as F
+    if not IMPORT_IN_THREADS:
+        import ffn_ext
+
+    barrier = threading.Barrier(N_THREADS)
+    errors, done = [], []
+    caught = []
+    _show = warnings.showwarning
+    warnings.showwarning = lambda msg, cat, *a, **k: caught.append(f"{cat.__name__}: {msg}")
+
+    def close(a, b, what):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+    def work(i):
+        try:
+            barrier.wait()  # all threads start their first calls together
+            import ffn_ext  # no-op after the first import; concurrent with the others when IMPORT_IN_THREADS
+            ops = torch.ops.ffn_ext
+            if DEVICE == "cuda":
+                assert ffn_ext.has_cuda_kernels()
+            gen = torch.Generator().manual_seed(i)
+            x = (torch.randn(7, 10, generator=gen, dtype=torch.float64) + 0.1).to(DEVICE)
+            g = torch.randn(7, 10, generator=gen, dtype=torch.float64).to(DEVICE)
+            gate, up = x.chunk(2, -1)
+            gh = g[:, :5]
+            # forward ops through the public API and torch.ops
+            close(ffn_ext.gelu(x), F.gelu(x), "gelu")
+            close(ffn_ext.silu(x), F.silu(x), "silu")
+            close(ffn_ext.swiglu(gate, up), F.silu(gate) * up, "swiglu")
+            close(ffn_ext.swiglu_packed(x), F.silu(gate) * up, "swiglu_packed")
+            dg, du = torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)
+            if not ffn_ext.build_info()["native"].startswith("none"):  # the backward ops exist
+                close(ops.gelu_backward(g, x), torch.ops.aten.gelu_backward(g, x), "gelu_backward")
+                close(ops.silu_backward(g, x), torch.ops.aten.silu_backward(g, x), "silu_backward")
+                dgate, dup = ops.swiglu_backward(gh.contiguous(), gate, up)
+                close(dgate, dg, "swiglu_backward dgate")
+                close(dup, du, "swiglu_backward dup")
+                close(ops.swiglu_packed_backward(gh, x), torch.cat([dg, du], -1), "swiglu_packed_backward")
+            # autograd backward (and double backward) right away
+            for f, ref in ((ffn_ext.gelu, F.gelu), (ffn_ext.silu, F.silu), (ffn_ext.swiglu_packed,
+                            lambda t: F.silu(t[..., :5]) * t[..., 5:])):
+                a = x.clone().requires_grad_(True)
+                b = x.clone().requires_grad_(True)
+                (ga,) = torch.autograd.grad(f(a).sum(), a, create_graph=True)
+                (gb,) = torch.autograd.grad(ref(b).sum(), b, create_graph=True)
+                close(ga, gb, f"grad {f.__name__}")
+                (gga,) = torch.autograd.grad((ga * g).sum(), a)
+                (ggb,) = torch.autograd.grad((gb * g).sum(), b)
+                close(gga, ggb, f"double grad {f.__name__}")
+            a, b = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+            ffn_ext.swiglu(a, b).backward(gh)
+            close(a.grad, dg, "swiglu autograd dgate")
+            close(b.grad, du, "swiglu autograd dup")
+            done.append(i)
+        except BaseException as e:  # noqa: BLE001 (reported by the parent)
+            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    warnings.showwarning = _show
+    for e in errors:
+        print("ERROR", e)
+    for w in caught:
+        print("WARNING", w)
+    print(f"threads-done {len(done)}/{N_THREADS} errors={len(errors)} warnings={len(caught)} "
+          f"distinct_warnings={len(set(caught))}")
+""")
+
+
+def _run(n_threads, device, import_in_threads, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(n_threads), device, "1" if import_in_threads else "0"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ERROR" not in r.stdout, r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"threads-done {n_threads}/{n_threads} errors=0"), r.stdout + r.stderr
+    return r.stdout
+
+
+def _warnings(out):
+    return [line for line in out.splitlines() if line.startswith("WARNING")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("import_in_threads", [False, True], ids=["import-first", "import-in-threads"])
+def test_concurrent_first_calls_cpu(import_in_threads):
+    out = _run(16, "cpu", import_in_threads)
+    w = _warnings(out)
+    assert len(w) == len(set(w)), f"a warning was issued more than once:\n{out}"
+
+
+@pytest.mark.slow
+def test_concurrent_first_calls_aten_fallback():
+    """The pure-ATen fallback (no native library): same results, and its one warning (if any) only once."""
+    out = _run(16, "cpu", True, {"FFN_EXT_NO_C": "1"})
+    w = _warnings(out)
+    assert len(w) == len(set(w)), out
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_concurrent_first_calls_cuda():
+    out = _run(16, "cuda", False)
+    w = _warnings(out)
+    assert len(w) == len(set(w)), out
