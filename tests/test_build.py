@@ -1,0 +1,270 @@
+"""The other ways to build and load ffn_ext: the JIT build (ffn_ext.jit.load), the CMake build (CMakeLists.txt:
+plain libtorch library ffn_ext_ops and Python module _C), and the pure-ATen fallback when ffn_ext._C is missing.
+
+Builds run CPU-only (FFN_EXT_FORCE_CPU=1 / -DFFN_EXT_WITH_CUDA=OFF) in temporary directories, in subprocesses (one
+registration of the ffn_ext namespace per process), with two parallel jobs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ffn_ext
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_TIMEOUT = 900  # seconds; a CPU-only build takes 1-3 minutes on 2 cores
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("FFN_EXT_NO_C", None)
+    env.pop("FFN_EXT_FORCE_CPU", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("MAX_JOBS", "2")
+    env.update(extra)
+    return env
+
+
+def _run_python(*parts: str, env: dict, timeout: float = BUILD_TIMEOUT, cwd: Path | None = None):
+    """Runs the script made of `parts` (each dedented on its own) in a fresh interpreter."""
+    code = "\n".join(textwrap.dedent(p) for p in parts)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd or ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"subprocess failed ({r.returncode}):\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n" \
+                              f"{r.stderr[-6000:]}"
+    return r
+
+
+# Every op against ATen, and gradients, in whatever process runs it (the ops are torch.ops.ffn_ext.*).
+OPS_VS_ATEN = r"""
+import torch, torch.nn.functional as F
+ops = torch.ops.ffn_ext
+torch.manual_seed(0)
+def check(got, want, what):
+    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+for dt in (torch.float32, torch.float64):
+    x = torch.randn(5, 33, dtype=dt) * 3
+    g = torch.randn(5, 33, dtype=dt)
+    gate, up = torch.randn(5, 33, dtype=dt) * 3, torch.randn(5, 33, dtype=dt)
+    gu = torch.randn(5, 66, dtype=dt) * 3
+    gp = torch.randn(5, 33, dtype=dt)
+    check(ops.gelu(x), F.gelu(x), "gelu")
+    check(ops.silu(x), F.silu(x), "silu")
+    check(ops.gelu_backward(g, x), torch.ops.aten.gelu_backward(g, x), "gelu_backward")
+    check(ops.silu_backward(g, x), torch.ops.aten.silu_backward(g, x), "silu_backward")
+    check(ops.swiglu(gate, up), F.silu(gate) * up, "swiglu")
+    dgate, dup = ops.swiglu_backward(g, gate, up)
+    check(dgate, torch.ops.aten.silu_backward(g * up, gate), "swiglu_backward dgate")
+    check(dup, g * F.silu(gate), "swiglu_backward dup")
+    a, b = gu.chunk(2, -1)
+    check(ops.swiglu_packed(gu), F.silu(a) * b, "swiglu_packed")
+    check(ops.swiglu_packed_backward(gp, gu),
+          torch.cat([torch.ops.aten.silu_backward(gp * b, a), gp * F.silu(a)], -1), "swiglu_packed_backward")
+    for name in ("gelu", "silu", "gelu_backward", "silu_backward", "swiglu", "swiglu_backward", "swiglu_packed",
+                 "swiglu_packed_backward"):
+        assert hasattr(ops, name), name
+print("OPS_OK")
+"""
+
+GRADCHECK = r"""
+import torch, ffn_ext
+torch.manual_seed(1)
+d = dict(dtype=torch.float64, requires_grad=True)
+x = torch.randn(3, 7, **d)
+gate, up = torch.randn(3, 7, **d), torch.randn(3, 7, **d)
+gu = torch.randn(3, 14, **d)
+for f, args in ((ffn_ext.gelu, (x,)), (ffn_ext.silu, (x,)), (ffn_ext.swiglu, (gate, up)),
+                (ffn_ext.swiglu_packed, (gu,))):
+    assert torch.autograd.gradcheck(f, args), f
+    assert torch.autograd.gradgradcheck(f, args), f
+print("GRAD_OK")
+"""
+
+
+# ---------------------------------------------------------------- (a) JIT build
+@pytest.mark.slow
+def test_jit_build_cpu_only(tmp_path):
+    code = f"""
+    import sys, time, torch, ffn_ext
+    assert ffn_ext.build_info()["native"].startswith("none"), ffn_ext.build_info()
+    t = time.time()
+    mod = ffn_ext.jit.load(build_directory={str(tmp_path)!r}, verbose=False)
+    print(f"JIT build + load: {{time.time() - t:.1f}} s")
+    info = ffn_ext.build_info()
+    assert info["native"] == "jit", info
+    assert info["cuda_kernels"] == "no" and not ffn_ext.has_cuda_kernels(), info
+    assert info["torch_version_built_against"] == torch.__version__.split("+")[0], info
+    assert "_C" not in sys.modules and "ffn_ext._C" not in sys.modules
+    # a second load in the same process must refuse clearly
+    try:
+        ffn_ext.jit.load(build_directory={str(tmp_path)!r})
+    except RuntimeError as e:
+        assert "already registered" in str(e), e
+    else:
+        raise AssertionError("a second jit.load() did not raise")
+    # the host-math test path is part of the JIT module too
+    (y,) = mod._host_math("gelu", [torch.tensor([float("-inf"), 0.0, float("inf")])])
+    assert y.tolist() == [0.0, 0.0, float("inf")], y
+    """
+    r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1", FFN_EXT_FORCE_CPU="1"))
+    assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout, r.stdout
+    assert list(tmp_path.glob("*.so")), f"no library in the build directory: {list(tmp_path.iterdir())}"
+    print(r.stdout.splitlines()[0])
+
+
+def test_jit_load_refuses_when_C_is_loaded():
+    """In a process where ffn_ext._C registered the ops, jit.load() raises a clear RuntimeError (before building)."""
+    if ffn_ext.ops._native_source != "ffn_ext._C":
+        pytest.skip(f"ffn_ext._C is not loaded here ({ffn_ext.build_info()['native']})")
+    with pytest.raises(RuntimeError, match=r"already registered in this process by ffn_ext\._C.*FFN_EXT_NO_C=1"):
+        ffn_ext.jit.load()
+    assert ffn_ext.build_info()["native"] == "ffn_ext._C"
+
+
+# ---------------------------------------------------------------- (b) CMake build
+def _cmake() -> str | None:
+    exe = shutil.which("cmake")
+    if exe is None:
+        return None
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"(\d+)\.(\d+)", out)
+    return exe if m and (int(m.group(1)), int(m.group(2))) >= (3, 19) else None
+
+
+@pytest.mark.slow
+def test_cmake_build_cpu_only(tmp_path):
+    cmake = _cmake()
+    if cmake is None:
+        pytest.skip("cmake >= 3.19 not found")
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    if torch.version.cuda is not None and not Path(cuda_home, "bin", "nvcc").exists():
+        pytest.skip("torch is a CUDA build: its CMake config needs a CUDA toolkit (set CUDA_HOME) even for a "
+                    "CPU-only ffn_ext")
+    build = tmp_path / "build"
+    env = _env(CUDA_HOME=cuda_home)
+    # The venv's bin (ninja from pip) on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    gen = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
+    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(build), *gen, "-DFFN_EXT_WITH_CUDA=OFF",
+                          f"-DPython3_EXECUTABLE={sys.executable}"],
+                         env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    assert cfg.returncode == 0, f"cmake configure failed:\n{cfg.stdout[-4000:]}\n{cfg.stderr[-6000:]}"
+    assert "ffn_ext: CUDA kernels OFF" in cfg.stdout, cfg.stdout[-3000:]
+    # the source list came from csrc/build.json
+    cfg_json = json.loads((ROOT / "csrc" / "build.json").read_text())
+    rules = (build / ("build.ninja" if gen else "Makefile")).read_text()
+    if gen:
+        for src in cfg_json["library_sources"] + cfg_json["python_sources"]:
+            assert src in rules, f"{src} (build.json) is not in the CMake build"
+        for src in cfg_json["cuda_sources"]:
+            assert src not in rules, f"{src} is built although FFN_EXT_WITH_CUDA=OFF"
+    bld = subprocess.run([cmake, "--build", str(build), "-j", "2", "--target", "ffn_ext_ops", "_C"],
+                         env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    assert bld.returncode == 0, f"cmake build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
+    (lib,) = [p for p in build.glob("libffn_ext_ops.*") if p.suffix in (".so", ".dylib")]
+    (mod,) = build.glob("_C*.so")
+
+    # the plain library: torch.ops.load_library, no ffn_ext package involved
+    code = f"""
+    import sys, torch
+    torch.ops.load_library({str(lib)!r})
+    assert not any(m == "ffn_ext" or m.startswith("ffn_ext.") for m in sys.modules), "ffn_ext was imported"
+    g, u = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, 50, dtype=torch.float64)
+    torch.testing.assert_close(torch.ops.ffn_ext.swiglu(g, u), torch.nn.functional.silu(g) * u)
+    try:
+        torch.ops.ffn_ext.swiglu(g, u[:, :3])
+    except ValueError as e:
+        assert str(e).startswith("ffn_ext.swiglu: "), e
+    else:
+        raise AssertionError("shape mismatch accepted")
+    """
+    r = _run_python(code, OPS_VS_ATEN, env=_env(), timeout=300, cwd=tmp_path)
+    assert "OPS_OK" in r.stdout
+
+    # the Python module: stands in for ffn_ext._C (the package is told to skip its own _C and adopt this one)
+    code = f"""
+    import importlib.util, sys, torch
+    import ffn_ext
+    assert ffn_ext.build_info()["native"].startswith("none")
+    spec = importlib.util.spec_from_file_location("ffn_ext._C", {str(mod)!r})
+    C = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(C)
+    ffn_ext.ops._adopt(C, "ffn_ext._C")
+    info = ffn_ext.build_info()
+    assert info["native"] == "ffn_ext._C" and info["cuda_kernels"] == "no", info
+    (y,) = C._host_math("silu", [torch.tensor([float("-inf"), 0.0, 2.0], dtype=torch.float64)])
+    torch.testing.assert_close(y[2], torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))
+    """
+    r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1"), timeout=300, cwd=tmp_path)
+    assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout
+
+
+# ---------------------------------------------------------------- (c) no _C: ATen fallback
+def test_import_without_C_warns_once_and_falls_back_to_aten():
+    code = r"""
+    import sys, warnings
+    sys.modules["ffn_ext._C"] = None          # makes `from . import _C` raise ImportError
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import torch, torch.nn.functional as F
+        import ffn_ext
+        import ffn_ext                        # a second import does not warn again
+        x = torch.randn(6, 40, dtype=torch.float64) * 3
+        gate, up = torch.randn(6, 40, dtype=torch.float64), torch.randn(6, 40, dtype=torch.float64)
+        gu = torch.randn(6, 80, dtype=torch.float64)
+        results = [
+            (ffn_ext.gelu(x), F.gelu(x)),
+            (ffn_ext.silu(x), F.silu(x)),
+            (ffn_ext.swiglu(gate, up), F.silu(gate) * up),
+            (ffn_ext.swiglu_packed(gu), F.silu(gu[:, :40]) * gu[:, 40:]),
+            (ffn_ext.gelu(x.float()), F.gelu(x.float())),
+        ]
+        xg = x.clone().requires_grad_()
+        ffn_ext.swiglu(xg, up).sum().backward()
+        info = ffn_ext.build_info()
+        cuda = ffn_ext.has_cuda_kernels()
+    ours = [w for w in caught if "ffn_ext" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    msg = str(ours[0].message)
+    assert issubclass(ours[0].category, RuntimeWarning), ours[0].category
+    assert "pip install --no-build-isolation -e ." in msg and "ffn_ext.jit.load()" in msg, msg
+    assert "ATen" in msg, msg
+    for got, want in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    s = torch.sigmoid(x)
+    torch.testing.assert_close(xg.grad, up * s * (1 + x * (1 - s)))
+    assert info["native"].startswith("none") and "ffn_ext._C could not be imported" in info["reason"], info
+    assert cuda is False
+    print("FALLBACK_OK")
+    """
+    r = _run_python(code, env=_env(), timeout=300)
+    assert "FALLBACK_OK" in r.stdout, r.stdout
+
+
+def test_no_C_env_skips_C_without_warning():
+    """FFN_EXT_NO_C=1: no _C, no warning (it was asked for), ATen fallback, build_info says why."""
+    code = r"""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import torch, ffn_ext
+        x = torch.randn(3, 9)
+        torch.testing.assert_close(ffn_ext.silu(x), torch.nn.functional.silu(x), rtol=0, atol=0)
+    assert not [w for w in caught if "ffn_ext" in str(w.message)], [str(w.message) for w in caught]
+    import sys
+    assert "ffn_ext._C" not in sys.modules
+    info = ffn_ext.build_info()
+    assert info["native"].startswith("none") and "FFN_EXT_NO_C" in info["reason"], info
+    print("NO_C_OK")
+    """
+    r = _run_python(code, env=_env(FFN_EXT_NO_C="1"), timeout=300)
+    assert "NO_C_OK" in r.stdout

@@ -1,0 +1,355 @@
+"""The CUDA kernels' element math, checked on the CPU.
+
+ffn_ext._C._host_math(op, inputs) runs the functors of csrc/ffn_math.h (the code the CUDA kernels run) on the
+host, with the kernels' rounding: load the storage type, compute in the accumulation type A (float for
+float16/bfloat16/float32, double for float64), store once. Here it is compared element by element with an fp64
+reference written from the mathematical definitions (erfc-based GELU, so that the reference itself does not
+cancel for negative x), over random inputs from ordinary to extreme magnitudes, and with the documented limits at
++-inf and NaN propagation.
+
+Tolerance per element:  0.5 * spacing of the storage type at the reference value   (rounding once)
+                      + K * eps(A) * (|ref| + S)                                     (the float/double math)
+                      + TINY(A) * M                                                  (exp underflow in A)
+                      + K * smallest subnormal of A                                  (math on subnormals)
+where S is the size of the terms that cancel in the formula the kernels use (e.g. |x| for GELU at negative x,
+whose 1 + erf(x/sqrt(2)) cancels) and M the factor multiplying the activation value (grad, up). A kernel that rounded twice (e.g. silu(gate) to bfloat16 before the product)
+would miss the 0.5-spacing bound on a good share of the elements.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import ffn_ext
+
+_C = getattr(ffn_ext.ops._native, "_host_math", None) and ffn_ext.ops._native
+pytestmark = pytest.mark.skipif(_C is None, reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
+                                                   "or a JIT build); build with `pip install --no-build-isolation -e .`")
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+OPS = ["gelu", "gelu_backward", "silu", "silu_backward", "swiglu", "swiglu_backward"]
+N_INPUTS = {"gelu": 1, "gelu_backward": 2, "silu": 1, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+K = 4  # ulps of A allowed for the math in A (measured worst: about 2.1; erf/exp are within 2 ulp)
+TINY = {torch.float32: 1e-35, torch.float64: 1e-300}  # exp(-x) overflows in A: x * sigmoid(x) is lost below this
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------- fp64 reference, with the documented limits
+def _sigmoid(x):
+    return torch.sigmoid(x)
+
+
+def silu_ref(x):
+    return torch.where(x == -math.inf, torch.full_like(x, -0.0), x * _sigmoid(x))
+
+
+def silu_grad_ref(x):
+    s = _sigmoid(x)
+    d = s * (1.0 + x * (1.0 - s))
+    d = torch.where(x == math.inf, torch.ones_like(x), d)
+    return torch.where(x == -math.inf, torch.zeros_like(x), d)
+
+
+def gelu_ref(x):
+    y = 0.5 * x * torch.special.erfc(-x * INV_SQRT2)  # Phi(x) = erfc(-x/sqrt2)/2: no cancellation for x < 0
+    return torch.where(x == -math.inf, torch.full_like(x, -0.0), y)
+
+
+def gelu_grad_ref(x):
+    d = 0.5 * torch.special.erfc(-x * INV_SQRT2) + x * torch.exp(-0.5 * x * x) * INV_SQRT_2PI
+    d = torch.where(x == math.inf, torch.ones_like(x), d)
+    return torch.where(x == -math.inf, torch.zeros_like(x), d)
+
+
+def _cancel_silu_grad(x):  # size of the terms of s * (1 + x * (1 - s))
+    s = _sigmoid(x)
+    return torch.nan_to_num(s * (1.0 + x.abs()), nan=0.0, posinf=0.0)
+
+
+def _cancel_gelu_grad(x):  # size of the terms of Phi(x) + x * phi(x), Phi computed as (1 + erf) / 2
+    return torch.nan_to_num(1.0 + (x * torch.exp(-0.5 * x * x)).abs() * INV_SQRT_2PI, nan=0.0, posinf=0.0)
+
+
+def reference(op, ins):
+    """fp64 inputs -> [(fp64 output, cancellation scale S, factor M multiplying the function value)]."""
+    one = torch.ones_like(ins[0])
+    if op == "gelu":
+        (x,) = ins
+        return [(gelu_ref(x), x.abs(), one)]
+    if op == "gelu_backward":
+        g, x = ins
+        return [(g * gelu_grad_ref(x), g.abs() * _cancel_gelu_grad(x), g.abs())]
+    if op == "silu":
+        (x,) = ins
+        return [(silu_ref(x), 0 * one, one)]
+    if op == "silu_backward":
+        g, x = ins
+        return [(g * silu_grad_ref(x), g.abs() * _cancel_silu_grad(x), g.abs())]
+    if op == "swiglu":
+        gate, up = ins
+        return [(silu_ref(gate) * up, 0 * one, up.abs())]
+    if op == "swiglu_backward":
+        g, gate, up = ins
+        return [(g * up * silu_grad_ref(gate), (g * up).abs() * _cancel_silu_grad(gate), (g * up).abs()),
+                (g * silu_ref(gate), 0 * one, g.abs())]
+    raise ValueError(op)
+
+
+def host_math(op, ins, dtype):
+    outs = _C._host_math(op, [t.to(dtype) for t in ins])
+    assert len(outs) == (2 if op == "swiglu_backward" else 1)
+    for o in outs:
+        assert o.dtype == dtype and o.shape == ins[0].shape
+    return outs
+
+
+def spacing(v, dtype):
+    """Distance between neighbouring values of `dtype` around |v| (fp64 tensor), subnormals included."""
+    fi = torch.finfo(dtype)
+    a = v.abs().clamp(min=fi.tiny)
+    e = torch.floor(torch.log2(a))
+    return torch.clamp(torch.exp2(e) * fi.eps, min=fi.tiny * fi.eps)
+
+
+def check(op, ins64, dtype, what="", outs=None):
+    """ins64: fp64 tensors holding values exactly representable in `dtype`. outs: the results to check (default:
+    the host math's)."""
+    if outs is None:
+        outs = host_math(op, ins64, dtype)
+    a = acc_dtype(dtype)
+    eps_a = torch.finfo(a).eps
+    for k, (y, (ref, s, m)) in enumerate(zip(outs, reference(op, ins64))):
+        y = y.double().cpu()
+        stored = ref.to(dtype).double()  # the reference rounded to storage: says where it overflows
+        name = f"{op}[{k}] {dtype} {what}"
+        nan_ref = torch.isnan(ref)
+        assert torch.equal(torch.isnan(y), nan_ref), (
+            f"{name}: NaN where the reference is not (or the reverse) at inputs "
+            f"{[t[torch.isnan(y) ^ nan_ref][:5].tolist() for t in ins64]}")
+        inf_ref = torch.isinf(stored)
+        bad = torch.isinf(y) != inf_ref
+        bad |= inf_ref & (y != stored)
+        assert not bad.any(), (f"{name}: infinities differ: got {y[bad][:5].tolist()}, reference "
+                               f"{ref[bad][:5].tolist()} at inputs {[t[bad][:5].tolist() for t in ins64]}")
+        fin = ~(nan_ref | inf_ref)
+        err = (y - ref).abs()[fin]
+        fa = torch.finfo(a)
+        tol = (0.5 * spacing(ref, dtype) + K * eps_a * (ref.abs() + s) + TINY[a] * m
+               + K * fa.tiny * fa.eps)  # each operation on subnormals of A may be off by half of the smallest
+        tol = tol[fin]
+        over = err > tol
+        if over.any():
+            i = torch.nonzero(over)[:5, 0]
+            raise AssertionError(
+                f"{name}: {int(over.sum())} of {int(fin.sum())} elements off by more than the tolerance; worst "
+                f"err/tol = {float((err / tol).max()):.3g}; examples: got {y[fin][i].tolist()}, reference "
+                f"{ref[fin][i].tolist()}, inputs {[t[fin][i].tolist() for t in ins64]}")
+
+
+# ---------------------------------------------------------------- inputs
+def representable(x64, dtype):
+    """Round fp64 values to `dtype` and back, so the reference sees exactly the kernel's inputs."""
+    return x64.to(dtype).double()
+
+
+def value_mix(n, dtype, gen):
+    """Ordinary values, both sigmoid tails, large and tiny magnitudes, exact zeros (a few), shuffled."""
+    fi = torch.finfo(dtype)
+    parts = [
+        torch.randn(n, generator=gen, dtype=torch.float64) * 4,                      # the bulk
+        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 12,        # the curved part
+        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 50,
+        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 100,       # float sigmoid tails
+        -80.0 - torch.rand(n // 8, generator=gen, dtype=torch.float64) * 30,          # exp(-x) overflows in float
+        torch.randn(n // 8, generator=gen, dtype=torch.float64) * 1e-3,
+        torch.randn(n // 8, generator=gen, dtype=torch.float64) * fi.tiny * 64,        # subnormal / tiny
+        torch.tensor([0.0, -0.0, 1.0, -1.0, -1.2784645427610738, 0.5, -0.5], dtype=torch.float64),
+    ]
+    if dtype == torch.float64:
+        parts.append(-700.0 - torch.rand(n // 8, generator=gen, dtype=torch.float64) * 50)  # double exp overflow
+    x = torch.cat(parts)
+    x = x[torch.randperm(x.numel(), generator=gen)]
+    return representable(x, dtype)
+
+
+def grad_like(n, dtype, gen):
+    g = torch.randn(n, generator=gen, dtype=torch.float64) * 2
+    g = torch.where(g.abs() < 1e-3, torch.full_like(g, 0.25), g)
+    return representable(g, dtype)
+
+
+def make_inputs(op, dtype, gen):
+    x = value_mix(4000, dtype, gen)
+    n = x.numel()
+    if op in ("gelu", "silu"):
+        return [x]
+    if op in ("gelu_backward", "silu_backward"):
+        return [grad_like(n, dtype, gen), x]
+    up = value_mix(4000, dtype, gen)[:n]
+    up = torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)]) if up.numel() < n else up
+    up = representable(up.clamp(-1e3, 1e3), dtype)  # keep silu(gate) * up inside float16's range
+    if op == "swiglu":
+        return [x, up]
+    return [grad_like(n, dtype, gen), x, up]
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", OPS)
+def test_host_math_matches_fp64_reference(op, dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{op} {dtype}".encode()))
+    for rep in range(2):
+        check(op, make_inputs(op, dtype, gen), dtype, f"(random set {rep})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", OPS)
+def test_host_math_dense_grid(op, dtype):
+    """Every value on a fine grid over [-12, 12] (where the curves bend and the zero of silu' sits)."""
+    x = representable(torch.linspace(-12, 12, 24001, dtype=torch.float64), dtype).unique()
+    gen = torch.Generator().manual_seed(7)
+    rest = [representable(torch.randn(x.numel(), generator=gen, dtype=torch.float64) * 3 + 0.1, dtype)
+            for _ in range(N_INPUTS[op] - 1)]
+    if op in ("gelu_backward", "silu_backward"):
+        ins = [rest[0], x]
+    elif op == "swiglu":
+        ins = [x, rest[0]]
+    elif op == "swiglu_backward":
+        ins = [rest[0], x, rest[1]]
+    else:
+        ins = [x]
+    check(op, ins, dtype, "(grid)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_huge_finite_inputs(dtype):
+    """Magnitudes up to the dtype's maximum: no spurious NaN from inf * 0 inside the formulas."""
+    fi = torch.finfo(dtype)
+    big = torch.tensor([fi.max, fi.max / 3, 1e4, 6e4, 1e30, 1e300], dtype=torch.float64)
+    big = representable(big[big <= fi.max], dtype)
+    x = torch.cat([big, -big])
+    one = torch.ones_like(x)
+    for op in ("gelu", "silu"):
+        check(op, [x], dtype, "(huge)")
+    for op in ("gelu_backward", "silu_backward"):
+        check(op, [one * 0.5, x], dtype, "(huge)")
+    check("swiglu", [x, one * 0.75], dtype, "(huge)")
+    check("swiglu_backward", [one * 0.5, x, one * 0.75], dtype, "(huge)")
+
+
+def _bits_negative_zero(t):
+    return bool(((t == 0) & torch.signbit(t)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_documented_limits_at_infinity_and_nan(dtype):
+    inf, nan = math.inf, math.nan
+    x = torch.tensor([inf, -inf, nan], dtype=dtype)
+
+    (y,) = _C._host_math("gelu", [x])
+    assert y[0].item() == inf and _bits_negative_zero(y[1]) and math.isnan(y[2].item()), y
+    (y,) = _C._host_math("silu", [x])
+    assert y[0].item() == inf and _bits_negative_zero(y[1]) and math.isnan(y[2].item()), y
+
+    g = torch.tensor([1.5, 1.5, 1.5], dtype=dtype)
+    for op in ("gelu_backward", "silu_backward"):  # derivative 1 at +inf, 0 at -inf
+        (y,) = _C._host_math(op, [g, x])
+        assert y[0].item() == 1.5 and y[1].item() == 0.0 and math.isnan(y[2].item()), (op, y)
+    (y,) = _C._host_math("gelu_backward", [torch.tensor([nan, 2.0], dtype=dtype), torch.tensor([0.0, nan], dtype=dtype)])
+    assert torch.isnan(y).all(), y
+
+    up = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
+    (h,) = _C._host_math("swiglu", [x, up])
+    assert h[0].item() == inf and h[1].item() == 0.0 and math.isnan(h[2].item()), h
+    (h,) = _C._host_math("swiglu", [torch.tensor([1.0, -1.0, 0.5], dtype=dtype), torch.tensor([inf, inf, nan], dtype=dtype)])
+    assert h[0].item() == inf and h[1].item() == -inf and math.isnan(h[2].item()), h
+    dgate, dup = _C._host_math("swiglu_backward", [g, x, up])
+    assert dgate[0].item() == 3.0 and dgate[1].item() == 0.0 and math.isnan(dgate[2].item()), dgate
+    assert dup[0].item() == inf and dup[1].item() == 0.0 and math.isnan(dup[2].item()), dup
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_specials_in_every_combination(dtype):
+    """Every pairing of {+-inf, NaN, +-0, +-1, +-5} in every input position against the reference limits. (Not
+    larger finite values: there an activation derivative that underflows to 0 in float meets an infinite grad and
+    gives NaN where the fp64 reference, whose derivative is still nonzero, gives inf.)"""
+    vals = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, 5.0, -5.0], dtype=torch.float64)
+    for op in OPS:
+        n = N_INPUTS[op]
+        grids = torch.meshgrid(*([vals] * n), indexing="ij")
+        ins = [representable(t.reshape(-1), dtype) for t in grids]
+        check(op, ins, dtype, "(specials)")
+
+
+def test_reference_matches_aten_float64():
+    """The reference used above agrees with ATen in float64 (checks the checker). ATen's GELU uses 1 + erf, which
+    cancels for negative x, so the allowed difference there is a few ulps of |x| rather than of the value."""
+    x = torch.cat([torch.randn(5000, dtype=torch.float64) * 4, torch.linspace(-30, 30, 1001, dtype=torch.float64)])
+    g = torch.randn_like(x)
+    eps = torch.finfo(torch.float64).eps
+    pairs = [
+        (gelu_ref(x), torch.nn.functional.gelu(x), x.abs()),
+        (silu_ref(x), torch.nn.functional.silu(x), 0 * x),
+        (g * gelu_grad_ref(x), torch.ops.aten.gelu_backward(g, x), g.abs()),
+        (g * silu_grad_ref(x), torch.ops.aten.silu_backward(g, x), g.abs() * (1 + x.abs()) * torch.sigmoid(x)),
+    ]
+    for i, (ours, aten, scale) in enumerate(pairs):
+        err = (ours - aten).abs()
+        tol = 8 * eps * (ours.abs() + scale) + 1e-300
+        assert (err <= tol).all(), (i, float((err / tol).max()), x[err > tol][:5].tolist())
+
+
+def test_host_math_rejects_bad_calls():
+    with pytest.raises(ValueError, match="unknown op"):
+        _C._host_math("tanh", [torch.ones(2)])
+    with pytest.raises(ValueError, match="expected 2 inputs"):
+        _C._host_math("swiglu", [torch.ones(2)])
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        _C._host_math("swiglu", [torch.ones(2), torch.ones(3)])
+
+
+def test_host_math_rounds_once_for_half_types():
+    """A fused product rounded once is closer to fp64 than silu(gate) rounded to bf16 and then multiplied:
+    the host math must beat that two-rounding recipe on average, and never lose by more than the math error."""
+    gen = torch.Generator().manual_seed(3)
+    gate = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
+    up = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
+    (h,) = _C._host_math("swiglu", [gate.bfloat16(), up.bfloat16()])
+    ref = silu_ref(gate) * up
+    twice = (torch.nn.functional.silu(gate.bfloat16().float()).bfloat16().float() * up.float()).bfloat16().double()
+    err_once = (h.double() - ref).abs()
+    err_twice = (twice - ref).abs()
+    assert err_once.mean() < 0.8 * err_twice.mean(), (err_once.mean(), err_twice.mean())
+    correctly_rounded = (h.double() == ref.to(torch.bfloat16).double()).double().mean()
+    assert correctly_rounded > 0.999, f"only {correctly_rounded:.4%} of bfloat16 results are the correctly rounded value"
+
+
+# ---------------------------------------------------------------- the CUDA kernels themselves (GPU only)
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_kernels_match_reference_and_host_math(op, dtype):
+    """The same inputs and tolerances through torch.ops.ffn_ext on the GPU (the device's erff/expf differ from the
+    host's in the last bits), plus the GPU results against the host math: the same storage value or a neighbour."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"cuda {op} {dtype}".encode()))
+    vals = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, 5.0, -5.0], dtype=torch.float64)
+    specials = [representable(t.reshape(-1), dtype)
+                for t in torch.meshgrid(*([vals] * N_INPUTS[op]), indexing="ij")]
+    for what, ins in (("random", make_inputs(op, dtype, gen)), ("specials", specials)):
+        outs = getattr(torch.ops.ffn_ext, op)(*[t.to(dtype).cuda() for t in ins])
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        check(op, ins, dtype, f"(CUDA, {what})", outs=[o.cpu() for o in outs])
+        for k, (dev, host) in enumerate(zip(outs, host_math(op, ins, dtype))):
+            dev, host = dev.cpu().double(), host.double()
+            same = (dev == host) | (torch.isnan(dev) & torch.isnan(host))
+            near = (dev - host).abs() <= 4 * spacing(host, acc_dtype(dtype)) + spacing(host, dtype)
+            assert (same | near).all(), (f"{op}[{k}] {dtype} {what}: GPU and host math differ: GPU "
+                                         f"{dev[~(same | near)][:5].tolist()}, host {host[~(same | near)][:5].tolist()}")

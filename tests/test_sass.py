@@ -1,0 +1,259 @@
+"""Machine code of the CUDA kernels, read without a GPU.
+
+`cuobjdump` (shipped in the triton package that the CUDA build of torch installs, triton/backends/nvidia/bin; else
+$CUDA_HOME/bin or PATH) dumps the SASS of the built extension (the loaded ffn_ext native library, or the file named
+by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every rows_kernel instantiation (6 functors x 4
+dtypes) and every architecture:
+  * the vector body uses 128-bit global loads (LDG...128) and stores (STG...128), at least one per operand;
+  * no local memory traffic (LDL/STL) and no stack (register spills would show up as both);
+and the binary holds exactly the SASS and PTX the architecture list asked for (TORCH_CUDA_ARCH_LIST, else
+default_cuda_archs of csrc/build.json), which must also be what the build reports (build_info()['cuda_archs']).
+Skips when the extension has no CUDA kernels or no cuobjdump is found.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import ffn_ext
+
+ROOT = Path(__file__).resolve().parent.parent
+LIB_ENV = "FFN_EXT_SASS_LIB"
+
+FUNCTORS = {"GeluFwd": (1, 1), "GeluBwd": (2, 1), "SiluFwd": (1, 1), "SiluBwd": (2, 1), "SwigluFwd": (2, 1),
+            "SwigluBwd": (3, 2)}  # functor -> (NI, NO), as in csrc/ffn_math.h
+DTYPES = {"d": ("float64", 8), "f": ("float32", 4), "N3c104HalfE": ("float16", 2), "N3c108BFloat16E": ("bfloat16", 2)}
+EXPECTED_KERNELS = {(f, dt) for f in FUNCTORS for dt, _ in DTYPES.values()}  # 24 per architecture
+
+LOAD_128 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.128\b")
+STORE_128 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.128\b")
+LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")
+
+
+# ---------------------------------------------------------------- locating the binary and cuobjdump
+def _cuobjdump() -> str | None:
+    spec = importlib.util.find_spec("triton")
+    candidates = []
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidates.append(Path(loc) / "backends" / "nvidia" / "bin" / "cuobjdump")
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "bin" / "cuobjdump")
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return shutil.which("cuobjdump")
+
+
+def _library() -> tuple[str | None, str]:
+    """(path of the binary to inspect, why not) ."""
+    if os.environ.get(LIB_ENV):
+        return os.environ[LIB_ENV], ""
+    native = ffn_ext.ops._native
+    if native is None:
+        return None, f"no native ffn_ext library is loaded ({ffn_ext.build_info().get('reason')})"
+    if not ffn_ext.has_cuda_kernels():
+        return None, "the loaded ffn_ext was built without CUDA kernels"
+    return native.__file__, ""
+
+
+def requested_archs() -> tuple[str, set[int], set[int]]:
+    """(the list, SASS archs, PTX archs) from TORCH_CUDA_ARCH_LIST or the project default."""
+    text = os.environ.get("TORCH_CUDA_ARCH_LIST") or json.loads((ROOT / "csrc" / "build.json").read_text())[
+        "default_cuda_archs"]
+    sass, ptx = set(), set()
+    for item in re.split(r"[;\s]+", text.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d+)[af]?(\+PTX)?", item)
+        assert m, f"cannot read {item!r} in the architecture list {text!r}"
+        cc = int(m.group(1)) * 10 + int(m.group(2))
+        sass.add(cc)
+        if m.group(3):
+            ptx.add(cc)
+    return text, sass, ptx
+
+
+def parse_kernel_name(mangled: str):
+    """_ZN7ffn_ext4cuda11rows_kernelI<T>NS_4math<len><Functor>ELi<VEC>E... -> (functor, dtype, vec) or None."""
+    m = re.match(r"_ZN7ffn_ext4cuda11rows_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)NS_4math(\d+)", mangled)
+    if not m:
+        return None
+    n = int(m.group(2))
+    functor = mangled[m.end():m.end() + n]
+    rest = re.match(r"ELi(\d+)E", mangled[m.end() + n:])
+    if rest is None:
+        return None
+    return functor, DTYPES[m.group(1)][0], int(rest.group(1))
+
+
+def parse_sass(text: str) -> dict[tuple[int, str], list[str]]:
+    """{(sm, mangled function name): [instruction lines]} from `cuobjdump --dump-sass`."""
+    funcs: dict[tuple[int, str], list[str]] = {}
+    arch, current = None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch, current = int(m.group(1)), None
+            continue
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            assert arch is not None, "SASS function before any 'arch = sm_XX' header"
+            current = funcs.setdefault((arch, m.group(1)), [])
+            continue
+        if current is not None and re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
+            current.append(line.split(";")[0])
+    return funcs
+
+
+def parse_resources(text: str) -> dict[tuple[int, str], dict[str, int]]:
+    """{(sm, function): {'REG': .., 'STACK': .., 'LOCAL': .., ...}} from `cuobjdump --dump-resource-usage`."""
+    out, arch, fn = {}, None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1))
+            continue
+        m = re.match(r"\s*Function (\S+):\s*$", line)
+        if m:
+            fn = m.group(1)
+            continue
+        if fn is not None and "REG:" in line:
+            out[(arch, fn)] = {k: int(v) for k, v in re.findall(r"([A-Z]+):(\d+)", line)}
+            fn = None
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def dump(kind: str) -> str:
+    lib, why = _library()
+    tool = _cuobjdump()
+    if lib is None:
+        pytest.skip(why)
+    if tool is None:
+        pytest.skip("cuobjdump not found (install triton, or set CUDA_HOME to a toolkit that has it)")
+    flag = {"sass": "--dump-sass", "res": "--dump-resource-usage", "elf": "--list-elf", "ptx": "--list-ptx"}[kind]
+    r = subprocess.run([tool, flag, lib], capture_output=True, text=True, timeout=300)
+    if kind == "ptx" and r.returncode != 0 and "No PTX" in r.stderr + r.stdout:
+        return ""
+    assert r.returncode == 0, f"{tool} {flag} {lib} failed ({r.returncode}):\n{r.stderr[-2000:]}"
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def sass():
+    funcs = parse_sass(dump("sass"))
+    assert funcs, "cuobjdump found no SASS functions in the extension"
+    return funcs
+
+
+def _archs_in(funcs) -> set[int]:
+    return {a for a, _ in funcs}
+
+
+# ---------------------------------------------------------------- tests
+def test_kernel_inventory(sass):
+    """Exactly the 24 rows_kernel instantiations (6 functors x 4 dtypes, VEC = 16 bytes / sizeof(T)) per arch."""
+    lines = []
+    for arch in sorted(_archs_in(sass)):
+        names = [n for a, n in sass if a == arch]
+        parsed = {n: parse_kernel_name(n) for n in names}
+        unknown = [n for n, p in parsed.items() if p is None]
+        assert not unknown, f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel: {unknown}"
+        found = {(f, dt) for f, dt, _ in parsed.values()}
+        assert len(found) == len(names), f"sm_{arch}: duplicate instantiations: {sorted(names)}"
+        assert found == EXPECTED_KERNELS, (f"sm_{arch}: missing {sorted(EXPECTED_KERNELS - found)}, "
+                                           f"unexpected {sorted(found - EXPECTED_KERNELS)}")
+        for f, dt, vec in parsed.values():
+            size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dt]
+            assert vec * size == 16, f"sm_{arch}: rows_kernel<{dt}, {f}> uses VEC={vec}: {vec * size}-byte packs"
+        lines += [f"sm_{arch} rows_kernel<{dt}, {f}, VEC={vec}>" for f, dt, vec in sorted(parsed.values())]
+    print(f"\n{len(lines)} kernels:\n" + "\n".join(lines))
+
+
+def test_arch_list_matches_request_and_build_info(sass):
+    text, want_sass, want_ptx = requested_archs()
+    elf = dump("elf")
+    ptx = dump("ptx")
+    cubin_archs = {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.cubin", elf)}
+    ptx_archs = {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.ptx", ptx)}
+    assert cubin_archs == _archs_in(sass), (elf, sorted(_archs_in(sass)))
+    hint = (f"(expected from {'TORCH_CUDA_ARCH_LIST' if os.environ.get('TORCH_CUDA_ARCH_LIST') else 'default_cuda_archs'}"
+            f"={text!r}; rebuild, or set TORCH_CUDA_ARCH_LIST to the list the extension was built with)")
+    assert cubin_archs == want_sass, f"SASS for {sorted(cubin_archs)}, expected {sorted(want_sass)} {hint}"
+    assert ptx_archs == want_ptx, f"PTX for {sorted(ptx_archs)}, expected {sorted(want_ptx)} {hint}"
+    if not os.environ.get(LIB_ENV):
+        reported = {int(a) // 10 for a in re.findall(r"\d+", ffn_ext.build_info().get("cuda_archs", ""))}
+        assert reported == cubin_archs, f"build_info() says cuda_archs={ffn_ext.build_info().get('cuda_archs')!r}"
+
+
+def test_default_arch_list_is_ampere_and_hopper():
+    """The project default must keep sm_80 and sm_90 code and PTX for the newest (forward compatibility)."""
+    default = json.loads((ROOT / "csrc" / "build.json").read_text())["default_cuda_archs"]
+    items = set(re.split(r"[;\s]+", default.strip()))
+    assert {"8.0", "9.0+PTX"} <= items, default
+
+
+@pytest.mark.parametrize("functor", sorted(FUNCTORS))
+def test_vector_loads_and_stores_no_local_memory(sass, functor):
+    ni, no = FUNCTORS[functor]
+    checked = 0
+    for (arch, name), insts in sorted(sass.items()):
+        parsed = parse_kernel_name(name)
+        if parsed is None or parsed[0] != functor:
+            continue
+        where = f"sm_{arch} rows_kernel<{parsed[1]}, {functor}>"
+        loads = [i for i in insts if LOAD_128.search(i)]
+        stores = [i for i in insts if STORE_128.search(i)]
+        local = [i.strip() for i in insts if LOCAL_MEM.search(i)]
+        assert len(loads) >= ni, f"{where}: {len(loads)} 128-bit global loads (LDG.*.128), want >= {ni} (one per input)"
+        assert len(stores) >= no, f"{where}: {len(stores)} 128-bit global stores (STG.*.128), want >= {no}"
+        assert not local, f"{where}: local memory traffic (spills?): {local[:5]}"
+        checked += 1
+    assert checked == 4 * len(_archs_in(sass)), f"{functor}: {checked} kernels checked, want 4 dtypes x archs"
+
+
+def test_no_stack_or_local_memory_in_resource_usage(sass):
+    res = parse_resources(dump("res"))
+    ours = {k: v for k, v in res.items() if parse_kernel_name(k[1]) is not None}
+    assert len(ours) == len(sass), f"resource usage for {len(ours)} kernels, SASS for {len(sass)}"
+    bad = {f"sm_{a} {parse_kernel_name(n)}": r for (a, n), r in ours.items() if r.get("STACK") or r.get("LOCAL")}
+    assert not bad, f"kernels with stack or local memory: {bad}"
+    regs = sorted((r["REG"], a, parse_kernel_name(n)) for (a, n), r in ours.items())
+    print(f"\nregisters: min {regs[0]}, max {regs[-1]}")
+    # __launch_bounds__(256): up to 255 registers fit; more than 128 would halve the resident warps.
+    assert regs[-1][0] <= 128, f"register use above 128: {regs[-5:]}"
+
+
+def test_parsers_on_a_sample():
+    """The SASS parser itself (so a format change in cuobjdump fails here instead of passing vacuously)."""
+    sample = """
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+
+	code for sm_90
+		Function : _ZN7ffn_ext4cuda11rows_kernelIfNS_4math7SiluFwdELi4EEEvNS0_10RowProblemIXsrT0_2NIEXsrS5_2NOEEES5_
+	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;     /* 0x000 */
+        /*0010*/                   STL.64 [R1], R4 ;                    /* 0x000 */
+        /*0020*/                   STG.E.128.STRONG.GPU desc[UR4][R6.64], R8 ;   /* 0x000 */
+"""
+    funcs = parse_sass(sample)
+    ((key, insts),) = funcs.items()
+    assert key[0] == 90 and parse_kernel_name(key[1]) == ("SiluFwd", "float32", 4)
+    assert len(insts) == 3
+    assert LOAD_128.search(insts[0]) and STORE_128.search(insts[2]) and LOCAL_MEM.search(insts[1])
+    assert not LOAD_128.search("LDG.E.64 R4, [R2.64]") and not LOCAL_MEM.search("LDG.E R4, [R2.64]")
+    assert parse_kernel_name(
+        "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_2NIEXsrS7_2NOEEES7_"
+    ) == ("SwigluBwd", "bfloat16", 8)
