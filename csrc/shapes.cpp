@@ -5,6 +5,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <sstream>
+#include <string>
+
 namespace ffn_ext {
 namespace {
 const char* dtype_name(at::ScalarType st) {
@@ -23,6 +26,23 @@ const char* dtype_name(at::ScalarType st) {
     case at::kComplexDouble: return "torch.complex128";
     default: return c10::toString(st);
   }
+}
+
+// "[3, 5]". Concrete sizes are printed as plain integers: streaming a SymIntArrayRef into an error message
+// crashed on torch 2.11 (seen on the H200: swiglu_packed with an odd last dimension segfaulted instead of raising).
+std::string shape_str(c10::SymIntArrayRef sizes) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) os << ", ";
+    if (const auto v = sizes[i].maybe_as_int()) {
+      os << *v;
+    } else {
+      os << sizes[i];
+    }
+  }
+  os << "]";
+  return os.str();
 }
 
 void check_input(const char* op, const char* name, const at::Tensor& t) {
@@ -44,7 +64,7 @@ void check_like(const char* op, const char* name, const at::Tensor& t, const cha
   TORCH_CHECK(t.device() == ref.device(), op, ": expected `", name, "` to be on the device of `", ref_name, "` (",
               ref.device(), "), got ", t.device());
   TORCH_CHECK_VALUE(t.sym_sizes() == ref.sym_sizes(), op, ": expected `", name, "` to have the shape of `", ref_name,
-                    "` ", ref.sym_sizes(), ", got ", t.sym_sizes());
+                    "` ", shape_str(ref.sym_sizes()), ", got ", shape_str(t.sym_sizes()));
 }
 
 // Validates gate_up for the packed ops and returns its half width M.
@@ -54,7 +74,7 @@ c10::SymInt check_packed(const char* op, const at::Tensor& gate_up) {
                     "0-dim tensor");
   const c10::SymInt& last = gate_up.sym_size(-1);
   TORCH_CHECK_VALUE(last % 2 == 0, op, ": expected the last dimension of `gate_up` to be even ([..., 2*M]), got ",
-                    "shape ", gate_up.sym_sizes());
+                    "shape ", shape_str(gate_up.sym_sizes()));
   return last / 2;
 }
 
@@ -114,8 +134,8 @@ at::Tensor alloc_swiglu_packed_backward(const at::Tensor& grad, const at::Tensor
   TORCH_CHECK(grad.device() == gate_up.device(), op, ": expected `grad` to be on the device of `gate_up` (",
               gate_up.device(), "), got ", grad.device());
   TORCH_CHECK_VALUE(grad.sym_sizes() == c10::SymIntArrayRef(out_sizes), op,
-                    ": expected `grad` to have the forward output's shape ", c10::SymIntArrayRef(out_sizes),
-                    " (gate_up's with the last dimension halved), got ", grad.sym_sizes());
+                    ": expected `grad` to have the forward output's shape ", shape_str(out_sizes),
+                    " (gate_up's with the last dimension halved), got ", shape_str(grad.sym_sizes()));
   return empty_like_sizes(gate_up, gate_up.sym_sizes());
 }
 
