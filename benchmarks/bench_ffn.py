@@ -235,17 +235,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
     args = p.parse_args(argv)
     payload = run(args)
-    dev = common.resolve_device(args.device)
-    out_dir = args.out or common.default_out_dir(dev)
-    md = markdown(payload)
-    print(md)
-    files = common.write_outputs(out_dir, "ffn", payload, md)
-    if not args.no_plots:
-        import plot
+    import plot
 
-        files += plot.plot_ffn(payload, out_dir)
-    print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
-    return 0
+    return common.report(args, "ffn", payload, markdown(payload), plot.plot_ffn)
 
 
 if __name__ == "__main__":

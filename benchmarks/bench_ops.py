@@ -368,17 +368,9 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=None, help="comma-separated subset of " + ",".join(OPS))
     args = p.parse_args(argv)
     payload = run(args)
-    dev = common.resolve_device(args.device)
-    out_dir = args.out or common.default_out_dir(dev)
-    md = markdown(payload)
-    print(md)
-    files = common.write_outputs(out_dir, "ops", payload, md)
-    if not args.no_plots:
-        import plot
+    import plot
 
-        files += plot.plot_ops(payload, out_dir)
-    print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
-    return 0
+    return common.report(args, "ops", payload, markdown(payload), plot.plot_ops)
 
 
 if __name__ == "__main__":

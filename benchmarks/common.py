@@ -330,6 +330,18 @@ def write_outputs(out_dir: Path, stem: str, payload: dict, markdown: str) -> lis
     return [md, js]
 
 
+def report(args, stem: str, payload: dict, markdown: str, plot_fn) -> int:
+    """The end of every benchmark script: print the table, write <stem>.md/.json and the plots (plot_fn(payload,
+    out_dir) -> paths) into --out or the default results folder."""
+    out_dir = args.out or default_out_dir(resolve_device(args.device))
+    print(markdown)
+    files = write_outputs(out_dir, stem, payload, markdown)
+    if not args.no_plots:
+        files += plot_fn(payload, out_dir)
+    print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
 def add_common_args(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="fewer sizes and dtypes (default)")

@@ -48,9 +48,8 @@ class SwiGLU(nn.Module):
         return _ops.swiglu_packed(gate) if up is None else _ops.swiglu(gate, up)
 
 
-# ---------------------------------------------------------------- ops with an ATen fallback (backward side)
-def _swiglu(gate, up):
-    return torch.ops.ffn_ext.swiglu(gate, up) if _ops._native_for(gate) else F.silu(gate) * up
+# ---------------------------------------------------------------- backward ops with an ATen fallback
+_swiglu, _swiglu_packed = _ops.swiglu, _ops.swiglu_packed
 
 
 def _swiglu_backward(grad, gate, up):
@@ -58,13 +57,6 @@ def _swiglu_backward(grad, gate, up):
         return torch.ops.ffn_ext.swiglu_backward(grad, gate, up)
     s = torch.sigmoid(gate)
     return grad * up * (s * (1 + gate * (1 - s))), grad * (gate * s)
-
-
-def _swiglu_packed(gate_up):
-    if _ops._native_for(gate_up):
-        return torch.ops.ffn_ext.swiglu_packed(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _swiglu_packed_backward(grad, gate_up):
