@@ -54,22 +54,32 @@ def _load_installed() -> None:
 
 # ---------------------------------------------------------------- functional API
 # Input checks. The native ops check everything in C++ (csrc/shapes.cpp), but sparse, nested and quantized tensors
-# never reach those checks: the dispatcher routes them to SparseCPU/NestedTensorCPU/QuantizedCPU/... keys where
-# ffn_ext has no kernel and fails with an unclear "Could not run ..." error. So the API checks the tensor kind itself
-# before dispatch (cheap attribute reads), and checks everything when it falls back to plain ATen, with the same
-# messages as the C++ checks: TypeError (not a tensor, layout, dtype), ValueError (shape), RuntimeError (device).
+# (and non-tensors) never reach those checks: the dispatcher routes them to SparseCPU/NestedTensorCPU/QuantizedCPU/...
+# keys where ffn_ext has no kernel and fails with an unclear "Could not run ..." error. The API therefore calls the
+# native op first (no Python checks on the hot path: decode-sized calls are bound by host time) and, only if it
+# raises, looks at the tensor kinds to raise the clear error instead. When it falls back to plain ATen it checks
+# everything, with the same messages as the C++ checks: TypeError (not a tensor, layout, dtype), ValueError (shape),
+# RuntimeError (device).
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_kind(op: str, name: str, t) -> None:
+def _kind_error(op: str, name: str, t) -> Exception | None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: expected `{name}` to be a torch.Tensor, got {type(t).__name__}")
+        return TypeError(f"{op}: expected `{name}` to be a torch.Tensor, got {type(t).__name__}")
     if t.is_nested:
-        raise TypeError(f"{op}: `{name}` is a nested tensor; expected a dense strided tensor")
+        return TypeError(f"{op}: `{name}` is a nested tensor; expected a dense strided tensor")
     if t.layout != torch.strided:
-        raise TypeError(f"{op}: expected `{name}` to be a dense strided tensor, got layout {t.layout}")
+        return TypeError(f"{op}: expected `{name}` to be a dense strided tensor, got layout {t.layout}")
     if t.is_quantized:
-        raise TypeError(f"{op}: `{name}` is a quantized tensor; expected a floating-point tensor")
+        return TypeError(f"{op}: `{name}` is a quantized tensor; expected a floating-point tensor")
+    return None
+
+
+def _check_kinds(op: str, names: tuple, args: tuple) -> None:
+    for name, t in zip(names, args):
+        err = _kind_error(op, name, t)
+        if err is not None:
+            raise err from None
 
 
 def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:  # ATen fallback only
@@ -90,57 +100,69 @@ def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.T
 
 
 def _native_for(t: torch.Tensor) -> bool:
-    return _native is not None and t.device.type in _NATIVE_DEVICES
+    """True when the native ops serve t's device (cpu, cuda, meta); other devices take the ATen fallback."""
+    return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
 
 
-def _check_packed(gate_up: torch.Tensor) -> None:  # ATen fallback only; the native ops check in C++
-    op = "ffn_ext.swiglu_packed"
+def _call(name: str, arg_names: tuple, args: tuple, fallback):
+    """torch.ops.ffn_ext.<name>(*args) when the native ops serve args[0]'s device, else fallback(*args) after the
+    fallback's own checks. Bad tensor kinds get the clear error either way."""
+    op = f"ffn_ext.{name}"
+    try:
+        if _native_for(args[0]):
+            return getattr(torch.ops.ffn_ext, name).default(*args)
+    except Exception:
+        _check_kinds(op, arg_names, args)  # raises the clear error if a kind is the cause
+        raise
+    _check_kinds(op, arg_names, args)
+    return fallback(op, *args)
+
+
+def _gelu_fallback(op, x):
+    _check_dtype(op, "x", x)
+    return F.gelu(x)
+
+
+def _silu_fallback(op, x):
+    _check_dtype(op, "x", x)
+    return F.silu(x)
+
+
+def _swiglu_fallback(op, gate, up):
+    _check_dtype(op, "gate", gate)
+    _check_like(op, "up", up, "gate", gate)
+    return F.silu(gate) * up
+
+
+def _swiglu_packed_fallback(op, gate_up):
     _check_dtype(op, "gate_up", gate_up)
     if gate_up.dim() == 0:
         raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
     if gate_up.shape[-1] % 2:
         raise ValueError(f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), "
                          f"got shape {list(gate_up.shape)}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
     """Exact (erf) GELU: 0.5 * x * (1 + erf(x / sqrt(2)))."""
-    _check_kind("ffn_ext.gelu", "x", x)
-    if _native_for(x):
-        return torch.ops.ffn_ext.gelu(x)
-    _check_dtype("ffn_ext.gelu", "x", x)
-    return F.gelu(x)
+    return _call("gelu", ("x",), (x,), _gelu_fallback)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU (swish): x * sigmoid(x)."""
-    _check_kind("ffn_ext.silu", "x", x)
-    if _native_for(x):
-        return torch.ops.ffn_ext.silu(x)
-    _check_dtype("ffn_ext.silu", "x", x)
-    return F.silu(x)
+    return _call("silu", ("x",), (x,), _silu_fallback)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused. gate and up: same shape, dtype and device (views such as chunk(2, -1) are fine)."""
-    op = "ffn_ext.swiglu"
-    _check_kind(op, "gate", gate)
-    _check_kind(op, "up", up)
-    if _native_for(gate):
-        return torch.ops.ffn_ext.swiglu(gate, up)
-    _check_dtype(op, "gate", gate)
-    _check_like(op, "up", up, "gate", gate)
-    return F.silu(gate) * up
+    return _call("swiglu", ("gate", "up"), (gate, up), _swiglu_fallback)
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with gate, up = gate_up.chunk(2, -1): [..., 2M] -> [..., M]."""
-    _check_kind("ffn_ext.swiglu_packed", "gate_up", gate_up)
-    if _native_for(gate_up):
-        return torch.ops.ffn_ext.swiglu_packed(gate_up)
-    _check_packed(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _call("swiglu_packed", ("gate_up",), (gate_up,), _swiglu_packed_fallback)
 
 
 # ---------------------------------------------------------------- build information
