@@ -13,10 +13,13 @@
 
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cstdint>
+
+#include <cuda_runtime_api.h>
 
 namespace ffn_ext {
 namespace cuda {
@@ -140,19 +143,25 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
   }
 }
 
-// Launch shape: blocks along a row cover UNROLL * threads vectors each; rows go on grid.y (strided loop past
-// 65535). Short rows get fewer threads per block so that small (decode) problems still spread over many blocks.
+// Launch shape. Rows go on grid.y (a strided loop past 65535); along a row each block covers threads * UNROLL
+// vectors. Large problems get 256-thread blocks. Small ones (decode: a few rows of a few thousand elements) get
+// narrower blocks, down to one warp, so that the grid still has about two blocks per multiprocessor instead of a
+// handful of wide ones.
 template <typename T, typename F>
 void launch_rows(const F& f, const RowProblem<F::NI, F::NO>& p) {
   constexpr int VEC = 16 / sizeof(T);
   if (p.rows == 0 || p.cols == 0) return;
-  const int64_t vecs = (p.cols + VEC - 1) / VEC;
-  const int64_t want = (vecs + kUnroll - 1) / kUnroll;
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (want + 31) / 32 * 32)));
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  const int64_t grid_rows = std::min<int64_t>(p.rows, 65535);
+  const int64_t want_bx = std::max<int64_t>(1, (2 * sms + grid_rows - 1) / grid_rows);
+  const int64_t vecs = (p.cols + VEC - 1) / VEC;  // per row
+  const int64_t lanes = (vecs + kUnroll * want_bx - 1) / (kUnroll * want_bx);
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (lanes + 31) / 32 * 32)));
   const int64_t per_block = static_cast<int64_t>(threads) * kUnroll;
   const int64_t bx = std::max<int64_t>(1, (vecs + per_block - 1) / per_block);
   TORCH_CHECK(bx <= 0x7fffffff, "ffn_ext: row of ", p.cols, " elements is too long for one launch");
-  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(std::min<int64_t>(p.rows, 65535)));
+  const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(grid_rows));
   rows_kernel<T, F, VEC><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, f);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
