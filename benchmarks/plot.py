@@ -29,6 +29,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    _plt().close(fig)
+    return path
+
+
 def _label(meta: dict) -> str:
     return f"{meta['device_name']} ({meta['device_type'].upper()}), {meta['mode']}, {meta['date'][:10]}"
 
@@ -74,11 +81,7 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
                     ax.set_xlabel("elements per tensor (N)")
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"ffn_ext {op}: bandwidth vs size — {_label(meta)}", fontsize=10)
-        fig.tight_layout()
-        f = out_dir / f"ops_bandwidth_{op}.png"
-        fig.savefig(f, dpi=90)
-        plt.close(fig)
-        files.append(f)
+        files.append(_save(fig, out_dir / f"ops_bandwidth_{op}.png"))
     for dt in dtypes:
         fig, axes = plt.subplots(1, len(ops), figsize=(4.0 * len(ops), 3.4), squeeze=False, sharey=True)
         for j, op in enumerate(ops):
@@ -100,11 +103,7 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
         axes[0][0].set_ylabel("speedup vs ATen eager (×)")
         axes[0][0].legend(fontsize=6)
         fig.suptitle(f"speedup over ATen eager, {dt} — {_label(meta)}", fontsize=10)
-        fig.tight_layout()
-        f = out_dir / f"ops_speedup_{dt}.png"
-        fig.savefig(f, dpi=90)
-        plt.close(fig)
-        files.append(f)
+        files.append(_save(fig, out_dir / f"ops_speedup_{dt}.png"))
     return files
 
 
@@ -145,11 +144,7 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"SwiGLU FFN — {_label(meta)}", fontsize=10)
-    fig.tight_layout()
-    f = out_dir / "ffn.png"
-    fig.savefig(f, dpi=90)
-    plt.close(fig)
-    return [f]
+    return [_save(fig, out_dir / "ffn.png")]
 
 
 def main(argv=None) -> int:
