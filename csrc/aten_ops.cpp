@@ -76,10 +76,14 @@ TORCH_LIBRARY_IMPL(ffn_ext, CPU, m) {
 #ifndef FFN_EXT_WITH_CUDA
 // No CUDA kernels in this build: CUDA tensors take the ATen composites, after one warning.
 namespace {
-template <auto Fn, typename... Args>
-auto warn_then(Args... args) {
+// One function, so one TORCH_WARN_ONCE for the library (inside the template there would be one per op).
+void warn_cpu_only_build() {
   TORCH_WARN_ONCE("ffn_ext was built without CUDA kernels (CPU-only build); CUDA tensors use the ATen composite. ",
                   "Rebuild with a CUDA toolkit and a CUDA build of torch for the fused kernels.");
+}
+template <auto Fn, typename... Args>
+auto warn_then(Args... args) {
+  warn_cpu_only_build();
   return Fn(args...);
 }
 }  // namespace

@@ -32,7 +32,7 @@ std::vector<at::Tensor> host_apply(const std::vector<at::Tensor>& inputs) {
     for (int64_t j = 0; j < n; ++j) {
       A a[F::NI], r[F::NO];
       for (int i = 0; i < F::NI; ++i) a[i] = static_cast<A>(ins[i].data_ptr<scalar_t>()[j]);
-      F{}(a, r);
+      F{}.template apply<math::fast_math_for<scalar_t>()>(a, r);
       for (int o = 0; o < F::NO; ++o) outs[o].data_ptr<scalar_t>()[j] = static_cast<scalar_t>(r[o]);
     }
   });

@@ -182,8 +182,7 @@ _CPU_ONLY_BUILD = textwrap.dedent(r"""
     torch.testing.assert_close(outs[0], F.gelu(x))
     torch.testing.assert_close(outs[2], F.silu(x[:, :11]) * x[:, 11:])
     msgs = [str(m.message) for m in w if "without CUDA kernels" in str(m.message)]
-    print("cpu-only-build warnings:", len(msgs), msgs[:1])
-    assert len(msgs) == 1, [str(m.message) for m in w]
+    print("python warnings:", len(msgs))
 """)
 
 
@@ -195,4 +194,8 @@ def test_cpu_only_build_serves_cuda_tensors_with_one_warning(tmp_path):
     r = subprocess.run([sys.executable, "-c", _CPU_ONLY_BUILD, str(tmp_path)], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
-    assert "cpu-only-build warnings: 1" in r.stdout
+    # TORCH_WARN_ONCE reaches Python as a warning where the caller converts C++ warnings, and is printed to stderr
+    # by c10's handler where it does not (torch.ops calls on some torch versions): once in all, either way.
+    python_warnings = int(r.stdout.split("python warnings:")[1].split()[0])
+    printed = r.stderr.count("without CUDA kernels")
+    assert python_warnings + printed == 1, r.stdout[-3000:] + r.stderr[-3000:]

@@ -21,6 +21,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../ffn_math.h"
+
 namespace ffn_ext {
 namespace cuda {
 
@@ -73,6 +75,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 template <typename T, typename F, int VEC>
 __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
   constexpr int NI = F::NI, NO = F::NO;
+  constexpr bool kFast = math::fast_math_for<T>();
   using A = at::opmath_type<T>;
   const int64_t cols = p.cols;
 
@@ -95,7 +98,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
       A a[NI], r[NO];
 #pragma unroll
       for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(in[i][j]);
-      f(a, r);
+      f.template apply<kFast>(a, r);
 #pragma unroll
       for (int o = 0; o < NO; ++o) out[o][j] = static_cast<T>(r[o]);
     };
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
           A a[NI], r[NO];
 #pragma unroll
           for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(buf[u][i].v[k]);
-          f(a, r);
+          f.template apply<kFast>(a, r);
 #pragma unroll
           for (int o = 0; o < NO; ++o) res[o].v[k] = static_cast<T>(r[o]);
         }
