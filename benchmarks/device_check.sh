@@ -5,7 +5,8 @@
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
 # op and dtype. (The SASS checks run in CI on the sm_80/sm_90 build: tests/test_sass.py.) Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
-# returns at most 8 files). Exit status: number of failed stages.
+# returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
+# (default: all of build cuda_tests bench_ops ncu memcheck bench_ffn racecheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ffn_ext_device}
@@ -18,8 +19,10 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
+STAGES=${STAGES:-build cuda_tests bench_ops ncu memcheck bench_ffn racecheck}
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  case " $STAGES " in *" $name "*) ;; *) note "$(printf '%-12s skipped (STAGES)' "$name")"; return ;; esac
   local t0=$(date +%s)
   timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
@@ -41,10 +44,19 @@ stage build 90 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
 
 # All CUDA tests, the large (>2**31 elements) ones included.
-FFN_EXT_RUN_LARGE=1 stage cuda_tests 100 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
+FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 
 # Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/.
-stage bench_ops 150 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
+stage bench_ops 120 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
+
+# Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound?
+if command -v ncu >/dev/null; then
+  stage ncu 45 ncu --clock-control none --section SpeedOfLight \
+    --metrics smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
+    -k 'regex:rows_kernel|vectorized_elementwise|unrolled_elementwise' $PY benchmarks/ncu_cases.py
+else
+  note "ncu not found: kernel profile NOT run"
+fi
 
 # compute-sanitizer over every op, dtype and layout (small shapes). racecheck covers shared memory, which these
 # kernels do not use; it runs because it is cheap and would catch a future change that does.
@@ -53,9 +65,9 @@ if command -v compute-sanitizer >/dev/null; then
 else
   note "compute-sanitizer not found: memcheck/racecheck NOT run"; failed=$((failed + 1))
 fi
-stage bench_ffn 50 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
+stage bench_ffn 45 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
 if command -v compute-sanitizer >/dev/null; then
-  stage racecheck 40 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 
 note "failed stages: $failed"
