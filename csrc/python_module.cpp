@@ -17,7 +17,8 @@ namespace {
 // compute, store opmath -> storage once. Inputs: equal-shape CPU tensors of one floating dtype.
 template <typename F>
 std::vector<at::Tensor> host_apply(const std::vector<at::Tensor>& inputs) {
-  TORCH_CHECK_VALUE(inputs.size() == F::NI, "_host_math: expected ", F::NI, " inputs, got ", inputs.size());
+  TORCH_CHECK_VALUE(inputs.size() == F::NI, "_host_math: expected ", std::to_string(F::NI), " inputs, got ",
+                    std::to_string(inputs.size()));
   std::vector<at::Tensor> ins, outs;
   for (const auto& t : inputs) {
     TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == inputs[0].sizes() &&

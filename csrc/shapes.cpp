@@ -5,7 +5,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include <sstream>
 #include <string>
 
 namespace ffn_ext {
@@ -28,21 +27,18 @@ const char* dtype_name(at::ScalarType st) {
   }
 }
 
-// "[3, 5]". Concrete sizes are printed as plain integers: streaming a SymIntArrayRef into an error message
-// crashed on torch 2.11 (seen on the H200: swiglu_packed with an odd last dimension segfaulted instead of raising).
+// "[3, 5]", built with std::to_string, not an ostream: on the H200 image (torch 2.11, g++ 13) any integer streamed
+// by this library's code into an std::ostringstream segfaulted inside std::ostream::_M_insert<long> (cuda-gdb
+// backtrace in benchmarks/results/2026-11-30_h200/), so every shape error crashed the process there. The
+// messages of this library therefore format numbers with std::to_string only.
 std::string shape_str(c10::SymIntArrayRef sizes) {
-  std::ostringstream os;
-  os << "[";
+  std::string s = "[";
   for (size_t i = 0; i < sizes.size(); ++i) {
-    if (i) os << ", ";
-    if (const auto v = sizes[i].maybe_as_int()) {
-      os << *v;
-    } else {
-      os << sizes[i];
-    }
+    if (i) s += ", ";
+    const auto v = sizes[i].maybe_as_int();
+    s += v ? std::to_string(*v) : sizes[i].toSymNode()->str();
   }
-  os << "]";
-  return os.str();
+  return s + "]";
 }
 
 void check_input(const char* op, const char* name, const at::Tensor& t) {

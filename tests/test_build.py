@@ -268,3 +268,22 @@ def test_no_C_env_skips_C_without_warning():
     """
     r = _run_python(code, env=_env(FFN_EXT_NO_C="1"), timeout=300)
     assert "NO_C_OK" in r.stdout
+
+
+def test_installed_library_uses_the_shared_libstdcxx():
+    """The built _C links libstdc++ dynamically and holds no copy of its own. On the H200 image (torch 2.11, g++ 13)
+    the editable build came out with libstdc++'s stream and locale code inside _C itself; that copy's locale
+    facets were never set up, so the first integer streamed into an error message segfaulted (cuda-gdb: in
+    std::ostream::_M_insert<long>, called from shapes.cpp). The messages now avoid streams for numbers
+    (csrc/shapes.cpp), and this test names the cause if a toolchain does it again."""
+    nm = shutil.which("nm")
+    native = ffn_ext.ops._native
+    if nm is None or native is None or not getattr(native, "__file__", None):
+        pytest.skip("needs `nm` and the installed native module ffn_ext._C")
+    out = subprocess.run([nm, "-C", "--defined-only", native.__file__], capture_output=True, text=True,
+                         timeout=120).stdout
+    own = sorted({line.split(" ", 2)[-1] for line in out.splitlines()
+                  if re.search(r" [TtWw] std::(locale::|basic_ostream<char, std::char_traits<char> >& "
+                               r"std::basic_ostream<char, std::char_traits<char> >::_M_insert|codecvt<)", line)})
+    assert not own, (f"{native.__file__} defines libstdc++'s own stream/locale code (a static libstdc++ in the link), "
+                     f"e.g. {own[:3]}; error messages that stream numbers will crash")

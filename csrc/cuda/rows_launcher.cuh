@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -163,7 +164,7 @@ void launch_rows(const F& f, const RowProblem<F::NI, F::NO>& p) {
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (lanes + 31) / 32 * 32)));
   const int64_t per_block = static_cast<int64_t>(threads) * kUnroll;
   const int64_t bx = std::max<int64_t>(1, (vecs + per_block - 1) / per_block);
-  TORCH_CHECK(bx <= 0x7fffffff, "ffn_ext: row of ", p.cols, " elements is too long for one launch");
+  TORCH_CHECK(bx <= 0x7fffffff, "ffn_ext: row of ", std::to_string(p.cols), " elements is too long for one launch");
   const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(grid_rows));
   rows_kernel<T, F, VEC><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, f);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
