@@ -146,20 +146,57 @@ struct SwigluPackedBackwardFn : torch::autograd::Function<SwigluPackedBackwardFn
   }
 };
 
+// With no gradient to record (grad mode off, or no input requires grad) and no forward-mode tangent, the op
+// goes straight to its kernel below the autograd keys: Function::apply's bookkeeping is skipped on the inference
+// path. Otherwise Function::apply runs as before (and raises for forward-mode AD, which these ops do not support).
+template <typename... Ts>
+bool records_grad(const Ts&... ts) {
+  const bool grad = at::GradMode::is_enabled() && (ts.requires_grad() || ...);
+  return grad || (ts._fw_grad(/*level=*/0).defined() || ...);
+}
+template <typename Sig, typename... Ts>
+auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle.call(ts...);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
-  m.impl("gelu", [](T x) { return UnaryFn<GeluNames>::apply(x); });
-  m.impl("gelu_backward", [](T g, T x) { return UnaryBackwardFn<GeluNames>::apply(g, x); });
-  m.impl("silu", [](T x) { return UnaryFn<SiluNames>::apply(x); });
-  m.impl("silu_backward", [](T g, T x) { return UnaryBackwardFn<SiluNames>::apply(g, x); });
-  m.impl("swiglu", [](T gate, T up) { return SwigluFn::apply(gate, up); });
+  m.impl("gelu", [](T x) {
+    static const auto h = op<at::Tensor(T)>("ffn_ext::gelu");
+    return records_grad(x) ? UnaryFn<GeluNames>::apply(x) : call_below(h, x);
+  });
+  m.impl("gelu_backward", [](T g, T x) {
+    static const auto h = op<at::Tensor(T, T)>("ffn_ext::gelu_backward");
+    return records_grad(g, x) ? UnaryBackwardFn<GeluNames>::apply(g, x) : call_below(h, g, x);
+  });
+  m.impl("silu", [](T x) {
+    static const auto h = op<at::Tensor(T)>("ffn_ext::silu");
+    return records_grad(x) ? UnaryFn<SiluNames>::apply(x) : call_below(h, x);
+  });
+  m.impl("silu_backward", [](T g, T x) {
+    static const auto h = op<at::Tensor(T, T)>("ffn_ext::silu_backward");
+    return records_grad(g, x) ? UnaryBackwardFn<SiluNames>::apply(g, x) : call_below(h, g, x);
+  });
+  m.impl("swiglu", [](T gate, T up) {
+    static const auto h = op<at::Tensor(T, T)>("ffn_ext::swiglu");
+    return records_grad(gate, up) ? SwigluFn::apply(gate, up) : call_below(h, gate, up);
+  });
   m.impl("swiglu_backward", [](T g, T gate, T up) {
+    static const auto h = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
+    if (!records_grad(g, gate, up)) return call_below(h, g, gate, up);
     auto r = SwigluBackwardFn::apply(g, gate, up);
     return std::make_tuple(r[0], r[1]);
   });
-  m.impl("swiglu_packed", [](T gate_up) { return SwigluPackedFn::apply(gate_up); });
-  m.impl("swiglu_packed_backward", [](T g, T gate_up) { return SwigluPackedBackwardFn::apply(g, gate_up); });
+  m.impl("swiglu_packed", [](T gate_up) {
+    static const auto h = op<at::Tensor(T)>("ffn_ext::swiglu_packed");
+    return records_grad(gate_up) ? SwigluPackedFn::apply(gate_up) : call_below(h, gate_up);
+  });
+  m.impl("swiglu_packed_backward", [](T g, T gate_up) {
+    static const auto h = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
+    return records_grad(g, gate_up) ? SwigluPackedBackwardFn::apply(g, gate_up) : call_below(h, g, gate_up);
+  });
 }
 
 }  // namespace ffn_ext

@@ -162,3 +162,42 @@ def test_double_backward_matches_aten(device):
             (h,) = torch.autograd.grad(g, x, v)
             res.append(h)
         torch.testing.assert_close(res[0], res[1], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the inference path of the Autograd kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_grad_path_records_no_graph_and_matches(device):
+    """With nothing to record (no_grad, or inputs without requires_grad) the Autograd kernels call the op below
+    autograd directly (csrc/autograd.cpp, records_grad): same values, no grad_fn; with requires_grad the graph
+    is recorded as before."""
+    x = torch.randn(6, 10, device=device, dtype=torch.float64) * 3
+    gate, up = x.chunk(2, -1)
+    calls = [(ffn_ext.gelu, (x,)), (ffn_ext.silu, (x,)), (ffn_ext.swiglu, (gate, up)), (ffn_ext.swiglu_packed, (x,)),
+             (torch.ops.ffn_ext.gelu_backward, (up, gate)), (torch.ops.ffn_ext.swiglu_backward, (up, gate, up))]
+    for fn, args in calls:
+        want = fn(*[a.detach().requires_grad_(True) for a in args])  # same layouts (views stay views)
+        with torch.no_grad():
+            got_no_grad = fn(*[a.detach().requires_grad_(True) for a in args])
+        got_plain = fn(*args)
+        for want_t, a, b in zip(want if isinstance(want, tuple) else (want,),
+                                got_no_grad if isinstance(got_no_grad, tuple) else (got_no_grad,),
+                                got_plain if isinstance(got_plain, tuple) else (got_plain,)):
+            assert want_t.grad_fn is not None and a.grad_fn is None and b.grad_fn is None, fn
+            assert not a.requires_grad and not b.requires_grad
+            torch.testing.assert_close(a, want_t.detach(), rtol=0, atol=0)
+            torch.testing.assert_close(b, want_t.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("no_grad", [False, True], ids=["grad", "no_grad"])
+def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
+    """Forward-mode AD is not supported; a dual input must raise (from Function::apply), also under no_grad where
+    the kernels otherwise skip autograd, never return a primal without its tangent."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for fn in (ffn_ext.gelu, ffn_ext.silu, ffn_ext.swiglu_packed):
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x, torch.randn_like(x))
+            with torch.no_grad() if no_grad else torch.enable_grad():
+                with pytest.raises(RuntimeError, match="jvp is not implemented"):
+                    fn(dual)
