@@ -36,7 +36,10 @@ save() {  # after every stage, so that a call cut short still returns what ran
   tar czf "$OUT/device_check.tgz" -C "$LOGS" .
 }
 
-note "ffn_ext device check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+# The commit, and a hash of the sources as they are (the device tool's copy of .git can be older than its files).
+src_hash=$(find csrc ffn_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) \
+  | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-12)
+note "ffn_ext device check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo '+dirty'), sources sha256 $src_hash"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOGS/summary.txt"
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOGS/summary.txt"
 
