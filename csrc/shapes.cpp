@@ -27,10 +27,11 @@ const char* dtype_name(at::ScalarType st) {
   }
 }
 
-// "[3, 5]", built with std::to_string, not an ostream: on the H200 image (torch 2.11, g++ 13) any integer streamed
-// by this library's code into an std::ostringstream segfaulted inside std::ostream::_M_insert<long> (cuda-gdb
-// backtrace in benchmarks/results/2026-11-30_h200/), so every shape error crashed the process there. The
-// messages of this library therefore format numbers with std::to_string only.
+// "[3, 5]", built with std::to_string, not an ostream. On the H200 image (torch 2.11, g++ 13) the build linked a
+// copy of libstdc++'s stream code into _C whose locale facets were never set up: any number streamed by this
+// library into a message segfaulted in std::ostream::_M_insert<long> (cuda-gdb backtrace in
+// benchmarks/results/2026-11-30_h200/), and with -static-libstdc++ here the numbers silently vanish. So this
+// library's messages format numbers with std::to_string (tests/test_build.py links statically and checks them).
 std::string shape_str(c10::SymIntArrayRef sizes) {
   std::string s = "[";
   for (size_t i = 0; i < sizes.size(); ++i) {
