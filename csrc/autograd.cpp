@@ -23,6 +23,21 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
+// With no gradient to record (grad mode off, or no input requires grad) and no forward-mode tangent, the op
+// goes straight to its kernel below the autograd keys: Function::apply's bookkeeping is skipped on the inference
+// path. Otherwise Function::apply runs as before (and raises for forward-mode AD, which these ops do not support).
+template <typename... Ts>
+bool records_grad(const Ts&... ts) {
+  const bool grad = at::GradMode::is_enabled() && (ts.requires_grad() || ...);
+  return grad || (ts._fw_grad(/*level=*/0).defined() || ...);
+}
+// The op below the autograd keys (each Function's forward, and the whole op when there is nothing to record).
+template <typename Sig, typename... Ts>
+auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
+  at::AutoDispatchBelowADInplaceOrView below;
+  return handle.call(ts...);
+}
+
 // ---- second derivatives (ATen ops, themselves differentiable) ----
 at::Tensor gelu_grad2(T x) {  // phi(x) * (2 - x^2)
   const double inv_sqrt_2pi = 0.3989422804014327;
@@ -47,11 +62,13 @@ variable_list swiglu_second(T grad, T gate, T up, T gg_gate, T gg_up) {
 // ---- unary: gelu, silu ----
 template <typename Names>
 struct UnaryFn : torch::autograd::Function<UnaryFn<Names>> {
-  static at::Tensor forward(AutogradContext* ctx, T x) {
+  static at::Tensor below(T x) {
     static const auto fwd = op<at::Tensor(T)>(Names::fwd);
+    return call_below(fwd, x);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T x) {
     ctx->save_for_backward({x});
-    at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(x);
+    return below(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
@@ -61,11 +78,13 @@ struct UnaryFn : torch::autograd::Function<UnaryFn<Names>> {
 };
 template <typename Names>
 struct UnaryBackwardFn : torch::autograd::Function<UnaryBackwardFn<Names>> {
-  static at::Tensor forward(AutogradContext* ctx, T grad, T x) {
+  static at::Tensor below(T grad, T x) {
     static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
+    return call_below(bwd, grad, x);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T grad, T x) {
     ctx->save_for_backward({grad, x});
-    at::AutoDispatchBelowADInplaceOrView below;
-    return bwd.call(grad, x);
+    return below(grad, x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
@@ -90,11 +109,13 @@ struct SiluNames {
 
 // ---- swiglu ----
 struct SwigluFn : torch::autograd::Function<SwigluFn> {
-  static at::Tensor forward(AutogradContext* ctx, T gate, T up) {
+  static at::Tensor below(T gate, T up) {
     static const auto fwd = op<at::Tensor(T, T)>("ffn_ext::swiglu");
+    return call_below(fwd, gate, up);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T gate, T up) {
     ctx->save_for_backward({gate, up});
-    at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(gate, up);
+    return below(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
@@ -104,11 +125,13 @@ struct SwigluFn : torch::autograd::Function<SwigluFn> {
   }
 };
 struct SwigluBackwardFn : torch::autograd::Function<SwigluBackwardFn> {
-  static variable_list forward(AutogradContext* ctx, T grad, T gate, T up) {
+  static Pair below(T grad, T gate, T up) {
     static const auto bwd = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
+    return call_below(bwd, grad, gate, up);
+  }
+  static variable_list forward(AutogradContext* ctx, T grad, T gate, T up) {
     ctx->save_for_backward({grad, gate, up});
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [dgate, dup] = bwd.call(grad, gate, up);
+    auto [dgate, dup] = below(grad, gate, up);
     return {dgate, dup};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -119,11 +142,13 @@ struct SwigluBackwardFn : torch::autograd::Function<SwigluBackwardFn> {
 
 // ---- swiglu_packed ----
 struct SwigluPackedFn : torch::autograd::Function<SwigluPackedFn> {
-  static at::Tensor forward(AutogradContext* ctx, T gate_up) {
+  static at::Tensor below(T gate_up) {
     static const auto fwd = op<at::Tensor(T)>("ffn_ext::swiglu_packed");
+    return call_below(fwd, gate_up);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T gate_up) {
     ctx->save_for_backward({gate_up});
-    at::AutoDispatchBelowADInplaceOrView below;
-    return fwd.call(gate_up);
+    return below(gate_up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto bwd = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
@@ -131,11 +156,13 @@ struct SwigluPackedFn : torch::autograd::Function<SwigluPackedFn> {
   }
 };
 struct SwigluPackedBackwardFn : torch::autograd::Function<SwigluPackedBackwardFn> {
-  static at::Tensor forward(AutogradContext* ctx, T grad, T gate_up) {
+  static at::Tensor below(T grad, T gate_up) {
     static const auto bwd = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
+    return call_below(bwd, grad, gate_up);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T grad, T gate_up) {
     ctx->save_for_backward({grad, gate_up});
-    at::AutoDispatchBelowADInplaceOrView below;
-    return bwd.call(grad, gate_up);
+    return below(grad, gate_up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
@@ -146,56 +173,36 @@ struct SwigluPackedBackwardFn : torch::autograd::Function<SwigluPackedBackwardFn
   }
 };
 
-// With no gradient to record (grad mode off, or no input requires grad) and no forward-mode tangent, the op
-// goes straight to its kernel below the autograd keys: Function::apply's bookkeeping is skipped on the inference
-// path. Otherwise Function::apply runs as before (and raises for forward-mode AD, which these ops do not support).
-template <typename... Ts>
-bool records_grad(const Ts&... ts) {
-  const bool grad = at::GradMode::is_enabled() && (ts.requires_grad() || ...);
-  return grad || (ts._fw_grad(/*level=*/0).defined() || ...);
-}
-template <typename Sig, typename... Ts>
-auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
-  at::AutoDispatchBelowADInplaceOrView below;
-  return handle.call(ts...);
-}
-
 }  // namespace
 
+// Each op: its Function when there is a gradient to record, else straight to the kernel below autograd.
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
-  m.impl("gelu", [](T x) {
-    static const auto h = op<at::Tensor(T)>("ffn_ext::gelu");
-    return records_grad(x) ? UnaryFn<GeluNames>::apply(x) : call_below(h, x);
-  });
+  using Gelu = UnaryFn<GeluNames>;
+  using GeluBackward = UnaryBackwardFn<GeluNames>;
+  using Silu = UnaryFn<SiluNames>;
+  using SiluBackward = UnaryBackwardFn<SiluNames>;
+  m.impl("gelu", [](T x) { return records_grad(x) ? Gelu::apply(x) : Gelu::below(x); });
   m.impl("gelu_backward", [](T g, T x) {
-    static const auto h = op<at::Tensor(T, T)>("ffn_ext::gelu_backward");
-    return records_grad(g, x) ? UnaryBackwardFn<GeluNames>::apply(g, x) : call_below(h, g, x);
+    return records_grad(g, x) ? GeluBackward::apply(g, x) : GeluBackward::below(g, x);
   });
-  m.impl("silu", [](T x) {
-    static const auto h = op<at::Tensor(T)>("ffn_ext::silu");
-    return records_grad(x) ? UnaryFn<SiluNames>::apply(x) : call_below(h, x);
-  });
+  m.impl("silu", [](T x) { return records_grad(x) ? Silu::apply(x) : Silu::below(x); });
   m.impl("silu_backward", [](T g, T x) {
-    static const auto h = op<at::Tensor(T, T)>("ffn_ext::silu_backward");
-    return records_grad(g, x) ? UnaryBackwardFn<SiluNames>::apply(g, x) : call_below(h, g, x);
+    return records_grad(g, x) ? SiluBackward::apply(g, x) : SiluBackward::below(g, x);
   });
   m.impl("swiglu", [](T gate, T up) {
-    static const auto h = op<at::Tensor(T, T)>("ffn_ext::swiglu");
-    return records_grad(gate, up) ? SwigluFn::apply(gate, up) : call_below(h, gate, up);
+    return records_grad(gate, up) ? SwigluFn::apply(gate, up) : SwigluFn::below(gate, up);
   });
   m.impl("swiglu_backward", [](T g, T gate, T up) {
-    static const auto h = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
-    if (!records_grad(g, gate, up)) return call_below(h, g, gate, up);
+    if (!records_grad(g, gate, up)) return SwigluBackwardFn::below(g, gate, up);
     auto r = SwigluBackwardFn::apply(g, gate, up);
     return std::make_tuple(r[0], r[1]);
   });
   m.impl("swiglu_packed", [](T gate_up) {
-    static const auto h = op<at::Tensor(T)>("ffn_ext::swiglu_packed");
-    return records_grad(gate_up) ? SwigluPackedFn::apply(gate_up) : call_below(h, gate_up);
+    return records_grad(gate_up) ? SwigluPackedFn::apply(gate_up) : SwigluPackedFn::below(gate_up);
   });
   m.impl("swiglu_packed_backward", [](T g, T gate_up) {
-    static const auto h = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
-    return records_grad(g, gate_up) ? SwigluPackedBackwardFn::apply(g, gate_up) : call_below(h, g, gate_up);
+    using Fn = SwigluPackedBackwardFn;
+    return records_grad(g, gate_up) ? Fn::apply(g, gate_up) : Fn::below(g, gate_up);
   });
 }
 
