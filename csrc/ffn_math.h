@@ -4,10 +4,14 @@
 // Each functor maps NI input values to NO output values in the accumulation type A (float for
 // float/half/bfloat16, double for double): f.template apply<Fast>(in, out). Callers convert storage -> A once at
 // the load and A -> storage once at the store, so every op rounds exactly once. Fast is true for 16-bit storage
-// (half, bfloat16): there the device takes the hardware's approximate reciprocal (MUFU.RCP, within about 1 ulp of
-// float) instead of an IEEE division, whose dozen instructions and slow-path branch made bf16 SiLU and SwiGLU
-// issue-bound on an H200; an error of 2**-23 is far below the 2**-9 / 2**-12 of the rounding to bf16 / fp16 that
-// follows. The host (the test path) always divides exactly; the CUDA tests check the device's results.
+// (half, bfloat16), whose rounding (2**-9 / 2**-12 relative) dwarfs a few ulps of float. There:
+//   - the device takes one-instruction approximations (MUFU.RCP, MUFU.EX2: about 1-2 ulp of float, denormal
+//     results flushed to 0) instead of an IEEE division, whose dozen instructions and slow-path branch made bf16
+//     SiLU and SwiGLU issue-bound on an H200; the host (the test path) computes those two exactly;
+//   - GELU evaluates Phi from one polynomial, one reciprocal and one exponential instead of erff (gelu_tail
+//     below), which is also more accurate: on the host, all bfloat16 and 99.99% of float16 inputs give the
+//     correctly rounded result (erff: 99.7% and 99.5%, off by up to 255 bf16 ulps where 1 + erf cancels).
+// The CUDA tests check the device's results against the same fp64 reference and against the host.
 //
 // Infinities: the functors return the mathematical limits, which ATen does not always do:
 //   silu(-inf) = -0, gelu(-inf) = -0, gelu(+inf) = silu(+inf) = +inf,
@@ -32,14 +36,32 @@ FFN_HD float exp_(float x) { return ::expf(x); }
 FFN_HD double exp_(double x) { return ::exp(x); }
 FFN_HD bool isinf_(float x) { return ::isinf(x); }
 FFN_HD bool isinf_(double x) { return ::isinf(x); }
-// 1 / d for d >= 1 (the sigmoid's denominator). Fast on the device: MUFU.RCP (d > 2**126 gives 0, as 1 / inf does).
+
+// The two Fast primitives: one MUFU instruction each on the device (flush-to-zero), exact on the host.
+// 1 / d for d >= 1 (the sigmoid's and gelu_tail's denominators): d > 2**126 and d = inf give 0.
 template <bool Fast> FFN_HD float rcp_(float d) {
 #if defined(__CUDA_ARCH__)
-  if (Fast) return __fdividef(1.0f, d);
+  if constexpr (Fast) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return r;
+  }
 #endif
   return 1.0f / d;
 }
 template <bool Fast> FFN_HD double rcp_(double d) { return 1.0 / d; }
+// 2**x: x < -126 gives 0, x = -inf gives 0, about 2 ulp of float on the device.
+template <bool Fast> FFN_HD float exp2_(float x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (Fast) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+  }
+#endif
+  return ::exp2f(x);
+}
+template <bool Fast> FFN_HD double exp2_(double x) { return ::exp2(x); }
 
 template <bool Fast, typename A> FFN_HD A sigmoid(A x) { return rcp_<Fast>(A(1) + exp_(-x)); }
 
@@ -54,31 +76,75 @@ template <bool Fast, typename A> FFN_HD A silu_grad(A x) {
   const A s = sigmoid<Fast>(x);
   return s * (A(1) + x * (A(1) - s));
 }
-// Phi(x) = (1 + erf(x / sqrt(2))) / 2, as one fused multiply-add.
+
+// ---- GELU, exact (erf) form, evaluated two ways.
+// float32 and float64 storage: Phi(x) = (1 + erf(x / sqrt(2))) / 2 with the library's erf, as one fused multiply-add.
 template <typename A> FFN_HD A gelu_cdf(A x) { return A(0.5) + A(0.5) * erf_(x * A(0.70710678118654752440)); }
+
+// 16-bit storage (Fast): erff costs about 25 instructions, a third of them selects between its two polynomials,
+// which left bf16 GELU issue-bound at 71-74% of copy bandwidth on an H200. Instead, for a = |x|, the normal
+// tail Q(a) = 1 - Phi(a) is one polynomial, one reciprocal and one exponential:
+//   Q(a) = u R(u) phi(a),  u = 1 / (1 + K a),  phi(a) = exp(-a^2 / 2) / sqrt(2 pi),
+// where R(u) = (1 + K a) * Q(a) / phi(a) (a Mills ratio, smooth and bounded) is a degree-7 polynomial fitted by
+// csrc/fit_gelu_tail.py (relative error 9.4e-8 on a in [0, 14]). With 16-bit inputs a*a is exact in float; the
+// rounding of the exponent (up to ~130) bounds Q's relative error by about 4e-6 at a = 13, against 2**-9 / 2**-12
+// for the rounding to bfloat16 / float16. Then, with no cancellation even where 1 + erf would cancel (x << 0):
+//   gelu(x)  = (x >= 0 ? x : -0) - a Q             (x - x Q for x >= 0, x Q for x < 0)
+//   gelu'(x) = x >= 0 ? 1 - W : W,  W = Q - a phi   (Phi(x) + x phi(x) for both signs)
+// Q and phi underflow to 0 for a > ~13.2, so a is clamped to 14 in the products: x = +-inf gives
+// +-inf - 14 * 0, not inf * 0. NaN passes through Q and phi (fminf drops it from the clamp).
+struct GeluTail {
+  float a;    // min(|x|, 14)
+  float q;    // Q(|x|)
+  float pdf;  // phi(x)
+};
+template <bool Fast> FFN_HD GeluTail gelu_tail(float x) {
+  constexpr float kK = 0.305f;
+  constexpr float c[8] = {0.304905593f, 0.306978787f, 0.259237663f, 0.303356378f,
+                          -0.0951938281f, 0.465523286f, -0.383484861f, 0.091991237f};
+  // phi(x) = 2**(x^2 * (-log2(e) / 2) + log2(1 / sqrt(2 pi)))
+  const float pdf = exp2_<Fast>(x * x * -0.72134752044448170368f + -1.3257480647361594510f);
+  const float u = rcp_<Fast>(::fabsf(x) * kK + 1.0f);
+  float r = c[7];
+#pragma unroll
+  for (int i = 6; i >= 0; --i) r = r * u + c[i];
+  return {::fminf(::fabsf(x), 14.0f), u * r * pdf, pdf};
+}
+
 // Exact GELU: x * Phi(x). Phi is 0 only for x < ~-5.9 (float), where x * Phi is -0 anyway, and for x = -inf,
 // where x * 0 would be NaN: a select, not a branch (the compiler turns an isinf test into more instructions).
-template <typename A> FFN_HD A gelu(A x) {
-  const A cdf = gelu_cdf(x);
-  return cdf == A(0) ? A(-0.0) : x * cdf;
+template <bool Fast, typename A> FFN_HD A gelu(A x) {
+  if constexpr (Fast && sizeof(A) == 4) {
+    const GeluTail t = gelu_tail<Fast>(x);
+    return (x >= 0.0f ? x : -0.0f) - t.a * t.q;  // a select, not fmaxf: fmaxf(+0, -0) may be either zero
+  } else {
+    const A cdf = gelu_cdf(x);
+    return cdf == A(0) ? A(-0.0) : x * cdf;
+  }
 }
 // gelu'(x) = Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi). phi is 0 for |x| > ~13.2 (float) and
 // |x| = inf, where the limit is Phi (x * 0 would be NaN at inf).
-template <typename A> FFN_HD A gelu_grad(A x) {
-  const A cdf = gelu_cdf(x);
-  const A pdf = exp_(A(-0.5) * x * x) * A(0.39894228040143267794);
-  return pdf == A(0) ? cdf : cdf + x * pdf;
+template <bool Fast, typename A> FFN_HD A gelu_grad(A x) {
+  if constexpr (Fast && sizeof(A) == 4) {
+    const GeluTail t = gelu_tail<Fast>(x);
+    const float w = t.q - t.a * t.pdf;
+    return x >= 0.0f ? 1.0f - w : w;
+  } else {
+    const A cdf = gelu_cdf(x);
+    const A pdf = exp_(A(-0.5) * x * x) * A(0.39894228040143267794);
+    return pdf == A(0) ? cdf : cdf + x * pdf;
+  }
 }
 
 // ---- the op functors: apply<Fast>(const A in[NI], A out[NO]) ----
 struct GeluFwd {
   static constexpr int NI = 1, NO = 1;
-  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = gelu(in[0]); }
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = gelu<Fast>(in[0]); }
 };
 struct GeluBwd {  // in: grad, x
   static constexpr int NI = 2, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * gelu_grad(in[1]);
+    out[0] = in[0] * gelu_grad<Fast>(in[1]);
   }
 };
 struct SiluFwd {

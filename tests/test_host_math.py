@@ -248,6 +248,30 @@ def test_huge_finite_inputs(dtype):
     check("swiglu_backward", [one * 0.5, x, one * 0.75], dtype, "(huge)")
 
 
+def every_16bit_value(dtype):
+    """All 65536 bit patterns of float16 or bfloat16 (NaNs, infinities and subnormals included), as fp64."""
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", ["gelu", "gelu_backward", "silu", "silu_backward"])
+def test_every_16bit_input(op, dtype):
+    """Exhaustive over the activation's input: 16-bit GELU runs its own tail formula (not erff), so every value
+    it can be given is checked, and at least 99.9% of the forward results must be the correctly rounded value."""
+    x = every_16bit_value(dtype)
+    if op.endswith("_backward"):
+        gen = torch.Generator().manual_seed(11)
+        check(op, [grad_like(x.numel(), dtype, gen), x], dtype, "(every value)")
+        check(op, [torch.ones_like(x), x], dtype, "(every value, grad 1)")
+        return
+    (y,) = check_outputs = host_math(op, [x], dtype)
+    check(op, [x], dtype, "(every value)", outs=check_outputs)
+    ref = (gelu_ref if op == "gelu" else silu_ref)(x)
+    fin = torch.isfinite(ref)
+    exact = (y.double() == ref.to(dtype).double())[fin].double().mean()
+    assert exact > 0.999, f"{op} {dtype}: only {exact:.4%} of results are the correctly rounded value"
+
+
 def _bits_negative_zero(t):
     return bool(((t == 0) & torch.signbit(t)).all())
 
@@ -341,15 +365,20 @@ def test_host_math_rounds_once_for_half_types():
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_kernels_match_reference_and_host_math(op, dtype):
     """The same inputs and tolerances through torch.ops.ffn_ext on the GPU (the device's erff/expf, and for 16-bit
-    types its approximate reciprocal, differ from the host's in the last bits), plus the GPU results against the
-    host math: within the two results' error allowances, so the host path tests the formulas the device runs. (Not
+    types its approximate reciprocal and exp2, differ from the host's in the last bits; 16-bit GELU and SiLU also
+    get every input value), plus the GPU results against the host math: within the two results' error
+    allowances, so the host path tests the formulas the device runs. (Not
     'the same value or a neighbour': where a formula cancels, such as 1 + erf(x) for negative x or the sigmoid
     derivative near x = -1.28, last-bit differences of erf/exp grow by the cancellation, within the allowance.)"""
     gen = torch.Generator().manual_seed(zlib.crc32(f"cuda {op} {dtype}".encode()))
     vals = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, 5.0, -5.0], dtype=torch.float64)
     specials = [representable(t.reshape(-1), dtype)
                 for t in torch.meshgrid(*([vals] * N_INPUTS[op]), indexing="ij")]
-    for what, ins in (("random", make_inputs(op, dtype, gen)), ("specials", specials)):
+    sets = [("random", make_inputs(op, dtype, gen)), ("specials", specials)]
+    if op in ("gelu", "gelu_backward", "silu", "silu_backward") and dtype in (torch.float16, torch.bfloat16):
+        x = every_16bit_value(dtype)
+        sets.append(("every value", [x] if op in ("gelu", "silu") else [grad_like(x.numel(), dtype, gen), x]))
+    for what, ins in sets:
         outs = getattr(torch.ops.ffn_ext, op)(*[t.to(dtype).cuda() for t in ins])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         tols = check(op, ins, dtype, f"(CUDA, {what})", outs=[o.cpu() for o in outs])
