@@ -19,7 +19,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include "../ffn_math.h"
@@ -68,6 +71,55 @@ __device__ __forceinline__ void store_pack(T* dst, const Pack<T, VEC>& src, bool
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) dst[k] = src.v[k];
+  }
+}
+
+// Storage <-> accumulation type for a whole pack. 16-bit types convert two elements at a time: a bfloat16 pair
+// widens with one shift and one mask, and two floats narrow with one cvt.rn.{bf16x2,f16x2}.f32, the same
+// round-to-nearest-even as c10's scalar casts, which cost about 1.5 instructions per element each way (a PRMT
+// to split or merge the two halves of a 32-bit register).
+template <typename A, typename T, int VEC>
+__device__ __forceinline__ void widen(const Pack<T, VEC>& p, A (&a)[VEC]) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 2) {
+      uint32_t w;
+      memcpy(&w, &p.v[k], sizeof(w));
+      a[k] = __uint_as_float(w << 16);              // element k: the low half
+      a[k + 1] = __uint_as_float(w & 0xffff0000u);  // element k + 1: the high half
+    }
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 2) {
+      __half2 h;
+      memcpy(&h, &p.v[k], sizeof(h));
+      const float2 f = __half22float2(h);
+      a[k] = f.x;
+      a[k + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) a[k] = static_cast<A>(p.v[k]);
+  }
+}
+
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void narrow(const A (&a)[VEC], Pack<T, VEC>& p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 2) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(a[k], a[k + 1]);
+      memcpy(&p.v[k], &h, sizeof(h));
+    }
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 2) {
+      const __half2 h = __floats2half2_rn(a[k], a[k + 1]);
+      memcpy(&p.v[k], &h, sizeof(h));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p.v[k] = static_cast<T>(a[k]);
   }
 }
 
@@ -130,18 +182,24 @@ __global__ void __launch_bounds__(kMaxThreads) rows_kernel(RowProblem<F::NI, F::
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
       if (v < nvec) {
-        Pack<T, VEC> res[NO];
+        A x[NI][VEC], y[NO][VEC];
+#pragma unroll
+        for (int i = 0; i < NI; ++i) widen(buf[u][i], x[i]);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           A a[NI], r[NO];
 #pragma unroll
-          for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(buf[u][i].v[k]);
+          for (int i = 0; i < NI; ++i) a[i] = x[i][k];
           f.template apply<kFast>(a, r);
 #pragma unroll
-          for (int o = 0; o < NO; ++o) res[o].v[k] = static_cast<T>(r[o]);
+          for (int o = 0; o < NO; ++o) y[o][k] = r[o];
         }
 #pragma unroll
-        for (int o = 0; o < NO; ++o) store_pack(out[o] + head + v * VEC, res[o], out_vec[o]);
+        for (int o = 0; o < NO; ++o) {
+          Pack<T, VEC> res;
+          narrow(y[o], res);
+          store_pack(out[o] + head + v * VEC, res, out_vec[o]);
+        }
       }
     }
   }
