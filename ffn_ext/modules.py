@@ -102,14 +102,19 @@ class _SwiGLUMLP(torch.autograd.Function):
         dtype = gate.dtype  # differs from the parameters' dtype under autocast
         dy, x = _cast(dy, dtype), _cast(x, dtype)
         w_gate, w_up, w_down = _cast(w_gate, dtype), _cast(w_up, dtype), _cast(w_down, dtype)
-        d_wd = _rows(dy).t().matmul(_rows(_swiglu(gate, up))) if n_wd else None  # the recompute
-        d_bd = _rows(dy).sum(0) if n_bd else None
+        # Peak memory: each [tokens, d_ff] gradient is dropped as soon as it is used and h is recomputed last, so
+        # at most three such tensors (dh, d_gate, d_up) live beside the saved gate and up; eager autograd has up to
+        # seven (tests/test_modules.py::test_backward_peak_memory_below_eager).
         d_x = d_wg = d_wu = d_bg = d_bu = None
         if n_x or n_wg or n_wu or n_bg or n_bu:
             d_gate, d_up = _swiglu_backward(dy.matmul(w_down), gate, up)
             dx_g, d_wg, d_bg = _input_grads(x, d_gate, w_gate, n_x, n_wg, n_bg)
+            del d_gate
             dx_u, d_wu, d_bu = _input_grads(x, d_up, w_up, n_x, n_wu, n_bu)
+            del d_up
             d_x = dx_g + dx_u if n_x else None
+        d_wd = _rows(dy).t().matmul(_rows(_swiglu(gate, up))) if n_wd else None  # the recompute
+        d_bd = _rows(dy).sum(0) if n_bd else None
         return d_x, d_wg, d_wu, d_wd, d_bg, d_bu, d_bd
 
 
@@ -131,12 +136,13 @@ class _SwiGLUMLPPacked(torch.autograd.Function):
             gate_up = F.linear(x, w_gate_up, b_gate_up)
         dtype = gate_up.dtype
         dy, x, w_gate_up, w_down = _cast(dy, dtype), _cast(x, dtype), _cast(w_gate_up, dtype), _cast(w_down, dtype)
-        d_wd = _rows(dy).t().matmul(_rows(_swiglu_packed(gate_up))) if n_wd else None
-        d_bd = _rows(dy).sum(0) if n_bd else None
         d_x = d_wgu = d_bgu = None
-        if n_x or n_wgu or n_bgu:
+        if n_x or n_wgu or n_bgu:  # the same order as _SwiGLUMLP.backward, for the same peak
             d_gate_up = _swiglu_packed_backward(dy.matmul(w_down), gate_up)
             d_x, d_wgu, d_bgu = _input_grads(x, d_gate_up, w_gate_up, n_x, n_wgu, n_bgu)
+            del d_gate_up
+        d_wd = _rows(dy).t().matmul(_rows(_swiglu_packed(gate_up))) if n_wd else None
+        d_bd = _rows(dy).sum(0) if n_bd else None
         return d_x, d_wgu, d_wd, d_bgu, d_bd
 
 
