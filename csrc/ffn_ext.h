@@ -3,8 +3,10 @@
 //                      tensors, torch.compile and export); build information
 //   aten_ops.cpp       CPU kernels: ATen composites (also serve CUDA tensors in a build without CUDA kernels)
 //   autograd.cpp       Autograd kernels of all eight ops (double backward included)
-//   cuda/kernels.cu    CUDA kernels: the functors of ffn_math.h run by the launcher in cuda/rows_launcher.cuh
-//   python_module.cpp  the pybind11 module ffn_ext._C (build info, host-math test path); Python extension only
+//   ffn_math.h         the element math of every op (functors, __host__ __device__)
+//   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
+//   cuda/kernels.cu    CUDA kernels: row_ops.h's problems launched by cuda/rows_launcher.cuh
+//   python_module.cpp  the pybind11 module ffn_ext._C (build info; test paths: host math, emulated CUDA launch)
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -22,8 +22,10 @@
 
 #if defined(__CUDACC__)
 #define FFN_HD __host__ __device__ __forceinline__
+#define FFN_UNROLL _Pragma("unroll")
 #else
 #define FFN_HD inline
+#define FFN_UNROLL
 #endif
 
 namespace ffn_ext {
@@ -106,7 +108,7 @@ template <bool Fast> FFN_HD GeluTail gelu_tail(float x) {
   const float pdf = exp2_<Fast>(x * x * -0.72134752044448170368f + -1.3257480647361594510f);
   const float u = rcp_<Fast>(::fabsf(x) * kK + 1.0f);
   float r = c[7];
-#pragma unroll
+  FFN_UNROLL
   for (int i = 6; i >= 0; --i) r = r * u + c[i];
   return {::fminf(::fabsf(x), 14.0f), u * r * pdf, pdf};
 }

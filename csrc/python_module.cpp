@@ -1,14 +1,18 @@
 // The pybind11 module ffn_ext._C. Importing it loads the library, which registers the ffn_ext ops with the
-// dispatcher (registration.cpp). It adds only what is not an op: build information and the host-math test path.
+// dispatcher (registration.cpp). It adds only what is not an op: build information and two test paths, the
+// kernels' element math on the host and the whole CUDA launch emulated on the host.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <torch/extension.h>
 
+#include <cstring>
+#include <map>
 #include <string>
 
 #include "ffn_ext.h"
 #include "ffn_math.h"
+#include "row_ops.h"
 
 namespace ffn_ext {
 namespace {
@@ -50,6 +54,58 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
   TORCH_CHECK_VALUE(false, "_host_math: unknown op '", op, "'");
 }
 
+// The CUDA launch emulated on the host: the RowProblem the CUDA kernel would get (row_ops.h), run by rows.h's
+// rows_thread for every block and thread of launch_shape's grid for `sms` multiprocessors, one after the other
+// (threads share nothing, so the order does not matter). Every element the launch must write is first set to
+// all-ones bytes (a NaN no arithmetic produces), so one that no thread writes shows.
+struct HostEmulation {
+  struct Guard {
+    explicit Guard(c10::Device) {}
+  };
+  static inline thread_local int sms = 132;
+  template <typename T, typename F>
+  static void run(const F& f, const rows::RowProblem<F::NI, F::NO>& p) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (p.rows == 0 || p.cols == 0) return;
+    for (int o = 0; o < F::NO; ++o) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff, p.cols * sizeof(T));
+      }
+    }
+    const rows::LaunchShape s = rows::launch_shape(p.rows, p.cols, VEC, sms);
+    for (int64_t by = 0; by < s.grid_y; ++by) {
+      for (int64_t bx = 0; bx < s.grid_x; ++bx) {
+        for (int t = 0; t < s.threads; ++t) rows::rows_thread<T, F, VEC>(p, f, {bx, by, s.grid_y, t, s.threads});
+      }
+    }
+  }
+};
+
+std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at::Tensor>& in, int sms) {
+  using Emu = rows::Ops<HostEmulation>;
+  static const std::map<std::string, size_t> n_inputs = {
+      {"gelu", 1}, {"gelu_backward", 2}, {"silu", 1}, {"silu_backward", 2}, {"swiglu", 2},
+      {"swiglu_backward", 3}, {"swiglu_packed", 1}, {"swiglu_packed_backward", 2}};
+  const auto it = n_inputs.find(op);
+  TORCH_CHECK_VALUE(it != n_inputs.end(), "_emulate_cuda: unknown op '", op, "'");
+  TORCH_CHECK_VALUE(in.size() == it->second, "_emulate_cuda: ", op, " takes ", std::to_string(it->second),
+                    " inputs, got ", std::to_string(in.size()));
+  for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_cuda: inputs must be CPU tensors");
+  TORCH_CHECK_VALUE(sms > 0, "_emulate_cuda: sms must be positive");
+  HostEmulation::sms = sms;
+  if (op == "gelu") return {Emu::gelu(in[0])};
+  if (op == "gelu_backward") return {Emu::gelu_backward(in[0], in[1])};
+  if (op == "silu") return {Emu::silu(in[0])};
+  if (op == "silu_backward") return {Emu::silu_backward(in[0], in[1])};
+  if (op == "swiglu") return {Emu::swiglu(in[0], in[1])};
+  if (op == "swiglu_backward") {
+    auto [dgate, dup] = Emu::swiglu_backward(in[0], in[1], in[2]);
+    return {dgate, dup};
+  }
+  if (op == "swiglu_packed") return {Emu::swiglu_packed(in[0])};
+  return {Emu::swiglu_packed_backward(in[0], in[1])};
+}
+
 }  // namespace
 }  // namespace ffn_ext
 
@@ -62,4 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "What this build contains: CUDA kernels or not, CUDA version, architectures, torch version built against.");
   m.def("_host_math", &ffn_ext::host_math, pybind11::arg("op"), pybind11::arg("inputs"),
         "Test path: the kernels' element math (ffn_math.h) run on the host, element by element.");
+  m.def("_emulate_cuda", &ffn_ext::emulate_cuda, pybind11::arg("op"), pybind11::arg("inputs"),
+        pybind11::arg("sms") = 132,
+        "Test path: op's CUDA launch (row_ops.h problem, rows.h launch shape and per-thread code) emulated on the "
+        "host with CPU tensors, for a GPU with `sms` multiprocessors.");
 }

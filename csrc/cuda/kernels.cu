@@ -1,18 +1,12 @@
-// CUDA kernels of the eight ffn_ext ops: each is a functor of ffn_math.h run by launch_rows (rows_launcher.cuh).
-// This file only turns tensors into RowProblems: outputs are fresh and contiguous; inputs are used in place when
-// they can be seen as rows with a contiguous last dimension (contiguous tensors, chunk/narrow views, expanded
-// rows), otherwise made contiguous first.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
+// CUDA kernels of the eight ffn_ext ops: each is a functor of ffn_math.h, turned into a RowProblem by
+// ../row_ops.h and run by launch_rows (rows_launcher.cuh).
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include <array>
 #include <string>
 
-#include "../ffn_ext.h"
-#include "../ffn_math.h"
+#include "../row_ops.h"
 #include "rows_launcher.cuh"
 
 namespace ffn_ext {
@@ -34,160 +28,27 @@ std::string compiled_arch_list() {
 
 namespace {
 
-// Row stride (elements) of t seen as [numel / size(-1), size(-1)] with unit stride along the last dimension, or
-// -1 if its layout cannot be seen that way.
-int64_t row_stride(const at::Tensor& t) {
-  const int64_t nd = t.dim();
-  if (nd == 0) return 1;
-  const int64_t cols = t.size(-1);
-  if (cols != 1 && t.stride(-1) != 1) return -1;
-  int64_t rs = -1, rows = 1;
-  for (int64_t d = nd - 2; d >= 0; --d) {
-    if (t.size(d) == 1) continue;
-    if (rs < 0) {
-      rs = t.stride(d);
-    } else if (t.stride(d) != rs * rows) {
-      return -1;
-    }
-    rows *= t.size(d);
+// Ops<CudaLauncher>: the problems of ../row_ops.h run as CUDA kernels, under a guard for the output's device.
+struct CudaLauncher {
+  using Guard = c10::cuda::CUDAGuard;
+  template <typename T, typename F>
+  static void run(const F& f, const RowProblem<F::NI, F::NO>& p) {
+    launch_rows<T>(f, p);
   }
-  return rs < 0 ? cols : rs;
-}
-
-struct Rows {
-  at::Tensor t;    // keeps a contiguous copy alive when one was needed
-  int64_t stride;  // row stride in elements
 };
-Rows as_rows(const at::Tensor& t) {
-  const int64_t rs = row_stride(t);
-  if (rs >= 0) return {t, rs};
-  auto c = t.contiguous();
-  return {c, c.dim() ? c.size(-1) : 1};
-}
-
-template <typename F>
-void launch(const F& f, at::ScalarType dtype, const RowProblem<F::NI, F::NO>& p) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ffn_ext_rows_kernel",
-                                  [&] { launch_rows<scalar_t>(f, p); });
-}
-
-// Ops whose inputs and outputs all have one shape (gelu, silu, swiglu and their backwards).
-template <typename F, size_t NO = F::NO>
-void run_same_shape(const F& f, std::array<at::Tensor, F::NI> ins, const std::array<at::Tensor, NO>& outs) {
-  const at::Tensor& out0 = outs[0];
-  if (out0.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(out0.device());
-  RowProblem<F::NI, F::NO> p;
-  p.cols = out0.dim() ? out0.size(-1) : 1;
-  p.rows = out0.numel() / p.cols;
-  bool all_contiguous = true;
-  for (int i = 0; i < F::NI; ++i) {
-    auto r = as_rows(ins[i]);
-    ins[i] = r.t;
-    p.in[i] = ins[i].data_ptr();
-    p.in_stride[i] = r.stride;
-    all_contiguous = all_contiguous && ins[i].is_contiguous();
-  }
-  for (size_t o = 0; o < NO; ++o) {
-    p.out[o] = outs[o].data_ptr();
-    p.out_stride[o] = p.cols;
-  }
-  if (all_contiguous) {  // one long row: no per-row head/tail
-    p.cols = out0.numel();
-    p.rows = 1;
-  }
-  launch(f, out0.scalar_type(), p);
-}
-
-// Pointer to element `offset` of t's storage view.
-void* at_offset(const at::Tensor& t, int64_t offset) { return static_cast<char*>(t.data_ptr()) + offset * t.element_size(); }
-
-at::Tensor gelu(const at::Tensor& x) {
-  auto out = alloc_unary("ffn_ext.gelu", x);
-  run_same_shape(math::GeluFwd{}, {x}, std::array<at::Tensor, 1>{out});
-  return out;
-}
-at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x) {
-  auto out = alloc_unary_backward("ffn_ext.gelu_backward", grad, x);
-  run_same_shape(math::GeluBwd{}, {grad, x}, std::array<at::Tensor, 1>{out});
-  return out;
-}
-at::Tensor silu(const at::Tensor& x) {
-  auto out = alloc_unary("ffn_ext.silu", x);
-  run_same_shape(math::SiluFwd{}, {x}, std::array<at::Tensor, 1>{out});
-  return out;
-}
-at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
-  auto out = alloc_unary_backward("ffn_ext.silu_backward", grad, x);
-  run_same_shape(math::SiluBwd{}, {grad, x}, std::array<at::Tensor, 1>{out});
-  return out;
-}
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  auto out = alloc_swiglu(gate, up);
-  run_same_shape(math::SwigluFwd{}, {gate, up}, std::array<at::Tensor, 1>{out});
-  return out;
-}
-std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
-                                                   const at::Tensor& up) {
-  auto outs = alloc_swiglu_backward(grad, gate, up);
-  run_same_shape(math::SwigluBwd{}, {grad, gate, up},
-                 std::array<at::Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
-  return outs;
-}
-
-// Packed: gate and up are the two halves of each row of gate_up, read in place (row stride of gate_up).
-at::Tensor swiglu_packed(const at::Tensor& gate_up) {
-  auto out = alloc_swiglu_packed(gate_up);
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard guard(out.device());
-  const int64_t m = out.size(-1);
-  const auto gu = as_rows(gate_up);
-  RowProblem<2, 1> p;
-  p.rows = out.numel() / m;
-  p.cols = m;
-  p.in[0] = gu.t.data_ptr();
-  p.in[1] = at_offset(gu.t, m);
-  p.in_stride[0] = p.in_stride[1] = gu.stride;
-  p.out[0] = out.data_ptr();
-  p.out_stride[0] = m;
-  launch(math::SwigluFwd{}, out.scalar_type(), p);
-  return out;
-}
-
-// Packed backward: dgate and dup land in the two halves of each row of one [..., 2M] tensor, in one kernel.
-at::Tensor swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
-  auto out = alloc_swiglu_packed_backward(grad, gate_up);
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard guard(out.device());
-  const int64_t m = grad.size(-1);
-  const auto g = as_rows(grad);
-  const auto gu = as_rows(gate_up);
-  RowProblem<3, 2> p;
-  p.rows = grad.numel() / m;
-  p.cols = m;
-  p.in[0] = g.t.data_ptr();
-  p.in[1] = gu.t.data_ptr();
-  p.in[2] = at_offset(gu.t, m);
-  p.in_stride[0] = g.stride;
-  p.in_stride[1] = p.in_stride[2] = gu.stride;
-  p.out[0] = out.data_ptr();
-  p.out[1] = at_offset(out, m);
-  p.out_stride[0] = p.out_stride[1] = 2 * m;
-  launch(math::SwigluBwd{}, out.scalar_type(), p);
-  return out;
-}
+using CudaOps = rows::Ops<CudaLauncher>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) {
-  m.impl("gelu", &gelu);
-  m.impl("gelu_backward", &gelu_backward);
-  m.impl("silu", &silu);
-  m.impl("silu_backward", &silu_backward);
-  m.impl("swiglu", &swiglu);
-  m.impl("swiglu_backward", &swiglu_backward);
-  m.impl("swiglu_packed", &swiglu_packed);
-  m.impl("swiglu_packed_backward", &swiglu_packed_backward);
+  m.impl("gelu", &CudaOps::gelu);
+  m.impl("gelu_backward", &CudaOps::gelu_backward);
+  m.impl("silu", &CudaOps::silu);
+  m.impl("silu_backward", &CudaOps::silu_backward);
+  m.impl("swiglu", &CudaOps::swiglu);
+  m.impl("swiglu_backward", &CudaOps::swiglu_backward);
+  m.impl("swiglu_packed", &CudaOps::swiglu_packed);
+  m.impl("swiglu_packed_backward", &CudaOps::swiglu_packed_backward);
 }
 
 }  // namespace cuda

@@ -1,0 +1,159 @@
+"""The CUDA launch of every op, emulated on the CPU: runs in CI, where there is no GPU.
+
+ffn_ext._C._emulate_cuda(op, inputs, sms) builds the RowProblem the CUDA kernel gets (csrc/row_ops.h, the code
+the CUDA ops use), takes the launch shape csrc/rows.h computes for a GPU with `sms` multiprocessors, and runs
+rows.h's per-thread code for every block and thread of that grid on the host. Outputs are first filled with
+all-ones bytes (a NaN arithmetic never makes), so an element no thread writes shows. What it cannot check is the
+device-only code: 16-byte loads/stores as instructions, the paired 16-bit conversions, the MUFU approximations
+(tests/test_sass.py and the CUDA tests cover those).
+
+Each result must equal, bit for bit, the host math (_C._host_math: the same functors element by element), over
+layouts that exercise the launcher: lengths around the vector width, head/tail peeling (views starting one
+element past a 16-byte boundary), chunk views with a row stride, packed rows, >65535 rows (the grid-y loop),
+layouts that need a copy, and narrow (decode) and wide launches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ffn_ext
+
+_C = ffn_ext.ops._native
+pytestmark = pytest.mark.skipif(getattr(_C, "_emulate_cuda", None) is None,
+                                reason="needs the native ffn_ext library with _emulate_cuda (ffn_ext._C)")
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+def _rand(shape, dtype, gen, offset=0):
+    """Random values in a fresh buffer, returned as a view starting `offset` elements in (offset 1: not 16-byte
+    aligned, so the launcher peels a head)."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = (torch.randn(n + offset, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    return buf[offset:].view(shape)
+
+
+def _same_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+    assert got.is_contiguous(), what
+    g, w = got.contiguous().view(BITS[got.dtype]), want.contiguous().view(BITS[want.dtype])
+    bad = g != w
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements differ from the host math, first at "
+                           f"{torch.nonzero(bad)[:3].tolist()}: got {got[bad][:3].tolist()}, want {want[bad][:3].tolist()}"
+                           f" (all-ones bytes = never written)")
+
+
+def _host(op, *ins):
+    return _C._host_math(op, [t.contiguous() for t in ins])
+
+
+def expected(op, ins):
+    if op == "swiglu_packed":
+        gate, up = ins[0].chunk(2, -1)
+        return _host("swiglu", gate, up)
+    if op == "swiglu_packed_backward":
+        grad, (gate, up) = ins[0], ins[1].chunk(2, -1)
+        return [torch.cat(_host("swiglu_backward", grad, gate, up), -1)]
+    return _host(op, *ins)
+
+
+def check(op, ins, sms, what):
+    got = _C._emulate_cuda(op, list(ins), sms)
+    want = expected(op, ins)
+    assert len(got) == len(want), what
+    for k, (g, w) in enumerate(zip(got, want)):
+        _same_bits(g, w, f"{op}[{k}] {ins[0].dtype} {what} sms={sms}")
+
+
+SAME_SHAPE = {"gelu": 1, "silu": 1, "gelu_backward": 2, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", list(SAME_SHAPE))
+def test_contiguous_and_misaligned_lengths(op, dtype):
+    """One long row (contiguous inputs): every length around the vector width (2/4/8 elements) and the block's
+    span, each input starting at offset 0 or 1 (a misaligned input is read element by element; a misaligned
+    output gets a head)."""
+    gen = torch.Generator().manual_seed(1)
+    for n in [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 255, 1000, 1024 * 8 + 5, 40_000]:
+        for offsets in [(0,) * 3, (1,) * 3, (0, 1, 1), (1, 0, 1)]:
+            ins = [_rand([n], dtype, gen, offsets[i]) for i in range(SAME_SHAPE[op])]
+            for sms in (132, 2):
+                check(op, ins, sms, f"n={n} offsets={offsets[:len(ins)]}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("op", ["swiglu", "swiglu_backward"])
+def test_chunk_views_with_a_row_stride(op, dtype):
+    """gate, up = x.chunk(2, -1): rows of M elements with row stride 2M, read in place; M odd or even, rows
+    starting on and off 16-byte boundaries (the head differs row by row when M is odd)."""
+    gen = torch.Generator().manual_seed(2)
+    for rows, m in [(1, 5), (3, 8), (16, 4864), (7, 4865), (33, 96), (5, 1)]:
+        gate, up = _rand([rows, 2 * m], dtype, gen).chunk(2, -1)
+        grad = _rand([rows, m], dtype, gen, 1)
+        ins = [gate, up] if op == "swiglu" else [grad, gate, up]
+        for sms in (132, 2):
+            check(op, ins, sms, f"chunk rows={rows} M={m}")
+        if op == "swiglu":  # up as the view with the offset, gate contiguous
+            check(op, [_rand([rows, m], dtype, gen), up], 132, f"contiguous gate, chunk up rows={rows} M={m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_packed_forward_and_backward(dtype):
+    """swiglu_packed reads both halves of each [..., 2M] row in place; its backward writes dgate and dup into the
+    two halves of one packed output (row stride 2M for both outputs)."""
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(1, 2), (3, 18), (2, 5, 34), (16, 9728), (9, 9730), (4, 2 * 4863)]:
+        gate_up = _rand(list(shape), dtype, gen)
+        grad = _rand(list(shape[:-1]) + [shape[-1] // 2], dtype, gen, 1)
+        for sms in (132, 2):
+            check("swiglu_packed", [gate_up], sms, f"shape={shape}")
+            check("swiglu_packed_backward", [grad, gate_up], sms, f"shape={shape}")
+        # a packed input that is itself a view with a row stride (every other row of a bigger tensor)
+        big = _rand([2 * shape[0], shape[-1]], dtype, gen) if len(shape) == 2 else None
+        if big is not None:
+            check("swiglu_packed", [big[::2]], 132, f"strided rows shape={shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_more_rows_than_grid_y(dtype):
+    """More than 65535 rows: grid.y stops at 65535 and each block loops over rows y, y + 65535, ..."""
+    gen = torch.Generator().manual_seed(4)
+    gate, up = _rand([70_001, 6], dtype, gen).chunk(2, -1)
+    check("swiglu", [gate, up], 132, "70001 chunk rows")
+    check("swiglu_packed", [_rand([70_001, 4], dtype, gen)], 132, "70001 packed rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=lambda d: str(d).split(".")[-1])
+def test_layouts_that_need_a_copy_and_broadcast_rows(dtype):
+    """Transposed and every-other-column inputs cannot be rows with a contiguous last dim: made contiguous first.
+    Expanded rows (stride 0 along the rows) can: read in place."""
+    gen = torch.Generator().manual_seed(5)
+    x = _rand([40, 24], dtype, gen)
+    check("gelu", [x.t()], 132, "transposed")
+    check("silu", [x[:, ::2]], 132, "every other column")
+    row = _rand([1, 37], dtype, gen)
+    check("swiglu", [row.expand(9, 37), _rand([9, 37], dtype, gen)], 132, "expanded gate rows")
+    check("gelu_backward", [_rand([9, 37], dtype, gen), row.expand(9, 37)], 2, "expanded x rows")
+
+
+def test_empty_and_zero_dim():
+    gen = torch.Generator().manual_seed(6)
+    for dtype in DTYPES:
+        check("gelu", [torch.empty(0, 5, dtype=dtype)], 132, "empty")
+        check("silu", [_rand([], dtype, gen)], 132, "0-dim")
+        check("swiglu_packed", [torch.empty(3, 0, dtype=dtype)], 132, "M = 0")
+
+
+def test_emulate_cuda_rejects_bad_calls():
+    with pytest.raises(ValueError, match="unknown op"):
+        _C._emulate_cuda("tanh", [torch.ones(2)])
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        _C._emulate_cuda("swiglu", [torch.ones(2)])
+    with pytest.raises(ValueError, match="sms"):
+        _C._emulate_cuda("gelu", [torch.ones(2)], 0)
