@@ -5,9 +5,9 @@
 // float/half/bfloat16, double for double): f.template apply<Fast>(in, out). Callers convert storage -> A once at
 // the load and A -> storage once at the store, so every op rounds exactly once. Fast is true for 16-bit storage
 // (half, bfloat16), whose rounding (2**-9 / 2**-12 relative) dwarfs a few ulps of float. There:
-//   - the device takes one-instruction approximations (MUFU.RCP, MUFU.EX2: about 1-2 ulp of float, denormal
-//     results flushed to 0) instead of an IEEE division, whose dozen instructions and slow-path branch made bf16
-//     SiLU and SwiGLU issue-bound on an H200; the host (the test path) computes those two exactly;
+//   - the device takes one-instruction approximations of 1/d and 2**x (MUFU.RCP, MUFU.EX2: about 1-2 ulp of
+//     float, denormal results flushed to 0); an IEEE division, a dozen instructions with a slow-path branch,
+//     made bf16 SiLU and SwiGLU issue-bound on an H200. The host (the test path) computes both exactly;
 //   - GELU evaluates Phi from one polynomial, one reciprocal and one exponential instead of erff (gelu_tail
 //     below), which is also more accurate: on the host, all bfloat16 and 99.99% of float16 inputs give the
 //     correctly rounded result (erff: 99.7% and 99.5%, off by up to 255 bf16 ulps where 1 + erf cancels).
@@ -113,8 +113,8 @@ template <bool Fast> FFN_HD GeluTail gelu_tail(float x) {
   return {::fminf(::fabsf(x), 14.0f), u * r * pdf, pdf};
 }
 
-// Exact GELU: x * Phi(x). Phi is 0 only for x < ~-5.9 (float), where x * Phi is -0 anyway, and for x = -inf,
-// where x * 0 would be NaN: a select, not a branch (the compiler turns an isinf test into more instructions).
+// Exact GELU: x * Phi(x). erf form: Phi is 0 only for x < ~-5.9 (float), where x * Phi is -0 anyway, and for
+// x = -inf, where x * 0 would be NaN: a select, not a branch (an isinf test compiles to more instructions).
 template <bool Fast, typename A> FFN_HD A gelu(A x) {
   if constexpr (Fast && sizeof(A) == 4) {
     const GeluTail t = gelu_tail<Fast>(x);
@@ -124,8 +124,8 @@ template <bool Fast, typename A> FFN_HD A gelu(A x) {
     return cdf == A(0) ? A(-0.0) : x * cdf;
   }
 }
-// gelu'(x) = Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi). phi is 0 for |x| > ~13.2 (float) and
-// |x| = inf, where the limit is Phi (x * 0 would be NaN at inf).
+// gelu'(x) = Phi(x) + x * phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi). erf form: phi is 0 for |x| > ~13.2
+// (float) and |x| = inf, where the limit is Phi (x * 0 would be NaN at inf).
 template <bool Fast, typename A> FFN_HD A gelu_grad(A x) {
   if constexpr (Fast && sizeof(A) == 4) {
     const GeluTail t = gelu_tail<Fast>(x);
