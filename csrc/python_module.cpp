@@ -83,27 +83,32 @@ struct HostEmulation {
 
 std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at::Tensor>& in, int sms) {
   using Emu = rows::Ops<HostEmulation>;
-  static const std::map<std::string, size_t> n_inputs = {
-      {"gelu", 1}, {"gelu_backward", 2}, {"silu", 1}, {"silu_backward", 2}, {"swiglu", 2},
-      {"swiglu_backward", 3}, {"swiglu_packed", 1}, {"swiglu_packed_backward", 2}};
-  const auto it = n_inputs.find(op);
-  TORCH_CHECK_VALUE(it != n_inputs.end(), "_emulate_cuda: unknown op '", op, "'");
-  TORCH_CHECK_VALUE(in.size() == it->second, "_emulate_cuda: ", op, " takes ", std::to_string(it->second),
-                    " inputs, got ", std::to_string(in.size()));
+  using V = std::vector<at::Tensor>;
+  struct Entry {
+    size_t n_inputs;
+    V (*run)(const V&);
+  };
+  static const std::map<std::string, Entry> ops = {
+      {"gelu", {1, [](const V& a) -> V { return {Emu::gelu(a[0])}; }}},
+      {"gelu_backward", {2, [](const V& a) -> V { return {Emu::gelu_backward(a[0], a[1])}; }}},
+      {"silu", {1, [](const V& a) -> V { return {Emu::silu(a[0])}; }}},
+      {"silu_backward", {2, [](const V& a) -> V { return {Emu::silu_backward(a[0], a[1])}; }}},
+      {"swiglu", {2, [](const V& a) -> V { return {Emu::swiglu(a[0], a[1])}; }}},
+      {"swiglu_backward", {3, [](const V& a) -> V {
+         auto [dgate, dup] = Emu::swiglu_backward(a[0], a[1], a[2]);
+         return {dgate, dup};
+       }}},
+      {"swiglu_packed", {1, [](const V& a) -> V { return {Emu::swiglu_packed(a[0])}; }}},
+      {"swiglu_packed_backward", {2, [](const V& a) -> V { return {Emu::swiglu_packed_backward(a[0], a[1])}; }}},
+  };
+  const auto it = ops.find(op);
+  TORCH_CHECK_VALUE(it != ops.end(), "_emulate_cuda: unknown op '", op, "'");
+  TORCH_CHECK_VALUE(in.size() == it->second.n_inputs, "_emulate_cuda: ", op, " takes ",
+                    std::to_string(it->second.n_inputs), " inputs, got ", std::to_string(in.size()));
   for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_cuda: inputs must be CPU tensors");
   TORCH_CHECK_VALUE(sms > 0, "_emulate_cuda: sms must be positive");
   HostEmulation::sms = sms;
-  if (op == "gelu") return {Emu::gelu(in[0])};
-  if (op == "gelu_backward") return {Emu::gelu_backward(in[0], in[1])};
-  if (op == "silu") return {Emu::silu(in[0])};
-  if (op == "silu_backward") return {Emu::silu_backward(in[0], in[1])};
-  if (op == "swiglu") return {Emu::swiglu(in[0], in[1])};
-  if (op == "swiglu_backward") {
-    auto [dgate, dup] = Emu::swiglu_backward(in[0], in[1], in[2]);
-    return {dgate, dup};
-  }
-  if (op == "swiglu_packed") return {Emu::swiglu_packed(in[0])};
-  return {Emu::swiglu_packed_backward(in[0], in[1])};
+  return it->second.run(in);
 }
 
 }  // namespace

@@ -14,6 +14,8 @@ layouts that need a copy, and narrow (decode) and wide launches.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -31,9 +33,7 @@ BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: t
 def _rand(shape, dtype, gen, offset=0):
     """Random values in a fresh buffer, returned as a view starting `offset` elements in (offset 1: not 16-byte
     aligned, so the launcher peels a head)."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     buf = (torch.randn(n + offset, generator=gen, dtype=torch.float64) * 3).to(dtype)
     return buf[offset:].view(shape)
 
