@@ -6,7 +6,7 @@
 # op and dtype. (The SASS checks run in CI on the sm_80/sm_90 build: tests/test_sass.py.) Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
-# (default: all of build cuda_tests bench_ops ncu memcheck bench_ffn racecheck).
+# (default: all of build cuda_tests bench_ops host ncu memcheck bench_ffn racecheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ffn_ext_device}
@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
-STAGES=${STAGES:-build cuda_tests bench_ops ncu memcheck bench_ffn racecheck}
+STAGES=${STAGES:-build cuda_tests bench_ops host ncu memcheck bench_ffn racecheck}
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   case " $STAGES " in *" $name "*) ;; *) note "$(printf '%-12s skipped (STAGES)' "$name")"; return ;; esac
@@ -52,6 +52,10 @@ FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cachepro
 # Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/.
 stage bench_ops 120 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
 
+# Host time per call at the decode size, layer by layer (Python API, torch.ops, ATen's binding): where the
+# microseconds go when a call costs more host time than GPU time.
+stage host 20 $PY benchmarks/host_overhead.py --device cuda --out "$LOGS/bench"
+
 # Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound?
 if command -v ncu >/dev/null; then
   stage ncu 45 ncu --clock-control none --section SpeedOfLight \
@@ -70,7 +74,7 @@ else
 fi
 stage bench_ffn 45 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
 if command -v compute-sanitizer >/dev/null; then
-  stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage racecheck 20 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 
 note "failed stages: $failed"

@@ -1,9 +1,14 @@
 // The pybind11 module ffn_ext._C. Importing it loads the library, which registers the ffn_ext ops with the
-// dispatcher (registration.cpp). It adds only what is not an op: build information and two test paths, the
-// kernels' element math on the host and the whole CUDA launch emulated on the host.
+// dispatcher (registration.cpp). It adds what is not an op: the functional API's fast entry points, build
+// information and two test paths, the kernels' element math on the host and the whole CUDA launch emulated on
+// the host.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <cstring>
@@ -16,6 +21,54 @@
 
 namespace ffn_ext {
 namespace {
+
+// ---- fast entry points of the functional API ----
+// ffn_ext.gelu(x) and the other public functions (ffn_ext/ops.py) try these first. Each is a METH_FASTCALL
+// function that takes plain tensors and calls the op through a typed dispatcher handle, as ATen's generated
+// Python bindings do; torch.ops.ffn_ext.<op> makes a boxed call parsed against the schema, which costs more host
+// time (benchmarks/host_overhead.py times both), and at decode sizes host time is what a call's latency is. Past
+// the dispatcher everything is the same call: autograd, __torch_dispatch__ modes, fake tensors, errors, warnings.
+// An entry returns NotImplemented, and the caller takes the torch.ops path, when that path has more to do: an
+// argument that is not a plain torch.Tensor (a subclass, an fx Proxy, not a tensor), an active
+// __torch_function__ mode, or a first argument on a device that ffn_ext has no kernels for.
+constexpr const char* kFastOps[] = {"ffn_ext::gelu", "ffn_ext::silu", "ffn_ext::swiglu", "ffn_ext::swiglu_packed"};
+using TRef = const at::Tensor&;
+
+template <int K, int N>
+PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != N || at::impl::torch_function_mode_enabled()) Py_RETURN_NOTIMPLEMENTED;
+  for (int i = 0; i < N; ++i) {
+    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NOTIMPLEMENTED;
+  }
+  const at::Tensor& a = THPVariable_Unpack(args[0]);
+  const auto dev = a.device().type();
+  if (dev != c10::DeviceType::CUDA && dev != c10::DeviceType::CPU && dev != c10::DeviceType::Meta) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  using Sig = std::conditional_t<N == 1, at::Tensor(TRef), at::Tensor(TRef, TRef)>;
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kFastOps[K], "").typed<Sig>();
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    if constexpr (N == 1) {
+      out = op.call(a);
+    } else {
+      out = op.call(a, THPVariable_Unpack(args[1]));
+    }
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+template <int K, int N>
+PyMethodDef fast_def(const char* name) {
+  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<K, N>)), METH_FASTCALL,
+          "Fast entry point of the functional API (returns NotImplemented where torch.ops must serve the call)."};
+}
+PyMethodDef fast_methods[] = {
+    fast_def<0, 1>("_fast_gelu"), fast_def<1, 1>("_fast_silu"), fast_def<2, 2>("_fast_swiglu"),
+    fast_def<3, 1>("_fast_swiglu_packed"), {nullptr, nullptr, 0, nullptr}};
 
 // Runs functor F element by element on the host, with the kernels' rounding: load storage -> opmath type,
 // compute, store opmath -> storage once. Inputs: equal-shape CPU tensors of one floating dtype.
@@ -116,6 +169,7 @@ std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ffn_ext native library: importing it registers the torch.ops.ffn_ext ops";
+  if (PyModule_AddFunctions(m.ptr(), ffn_ext::fast_methods) != 0) throw pybind11::error_already_set();
   m.def("build_info", [] {
     pybind11::dict d;
     for (const auto& kv : ffn_ext::build_info()) d[kv.first.c_str()] = kv.second;

@@ -1,5 +1,6 @@
-"""Smoke test of the benchmark suite: `--smoke` runs of benchmarks/bench_ops.py and bench_ffn.py in a subprocess
-write the markdown table, the JSON with sane numbers, and (when matplotlib is installed) the plots."""
+"""Smoke test of the benchmark suite: `--smoke` runs of benchmarks/bench_ops.py, bench_ffn.py and host_overhead.py
+in a subprocess write the markdown table, the JSON with sane numbers, and (when matplotlib is installed) the
+plots."""
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, out: Path) -> subprocess.CompletedProcess:
+def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--device", "cpu",
-                           "--no-progress", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                           *args, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -91,3 +92,18 @@ def test_bench_ffn_smoke(tmp_path):
         res["ffn_ext"]["activation_bytes"] / res["eager"]["activation_bytes"])
     if _has_matplotlib():
         assert (tmp_path / "ffn.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_host_overhead_smoke(tmp_path):
+    _run("host_overhead.py", tmp_path, args=())
+    data = json.loads((tmp_path / "host.json").read_text())
+    assert "| op | layer |" in (tmp_path / "host.md").read_text()
+    layers = {(r["op"], r["layer"]) for r in data["results"]}
+    for op in ("gelu", "silu", "swiglu", "swiglu_packed"):
+        assert (op, "ATen eager") in layers and (op, f"ffn_ext.{op}") in layers, sorted(layers)
+    if data["meta"]["ffn_ext_build_info"]["native"] != "none (ATen fallback)":
+        assert ("gelu", "torch.ops ffn_ext") in layers and ("gelu", "torch.ops aten") in layers
+    for r in data["results"]:
+        assert _positive(r["issue_us"]) and r["issue_min_us"] <= r["issue_us"] <= r["total_us"] * 1.01, r
+

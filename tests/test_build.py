@@ -114,6 +114,10 @@ def test_jit_build_cpu_only(tmp_path):
     # the host-math test path is part of the JIT module too
     (y,) = mod._host_math("gelu", [torch.tensor([float("-inf"), 0.0, float("inf")])])
     assert y.tolist() == [0.0, 0.0, float("inf")], y
+    # and so are the functional API's fast entry points
+    assert sorted(ffn_ext.ops._fast) == ["gelu", "silu", "swiglu", "swiglu_packed"], ffn_ext.ops._fast
+    x = torch.randn(3, 7, dtype=torch.float64)
+    torch.testing.assert_close(mod._fast_gelu(x), torch.nn.functional.gelu(x))
     """
     r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1", FFN_EXT_FORCE_CPU="1"))
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout, r.stdout
@@ -217,6 +221,9 @@ def test_cmake_build_cpu_only(tmp_path):
     assert info["native"] == "ffn_ext._C" and info["cuda_kernels"] == "no", info
     (y,) = C._host_math("silu", [torch.tensor([float("-inf"), 0.0, 2.0], dtype=torch.float64)])
     torch.testing.assert_close(y[2], torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))
+    assert sorted(ffn_ext.ops._fast) == ["gelu", "silu", "swiglu", "swiglu_packed"], ffn_ext.ops._fast
+    g, u = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
+    torch.testing.assert_close(C._fast_swiglu(g, u), torch.nn.functional.silu(g) * u)
     """
     r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1"), timeout=300, cwd=tmp_path)
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Host time per call at decode size, split into the layers a call goes through.
+
+    python benchmarks/host_overhead.py --device cuda --out $OUT/bench   # the device check's `host` stage
+    python benchmarks/host_overhead.py --device meta                     # here: Python + dispatch + checks only
+    python benchmarks/host_overhead.py --smoke --device cpu --out /tmp/x # CI's pipeline check
+
+At 16x4864 (a decode step's MLP activation) a kernel takes a few microseconds of GPU time and a call costs more
+host time than that, so what decides the latency is the host path. ATen's `F.gelu` reaches its kernel through a
+generated Python binding; `ffn_ext.gelu` through a Python wrapper, `torch.ops` (a boxed call parsed against the
+schema), the C++ Autograd kernel and the CUDA kernel's checks. Each row times one layer of that path, so the
+differences between rows say where the time goes:
+
+    ffn_ext.<op>            - torch.ops ffn_ext    = the Python wrapper (ffn_ext/ops.py _call)
+    torch.ops ffn_ext       - OpOverload._op       = OpOverload.__call__ (Python)
+    torch.ops ffn_ext       - torch.ops aten       = ffn_ext's C++ path (autograd, checks, alloc, launch) minus ATen's
+                                                     (gelu and silu: the same boxed path around both)
+    torch.ops aten          - ATen eager           = torch.ops' boxed call minus ATen's generated binding
+
+Timing: rounds that cycle through every row (so a drift of the machine affects all rows alike); in each round a
+row issues `--calls` calls with no synchronization between them, then synchronizes. "issue µs" is the time to
+issue a call, "total µs" includes waiting for the GPU: when they are about equal the GPU was idle waiting for the
+host (host-bound, as intended at this size); when total is much larger the row is GPU-bound and its issue time
+is not its cost. Medians over rounds; inputs do not require grad (inference).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ffn_ext  # noqa: E402
+
+OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+
+
+def _eager(op):
+    if op == "gelu":
+        return F.gelu
+    if op == "silu":
+        return F.silu
+    if op == "swiglu":
+        return lambda g, u: F.silu(g) * u
+
+    def packed(gu):
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
+    return packed
+
+
+def rows_for(op: str, dev: torch.device) -> list:
+    """(label, callable) for each layer of `op`, fastest-path first. ATen rows are left out on meta tensors, where
+    ATen's kernels are Python meta functions and so not comparable."""
+    ours = getattr(torch.ops.ffn_ext, op).default if ffn_ext.build_info()["native"] != "none (ATen fallback)" \
+        else None
+    rows = []
+    if dev.type != "meta":
+        rows.append(("ATen eager", _eager(op)))
+        if op in ("gelu", "silu"):
+            rows.append(("torch.ops aten", getattr(torch.ops.aten, op).default))
+    rows.append((f"ffn_ext.{op}", getattr(ffn_ext, op)))
+    if ours is not None:
+        rows.append(("torch.ops ffn_ext", ours))
+        if callable(getattr(ours, "_op", None)):  # private attribute: a diagnostic row only
+            rows.append(("OpOverload._op", ours._op))
+    if dev.type != "meta":
+        rows.append(("torch.empty_like (alloc only)", lambda x, *rest: torch.empty_like(x)))
+    return rows
+
+
+def make_args(op, shape, dtype, dev):
+    rows, cols = shape
+    if op == "swiglu_packed":
+        cols *= 2
+    n_in = 2 if op == "swiglu" else 1
+    return tuple(torch.randn(rows, cols, dtype=torch.float32, device="cpu" if dev.type == "meta" else dev)
+                 .to(dtype=dtype, device=dev) for _ in range(n_in))
+
+
+def measure(rows, args, dev, rounds: int, calls: int) -> list[dict]:
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    issue = {label: [] for label, _ in rows}
+    total = {label: [] for label, _ in rows}
+    with torch.no_grad():
+        for _, fn in rows:  # warm-up: caches, allocator, lazy loading of the kernels
+            for _ in range(max(10, calls // 10)):
+                fn(*args)
+        sync()
+        for _ in range(rounds):
+            for label, fn in rows:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(*args)
+                t1 = time.perf_counter()
+                sync()
+                t2 = time.perf_counter()
+                issue[label].append((t1 - t0) / calls * 1e6)
+                total[label].append((t2 - t0) / calls * 1e6)
+    return [{"layer": label, "issue_us": statistics.median(issue[label]), "issue_min_us": min(issue[label]),
+             "total_us": statistics.median(total[label])} for label, _ in rows]
+
+
+def run(args) -> dict:
+    dev = torch.device(args.device) if args.device == "meta" else common.resolve_device(args.device)
+    mode = "smoke" if args.smoke else "quick"
+    shape = (4, 256) if args.smoke else tuple(int(s) for s in args.shape.lower().split("x"))
+    dtype = common.DTYPES[args.dtype]
+    rounds, calls = (3, 20) if args.smoke else (args.rounds, args.calls)
+    notes = []
+    if dev.type == "cpu":
+        notes.append("CPU: the ops compute here, so rows include the CPU kernels' time; this is not host overhead")
+    if dev.type == "meta":
+        notes.append("meta tensors: no kernels run; the rows time Python, dispatch and the shape checks only")
+    if dev.type == "cuda" and not ffn_ext.has_cuda_kernels():
+        notes.append("WARNING: the loaded ffn_ext has no CUDA kernels")
+    results = []
+    for op in OPS:
+        rows = rows_for(op, dev)
+        for r in measure(rows, make_args(op, shape, dtype, dev), dev, rounds, calls):
+            results.append({"op": op, **r})
+    meta = common.metadata(dev, mode, sys.argv) if dev.type != "meta" else {
+        "device_type": "meta", "device_name": "meta tensors", "torch_version": torch.__version__,
+        "git_commit": common.git_commit(), "ffn_ext_build_info": ffn_ext.build_info(), "mode": mode}
+    meta.update(shape=list(shape), dtype=args.dtype, rounds=rounds, calls_per_round=calls,
+                timing="time.perf_counter around back-to-back calls; median over rounds")
+    return {"meta": meta, "notes": notes, "results": results}
+
+
+def markdown(payload: dict) -> str:
+    meta = payload["meta"]
+    shape = "x".join(map(str, meta["shape"]))
+    lines = [f"# ffn_ext host time per call — {meta['device_name']}", "",
+             f"torch {meta['torch_version']}, commit {meta['git_commit']}, {meta['dtype']} {shape}, "
+             f"{meta['rounds']} rounds x {meta['calls_per_round']} calls, no grad; {meta['timing']}", ""]
+    lines += [f"- {n}" for n in payload["notes"]] + [""]
+    table = []
+    for op in OPS:
+        rs = [r for r in payload["results"] if r["op"] == op]
+        base = next((r["issue_us"] for r in rs if r["layer"] == "ATen eager"), None)
+        for r in rs:
+            table.append([op, r["layer"], common.fmt(r["issue_us"], ".2f"), common.fmt(r["issue_min_us"], ".2f"),
+                          common.fmt(r["total_us"], ".2f"),
+                          common.fmt(None if base is None else r["issue_us"] - base, "+.2f")])
+    lines.append(common.markdown_table(["op", "layer", "issue µs (median)", "issue µs (min)", "total µs",
+                                        "issue − ATen eager µs"], table))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N, meta")
+    p.add_argument("--shape", default="16x4864", help="rows x cols of the op's output (default 16x4864)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(common.DTYPES))
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=200, help="back-to-back calls per row and round")
+    p.add_argument("--smoke", action="store_true", help="tiny shape, few calls: a CI check of the pipeline")
+    p.add_argument("--out", type=Path, default=None, help="output directory for host.md / host.json")
+    args = p.parse_args(argv)
+    payload = run(args)
+    md = markdown(payload)
+    print(md)
+    if args.out is not None:
+        files = common.write_outputs(args.out, "host", payload, md)
+        print("\nwrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
