@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .modules import SiLU, _hooked, _plain_linear, swiglu_mlp, swiglu_mlp_packed
+from .modules import SiLU, _fusable, _linear_params, swiglu_mlp, swiglu_mlp_packed
 
 __all__ = ["patch_model", "unpatch_model"]
 
@@ -40,16 +40,20 @@ def _is_silu(act) -> bool:
 
 
 def _gated_forward(self, x):
-    g, u, d = self.gate_proj, self.up_proj, self.down_proj
-    if _plain_linear(g, u, d) and not _hooked(g, u, d):
-        return swiglu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+    mods = self._modules
+    g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
+    if _fusable((g, u, d)):
+        (wg, bg), (wu, bu), (wd, bd) = _linear_params(g), _linear_params(u), _linear_params(d)
+        return swiglu_mlp(x, wg, wu, wd, bg, bu, bd)
     return d(_ops.swiglu(g(x), u(x)))
 
 
 def _packed_forward(self, x):
-    gu, d = self.gate_up_proj, self.down_proj
-    if _plain_linear(gu, d) and not _hooked(gu, d):
-        return swiglu_mlp_packed(x, gu.weight, d.weight, gu.bias, d.bias)
+    mods = self._modules
+    gu, d = mods["gate_up_proj"], mods["down_proj"]
+    if _fusable((gu, d)):
+        (wgu, bgu), (wd, bd) = _linear_params(gu), _linear_params(d)
+        return swiglu_mlp_packed(x, wgu, wd, bgu, bd)
     return d(_ops.swiglu_packed(gu(x)))
 
 

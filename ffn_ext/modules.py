@@ -149,27 +149,48 @@ class _SwiGLUMLPPacked(torch.autograd.Function):
 def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up).
 
-    Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]."""
-    return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
+    inference_mode) there is nothing to save, and the ops run without the autograd.Function's bookkeeping."""
+    if torch.is_grad_enabled():
+        return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    return F.linear(_swiglu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)), w_down, b_down)
 
 
 def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3): w_gate_up [2*d_ff, d_model], gate rows first. Saves x and
     gate_up [tokens, 2*d_ff]."""
-    return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
+    if torch.is_grad_enabled():
+        return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
+    return F.linear(_swiglu_packed(F.linear(x, w_gate_up, b_gate_up)), w_down, b_down)
 
 
 # ---------------------------------------------------------------- FFN modules
-def _hooked(*modules) -> bool:
-    """True when forward hooks (module or global) would see the submodules' outputs: the modules must then run."""
-    mod = nn.modules.module
-    if getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+# A decode step's MLP is bound by host time, so the fused forward reads submodules and parameters from the
+# modules' dicts (nn.Module.__getattr__ costs about a microsecond per attribute) and checks hooks as
+# nn.Module.__call__ does, without building generators.
+_module_mod = nn.modules.module
 
 
-def _plain_linear(*modules) -> bool:
-    return all(type(m) is nn.Linear for m in modules)
+def _fusable(linears: tuple, others: tuple = ()) -> bool:
+    """True when `linears` are plain nn.Linear and no hook (forward or backward, on these modules or global) would
+    see them or `others` run; otherwise the modules must run as modules."""
+    m = _module_mod
+    if (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+            or m._global_backward_pre_hooks):
+        return False
+    for lin in linears:
+        if type(lin) is not nn.Linear:
+            return False
+    for mod in linears + others:
+        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
+            return False
+    return True
+
+
+def _linear_params(lin: nn.Linear) -> tuple:
+    """(weight, bias) of an nn.Linear, as lin.weight and lin.bias would give them."""
+    p = lin._parameters
+    return (p["weight"] if "weight" in p else lin.weight), (p["bias"] if "bias" in p else lin.bias)
 
 
 _ACTIVATIONS = {"gelu": GELU, "silu": SiLU, "relu": nn.ReLU}
@@ -204,9 +225,10 @@ class SwiGLUFFN(nn.Module):
     Face MLP's state_dict loads unchanged.
 
     d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). Training keeps two [tokens, d_ff]
-    tensors (gate, up) instead of eager PyTorch's four; h is recomputed in backward. When forward hooks are
-    registered on the projections or on `act` (or globally), or a projection is not a plain nn.Linear (LoRA,
-    quantized layers), the submodules run as modules (the activation is still ffn_ext's) so the hooks fire.
+    tensors (gate, up) instead of eager PyTorch's four; h is recomputed in backward. When hooks (forward or
+    backward) are registered on the projections or on `act` (or globally), or a projection is not a plain
+    nn.Linear (LoRA, quantized layers), the submodules run as modules (the activation is still ffn_ext's) so the
+    hooks fire.
     """
 
     def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,
@@ -220,10 +242,12 @@ class SwiGLUFFN(nn.Module):
         self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if _plain_linear(g, u, d) and not _hooked(g, u, d, self.act):
-            return swiglu_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
-        return d(self.act(g(x), u(x)))
+        mods = self._modules
+        g, u, d, act = mods["gate_proj"], mods["up_proj"], mods["down_proj"], mods["act"]
+        if _fusable((g, u, d), (act,)):
+            (wg, bg), (wu, bu), (wd, bd) = _linear_params(g), _linear_params(u), _linear_params(d)
+            return swiglu_mlp(x, wg, wu, wd, bg, bu, bd)
+        return d(act(g(x), u(x)))
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}"

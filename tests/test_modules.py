@@ -222,6 +222,72 @@ def test_swiglu_ffn_hooks_and_non_plain_linear_use_module_path():
     _close(mlp(x), 2.0 * ref)
 
 
+def test_swiglu_ffn_backward_and_global_hooks_fire():
+    # The fused path would run no submodule: any hook that must see one (a backward hook on a projection, a global
+    # forward hook) makes SwiGLUFFN run its submodules, with the same result.
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True)
+    x = torch.randn(3, 16, requires_grad=True)
+    ref = _eager(mlp, x)
+    calls = []
+    handle = mlp.gate_proj.register_full_backward_hook(lambda mod, gi, go: calls.append("gate_proj backward"))
+    y = mlp(x)
+    y.sum().backward()
+    handle.remove()
+    assert calls == ["gate_proj backward"]
+    _close(y, ref)
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, i, o: calls.append(type(mod).__name__))
+    try:
+        _close(mlp(x), ref)
+    finally:
+        handle.remove()
+    assert calls[1:] == ["Linear", "Linear", "SwiGLU", "Linear", "SwiGLUFFN"], calls
+    calls.clear()
+    mlp(x)  # no hooks left: the fused path again
+    assert calls == []
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["gated", "packed"])
+def test_swiglu_mlp_without_grad_mode_skips_the_autograd_function(monkeypatch, packed):
+    # no_grad / inference_mode: nothing to save, so no autograd.Function (less host time per decode step); the
+    # result is the one with grad mode on.
+    x = torch.randn(2, 5, 12)
+    if packed:
+        args = (x, torch.randn(2 * 20, 12), torch.randn(12, 20), torch.randn(2 * 20), None)
+        fn, fn_cls = ffn_ext.swiglu_mlp_packed, ffn_ext.modules._SwiGLUMLPPacked
+    else:
+        args = (x, torch.randn(20, 12), torch.randn(20, 12), torch.randn(12, 20), None, torch.randn(20), None)
+        fn, fn_cls = ffn_ext.swiglu_mlp, ffn_ext.modules._SwiGLUMLP
+    want = fn(*args)
+    assert want.grad_fn is None  # nothing required grad, but it ran through the Function
+    real_apply = fn_cls.apply
+
+    def no_apply(*a):
+        raise AssertionError("autograd.Function used without grad mode")
+
+    monkeypatch.setattr(fn_cls, "apply", no_apply)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(*args), want, rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(fn(*args), want, rtol=0, atol=0)
+    monkeypatch.setattr(fn_cls, "apply", real_apply)
+
+
+def test_swiglu_ffn_reads_the_parameters_functional_call_and_assignment_give():
+    # The fused path reads weights from the modules' parameter dicts: what torch.func.functional_call swaps in and
+    # what plain attribute assignment leaves must both be used.
+    mlp = ffn_ext.SwiGLUFFN(8, 24, bias=True)
+    x = torch.randn(4, 8)
+    new = {k: torch.randn_like(v) for k, v in mlp.state_dict().items()}
+    twin = ffn_ext.SwiGLUFFN(8, 24, bias=True)
+    twin.load_state_dict(new)
+    _close(torch.func.functional_call(mlp, new, (x,)), _eager(twin, x))
+    w = torch.randn(24, 8)
+    del mlp.up_proj.weight
+    mlp.up_proj.weight = w  # a plain tensor attribute, no longer in _parameters
+    assert "weight" not in mlp.up_proj._parameters
+    _close(mlp(x), _eager(mlp, x))
+
+
 def _saved_activations(fn, tokens, width):
     """Distinct storages (count, bytes) that autograd saves for activations of shape [tokens, width]."""
     seen = {}
