@@ -17,6 +17,9 @@ differences between rows say where the time goes:
                                                      (gelu and silu: the same boxed path around both)
     torch.ops aten          - ATen eager           = torch.ops' boxed call minus ATen's generated binding
 
+The last group is a whole decode-step MLP (1 token, Qwen2.5-0.5B widths 896 -> 4864): ffn_ext.SwiGLUFFN against
+the eager form with three nn.Linear modules (not on meta tensors, where ATen's Linear is a Python meta function).
+
 Timing: rounds that cycle through every row (so a drift of the machine affects all rows alike); in each round a
 row issues `--calls` calls with no synchronization between them, then synchronizes. "issue µs" is the time to
 issue a call, "total µs" includes waiting for the GPU: when they are about equal the GPU was idle waiting for the
@@ -126,6 +129,15 @@ def run(args) -> dict:
         rows = rows_for(op, dev)
         for r in measure(rows, make_args(op, shape, dtype, dev), dev, rounds, calls):
             results.append({"op": op, **r})
+    if dev.type != "meta":  # a whole decode-step MLP (meta: ATen's Linear is a Python meta function)
+        tokens, d_model, d_ff = (1, 8, 16) if args.smoke else (1, 896, 4864)
+        mlp = ffn_ext.SwiGLUFFN(d_model, d_ff, device=dev, dtype=dtype)
+        g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        rows = [("eager MLP (3 nn.Linear, F.silu(g) * u)", lambda x: d(F.silu(g(x)) * u(x))),
+                ("ffn_ext.SwiGLUFFN", mlp)]
+        x = torch.randn(tokens, d_model, device=dev, dtype=dtype)
+        for r in measure(rows, (x,), dev, rounds, calls):
+            results.append({"op": f"MLP {tokens}x{d_model}->{d_ff}", **r})
     meta = common.metadata(dev, mode, sys.argv) if dev.type != "meta" else {
         "device_type": "meta", "device_name": "meta tensors", "torch_version": torch.__version__,
         "git_commit": common.git_commit(), "ffn_ext_build_info": ffn_ext.build_info(), "mode": mode}
@@ -142,15 +154,16 @@ def markdown(payload: dict) -> str:
              f"{meta['rounds']} rounds x {meta['calls_per_round']} calls, no grad; {meta['timing']}", ""]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
     table = []
-    for op in OPS:
+    for op in dict.fromkeys(r["op"] for r in payload["results"]):
         rs = [r for r in payload["results"] if r["op"] == op]
-        base = next((r["issue_us"] for r in rs if r["layer"] == "ATen eager"), None)
+        base = next((r["issue_us"] for r in rs if r["layer"] in ("ATen eager", "eager MLP (3 nn.Linear, F.silu(g) * u)")),
+                    None)
         for r in rs:
             table.append([op, r["layer"], common.fmt(r["issue_us"], ".2f"), common.fmt(r["issue_min_us"], ".2f"),
                           common.fmt(r["total_us"], ".2f"),
                           common.fmt(None if base is None else r["issue_us"] - base, "+.2f")])
     lines.append(common.markdown_table(["op", "layer", "issue µs (median)", "issue µs (min)", "total µs",
-                                        "issue − ATen eager µs"], table))
+                                        "issue − eager µs"], table))
     return "\n".join(lines)
 
 

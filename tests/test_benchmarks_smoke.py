@@ -102,6 +102,7 @@ def test_host_overhead_smoke(tmp_path):
     layers = {(r["op"], r["layer"]) for r in data["results"]}
     for op in ("gelu", "silu", "swiglu", "swiglu_packed"):
         assert (op, "ATen eager") in layers and (op, f"ffn_ext.{op}") in layers, sorted(layers)
+    assert ("MLP 1x8->16", "ffn_ext.SwiGLUFFN") in layers, sorted(layers)
     if data["meta"]["ffn_ext_build_info"]["native"] != "none (ATen fallback)":
         assert ("gelu", "torch.ops ffn_ext") in layers and ("gelu", "torch.ops aten") in layers
     for r in data["results"]:
