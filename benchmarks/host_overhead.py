@@ -43,6 +43,8 @@ import torch.nn.functional as F  # noqa: E402
 import ffn_ext  # noqa: E402
 
 OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+EAGER_MLP = "eager MLP (3 nn.Linear, F.silu(g) * u)"
+BASELINES = ("ATen eager", EAGER_MLP)  # the row each group's last column is relative to
 
 
 def _eager(op):
@@ -62,8 +64,7 @@ def _eager(op):
 def rows_for(op: str, dev: torch.device) -> list:
     """(label, callable) for each layer of `op`, fastest-path first. ATen rows are left out on meta tensors, where
     ATen's kernels are Python meta functions and so not comparable."""
-    ours = getattr(torch.ops.ffn_ext, op).default if ffn_ext.build_info()["native"] != "none (ATen fallback)" \
-        else None
+    ours = getattr(torch.ops.ffn_ext, op).default if ffn_ext.ops._native is not None else None
     rows = []
     if dev.type != "meta":
         rows.append(("ATen eager", _eager(op)))
@@ -133,14 +134,14 @@ def run(args) -> dict:
         tokens, d_model, d_ff = (1, 8, 16) if args.smoke else (1, 896, 4864)
         mlp = ffn_ext.SwiGLUFFN(d_model, d_ff, device=dev, dtype=dtype)
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        rows = [("eager MLP (3 nn.Linear, F.silu(g) * u)", lambda x: d(F.silu(g(x)) * u(x))),
+        rows = [(EAGER_MLP, lambda x: d(F.silu(g(x)) * u(x))),
                 ("ffn_ext.SwiGLUFFN", mlp)]
         x = torch.randn(tokens, d_model, device=dev, dtype=dtype)
         for r in measure(rows, (x,), dev, rounds, calls):
             results.append({"op": f"MLP {tokens}x{d_model}->{d_ff}", **r})
-    meta = common.metadata(dev, mode, sys.argv) if dev.type != "meta" else {
-        "device_type": "meta", "device_name": "meta tensors", "torch_version": torch.__version__,
-        "git_commit": common.git_commit(), "ffn_ext_build_info": ffn_ext.build_info(), "mode": mode}
+    meta = common.metadata(dev, mode, sys.argv)
+    if dev.type == "meta":
+        meta["device_name"] = "meta tensors"
     meta.update(shape=list(shape), dtype=args.dtype, rounds=rounds, calls_per_round=calls,
                 timing="time.perf_counter around back-to-back calls; median over rounds")
     return {"meta": meta, "notes": notes, "results": results}
@@ -156,8 +157,7 @@ def markdown(payload: dict) -> str:
     table = []
     for op in dict.fromkeys(r["op"] for r in payload["results"]):
         rs = [r for r in payload["results"] if r["op"] == op]
-        base = next((r["issue_us"] for r in rs if r["layer"] in ("ATen eager", "eager MLP (3 nn.Linear, F.silu(g) * u)")),
-                    None)
+        base = next((r["issue_us"] for r in rs if r["layer"] in BASELINES), None)
         for r in rs:
             table.append([op, r["layer"], common.fmt(r["issue_us"], ".2f"), common.fmt(r["issue_min_us"], ".2f"),
                           common.fmt(r["total_us"], ".2f"),

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .modules import SiLU, _fusable, _linear_params, swiglu_mlp, swiglu_mlp_packed
+from .modules import SiLU, _fusable, _linear_args, swiglu_mlp, swiglu_mlp_packed
 
 __all__ = ["patch_model", "unpatch_model"]
 
@@ -43,8 +43,7 @@ def _gated_forward(self, x):
     mods = self._modules
     g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
     if _fusable((g, u, d)):
-        (wg, bg), (wu, bu), (wd, bd) = _linear_params(g), _linear_params(u), _linear_params(d)
-        return swiglu_mlp(x, wg, wu, wd, bg, bu, bd)
+        return swiglu_mlp(x, *_linear_args(g, u, d))
     return d(_ops.swiglu(g(x), u(x)))
 
 
@@ -52,8 +51,7 @@ def _packed_forward(self, x):
     mods = self._modules
     gu, d = mods["gate_up_proj"], mods["down_proj"]
     if _fusable((gu, d)):
-        (wgu, bgu), (wd, bd) = _linear_params(gu), _linear_params(d)
-        return swiglu_mlp_packed(x, wgu, wd, bgu, bd)
+        return swiglu_mlp_packed(x, *_linear_args(gu, d))
     return d(_ops.swiglu_packed(gu(x)))
 
 

@@ -187,10 +187,15 @@ def _fusable(linears: tuple, others: tuple = ()) -> bool:
     return True
 
 
-def _linear_params(lin: nn.Linear) -> tuple:
-    """(weight, bias) of an nn.Linear, as lin.weight and lin.bias would give them."""
-    p = lin._parameters
-    return (p["weight"] if "weight" in p else lin.weight), (p["bias"] if "bias" in p else lin.bias)
+def _linear_args(*linears: nn.Linear) -> tuple:
+    """The weights, then the biases, of nn.Linear modules (the argument order of swiglu_mlp and
+    swiglu_mlp_packed), as lin.weight and lin.bias would give them."""
+    weights, biases = [], []
+    for lin in linears:  # a plain loop: generators cost microseconds here
+        p = lin._parameters
+        weights.append(p["weight"] if "weight" in p else lin.weight)
+        biases.append(p["bias"] if "bias" in p else lin.bias)
+    return (*weights, *biases)
 
 
 _ACTIVATIONS = {"gelu": GELU, "silu": SiLU, "relu": nn.ReLU}
@@ -245,8 +250,7 @@ class SwiGLUFFN(nn.Module):
         mods = self._modules
         g, u, d, act = mods["gate_proj"], mods["up_proj"], mods["down_proj"], mods["act"]
         if _fusable((g, u, d), (act,)):
-            (wg, bg), (wu, bu), (wd, bd) = _linear_params(g), _linear_params(u), _linear_params(d)
-            return swiglu_mlp(x, wg, wu, wd, bg, bu, bd)
+            return swiglu_mlp(x, *_linear_args(g, u, d))
         return d(act(g(x), u(x)))
 
     def extra_repr(self) -> str:
