@@ -9,9 +9,12 @@ Patched (matched by structure, not by class name):
 The patch replaces the MLP instance's ``forward`` (no class swap, no weight copy): the parameters stay the same
 objects, state_dict / save_pretrained are unchanged, deepcopy keeps the patch. The new forward runs
 ffn_ext.modules.swiglu_mlp / swiglu_mlp_packed (fused SwiGLU; training saves x and the projections and recomputes
-h in backward), or, when a projection is not a plain nn.Linear (LoRA, quantized) or carries forward hooks, calls the
-projections as modules with the fused ffn_ext.swiglu in between. MLPs with gate/up/down projections whose activation
-is not SiLU (GELU-gated models such as Gemma) are skipped with a warning, or refused with ValueError if strict=True.
+h in backward), or, when a projection is not a plain nn.Linear (LoRA, quantized) or carries hooks, calls the
+projections as modules with the fused ffn_ext.swiglu in between. The fused forms never call the activation module,
+so when it carries hooks (or global module hooks are set), or it was replaced after patching by something that is
+not a SiLU, the MLP runs its class's own forward: hooks fire and the replacement runs. MLPs with gate/up/down
+projections whose activation is not SiLU (GELU-gated models such as Gemma) are skipped with a warning, or refused
+with ValueError if strict=True.
 ``unpatch_model`` restores the original forward. transformers itself is not imported here.
 """
 from __future__ import annotations
@@ -28,7 +31,8 @@ from .modules import SiLU, _fusable, _linear_args, swiglu_mlp, swiglu_mlp_packed
 
 __all__ = ["patch_model", "unpatch_model"]
 
-_MARK = "_ffn_ext_patched"
+_MARK = "_ffn_ext_patched"  # 'gated' | 'packed'
+_ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
 
 
 def _is_silu(act) -> bool:
@@ -39,7 +43,20 @@ def _is_silu(act) -> bool:
     return cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers")
 
 
+def _act_bypassable(self) -> bool:
+    """Whether the fused kernels may stand in for the MLP's activation call: it still is the SiLU patched over
+    (or another SiLU), and no hook, on it or global, expects to see it run."""
+    name, patched = self.__dict__[_ACT]
+    mods = self._modules
+    act = mods[name] if name in mods else getattr(self, name, None)
+    if act is not patched and not _is_silu(act):
+        return False
+    return not isinstance(act, nn.Module) or _fusable((), (act,))
+
+
 def _gated_forward(self, x):
+    if not _act_bypassable(self):
+        return type(self).forward(self, x)
     mods = self._modules
     g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
     if _fusable((g, u, d)):
@@ -48,6 +65,8 @@ def _gated_forward(self, x):
 
 
 def _packed_forward(self, x):
+    if not _act_bypassable(self):
+        return type(self).forward(self, x)
     mods = self._modules
     gu, d = mods["gate_up_proj"], mods["down_proj"]
     if _fusable((gu, d)):
@@ -56,13 +75,15 @@ def _packed_forward(self, x):
 
 
 def _kind(module):
-    """('gated'|'packed', activation) for an MLP-shaped module, else None."""
+    """('gated'|'packed', name of the activation attribute) for an MLP-shaped module, else None."""
     children = dict(module.named_children())
     if all(isinstance(children.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        return "gated", getattr(module, "act_fn", getattr(module, "activation_fn", None))
-    if all(isinstance(children.get(n), nn.Linear) for n in ("gate_up_proj", "down_proj")):
-        return "packed", getattr(module, "activation_fn", getattr(module, "act_fn", None))
-    return None
+        kind, names = "gated", ("act_fn", "activation_fn")
+    elif all(isinstance(children.get(n), nn.Linear) for n in ("gate_up_proj", "down_proj")):
+        kind, names = "packed", ("activation_fn", "act_fn")
+    else:
+        return None
+    return kind, next((n for n in names if hasattr(module, n)), names[0])
 
 
 def _check_shapes(name, module, kind):
@@ -87,13 +108,15 @@ def patch_model(model: nn.Module, strict: bool = False) -> int:
         found = _kind(module)
         if found is None or getattr(module, _MARK, None):
             continue
-        kind, act = found
+        kind, act_name = found
+        act = getattr(module, act_name, None)
         if not _is_silu(act):
             skipped.append(f"{name or 'model'} ({type(module).__name__}, activation {act!r})")
             continue
         _check_shapes(name, module, kind)
         module.forward = types.MethodType(_gated_forward if kind == "gated" else _packed_forward, module)
         setattr(module, _MARK, kind)
+        setattr(module, _ACT, (act_name, act))
         count += 1
     if skipped:
         msg = ("ffn_ext.hf.patch_model: these gated MLPs are not SiLU-gated, ffn_ext implements SwiGLU only: "
@@ -111,5 +134,6 @@ def unpatch_model(model: nn.Module) -> int:
         if getattr(module, _MARK, None):
             module.__dict__.pop("forward", None)
             delattr(module, _MARK)
+            module.__dict__.pop(_ACT, None)
             count += 1
     return count

@@ -231,9 +231,9 @@ class SwiGLUFFN(nn.Module):
 
     d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). Training keeps two [tokens, d_ff]
     tensors (gate, up) instead of eager PyTorch's four; h is recomputed in backward. When hooks (forward or
-    backward) are registered on the projections or on `act` (or globally), or a projection is not a plain
-    nn.Linear (LoRA, quantized layers), the submodules run as modules (the activation is still ffn_ext's) so the
-    hooks fire.
+    backward) are registered on the projections or on `act` (or globally), a projection is not a plain
+    nn.Linear (LoRA, quantized layers) or `act` was replaced by another module, the submodules run as modules, so
+    the hooks fire and the replacement is what runs.
     """
 
     def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,
@@ -249,7 +249,7 @@ class SwiGLUFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mods = self._modules
         g, u, d, act = mods["gate_proj"], mods["up_proj"], mods["down_proj"], mods["act"]
-        if _fusable((g, u, d), (act,)):
+        if type(act) is SwiGLU and _fusable((g, u, d), (act,)):
             return swiglu_mlp(x, *_linear_args(g, u, d))
         return d(act(g(x), u(x)))
 

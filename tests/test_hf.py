@@ -117,6 +117,59 @@ def test_lora_like_projection_and_hooks_keep_working():
     assert seen == [(1, 7, 64)]
 
 
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_activation_hooks_and_replacement_run_the_models_own_forward(kind):
+    """The fused forms never call the activation module. A hook on it (or a global module hook) must still fire,
+    and an activation replaced after patching must be what runs: then the MLP runs its class's forward."""
+    model = _tiny(kind)
+    ref = copy.deepcopy(model)
+    assert ffn_ext.patch_hf_model(model) == 2
+    mlp, mlp0 = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    name = "act_fn" if kind == "llama" else "activation_fn"
+    x = torch.randn(2, 3, 64, requires_grad=True)
+
+    def fused(m):
+        return "_SwiGLUMLP" in type(m(x).grad_fn).__name__
+
+    assert fused(mlp)
+    # a forward hook that changes the activation's output, on both models: same result, and it fired
+    seen = []
+
+    def halve(mod, inputs, out):
+        seen.append(tuple(out.shape))
+        return out * 0.5
+
+    handles = [getattr(m, name).register_forward_hook(halve) for m in (mlp, mlp0)]
+    torch.testing.assert_close(mlp(x), mlp0(x), atol=1e-5, rtol=1e-5)
+    assert len(seen) == 2 and not fused(mlp)
+    for h in handles:
+        h.remove()
+    assert fused(mlp)
+
+    # a global forward hook sees the activation run, as in the unpatched model
+    names = []
+    h = nn.modules.module.register_module_forward_hook(lambda mod, i, o: names.append(type(mod).__name__))
+    try:
+        mlp(x)
+        patched_calls, names[:] = list(names), []
+        mlp0(x)
+    finally:
+        h.remove()
+    assert patched_calls == names and len(names) == (5 if kind == "llama" else 4), (patched_calls, names)
+    assert fused(mlp)
+
+    # the activation replaced after patching (here by GELU): the replacement runs, not the fused SiLU
+    for m in (mlp, mlp0):
+        setattr(m, name, nn.GELU())
+    torch.testing.assert_close(mlp(x), mlp0(x), atol=1e-5, rtol=1e-5)
+    assert not fused(mlp)
+    setattr(mlp, name, nn.SiLU())  # another SiLU: fused again
+    assert fused(mlp)
+    # the record of the activation goes with unpatch
+    assert ffn_ext.hf.unpatch_model(model) == 2
+    assert not hasattr(mlp, "_ffn_ext_act")
+
+
 def test_plain_module_with_the_names_is_patched():
     class MyMLP(nn.Module):
         def __init__(self):

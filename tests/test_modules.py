@@ -246,6 +246,23 @@ def test_swiglu_ffn_backward_and_global_hooks_fire():
     assert calls == []
 
 
+def test_swiglu_ffn_runs_a_replaced_activation():
+    # The fused path computes SwiGLU itself; an `act` replaced by another module must be what runs.
+    torch.manual_seed(9)
+    mlp = ffn_ext.SwiGLUFFN(16, 40)
+    x = torch.randn(3, 16)
+
+    class GeGLU(nn.Module):
+        def forward(self, g, u):
+            return F.gelu(g) * u
+
+    mlp.act = GeGLU()
+    want = mlp.down_proj(F.gelu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    _close(mlp(x), want)
+    with torch.no_grad():
+        _close(mlp(x), want)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["gated", "packed"])
 def test_swiglu_mlp_without_grad_mode_skips_the_autograd_function(monkeypatch, packed):
     # no_grad / inference_mode: nothing to save, so no autograd.Function (less host time per decode step); the
