@@ -6,7 +6,7 @@
 # op and dtype. (The SASS checks run in CI on the sm_80/sm_90 build: tests/test_sass.py.) Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
-# (default: all of build cuda_tests bench_ops host ncu memcheck bench_ffn racecheck).
+# (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ffn_ext_device}
@@ -19,10 +19,11 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
-STAGES=${STAGES:-build cuda_tests bench_ops host ncu memcheck bench_ffn racecheck}
+STAGES=${STAGES:-build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck}
+wanted() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
-  case " $STAGES " in *" $name "*) ;; *) note "$(printf '%-12s skipped (STAGES)' "$name")"; return ;; esac
+  wanted "$name" || { note "$(printf '%-12s skipped (STAGES)' "$name")"; return; }
   local t0=$(date +%s)
   timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
@@ -45,6 +46,8 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 
 stage build 90 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
+# The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use).
+stage sass 10 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included.
 FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
@@ -57,7 +60,7 @@ stage bench_ops 120 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device c
 stage host 20 $PY benchmarks/host_overhead.py --device cuda --out "$LOGS/bench"
 
 # Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound?
-if command -v ncu >/dev/null; then
+if command -v ncu >/dev/null || ! wanted ncu; then
   stage ncu 45 ncu --clock-control none --section SpeedOfLight \
     --metrics smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     -k 'regex:rows_kernel|vectorized_elementwise|unrolled_elementwise' $PY benchmarks/ncu_cases.py
@@ -67,13 +70,13 @@ fi
 
 # compute-sanitizer over every op, dtype and layout (small shapes). racecheck covers shared memory, which these
 # kernels do not use; it runs because it is cheap and would catch a future change that does.
-if command -v compute-sanitizer >/dev/null; then
+if command -v compute-sanitizer >/dev/null || ! wanted memcheck; then
   stage memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 else
   note "compute-sanitizer not found: memcheck/racecheck NOT run"; failed=$((failed + 1))
 fi
 stage bench_ffn 45 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
-if command -v compute-sanitizer >/dev/null; then
+if command -v compute-sanitizer >/dev/null || ! wanted racecheck; then
   stage racecheck 20 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 

@@ -108,3 +108,43 @@ def test_host_overhead_smoke(tmp_path):
     for r in data["results"]:
         assert _positive(r["issue_us"]) and r["issue_min_us"] <= r["issue_us"] <= r["total_us"] * 1.01, r
 
+
+
+
+@pytest.mark.slow
+def test_device_check_script_is_well_formed(tmp_path):
+    """benchmarks/device_check.sh gets one call on a lent GPU, so what can be checked here is: bash parses it,
+    every default stage has a `stage` line, the stage limits leave room under the device tool's 600 s per call,
+    and the scripts it runs exist. Then a run of its one GPU-free stage (sass) writes the summary and archive,
+    and skips the rest without counting them as failures."""
+    import re
+
+    import ffn_ext
+
+    script = ROOT / "benchmarks" / "device_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    stages = dict(re.findall(r"^\s*(?:FFN_EXT_RUN_LARGE=1 )?stage (\w+) (\d+) ", text, re.M))
+    defaults = re.search(r"STAGES=\$\{STAGES:-([^}]*)\}", text).group(1).split()
+    assert sorted(defaults) == sorted(stages), (defaults, stages)
+    assert sum(int(v) for v in stages.values()) <= 590, stages
+    for path in re.findall(r"\b((?:benchmarks|tests)/\w+\.py)\b", text):
+        assert (ROOT / path).is_file(), path
+
+    env = dict(os.environ, OUT=str(tmp_path), STAGES="sass", PYTHON=sys.executable,
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert (tmp_path / "device_check.tgz").is_file()
+    for name in set(stages) - {"sass"}:
+        assert re.search(rf"^{name}\s+skipped \(STAGES\)", summary, re.M), (name, summary)
+    sass_ok = re.search(r"^sass\s+rc=0 ", summary, re.M) is not None
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sass_budget
+    finally:
+        sys.path.pop(0)
+    if ffn_ext.has_cuda_kernels() and sass_budget.cuobjdump():
+        assert sass_ok and proc.returncode == 0 and "failed stages: 0" in summary, summary
+    else:
+        assert not sass_ok and proc.returncode == 1 and "failed stages: 1" in summary, summary

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -28,9 +27,12 @@ import ffn_ext
 ROOT = Path(__file__).resolve().parent.parent
 LIB_ENV = "FFN_EXT_SASS_LIB"
 
-FUNCTORS = {"GeluFwd": (1, 1), "GeluBwd": (2, 1), "SiluFwd": (1, 1), "SiluBwd": (2, 1), "SwigluFwd": (2, 1),
-            "SwigluBwd": (3, 2)}  # functor -> (NI, NO), as in csrc/ffn_math.h
-DTYPES = {"d": ("float64", 8), "f": ("float32", 4), "N3c104HalfE": ("float16", 2), "N3c108BFloat16E": ("bfloat16", 2)}
+_spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "benchmarks" / "sass_budget.py")
+budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(budget)
+
+FUNCTORS = {f: (ni, no) for f, (_, ni, no) in budget.FUNCTORS.items()}  # functor -> (NI, NO), as in ffn_math.h
+DTYPES = budget.DTYPES
 EXPECTED_KERNELS = {(f, dt) for f in FUNCTORS for dt, _ in DTYPES.values()}  # 24 per architecture
 
 LOAD_128 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.128\b")
@@ -38,21 +40,7 @@ STORE_128 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.128\b")
 LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")
 
 
-# ---------------------------------------------------------------- locating the binary and cuobjdump
-def _cuobjdump() -> str | None:
-    spec = importlib.util.find_spec("triton")
-    candidates = []
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            candidates.append(Path(loc) / "backends" / "nvidia" / "bin" / "cuobjdump")
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(Path(os.environ["CUDA_HOME"]) / "bin" / "cuobjdump")
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    return shutil.which("cuobjdump")
-
-
+# ---------------------------------------------------------------- locating the binary
 def _library() -> tuple[str | None, str]:
     """(path of the binary to inspect, why not) ."""
     if os.environ.get(LIB_ENV):
@@ -80,19 +68,6 @@ def requested_archs() -> tuple[str, set[int], set[int]]:
         if m.group(3):
             ptx.add(cc)
     return text, sass, ptx
-
-
-def parse_kernel_name(mangled: str):
-    """_ZN7ffn_ext4cuda11rows_kernelI<T>NS_4math<len><Functor>ELi<VEC>E... -> (functor, dtype, vec) or None."""
-    m = re.match(r"_ZN7ffn_ext4cuda11rows_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)NS_4math(\d+)", mangled)
-    if not m:
-        return None
-    n = int(m.group(2))
-    functor = mangled[m.end():m.end() + n]
-    rest = re.match(r"ELi(\d+)E", mangled[m.end() + n:])
-    if rest is None:
-        return None
-    return functor, DTYPES[m.group(1)][0], int(rest.group(1))
 
 
 def parse_sass(text: str) -> dict[tuple[int, str], list[str]]:
@@ -135,7 +110,7 @@ def parse_resources(text: str) -> dict[tuple[int, str], dict[str, int]]:
 @functools.lru_cache(maxsize=None)
 def dump(kind: str) -> str:
     lib, why = _library()
-    tool = _cuobjdump()
+    tool = budget.cuobjdump()
     if lib is None:
         pytest.skip(why)
     if tool is None:
@@ -165,7 +140,7 @@ def test_kernel_inventory(sass):
     lines = []
     for arch in sorted(_archs_in(sass)):
         names = [n for a, n in sass if a == arch]
-        parsed = {n: parse_kernel_name(n) for n in names}
+        parsed = {n: budget.kernel_of(n) for n in names}
         unknown = [n for n, p in parsed.items() if p is None]
         assert not unknown, f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel: {unknown}"
         found = {(f, dt) for f, dt, _ in parsed.values()}
@@ -207,7 +182,7 @@ def test_vector_loads_and_stores_no_local_memory(sass, functor):
     ni, no = FUNCTORS[functor]
     checked = 0
     for (arch, name), insts in sorted(sass.items()):
-        parsed = parse_kernel_name(name)
+        parsed = budget.kernel_of(name)
         if parsed is None or parsed[0] != functor:
             continue
         where = f"sm_{arch} rows_kernel<{parsed[1]}, {functor}>"
@@ -223,14 +198,63 @@ def test_vector_loads_and_stores_no_local_memory(sass, functor):
 
 def test_no_stack_or_local_memory_in_resource_usage(sass):
     res = parse_resources(dump("res"))
-    ours = {k: v for k, v in res.items() if parse_kernel_name(k[1]) is not None}
+    ours = {k: v for k, v in res.items() if budget.kernel_of(k[1]) is not None}
     assert len(ours) == len(sass), f"resource usage for {len(ours)} kernels, SASS for {len(sass)}"
-    bad = {f"sm_{a} {parse_kernel_name(n)}": r for (a, n), r in ours.items() if r.get("STACK") or r.get("LOCAL")}
+    bad = {f"sm_{a} {budget.kernel_of(n)}": r for (a, n), r in ours.items() if r.get("STACK") or r.get("LOCAL")}
     assert not bad, f"kernels with stack or local memory: {bad}"
-    regs = sorted((r["REG"], a, parse_kernel_name(n)) for (a, n), r in ours.items())
+    regs = sorted((r["REG"], a, budget.kernel_of(n)) for (a, n), r in ours.items())
     print(f"\nregisters: min {regs[0]}, max {regs[-1]}")
     # __launch_bounds__(256): up to 255 registers fit; more than 128 would halve the resident warps.
     assert regs[-1][0] <= 128, f"register use above 128: {regs[-5:]}"
+
+
+def test_vector_path_fits_the_issue_budget(sass):
+    """The path nearly every thread of a large tensor takes (benchmarks/sass_budget.py): kUnroll 128-bit loads
+    per input and stores per output, and, on sm_90, few enough instructions per byte moved that an H200 can issue
+    them at 92% of copy bandwidth (the target of the CUDA kernels issue). The bound is calibrated against Nsight
+    Compute on the 2026-11-30 H200 run, where exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
+    float64 is exempt: its arithmetic issues at half rate, so instruction count alone does not bound it."""
+    text = dump("sass")
+    limit = budget.H200_INSTR_PER_BYTE / 0.92
+    checked = 0
+    for arch in sorted(_archs_in(sass)):
+        rows = budget.budget(text, arch)
+        assert len(rows) == len(EXPECTED_KERNELS), f"sm_{arch}: traced {len(rows)} kernels"
+        for r in rows:
+            where = f"sm_{arch} {r['op']} {r['dtype']}"
+            assert (r["loads"], r["stores"]) == (r["want_loads"], r["want_stores"]), (
+                f"{where}: the traced vector path has {r['loads']} 128-bit loads and {r['stores']} stores, want "
+                f"{r['want_loads']} and {r['want_stores']} (the SASS layout changed, or the tracer lost its way)")
+            if arch == 90 and r["dtype"] != "float64":
+                assert r["instr_per_byte"] <= limit, (
+                    f"{where}: {r['instr_per_elem']:.1f} instructions per element, {r['instr_per_byte']:.2f} per "
+                    f"byte moved: above {limit:.2f}, an H200 could not issue them at 92% of copy bandwidth")
+                checked += 1
+    print("\n" + budget.table(budget.budget(text, 90), 90) if 90 in _archs_in(sass) else "")
+    if 90 in _archs_in(sass):
+        assert checked == 18
+
+
+def test_vector_path_tracer_on_a_sample():
+    """The tracer follows the vector path: it skips code with scalar loads/stores only, falls through into code
+    with 128-bit ones, and stops at the row loop's back edge."""
+    sample = [
+        (0x00, "S2R R0, SR_TID.X"),
+        (0x10, "@P0 BRA 0x40"),                     # skip the head (scalar code)
+        (0x20, "LDG.E.U16 R2, desc[UR4][R4.64]"),
+        (0x30, "STG.E.U16 desc[UR4][R4.64], R2"),
+        (0x40, "@P1 BRA 0x70"),                     # not past a 128-bit load: fall through
+        (0x50, "LDG.E.128 R8, desc[UR4][R6.64]"),
+        (0x60, "FFMA R8, R8, R9, R10"),
+        (0x70, "@!P2 BRA 0xa0"),                    # scalar store path skipped
+        (0x80, "STG.E.U16 desc[UR4][R6.64], R8"),
+        (0x90, "BRA 0xb0"),
+        (0xa0, "STG.E.128.STRONG.GPU desc[UR4][R6.64], R8"),
+        (0xb0, "NOP"),
+        (0xc0, "BRA 0x00"),                         # the row loop: one row only
+        (0xd0, "EXIT"),
+    ]
+    assert budget.vector_path(sample) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
 
 
 def test_parsers_on_a_sample():
@@ -250,10 +274,10 @@ code version = [1,8]
 """
     funcs = parse_sass(sample)
     ((key, insts),) = funcs.items()
-    assert key[0] == 90 and parse_kernel_name(key[1]) == ("SiluFwd", "float32", 4)
+    assert key[0] == 90 and budget.kernel_of(key[1]) == ("SiluFwd", "float32", 4)
     assert len(insts) == 3
     assert LOAD_128.search(insts[0]) and STORE_128.search(insts[2]) and LOCAL_MEM.search(insts[1])
     assert not LOAD_128.search("LDG.E.64 R4, [R2.64]") and not LOCAL_MEM.search("LDG.E R4, [R2.64]")
-    assert parse_kernel_name(
+    assert budget.kernel_of(
         "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_2NIEXsrS7_2NOEEES7_"
     ) == ("SwigluBwd", "bfloat16", 8)
