@@ -27,17 +27,40 @@ __all__ = ["GELU", "SiLU", "SwiGLU", "FFN", "SwiGLUFFN", "swiglu_mlp", "swiglu_m
 
 # ---------------------------------------------------------------- activation modules
 class GELU(nn.Module):
-    """Exact (erf) GELU, as nn.GELU() (approximate='none'); uses ffn_ext.gelu."""
+    """GELU with nn.GELU's signature. approximate='none' (the default): exact (erf) GELU by ffn_ext.gelu.
+    approximate='tanh' runs ATen's tanh form (ffn_ext implements only the exact one), so the module stays a drop-in
+    for nn.GELU(approximate='tanh')."""
+
+    approximate = "none"  # class defaults: modules pickled before these arguments existed still load
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"ffn_ext.GELU: approximate must be 'none' or 'tanh' (as nn.GELU), got {approximate!r}")
+        self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops.gelu(x)
+        return _ops.gelu(x) if self.approximate == "none" else F.gelu(x, approximate="tanh")
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
 
 
 class SiLU(nn.Module):
-    """SiLU / swish, x * sigmoid(x), as nn.SiLU(); uses ffn_ext.silu."""
+    """SiLU / swish, x * sigmoid(x), with nn.SiLU's signature; uses ffn_ext.silu. inplace=True overwrites x as
+    nn.SiLU(inplace=True) does, with ATen's silu_ (ffn_ext has no in-place kernel)."""
+
+    inplace = False
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops.silu(x)
+        return F.silu(x, inplace=True) if self.inplace else _ops.silu(x)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
 
 
 class SwiGLU(nn.Module):

@@ -44,6 +44,32 @@ def test_unary_modules_match_torch(ours, ref, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ours,ref", [(ffn_ext.GELU(approximate="tanh"), nn.GELU(approximate="tanh")),
+                                      (ffn_ext.SiLU(inplace=True), nn.SiLU(inplace=True))], ids=["tanh", "inplace"])
+def test_unary_modules_take_torchs_arguments(ours, ref, device):
+    # Drop-ins for nn.GELU(approximate=...) / nn.SiLU(inplace=...): same results, gradients, side effects, repr.
+    torch.manual_seed(2)
+    base = _rand(6, 77, device=device)
+    x, x0 = base.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
+    h, h0 = x * 1.5, x0 * 1.5  # non-leaf, as an in-place activation needs
+    y, y0 = ours(h), ref(h0)
+    _close(y, y0)
+    _close(h, h0)  # inplace=True overwrote h as nn.SiLU does
+    assert (y is h) == (y0 is h0)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    _close(x.grad, x0.grad)
+    assert repr(ours) == repr(ref)
+    assert repr(ffn_ext.GELU()) == repr(nn.GELU()) and repr(ffn_ext.SiLU()) == repr(nn.SiLU())
+
+
+def test_gelu_module_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+        ffn_ext.GELU(approximate="erf")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_swiglu_module_two_args_and_packed(dtype, device):
     torch.manual_seed(1)
