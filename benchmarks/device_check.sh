@@ -47,13 +47,13 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 stage build 90 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
 # The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use).
-stage sass 10 $PY benchmarks/sass_budget.py
+stage sass 20 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included.
 FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 
 # Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/.
-stage bench_ops 120 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
+stage bench_ops 110 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
 
 # Host time per call at the decode size, layer by layer (Python API, torch.ops, ATen's binding): where the
 # microseconds go when a call costs more host time than GPU time.

@@ -176,7 +176,8 @@ def main(argv=None) -> int:
     if tool is None:
         print("sass_budget: cuobjdump not found (pip install triton, or set CUDA_HOME)", file=sys.stderr)
         return 2
-    text = subprocess.run([tool, "--dump-sass", lib], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run([tool, "--dump-sass", "-arch", f"sm_{args.arch}", lib], capture_output=True, text=True,
+                          check=True).stdout
     rows = budget(text, args.arch)
     if not rows:
         print(f"sass_budget: no rows_kernel SASS for sm_{args.arch} in {lib}", file=sys.stderr)
