@@ -186,3 +186,21 @@ def test_plain_module_with_the_names_is_patched():
     ref = net(x)
     assert ffn_ext.patch_hf_model(net) == 2
     torch.testing.assert_close(net(x), ref)
+
+
+@pytest.mark.slow
+def test_patched_mlp_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) of a patched MLP: the checks of the patched forward (activation, hooks,
+    projection types) trace, and forward and backward match the unpatched MLP."""
+    model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    ffn_ext.patch_hf_model(model)
+    mlp, mlp0 = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    x0 = x.detach().clone().requires_grad_()
+    y = torch.compile(mlp, fullgraph=True)(x)
+    y0 = mlp0(x0)
+    torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    y0.sum().backward()
+    torch.testing.assert_close(x.grad, x0.grad, atol=1e-5, rtol=1e-5)
