@@ -19,7 +19,6 @@ with ValueError if strict=True.
 """
 from __future__ import annotations
 
-import types
 import warnings
 
 import torch
@@ -74,6 +73,18 @@ def _packed_forward(self, x):
     return d(_ops.swiglu_packed(gu(x)))
 
 
+class _BoundForward:
+    """The patched forward, bound to its MLP like a method, but picklable: a types.MethodType pickles as
+    getattr(mlp, '_gated_forward') and so made torch.save(model) write checkpoints that torch.load could not read.
+    This pickles the module-level function by name and the MLP by reference."""
+
+    def __init__(self, module, func):
+        self.__self__, self.__func__ = module, func
+
+    def __call__(self, x):  # the signature the bound method had: inspect.signature(mlp.forward) == (x)
+        return self.__func__(self.__self__, x)
+
+
 def _kind(module):
     """('gated'|'packed', name of the activation attribute) for an MLP-shaped module, else None."""
     children = dict(module.named_children())
@@ -114,7 +125,7 @@ def patch_model(model: nn.Module, strict: bool = False) -> int:
             skipped.append(f"{name or 'model'} ({type(module).__name__}, activation {act!r})")
             continue
         _check_shapes(name, module, kind)
-        module.forward = types.MethodType(_gated_forward if kind == "gated" else _packed_forward, module)
+        module.forward = _BoundForward(module, _gated_forward if kind == "gated" else _packed_forward)
         setattr(module, _MARK, kind)
         setattr(module, _ACT, (act_name, act))
         count += 1

@@ -83,6 +83,27 @@ def test_patch_is_idempotent_and_reversible_and_survives_deepcopy():
     assert ffn_ext.hf.patch_model(model) == 2
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "phi3"])
+def test_patched_model_pickles(kind):
+    """torch.save(model) of a patched model loads back patched, with the same outputs (the patched forward
+    once pickled as getattr(mlp, '_gated_forward'), which torch.load could not resolve)."""
+    import io
+
+    model = _tiny(kind)
+    assert ffn_ext.patch_hf_model(model) == 2
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    x = torch.randn(3, 64, requires_grad=True)
+    for mlp in _mlps(loaded):
+        assert mlp.forward.__self__ is mlp
+        assert "_SwiGLUMLP" in type(mlp(x).grad_fn).__name__
+    assert ffn_ext.hf.unpatch_model(loaded) == 2
+
+
 def test_non_silu_mlps_are_skipped_with_a_warning_or_refused():
     model = _tiny("llama", hidden_act="gelu")
     with pytest.warns(RuntimeWarning, match="not SiLU-gated"):
