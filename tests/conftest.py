@@ -27,6 +27,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
 
@@ -302,6 +303,19 @@ def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="con
 
 
 # ---------------------------------------------------------------- CUDA caching allocator poison
+class RecordOps(TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (str of the OpOverload, e.g.
+    'ffn_ext.gelu.default') and runs it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def poison_cuda_cache(device="cuda", nbytes: int = 256 << 20, small_blocks: int = 16) -> None:
     """Fills the CUDA caching allocator's free memory with NaN bytes (0xFF: NaN in fp16, bf16, fp32 and fp64):
     releases the unused cache, allocates one large block (`nbytes`) and `small_blocks` blocks of the small pool

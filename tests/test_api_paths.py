@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
 from ffn_ext import ops as api
-from conftest import DEVICES, make_layout
+from conftest import DEVICES, RecordOps, make_layout
 
 pytestmark = pytest.mark.skipif(not api._fast, reason="no native library with fast entry points is loaded")
 
@@ -95,18 +94,9 @@ def test_autograd_through_the_fast_entry(monkeypatch):
 
 
 def test_torch_dispatch_mode_sees_the_op_through_the_fast_entry(monkeypatch):
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     spy = Spy(monkeypatch, "gelu")
     (x,) = _args("gelu", "cpu")
-    with Record() as rec:
+    with RecordOps() as rec:
         out = ffn_ext.gelu(x)
     assert spy.results == ["served"]
     assert "ffn_ext.gelu.default" in rec.ops, rec.ops
