@@ -11,7 +11,9 @@
 // Per row, the elements before output 0 reaches a 16-byte boundary (the head, < VEC) and after the last whole
 // vector (the tail, < VEC) are done one by one; the body moves 16 bytes per load/store, kUnroll vectors in flight
 // per thread. An operand whose body start is not 16-byte aligned when output 0's is (it sits at another offset
-// mod 16 bytes) uses element loads/stores for its body; the others stay vectorized. All offsets are int64.
+// mod 16 bytes) uses element loads/stores for its body; the others stay vectorized. All offsets are int64. A
+// thread whose kUnroll vectors are all in range, with every operand aligned (nearly every thread of a large
+// tensor), runs a copy of the body without those checks (kFull).
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -142,6 +144,19 @@ FFN_HD void narrow(const A (&a)[VEC], Pack<T, VEC>& p) {
 
 FFN_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// A condition that is always false and that neither nvcc nor ptxas can prove false: launch_rows always launches
+// gridDim.z == 1, which the compilers cannot know. rows_thread's kFull body is one straight block of loads and
+// math, and ptxas, free to schedule it, sank the later loads below the first vectors' math (fp32 GELU backward:
+// the last load 570 instructions after the first), so a thread had fewer bytes in flight. A never-taken branch
+// after the loads ends their block, and all of them issue before any math (tests/test_sass.py checks the SASS).
+FFN_HD bool never() {
+#if defined(__CUDA_ARCH__)
+  return gridDim.z != 1;
+#else
+  return false;
+#endif
+}
+
 // Where a thread is: block (bx, by) of a grid_x x grid_y grid, thread t of `threads` (blockIdx, gridDim,
 // threadIdx, blockDim on the device).
 struct ThreadPos {
@@ -185,46 +200,59 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
       if (pos.t < cols - tail_start) one(tail_start + pos.t);
     }
 
-    bool in_vec[NI], out_vec[NO];
+    bool in_vec[NI], out_vec[NO], all_vec = true;
     FFN_UNROLL
-    for (int i = 0; i < NI; ++i) in_vec[i] = aligned16(in[i] + head);
+    for (int i = 0; i < NI; ++i) all_vec &= in_vec[i] = aligned16(in[i] + head);
     FFN_UNROLL
-    for (int o = 0; o < NO; ++o) out_vec[o] = aligned16(out[o] + head);
+    for (int o = 0; o < NO; ++o) all_vec &= out_vec[o] = aligned16(out[o] + head);
 
     // Body: this block's kUnroll * threads vectors; thread t takes vectors t, t + threads, ... (coalesced).
+    // Written once, instantiated twice: kFull (every operand 16-byte aligned and all kUnroll vectors in range,
+    // which is every thread of a large aligned tensor but the last block's) drops the per-vector range checks
+    // and alignment branches: 8% (GELU) to 28% (SwiGLU) fewer instructions per bf16 element on sm_90.
     const int64_t v0 = pos.bx * pos.threads * kUnroll + pos.t;
-    Pack<T, VEC> buf[kUnroll][NI];
-    FFN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * pos.threads;
-      if (v < nvec) {
-        FFN_UNROLL
-        for (int i = 0; i < NI; ++i) load_pack(buf[u][i], in[i] + head + v * VEC, in_vec[i]);
-      }
-    }
-    FFN_UNROLL
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t v = v0 + u * pos.threads;
-      if (v < nvec) {
-        A x[NI][VEC], y[NO][VEC];
-        FFN_UNROLL
-        for (int i = 0; i < NI; ++i) widen(buf[u][i], x[i]);
-        FFN_UNROLL
-        for (int k = 0; k < VEC; ++k) {
-          A a[NI], r[NO];
+    auto body = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
+      Pack<T, VEC> buf[kUnroll][NI];
+      FFN_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * pos.threads;
+        if (kFull || v < nvec) {
           FFN_UNROLL
-          for (int i = 0; i < NI; ++i) a[i] = x[i][k];
-          f.template apply<kFast>(a, r);
-          FFN_UNROLL
-          for (int o = 0; o < NO; ++o) y[o][k] = r[o];
-        }
-        FFN_UNROLL
-        for (int o = 0; o < NO; ++o) {
-          Pack<T, VEC> res;
-          narrow(y[o], res);
-          store_pack(out[o] + head + v * VEC, res, out_vec[o]);
+          for (int i = 0; i < NI; ++i) load_pack(buf[u][i], in[i] + head + v * VEC, kFull || in_vec[i]);
         }
       }
+      if (kFull && never()) return;  // keeps every load above: see never()
+      FFN_UNROLL
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * pos.threads;
+        if (kFull || v < nvec) {
+          A x[NI][VEC], y[NO][VEC];
+          FFN_UNROLL
+          for (int i = 0; i < NI; ++i) widen(buf[u][i], x[i]);
+          FFN_UNROLL
+          for (int k = 0; k < VEC; ++k) {
+            A a[NI], r[NO];
+            FFN_UNROLL
+            for (int i = 0; i < NI; ++i) a[i] = x[i][k];
+            f.template apply<kFast>(a, r);
+            FFN_UNROLL
+            for (int o = 0; o < NO; ++o) y[o][k] = r[o];
+          }
+          FFN_UNROLL
+          for (int o = 0; o < NO; ++o) {
+            Pack<T, VEC> res;
+            narrow(y[o], res);
+            store_pack(out[o] + head + v * VEC, res, kFull || out_vec[o]);
+          }
+        }
+      }
+    };
+    // float64 has no kFull body: with its long exp/erf it needs more than 128 registers (GELU backward spilled).
+    if (sizeof(T) < 8 && all_vec && v0 + (kUnroll - 1) * pos.threads < nvec) {
+      body(std::true_type{});
+    } else {
+      body(std::false_type{});
     }
   }
 }

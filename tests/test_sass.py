@@ -6,8 +6,9 @@ by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every rows_kerne
 dtypes) and every architecture:
   * the vector body uses 128-bit global loads (LDG...128) and stores (STG...128), at least one per operand;
   * no local memory traffic (LDL/STL) and no stack (register spills would show up as both);
-  * the vector path (benchmarks/sass_budget.py) moves kUnroll 16-byte packs per operand, and on sm_90 the 16-bit
-    and float32 kernels need few enough instructions per byte to run at 92% of an H200's copy bandwidth;
+  * the vector path (benchmarks/sass_budget.py) moves kUnroll 16-byte packs per operand, issues all its loads
+    before any floating-point math, and on sm_90 the 16-bit and float32 kernels need few enough instructions per
+    byte to run at 92% of an H200's copy bandwidth;
 and the binary holds exactly the SASS and PTX the architecture list asked for (TORCH_CUDA_ARCH_LIST, else
 default_cuda_archs of csrc/build.json), which must also be what the build reports (build_info()['cuda_archs']).
 Skips when the extension has no CUDA kernels or no cuobjdump is found.
@@ -212,7 +213,7 @@ def test_no_stack_or_local_memory_in_resource_usage(sass):
 
 def test_vector_path_fits_the_issue_budget(sass):
     """The path nearly every thread of a large tensor takes (benchmarks/sass_budget.py): kUnroll 128-bit loads
-    per input and stores per output, and, on sm_90, few enough instructions per byte moved that an H200 can issue
+    per input and stores per output, all issued before the first floating-point instruction, and, on sm_90, few enough instructions per byte moved that an H200 can issue
     them at 92% of copy bandwidth (the target of the CUDA kernels issue). The bound is calibrated against Nsight
     Compute on the 2026-11-30 H200 run, where exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
     float64 is exempt: its arithmetic issues at half rate, so instruction count alone does not bound it."""
@@ -227,6 +228,9 @@ def test_vector_path_fits_the_issue_budget(sass):
             assert (r["loads"], r["stores"]) == (r["want_loads"], r["want_stores"]), (
                 f"{where}: the traced vector path has {r['loads']} 128-bit loads and {r['stores']} stores, want "
                 f"{r['want_loads']} and {r['want_stores']} (the SASS layout changed, or the tracer lost its way)")
+            assert r["math_before_last_load"] == 0, (
+                f"{where}: {r['math_before_last_load']} floating-point instructions issue before the vector path's "
+                "last 128-bit load: ptxas sank loads below math, so fewer bytes are in flight (csrc/rows.h never())")
             if arch == 90 and r["dtype"] != "float64":
                 assert r["instr_per_byte"] <= limit, (
                     f"{where}: {r['instr_per_elem']:.1f} instructions per element, {r['instr_per_byte']:.2f} per "
@@ -238,14 +242,14 @@ def test_vector_path_fits_the_issue_budget(sass):
 
 
 def test_vector_path_tracer_on_a_sample():
-    """The tracer follows the vector path: it skips code with scalar loads/stores only, falls through into code
-    with 128-bit ones, and stops at the row loop's back edge."""
+    """The tracer follows the vector path: it jumps past code with scalar loads/stores, falls through into the
+    128-bit access a branch guards, and stops at the row loop's back edge."""
     sample = [
         (0x00, "S2R R0, SR_TID.X"),
         (0x10, "@P0 BRA 0x40"),                     # skip the head (scalar code)
         (0x20, "LDG.E.U16 R2, desc[UR4][R4.64]"),
         (0x30, "STG.E.U16 desc[UR4][R4.64], R2"),
-        (0x40, "@P1 BRA 0x70"),                     # not past a 128-bit load: fall through
+        (0x40, "@P1 BRA 0x70"),                     # would skip the 128-bit load: fall through
         (0x50, "LDG.E.128 R8, desc[UR4][R6.64]"),
         (0x60, "FFMA R8, R8, R9, R10"),
         (0x70, "@!P2 BRA 0xa0"),                    # scalar store path skipped
@@ -256,7 +260,35 @@ def test_vector_path_tracer_on_a_sample():
         (0xc0, "BRA 0x00"),                         # the row loop: one row only
         (0xd0, "EXIT"),
     ]
-    assert budget.vector_path(sample) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
+    assert budget.vector_path(sample, 1, 1) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
+
+
+def test_vector_path_tracer_takes_the_fast_body():
+    """A fast body (no range checks, no element-wise fallback) placed after the general one, as nvcc lays out
+    rows.h's two instantiations: the tracer jumps into it, because the general body holds scalar accesses, and
+    counts the fast body only; it does not jump past math (the isinf branch) or past a 128-bit access."""
+    sample = [
+        (0x00, "ISETP.GE.AND P0, PT, R0, R1, PT"),
+        (0x10, "@!P2 BRA P0, 0x80"),                # to the fast body
+        (0x20, "@P1 LDG.E.U16 R2, desc[UR4][R4.64]"),   # general body: element-wise fallback, predicated
+        (0x30, "@!P1 LDG.E.128 R8, desc[UR4][R6.64]"),
+        (0x40, "FFMA R8, R8, R9, R10"),
+        (0x50, "@P1 STG.E.U16 desc[UR4][R6.64], R8"),
+        (0x60, "@!P1 STG.E.128 desc[UR4][R6.64], R8"),
+        (0x70, "BRA 0xe0"),
+        (0x80, "LDG.E.128 R8, desc[UR4][R6.64]"),   # fast body
+        (0x90, "@P3 BRA 0xb0"),                     # x = inf: skips math only, fall through
+        (0xa0, "FFMA R8, R8, R9, R10"),
+        (0xb0, "FMUL R8, R8, R9"),
+        (0xc0, "STG.E.128 desc[UR4][R6.64], R8"),
+        (0xd0, "NOP"),
+        (0xe0, "EXIT"),
+    ]
+    path = []
+    assert budget.vector_path(sample, 1, 1, path) == (8, 1, 1)
+    assert [sample[i][0] for i in path] == [0x00, 0x10, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xe0]
+    with pytest.raises(RuntimeError, match="no path"):
+        budget.vector_path(sample, 2, 1)
 
 
 def test_parsers_on_a_sample():

@@ -15,8 +15,17 @@ namespace cuda {
 
 using rows::RowProblem;
 
+// Resident 256-thread blocks per multiprocessor that the register allocation must allow: at least 2 (at most 128
+// registers), and 5 (48) for GELU and SiLU forward in 16-bit and fp32. Those move one 16-byte load per vector
+// and need the most threads to keep enough bytes in flight; left alone, ptxas gave bf16 GELU's kFull body 58
+// registers (4 blocks). tests/test_sass.py checks that none spills.
+template <typename T, typename F>
+constexpr int min_blocks() {
+  return F::NI + F::NO == 2 && sizeof(T) < 8 ? 5 : 2;
+}
+
 template <typename T, typename F, int VEC>
-__global__ void __launch_bounds__(rows::kMaxThreads) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
+__global__ void __launch_bounds__(rows::kMaxThreads, (min_blocks<T, F>())) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
   rows::rows_thread<T, F, VEC>(p, f, {blockIdx.x, blockIdx.y, gridDim.y, threadIdx.x, blockDim.x});
 }
 
