@@ -169,12 +169,22 @@ class _SwiGLUMLPPacked(torch.autograd.Function):
         return d_x, d_wgu, d_wd, d_bgu, d_bd
 
 
+def _meta_weights(fn: str, x) -> ValueError:
+    return ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
+                      f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call the "
+                      "projections as modules so their hooks (accelerate's offload) bring them in")
+
+
 def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up).
 
     Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
-    inference_mode) there is nothing to save, and the ops run without the autograd.Function's bookkeeping."""
-    if torch.is_grad_enabled():
+    inference_mode) there is nothing to save, and the ops run without the autograd.Function's bookkeeping; so
+    under torch.jit.trace, which cannot record (or save) a Python autograd.Function. Weights on the meta device
+    with a real x raise ValueError (ATen's F.linear returns uninitialised memory there)."""
+    if (w_gate.is_meta or w_up.is_meta or w_down.is_meta) and not x.is_meta:
+        raise _meta_weights("swiglu_mlp", x)
+    if torch.is_grad_enabled() and not torch.jit.is_tracing():
         return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     return F.linear(_swiglu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)), w_down, b_down)
 
@@ -182,7 +192,9 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> 
 def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3): w_gate_up [2*d_ff, d_model], gate rows first. Saves x and
     gate_up [tokens, 2*d_ff]."""
-    if torch.is_grad_enabled():
+    if (w_gate_up.is_meta or w_down.is_meta) and not x.is_meta:
+        raise _meta_weights("swiglu_mlp_packed", x)
+    if torch.is_grad_enabled() and not torch.jit.is_tracing():
         return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
     return F.linear(_swiglu_packed(F.linear(x, w_gate_up, b_gate_up)), w_down, b_down)
 
@@ -196,7 +208,9 @@ _module_mod = nn.modules.module
 
 def _fusable(linears: tuple, others: tuple = ()) -> bool:
     """True when `linears` are plain nn.Linear and no hook (forward or backward, on these modules or global) would
-    see them or `others` run; otherwise the modules must run as modules."""
+    see them or `others` run, nor a forward set on the instance (accelerate's add_hook_to_module wraps forward so,
+    and with CPU/disk offload only that wrapper brings the weights in from meta); otherwise the modules must run
+    as modules."""
     m = _module_mod
     if (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
             or m._global_backward_pre_hooks):
@@ -205,7 +219,8 @@ def _fusable(linears: tuple, others: tuple = ()) -> bool:
         if type(lin) is not nn.Linear:
             return False
     for mod in linears + others:
-        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks:
+        if (mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks
+                or "forward" in mod.__dict__ or "_hf_hook" in mod.__dict__):
             return False
     return True
 
@@ -254,9 +269,10 @@ class SwiGLUFFN(nn.Module):
 
     d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). Training keeps two [tokens, d_ff]
     tensors (gate, up) instead of eager PyTorch's four; h is recomputed in backward. When hooks (forward or
-    backward) are registered on the projections or on `act` (or globally), a projection is not a plain
-    nn.Linear (LoRA, quantized layers) or `act` was replaced by another module, the submodules run as modules, so
-    the hooks fire and the replacement is what runs.
+    backward) are registered on the projections or on `act` (or globally), one of them has a forward wrapper set
+    on the instance (accelerate's hooks, CPU/disk offload), a projection is not a plain nn.Linear (LoRA, quantized
+    layers) or `act` was replaced by another module, the submodules run as modules, so the hooks and wrappers run
+    and the replacement is what runs. torch.jit.trace records the plain ops (F.linear, ffn_ext.swiglu).
     """
 
     def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,

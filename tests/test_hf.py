@@ -1,7 +1,12 @@
 """ffn_ext.hf.patch_model on tiny randomly initialised transformers models (no downloads).
 
 Skips when transformers is not importable (it is a test/extra dependency: pip install transformers)."""
+import ast
 import copy
+import importlib
+import pathlib
+import textwrap
+import types
 import warnings
 
 import pytest
@@ -191,22 +196,177 @@ def test_activation_hooks_and_replacement_run_the_models_own_forward(kind):
     assert not hasattr(mlp, "_ffn_ext_act")
 
 
-def test_plain_module_with_the_names_is_patched():
-    class MyMLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj = nn.Linear(8, 24), nn.Linear(8, 24)
-            self.down_proj, self.act_fn = nn.Linear(24, 8), nn.SiLU()
+class MyMLP(nn.Module):
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 24), nn.Linear(8, 24)
+        self.down_proj, self.act_fn = nn.Linear(24, 8), nn.SiLU()
+        self.scale = scale
 
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * self.scale
+
+
+def test_own_classes_are_patched_when_listed_in_extra_classes():
+    """A class of one's own is patched only when listed in extra_classes (a subclass that keeps its forward too);
+    unlisted, it is left alone with a warning that names it and says what to do."""
+    class Sub(MyMLP):  # inherits the listed forward
+        pass
 
     torch.manual_seed(3)
-    net = nn.Sequential(MyMLP(), MyMLP())
+    net = nn.Sequential(MyMLP(), Sub())
     x = torch.randn(4, 8)
     ref = net(x)
-    assert ffn_ext.patch_hf_model(net) == 2
+    with pytest.warns(RuntimeWarning, match=r"not known to compute.*extra_classes.*MyMLP at '0'.*Sub at '1'"):
+        assert ffn_ext.patch_hf_model(net) == 0
+    with pytest.raises(ValueError, match="MyMLP"):
+        ffn_ext.patch_hf_model(net, strict=True)
+    with pytest.raises(TypeError, match="extra_classes must be classes"):
+        ffn_ext.patch_hf_model(net, extra_classes=["MyMLP"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(net, extra_classes=[MyMLP]) == 2
     torch.testing.assert_close(net(x), ref)
+    assert "_SwiGLUMLP" in type(net[1](x.requires_grad_()).grad_fn).__name__
+
+
+def test_self_check_refuses_a_listed_class_that_is_not_plain_swiglu():
+    """The self-check runs the listed class's own forward and the fused one on a random input before patching:
+    a forward that does more than SwiGLU (here a scale) is left unpatched, with a warning or (strict) ValueError,
+    and the model computes what it did."""
+    torch.manual_seed(4)
+    net = nn.Sequential(MyMLP(), MyMLP(scale=0.5))
+    x = torch.randn(4, 8)
+    ref = net(x)
+    with pytest.raises(ValueError, match=r"self-check.*MyMLP at '1' \(strict=True: nothing patched"):
+        ffn_ext.patch_hf_model(net, strict=True, extra_classes=[MyMLP])
+    assert all("forward" not in vars(m) for m in net)  # strict: nothing patched
+    with pytest.warns(RuntimeWarning, match=r"self-check.*MyMLP at '1'"):
+        assert ffn_ext.patch_hf_model(net, extra_classes=[MyMLP]) == 1
+    assert "forward" in vars(net[0]) and "forward" not in vars(net[1])
+    torch.testing.assert_close(net(x), ref)
+
+
+# Modules of transformers 5.24 with gate_proj/up_proj/down_proj (or gate_up_proj/down_proj) nn.Linear children and a
+# SiLU whose forward does more than SwiGLU: class -> its modeling module (the difference in the comment)
+LOOKALIKES = {
+    "FalconH1MLP": "falcon_h1",  # gate_multiplier, down_multiplier
+    "DeepseekV4MLP": "deepseek_v4",  # gate and up clamped to `limit`
+    "Glm5NextTextMLP": "glm5_next",  # the same with swiglu_limit
+    "InklingMLP": "inkling",  # global_scale
+    "DoryMLP": "dory",  # suv scales and ffn_sub_norm
+    "SeedOssMLP": "seed_oss",  # residual dropout in training
+    "Phi4MultimodalAudioMLP": "phi4_multimodal",  # layer_norm first, packed halves in the order up, gate
+    "Zamba2MLP": "zamba2",  # adapters added to gate_up; forward(hidden_state, layer_idx)
+}
+LOOKALIKE_CONFIG = types.SimpleNamespace(
+    hidden_size=16, intermediate_size=32, hidden_act="silu", activation="silu", mlp_bias=False, add_bias_linear=False,
+    mlp_multipliers=(2.0, 0.5), swiglu_limit=0.5, residual_dropout=0.5, dropout_rate=0.0, adapter_rank=4,
+    num_mem_blocks=1, hybrid_layer_ids=[0])
+
+
+@pytest.mark.parametrize("name", list(LOOKALIKES))
+def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
+    """These once were patched by structure and then computed plain SwiGLU, silently dropping the rest."""
+    cls = getattr(importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"), name)
+    torch.manual_seed(0)
+    mlp = cls(LOOKALIKE_CONFIG, num_fwd_mem_blocks=1, block_id=0) if name == "Zamba2MLP" else cls(LOOKALIKE_CONFIG)
+    if name == "InklingMLP":
+        mlp.global_scale.data.fill_(0.5)
+    mlp.train(name == "SeedOssMLP")
+    args = (torch.randn(3, 16),) + ((0,) if name == "Zamba2MLP" else ())
+
+    def run():
+        torch.manual_seed(1)  # the same dropout mask each time
+        return mlp(*args)
+
+    ref = run()
+    with pytest.warns(RuntimeWarning, match=f"not known to compute.*{name} at 'model'"):
+        assert ffn_ext.patch_hf_model(mlp) == 0
+    torch.testing.assert_close(run(), ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=name):
+        ffn_ext.patch_hf_model(mlp, strict=True)
+    # listing one whose difference shows on a random input is refused by the self-check
+    if name in ("FalconH1MLP", "InklingMLP", "DoryMLP", "Phi4MultimodalAudioMLP"):
+        with pytest.warns(RuntimeWarning, match=f"self-check.*{name}"):
+            assert ffn_ext.patch_hf_model(mlp, extra_classes=[cls]) == 0
+        torch.testing.assert_close(run(), ref, rtol=0, atol=0)
+
+
+# The forms of plain SwiGLU that _KNOWN's forwards take (their parameter renamed x); the last one is packed, gate first
+PLAIN_SWIGLU = [
+    "return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))",
+    "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj",
+    "down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)\nreturn self.down_proj(down_proj)",
+    "gate = self.act_fn(self.gate_proj(x))\nreturn self.down_proj(gate * self.up_proj(x))",
+    "up_states = self.gate_up_proj(x)\ngate, up_states = up_states.chunk(2, dim=-1)\n"
+    "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)",
+]
+
+
+def _body(forward: ast.FunctionDef) -> str | None:
+    """forward's statements as source, its input renamed x and docstrings dropped; None unless it is (self, x)."""
+    a = forward.args
+    if len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs or forward.decorator_list:
+        return None
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Name) and node.id == a.args[1].arg:
+            node.id = "x"
+    return "\n".join(ast.unparse(s) for s in forward.body
+                     if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
+
+
+def test_known_classes_compute_plain_swiglu():
+    """Every class in ffn_ext.hf._KNOWN that the installed transformers defines has a forward of one of the plain
+    SwiGLU forms (read from the source with ast: nothing is imported)."""
+    forms = {_body(ast.parse("def forward(self, x):\n" + textwrap.indent(f, "    ")).body[0]) for f in PLAIN_SWIGLU}
+    found = {}
+    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
+        src = path.read_text()
+        if "gate_proj" not in src and "gate_up_proj" not in src:
+            continue
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.ClassDef) and node.name in ffn_ext.hf._KNOWN:
+                for fwd in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
+                    found.setdefault(node.name, {})[path.name] = _body(fwd)
+    assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen2MoeMLP", "Phi3MLP"} <= found.keys()
+    wrong = {name: files for name, files in found.items() if not set(files.values()) <= forms}
+    assert not wrong, wrong
+    assert not set(LOOKALIKES) & ffn_ext.hf._KNOWN
+
+
+@pytest.mark.parametrize("kind, name", [("llama", "x"), ("phi3", "hidden_states"), ("qwen2_5_vl", "hidden_state")])
+def test_patched_forward_takes_the_input_by_name_and_other_calls_go_to_the_original(kind, name):
+    """mlp(x) and mlp(<the original forward's parameter name>=x) run the fused form; any other call runs the
+    original forward, so it behaves (and fails) as it did."""
+    if kind == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+        mlp = Qwen2_5_VLMLP(types.SimpleNamespace(hidden_size=64, intermediate_size=176, hidden_act="silu"), bias=True)
+    else:
+        mlp = _tiny(kind).model.layers[0].mlp
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    ref = mlp(x)
+    assert ffn_ext.patch_hf_model(mlp) == 1
+    for y in (mlp(x), mlp(**{name: x})):
+        assert "_SwiGLUMLP" in type(y.grad_fn).__name__
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    for args, kwargs in (((x, x), {}), ((), {"input": x}), ((x,), {name: x})):
+        with pytest.raises(TypeError) as patched:
+            mlp(*args, **kwargs)
+        with pytest.raises(TypeError) as original:
+            type(mlp).forward(mlp, *args, **kwargs)
+        assert str(patched.value) == str(original.value)
+
+
+def test_meta_device_and_half_precision_models_patch_without_a_false_self_check():
+    """The self-check does not run on meta parameters (offloaded or not yet loaded models), and in bf16/fp16 it
+    allows ffn_ext's rounding (h rounded once where ATen rounds twice)."""
+    with torch.device("meta"):
+        meta = _tiny("llama")
+    for model in (meta, _tiny("llama").bfloat16(), _tiny("phi3").half()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ffn_ext.patch_hf_model(model) == 2
 
 
 @pytest.mark.slow

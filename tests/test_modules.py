@@ -1,4 +1,5 @@
 """ffn_ext.GELU/SiLU/SwiGLU, FFN, SwiGLUFFN (lean autograd: gradcheck, saved bytes, torch.compile) and sizing."""
+import warnings
 import weakref
 
 import pytest
@@ -287,6 +288,27 @@ def test_swiglu_ffn_runs_a_replaced_activation():
     _close(mlp(x), want)
     with torch.no_grad():
         _close(mlp(x), want)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_ffn_jit_trace_save_and_load(bias, tmp_path):
+    # torch.jit.trace records the plain ops (F.linear, ffn_ext.swiglu), not the Python autograd.Function (which it
+    # cannot save, and which made the trace's sanity check fail): the trace saves, loads and gives the module's
+    # outputs and gradients.
+    torch.manual_seed(10)
+    m = ffn_ext.SwiGLUFFN(8, 16, bias=bias)
+    x = torch.randn(2, 3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in recent PyTorch
+        torch.jit.save(torch.jit.trace(m, x), tmp_path / "ffn.pt")
+        loaded = torch.jit.load(tmp_path / "ffn.pt")
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = loaded(x1), m(x2)
+    _close(y1, y2)
+    (y1 * y2.detach()).sum().backward()
+    (y2 * y2.detach()).sum().backward()
+    _close(x1.grad, x2.grad)
+    _close(loaded(x[:1]), m(x[:1]))  # another batch size
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["gated", "packed"])
