@@ -7,6 +7,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -28,9 +29,10 @@ namespace {
 // Python bindings do; torch.ops.ffn_ext.<op> makes a boxed call parsed against the schema, which costs more host
 // time (benchmarks/host_overhead.py times both), and at decode sizes host time is what a call's latency is. Past
 // the dispatcher everything is the same call: autograd, __torch_dispatch__ modes, fake tensors, errors, warnings.
-// An entry returns NotImplemented, and the caller takes the torch.ops path, when that path has more to do: an
+// An entry returns NotImplemented, and the caller takes another path, when that path has more to do: an
 // argument that is not a plain torch.Tensor (a subclass, an fx Proxy, not a tensor), an active
-// __torch_function__ mode, or a first argument on a device that ffn_ext has no kernels for.
+// __torch_function__ mode, a first argument on a device that ffn_ext has no kernels for, or a transform the
+// ops' C++ autograd cannot serve (a torch.func transform, a forward-mode dual tensor: ops.py takes ATen's ops).
 constexpr const char* kFastOps[] = {"ffn_ext::gelu", "ffn_ext::silu", "ffn_ext::swiglu", "ffn_ext::swiglu_packed"};
 using TRef = const at::Tensor&;
 
@@ -38,8 +40,14 @@ template <int K, int N>
 PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != N || at::impl::torch_function_mode_enabled()) Py_RETURN_NOTIMPLEMENTED;
+  // torch.func transforms include this key in the thread's dispatch keys while their layer stack is not empty
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
   for (int i = 0; i < N; ++i) {
-    if (!THPVariable_CheckExact(args[i])) Py_RETURN_NOTIMPLEMENTED;
+    if (!THPVariable_CheckExact(args[i]) || THPVariable_Unpack(args[i])._fw_grad(0).defined()) {
+      Py_RETURN_NOTIMPLEMENTED;
+    }
   }
   const at::Tensor& a = THPVariable_Unpack(args[0]);
   const auto dev = a.device().type();

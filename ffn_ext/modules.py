@@ -180,11 +180,12 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> 
 
     Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
     inference_mode) there is nothing to save, and the ops run without the autograd.Function's bookkeeping; so
-    under torch.jit.trace, which cannot record (or save) a Python autograd.Function. Weights on the meta device
+    under torch.jit.trace, which cannot record (or save) a Python autograd.Function, and under torch.func
+    transforms and forward-mode AD, which it does not support (the plain ops serve those: ops._transformed). Weights on the meta device
     with a real x raise ValueError (ATen's F.linear returns uninitialised memory there)."""
     if (w_gate.is_meta or w_up.is_meta or w_down.is_meta) and not x.is_meta:
         raise _meta_weights("swiglu_mlp", x)
-    if torch.is_grad_enabled() and not torch.jit.is_tracing():
+    if torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, w_gate, w_up, w_down)):
         return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     return F.linear(_swiglu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)), w_down, b_down)
 
@@ -194,7 +195,7 @@ def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torc
     gate_up [tokens, 2*d_ff]."""
     if (w_gate_up.is_meta or w_down.is_meta) and not x.is_meta:
         raise _meta_weights("swiglu_mlp_packed", x)
-    if torch.is_grad_enabled() and not torch.jit.is_tracing():
+    if torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, w_gate_up, w_down)):
         return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
     return F.linear(_swiglu_packed(F.linear(x, w_gate_up, b_gate_up)), w_down, b_down)
 

@@ -12,6 +12,7 @@ import threading
 import warnings
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 import torch.nn.functional as F
 
 __all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "has_cuda_kernels", "build_info", "build_summary"]
@@ -106,6 +107,18 @@ def _native_for(t: torch.Tensor) -> bool:
     return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
 
 
+def _transformed(args: tuple) -> bool:
+    """True under a torch.func transform (grad, vmap, jacrev, jvp, ...) or for a forward-mode dual tensor: the
+    ops' autograd is a C++ autograd::Function, which supports neither, so these calls take ATen's ops (which
+    support all of them; no fusion there). False while torch.compile traces (what it traces is the ops)."""
+    if _is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
+                                             for t in args)
+
+
 _overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
 _fast: dict = {}  # op name -> the native library's fast entry point (csrc/python_module.cpp), set by _adopt
 _is_compiling = torch.compiler.is_compiling
@@ -119,7 +132,8 @@ def _call(name: str, arg_names: tuple, args: tuple, fallback):
        NotImplemented for everything else;
     2. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device (tensor subclasses, torch function
        modes, and what torch.compile traces);
-    3. else fallback(*args) after the fallback's own checks (devices without ffn_ext kernels, no native library).
+    3. else fallback(*args) after the fallback's own checks: devices without ffn_ext kernels, no native library,
+       torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path."""
     try:
         fast = _fast.get(name)
@@ -127,7 +141,7 @@ def _call(name: str, arg_names: tuple, args: tuple, fallback):
             out = fast(*args)
             if out is not NotImplemented:
                 return out
-        if _native_for(args[0]):
+        if _native_for(args[0]) and not _transformed(args):
             overload = _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default

@@ -180,14 +180,15 @@ def test_no_grad_path_records_no_graph_and_matches(device):
 
 @pytest.mark.parametrize("no_grad", [False, True], ids=["grad", "no_grad"])
 def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
-    """Forward-mode AD is not supported; a dual input must raise (from Function::apply), also under no_grad where
-    the kernels otherwise skip autograd, never return a primal without its tangent."""
+    """The dispatcher ops have no forward-mode formula; a dual input must raise (from Function::apply), also under
+    no_grad where the kernels otherwise skip autograd, never return a primal without its tangent. (The functional
+    API routes dual tensors to ATen's ops instead: tests/test_transforms.py.)"""
     import torch.autograd.forward_ad as fwAD
 
     x = torch.randn(3, 4, dtype=torch.float64)
-    for fn in (ffn_ext.gelu, ffn_ext.silu, ffn_ext.swiglu_packed):
+    for op in (torch.ops.ffn_ext.gelu, torch.ops.ffn_ext.silu, torch.ops.ffn_ext.swiglu_packed):
         with fwAD.dual_level():
             dual = fwAD.make_dual(x, torch.randn_like(x))
             with torch.no_grad() if no_grad else torch.enable_grad():
                 with pytest.raises(RuntimeError, match="jvp is not implemented"):
-                    fn(dual)
+                    op(dual)

@@ -1,0 +1,147 @@
+"""torch.func transforms and forward-mode AD through the functional API.
+
+The ops' autograd is a C++ torch::autograd::Function, which supports neither functorch transforms nor forward-mode
+AD (jvp). Under a transform, or with a dual tensor, ffn_ext.gelu/silu/swiglu/swiglu_packed (and the modules built
+on them) take ATen's ops, which support all of them; everywhere else they take the native op. Results are compared
+with the same transform applied to the ATen reference, on fresh float64 inputs.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+
+import ffn_ext
+from conftest import RecordOps
+
+torch_func = pytest.importorskip("torch.func")
+
+
+def _ref_packed(gate_up):
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+# (name, ffn_ext function, ATen reference, number of inputs, last dim of the inputs)
+OPS = [
+    ("gelu", ffn_ext.gelu, F.gelu, 1, 5),
+    ("silu", ffn_ext.silu, F.silu, 1, 5),
+    ("swiglu", ffn_ext.swiglu, lambda g, u: F.silu(g) * u, 2, 5),
+    ("swiglu_packed", ffn_ext.swiglu_packed, _ref_packed, 1, 6),
+]
+IDS = [o[0] for o in OPS]
+
+
+def _inputs(n, last, batch=()):
+    return [torch.randn(*batch, 3, last, dtype=torch.float64) * 2 for _ in range(n)]
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,fn,ref,n,last", OPS, ids=IDS)
+def test_grad_jacrev_jvp_match_aten(name, fn, ref, n, last):
+    xs = _inputs(n, last)
+    argnums = tuple(range(n))
+    _close(torch_func.grad(lambda *a: fn(*a).pow(2).sum(), argnums)(*xs),
+           torch_func.grad(lambda *a: ref(*a).pow(2).sum(), argnums)(*xs))
+    _close(torch_func.jacrev(fn, argnums)(*xs), torch_func.jacrev(ref, argnums)(*xs))
+    tangents = tuple(torch.randn_like(x) for x in xs)
+    _close(torch_func.jvp(fn, tuple(xs), tangents), torch_func.jvp(ref, tuple(xs), tangents))
+
+
+@pytest.mark.parametrize("name,fn,ref,n,last", OPS, ids=IDS)
+def test_vmap_and_per_sample_grads_match_aten_without_the_fallback_warning(name, fn, ref, n, last):
+    xs = _inputs(n, last, batch=(4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the slow per-example fallback warns ("performance drop")
+        _close(torch_func.vmap(fn)(*xs), ref(*xs))
+        per_sample = torch_func.vmap(torch_func.grad(lambda *a: fn(*a).sum()))(*xs)
+    _close(per_sample, torch_func.vmap(torch_func.grad(lambda *a: ref(*a).sum()))(*xs))
+
+
+def test_hessian_of_gelu():
+    x = torch.randn(4, dtype=torch.float64)
+    _close(torch_func.hessian(lambda t: ffn_ext.gelu(t).sum())(x), torch_func.hessian(lambda t: F.gelu(t).sum())(x))
+
+
+@pytest.mark.parametrize("name,fn,ref,n,last", OPS, ids=IDS)
+@pytest.mark.parametrize("no_grad", [False, True], ids=["grad", "no_grad"])
+def test_forward_mode_dual_tensors_get_their_tangent(name, fn, ref, n, last, no_grad):
+    xs = _inputs(n, last)
+    ts = [torch.randn_like(x) for x in xs]
+    with fwAD.dual_level(), (torch.no_grad() if no_grad else torch.enable_grad()):
+        got = fwAD.unpack_dual(fn(*[fwAD.make_dual(x, t) for x, t in zip(xs, ts)]))
+        want = fwAD.unpack_dual(ref(*[fwAD.make_dual(x, t) for x, t in zip(xs, ts)]))
+    assert got.tangent is not None
+    _close(got.primal, want.primal)
+    _close(got.tangent, want.tangent)
+
+
+def test_module_under_vmap_and_grad():
+    """The activation modules are built on the functional API, so they follow it."""
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    _close(torch_func.vmap(ffn_ext.SwiGLU())(x), _ref_packed(x))
+    _close(torch_func.grad(lambda t: ffn_ext.GELU()(t).sum())(x), torch_func.grad(lambda t: F.gelu(t).sum())(x))
+
+
+@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
+def test_untransformed_calls_still_run_the_native_op():
+    """Only transformed calls take ATen's ops: a plain call, a dual level with no dual input, and a call on the
+    unwrapped tensors next to a transform all run ffn_ext's op."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    with RecordOps() as rec:
+        ffn_ext.gelu(x)
+        with fwAD.dual_level():
+            ffn_ext.silu(x)
+    assert rec.ops == ["ffn_ext.gelu.default", "ffn_ext.silu.default"], rec.ops
+    with RecordOps() as rec:
+        torch_func.vmap(ffn_ext.gelu)(x)
+    assert "ffn_ext.gelu.default" not in rec.ops, rec.ops
+
+
+@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
+def test_the_dispatcher_op_still_refuses_a_dual_tensor():
+    """torch.ops.ffn_ext.* itself has no forward-mode formula: a dual input raises (never a primal without its
+    tangent). The functional API is what routes such calls to ATen."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="jvp is not implemented"):
+            torch.ops.ffn_ext.gelu(fwAD.make_dual(x, torch.randn_like(x)))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_swiglu_ffn_under_torch_func_and_forward_ad(packed):
+    """SwiGLUFFN's lean autograd.Function supports neither; under them it runs the plain ops (F.linear and the
+    functional SwiGLU), with the results of the eager Llama MLP."""
+    torch.manual_seed(0)
+    mlp = ffn_ext.SwiGLUFFN(6, 10).double()
+    if packed:
+        w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        fn = lambda x: ffn_ext.swiglu_mlp_packed(x, w_gu, mlp.down_proj.weight)  # noqa: E731
+    else:
+        fn = mlp
+    ref = lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    _close(torch_func.vmap(torch_func.grad(lambda t: fn(t).sum()))(x),
+           torch_func.vmap(torch_func.grad(lambda t: ref(t).sum()))(x))
+    params = dict(mlp.named_parameters())
+    grads = torch_func.grad(lambda p: torch_func.functional_call(mlp, p, (x,)).pow(2).sum())(params)
+    want = torch_func.grad(lambda p: ref_call(mlp, p, x).pow(2).sum())(params)
+    for k in params:
+        _close(grads[k], want[k])
+    t = torch.randn_like(x)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(fn(fwAD.make_dual(x, t)))
+        exp = fwAD.unpack_dual(ref(fwAD.make_dual(x, t)))
+    _close(got.tangent, exp.tangent)
+
+
+def ref_call(mlp, params, x):
+    g = F.linear(x, params["gate_proj.weight"])
+    u = F.linear(x, params["up_proj.weight"])
+    return F.linear(F.silu(g) * u, params["down_proj.weight"])
