@@ -268,7 +268,11 @@ LOOKALIKE_CONFIG = types.SimpleNamespace(
 @pytest.mark.parametrize("name", list(LOOKALIKES))
 def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
     """These once were patched by structure and then computed plain SwiGLU, silently dropping the rest."""
-    cls = getattr(importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"), name)
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"),
+                      name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
     torch.manual_seed(0)
     mlp = cls(LOOKALIKE_CONFIG, num_fwd_mem_blocks=1, block_id=0) if name == "Zamba2MLP" else cls(LOOKALIKE_CONFIG)
     if name == "InklingMLP":
