@@ -49,6 +49,7 @@ H200_INSTR_PER_BYTE = 6.45  # issue ceiling / copy bandwidth, from the 2026-11-3
 VECTOR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.[A-Z0-9_]+)*\.128\b")         # 16 bytes: LDG.E.128, STG.E.128...
 SCALAR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.(?!128\b)[A-Z0-9_]+)*\s")      # one element: LDG.E.U16, STG.E.64...
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+BRANCH = re.compile(r"BRA(?:\.[A-Z0-9_]+)*\s+(?:(!?U?P[T0-9]+),\s*)?(0x[0-9a-f]+)")  # BRA [!P0,] 0x1b60
 FP_MATH = re.compile(r"(?:FFMA|FMUL|FADD|MUFU|DFMA|DMUL|DADD|HFMA2(?!\.MMA)|HMUL2|HADD2)\b")  # HFMA2.MMA: a move
 
 
@@ -93,9 +94,6 @@ def functions(sass_text: str, arch: int) -> dict[str, list[tuple[int, str]]]:
         if cur is not None and m:
             cur.append((int(m.group(1), 16), m.group(2).strip()))
     return out
-
-
-BRANCH = re.compile(r"BRA(?:\.[A-Z0-9_]+)*\s+(?:(!?U?P[T0-9]+),\s*)?(0x[0-9a-f]+)")  # BRA [!P0,] 0x1b60
 
 
 def _step(op: str, predicated: bool, addr: int, index: dict) -> tuple[tuple[int, int], list[int], bool]:
@@ -156,6 +154,7 @@ def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, p
             i = options[0] if any(SCALAR_MEM.search(t) for t, _ in ops[i + 1:options[0]]) else options[1]
         else:
             i = options[0]
+
 
 def budget(sass_text: str, arch: int) -> list[dict]:
     """One row per rows_kernel of `arch`: op, dtype, instructions per element and per byte, the 128-bit

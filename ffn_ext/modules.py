@@ -169,23 +169,26 @@ class _SwiGLUMLPPacked(torch.autograd.Function):
         return d_x, d_wgu, d_wd, d_bgu, d_bd
 
 
-def _meta_weights(fn: str, x) -> ValueError:
-    return ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
-                      f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call the "
-                      "projections as modules so their hooks (accelerate's offload) bring them in")
+def _lean_autograd(fn: str, x, weights: tuple) -> bool:
+    """Whether swiglu_mlp(_packed) runs its autograd.Function. Not without grad mode (nothing to save; the plain
+    ops skip its bookkeeping), under torch.jit.trace (it cannot record or save a Python autograd.Function), or
+    under torch.func transforms and forward-mode AD (which it does not support; ops._transformed): the plain ops
+    serve those. Weights on the meta device with a real x raise ValueError, as F.linear would return
+    uninitialised memory."""
+    if not x.is_meta and any(w.is_meta for w in weights):
+        raise ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
+                         f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call "
+                         "the projections as modules so their hooks (accelerate's offload) bring them in")
+    return torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, *weights))
 
 
 def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up).
 
     Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
-    inference_mode) there is nothing to save, and the ops run without the autograd.Function's bookkeeping; so
-    under torch.jit.trace, which cannot record (or save) a Python autograd.Function, and under torch.func
-    transforms and forward-mode AD, which it does not support (the plain ops serve those: ops._transformed). Weights on the meta device
-    with a real x raise ValueError (ATen's F.linear returns uninitialised memory there)."""
-    if (w_gate.is_meta or w_up.is_meta or w_down.is_meta) and not x.is_meta:
-        raise _meta_weights("swiglu_mlp", x)
-    if torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, w_gate, w_up, w_down)):
+    inference_mode), under torch.jit.trace and under torch.func transforms or forward-mode AD, the plain ops run
+    instead (_lean_autograd). Weights on the meta device with a real x raise ValueError."""
+    if _lean_autograd("swiglu_mlp", x, (w_gate, w_up, w_down)):
         return _SwiGLUMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     return F.linear(_swiglu(F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)), w_down, b_down)
 
@@ -193,9 +196,7 @@ def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> 
 def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3): w_gate_up [2*d_ff, d_model], gate rows first. Saves x and
     gate_up [tokens, 2*d_ff]."""
-    if (w_gate_up.is_meta or w_down.is_meta) and not x.is_meta:
-        raise _meta_weights("swiglu_mlp_packed", x)
-    if torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, w_gate_up, w_down)):
+    if _lean_autograd("swiglu_mlp_packed", x, (w_gate_up, w_down)):
         return _SwiGLUMLPPacked.apply(x, w_gate_up, w_down, b_gate_up, b_down)
     return F.linear(_swiglu_packed(F.linear(x, w_gate_up, b_gate_up)), w_down, b_down)
 

@@ -107,6 +107,11 @@ def _native_for(t: torch.Tensor) -> bool:
     return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
 
 
+_overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
+_fast: dict = {}  # op name -> the native library's fast entry point (csrc/python_module.cpp), set by _adopt
+_is_compiling = torch.compiler.is_compiling
+
+
 def _transformed(args: tuple) -> bool:
     """True under a torch.func transform (grad, vmap, jacrev, jvp, ...) or for a forward-mode dual tensor: the
     ops' autograd is a C++ autograd::Function, which supports neither, so these calls take ATen's ops (which
@@ -117,11 +122,6 @@ def _transformed(args: tuple) -> bool:
         return True
     return _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
                                              for t in args)
-
-
-_overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
-_fast: dict = {}  # op name -> the native library's fast entry point (csrc/python_module.cpp), set by _adopt
-_is_compiling = torch.compiler.is_compiling
 
 
 def _call(name: str, arg_names: tuple, args: tuple, fallback):

@@ -302,7 +302,7 @@ def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="con
                  for s, n in zip(shapes, names))
 
 
-# ---------------------------------------------------------------- CUDA caching allocator poison
+# ---------------------------------------------------------------- recording the ops a call dispatches
 class RecordOps(TorchDispatchMode):
     """A dispatch mode that records the name of every op it sees (str of the OpOverload, e.g.
     'ffn_ext.gelu.default') and runs it unchanged."""
@@ -316,6 +316,7 @@ class RecordOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# ---------------------------------------------------------------- CUDA caching allocator poison
 def poison_cuda_cache(device="cuda", nbytes: int = 256 << 20, small_blocks: int = 16) -> None:
     """Fills the CUDA caching allocator's free memory with NaN bytes (0xFF: NaN in fp16, bf16, fp32 and fp64):
     releases the unused cache, allocates one large block (`nbytes`) and `small_blocks` blocks of the small pool

@@ -213,9 +213,10 @@ def test_no_stack_or_local_memory_in_resource_usage(sass):
 
 def test_vector_path_fits_the_issue_budget(sass):
     """The path nearly every thread of a large tensor takes (benchmarks/sass_budget.py): kUnroll 128-bit loads
-    per input and stores per output, all issued before the first floating-point instruction, and, on sm_90, few enough instructions per byte moved that an H200 can issue
-    them at 92% of copy bandwidth (the target of the CUDA kernels issue). The bound is calibrated against Nsight
-    Compute on the 2026-11-30 H200 run, where exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
+    per input and stores per output, all issued before the first floating-point instruction, and, on sm_90, few
+    enough instructions per byte moved that an H200 can issue them at 92% of copy bandwidth (the target of the
+    CUDA kernels issue). The bound is calibrated against Nsight Compute on the 2026-11-30 H200 run, where
+    exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
     float64 is exempt: its arithmetic issues at half rate, so instruction count alone does not bound it."""
     text = dump("sass")
     limit = budget.H200_INSTR_PER_BYTE / 0.92

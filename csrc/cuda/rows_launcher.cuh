@@ -25,7 +25,8 @@ constexpr int min_blocks() {
 }
 
 template <typename T, typename F, int VEC>
-__global__ void __launch_bounds__(rows::kMaxThreads, (min_blocks<T, F>())) rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
+__global__ void __launch_bounds__(rows::kMaxThreads, (min_blocks<T, F>()))
+    rows_kernel(RowProblem<F::NI, F::NO> p, F f) {
   rows::rows_thread<T, F, VEC>(p, f, {blockIdx.x, blockIdx.y, gridDim.y, threadIdx.x, blockDim.x});
 }
 
