@@ -8,6 +8,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "ops_table.h"
 
 namespace ffn_ext {
 namespace {
@@ -38,97 +42,110 @@ auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
   return handle.call(ts...);
 }
 
-// ---- second derivatives (ATen ops, themselves differentiable) ----
-at::Tensor gelu_grad2(T x) {  // phi(x) * (2 - x^2)
-  const double inv_sqrt_2pi = 0.3989422804014327;
-  auto x2 = x * x;
-  return at::exp(x2 * -0.5) * inv_sqrt_2pi * (2.0 - x2);
-}
-struct SiluDerivs {
-  at::Tensor f, d1, d2;  // silu(x), silu'(x), silu''(x)
+// ---- second derivatives: ATen ops (themselves differentiable), each activation's d2 (ffn_math.h) over tensors
+struct TensorMath {
+  static at::Tensor exp(T x) { return at::exp(x); }
+  static at::Tensor sigmoid(T x) { return at::sigmoid(x); }
 };
-SiluDerivs silu_derivs(T x) {
-  auto s = at::sigmoid(x);
-  auto one_minus_s = 1.0 - s;
-  return {x * s, s * (1.0 + x * one_minus_s), s * one_minus_s * (2.0 + x * (1.0 - 2.0 * s))};
-}
-// Gradients of (dgate, dup) = swiglu_backward(grad, gate, up) w.r.t. (grad, gate, up), given gg_gate, gg_up.
-variable_list swiglu_second(T grad, T gate, T up, T gg_gate, T gg_up) {
-  const auto d = silu_derivs(gate);
-  auto gg_gate_up = gg_gate * up;
-  return {gg_gate_up * d.d1 + gg_up * d.f, grad * (gg_gate_up * d.d2 + gg_up * d.d1), grad * gg_gate * d.d1};
+template <class Act>
+at::Tensor grad2(T x) {
+  return Act::template d2<TensorMath>(x);
 }
 
-// ---- unary: gelu, silu ----
-template <typename Names>
-struct UnaryFn : torch::autograd::Function<UnaryFn<Names>> {
-  static at::Tensor below(T x) {
-    static const auto fwd = op<at::Tensor(T)>(Names::fwd);
-    return call_below(fwd, x);
+// The ops of an activation Act (its table line): name, name_backward.
+template <class Act>
+struct ActOps {
+  static std::string name(const char* suffix = "") { return std::string("ffn_ext::") + ActName<Act>::value + suffix; }
+  static const c10::TypedOperatorHandle<at::Tensor(T)>& fwd() {
+    static const auto h = op<at::Tensor(T)>(name().c_str());
+    return h;
   }
+  static const c10::TypedOperatorHandle<at::Tensor(T, T)>& bwd() {
+    static const auto h = op<at::Tensor(T, T)>(name("_backward").c_str());
+    return h;
+  }
+};
+
+// Gradients of (dgate, dup) = gated_backward(grad, gate, up) = (grad up act'(gate), grad act(gate)) w.r.t.
+// (grad, gate, up), given gg_gate, gg_up. act and grad * act' are the activation's own ops (differentiable through
+// their Functions below), act'' its d2.
+template <class Act>
+variable_list gated_second(T grad, T gate, T up, T gg_gate, T gg_up) {
+  const auto& act = ActOps<Act>::fwd();
+  const auto& act_bwd = ActOps<Act>::bwd();  // (g, x) -> g * act'(x)
+  auto gg_gate_up = gg_gate * up;
+  return {act_bwd.call(gg_gate_up, gate) + gg_up * act.call(gate),
+          grad * gg_gate_up * grad2<Act>(gate) + act_bwd.call(grad * gg_up, gate), act_bwd.call(grad * gg_gate, gate)};
+}
+
+// ---- unary: act(x), act_backward(grad, x)
+template <class Act>
+struct UnaryFn : torch::autograd::Function<UnaryFn<Act>> {
+  static at::Tensor below(T x) { return call_below(ActOps<Act>::fwd(), x); }
   static at::Tensor forward(AutogradContext* ctx, T x) {
     ctx->save_for_backward({x});
     return below(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
     const auto x = ctx->get_saved_variables()[0];
-    return {bwd.call(grads[0], x)};
+    return {ActOps<Act>::bwd().call(grads[0], x)};
   }
 };
-template <typename Names>
-struct UnaryBackwardFn : torch::autograd::Function<UnaryBackwardFn<Names>> {
-  static at::Tensor below(T grad, T x) {
-    static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
-    return call_below(bwd, grad, x);
-  }
+template <class Act>
+struct UnaryBackwardFn : torch::autograd::Function<UnaryBackwardFn<Act>> {
+  static at::Tensor below(T grad, T x) { return call_below(ActOps<Act>::bwd(), grad, x); }
   static at::Tensor forward(AutogradContext* ctx, T grad, T x) {
     ctx->save_for_backward({grad, x});
     return below(grad, x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto bwd = op<at::Tensor(T, T)>(Names::bwd);
     const auto saved = ctx->get_saved_variables();
     const auto &grad = saved[0], &x = saved[1], &gg = grads[0];
     at::Tensor d_grad, d_x;
-    if (ctx->needs_input_grad(0)) d_grad = bwd.call(gg, x);
-    if (ctx->needs_input_grad(1)) d_x = gg * grad * Names::grad2(x);
+    if (ctx->needs_input_grad(0)) d_grad = ActOps<Act>::bwd().call(gg, x);
+    if (ctx->needs_input_grad(1)) d_x = gg * grad * grad2<Act>(x);
     return {d_grad, d_x};
   }
 };
-struct GeluNames {
-  static constexpr const char* fwd = "ffn_ext::gelu";
-  static constexpr const char* bwd = "ffn_ext::gelu_backward";
-  static at::Tensor grad2(T x) { return gelu_grad2(x); }
-};
-struct SiluNames {
-  static constexpr const char* fwd = "ffn_ext::silu";
-  static constexpr const char* bwd = "ffn_ext::silu_backward";
-  static at::Tensor grad2(T x) { return silu_derivs(x).d2; }
+
+// ---- gated: act(gate) * up, separate and packed. Names: the table's gated op name ("ffn_ext::swiglu").
+template <const char* Name>
+struct GatedOps {
+  static std::string name(const char* suffix) { return std::string("ffn_ext::") + Name + suffix; }
+  static const c10::TypedOperatorHandle<at::Tensor(T, T)>& fwd() {
+    static const auto h = op<at::Tensor(T, T)>(name("").c_str());
+    return h;
+  }
+  static const c10::TypedOperatorHandle<Pair(T, T, T)>& bwd() {
+    static const auto h = op<Pair(T, T, T)>(name("_backward").c_str());
+    return h;
+  }
+  static const c10::TypedOperatorHandle<at::Tensor(T)>& packed() {
+    static const auto h = op<at::Tensor(T)>(name("_packed").c_str());
+    return h;
+  }
+  static const c10::TypedOperatorHandle<at::Tensor(T, T)>& packed_bwd() {
+    static const auto h = op<at::Tensor(T, T)>(name("_packed_backward").c_str());
+    return h;
+  }
 };
 
-// ---- swiglu ----
-struct SwigluFn : torch::autograd::Function<SwigluFn> {
-  static at::Tensor below(T gate, T up) {
-    static const auto fwd = op<at::Tensor(T, T)>("ffn_ext::swiglu");
-    return call_below(fwd, gate, up);
-  }
+template <class Ops>
+struct GatedFn : torch::autograd::Function<GatedFn<Ops>> {
+  static at::Tensor below(T gate, T up) { return call_below(Ops::fwd(), gate, up); }
   static at::Tensor forward(AutogradContext* ctx, T gate, T up) {
     ctx->save_for_backward({gate, up});
     return below(gate, up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto bwd = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
     const auto saved = ctx->get_saved_variables();
-    auto [dgate, dup] = bwd.call(grads[0], saved[0], saved[1]);
+    auto [dgate, dup] = Ops::bwd().call(grads[0], saved[0], saved[1]);
     return {ctx->needs_input_grad(0) ? dgate : at::Tensor(), ctx->needs_input_grad(1) ? dup : at::Tensor()};
   }
 };
-struct SwigluBackwardFn : torch::autograd::Function<SwigluBackwardFn> {
-  static Pair below(T grad, T gate, T up) {
-    static const auto bwd = op<Pair(T, T, T)>("ffn_ext::swiglu_backward");
-    return call_below(bwd, grad, gate, up);
-  }
+template <class Ops, class Act>
+struct GatedBackwardFn : torch::autograd::Function<GatedBackwardFn<Ops, Act>> {
+  static Pair below(T grad, T gate, T up) { return call_below(Ops::bwd(), grad, gate, up); }
   static variable_list forward(AutogradContext* ctx, T grad, T gate, T up) {
     ctx->save_for_backward({grad, gate, up});
     auto [dgate, dup] = below(grad, gate, up);
@@ -136,30 +153,23 @@ struct SwigluBackwardFn : torch::autograd::Function<SwigluBackwardFn> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    return swiglu_second(s[0], s[1], s[2], grads[0], grads[1]);
+    return gated_second<Act>(s[0], s[1], s[2], grads[0], grads[1]);
   }
 };
-
-// ---- swiglu_packed ----
-struct SwigluPackedFn : torch::autograd::Function<SwigluPackedFn> {
-  static at::Tensor below(T gate_up) {
-    static const auto fwd = op<at::Tensor(T)>("ffn_ext::swiglu_packed");
-    return call_below(fwd, gate_up);
-  }
+template <class Ops>
+struct GatedPackedFn : torch::autograd::Function<GatedPackedFn<Ops>> {
+  static at::Tensor below(T gate_up) { return call_below(Ops::packed(), gate_up); }
   static at::Tensor forward(AutogradContext* ctx, T gate_up) {
     ctx->save_for_backward({gate_up});
     return below(gate_up);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static const auto bwd = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
-    return {bwd.call(grads[0], ctx->get_saved_variables()[0])};
+    return {Ops::packed_bwd().call(grads[0], ctx->get_saved_variables()[0])};
   }
 };
-struct SwigluPackedBackwardFn : torch::autograd::Function<SwigluPackedBackwardFn> {
-  static at::Tensor below(T grad, T gate_up) {
-    static const auto bwd = op<at::Tensor(T, T)>("ffn_ext::swiglu_packed_backward");
-    return call_below(bwd, grad, gate_up);
-  }
+template <class Ops, class Act>
+struct GatedPackedBackwardFn : torch::autograd::Function<GatedPackedBackwardFn<Ops, Act>> {
+  static at::Tensor below(T grad, T gate_up) { return call_below(Ops::packed_bwd(), grad, gate_up); }
   static at::Tensor forward(AutogradContext* ctx, T grad, T gate_up) {
     ctx->save_for_backward({grad, gate_up});
     return below(grad, gate_up);
@@ -168,42 +178,47 @@ struct SwigluPackedBackwardFn : torch::autograd::Function<SwigluPackedBackwardFn
     const auto s = ctx->get_saved_variables();
     const auto halves = s[1].chunk(2, -1);
     const auto gg = grads[0].chunk(2, -1);
-    auto d = swiglu_second(s[0], halves[0], halves[1], gg[0], gg[1]);
+    auto d = gated_second<Act>(s[0], halves[0], halves[1], gg[0], gg[1]);
     return {d[0], at::cat({d[1], d[2]}, -1)};
   }
 };
 
+// The Autograd kernel of an op: its Function when there is a gradient to record, else straight to the kernel
+// below autograd.
+template <class Fn, typename... Ts>
+auto run(const Ts&... ts) {
+  if (!records_grad(ts...)) return Fn::below(ts...);
+  if constexpr (std::is_same_v<decltype(Fn::below(ts...)), Pair>) {
+    auto r = Fn::apply(ts...);
+    return std::make_tuple(r[0], r[1]);
+  } else {
+    return Fn::apply(ts...);
+  }
+}
+
 }  // namespace
 
-// Each op: its Function when there is a gradient to record, else straight to the kernel below autograd.
+// Every op of the table (ops_table.h).
+#define FFN_EXT_GATED_NAME(name, Act) constexpr char k_##name[] = #name;
+FFN_EXT_GATED(FFN_EXT_GATED_NAME)
+#undef FFN_EXT_GATED_NAME
+
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
-  using Gelu = UnaryFn<GeluNames>;
-  using GeluBackward = UnaryBackwardFn<GeluNames>;
-  using Silu = UnaryFn<SiluNames>;
-  using SiluBackward = UnaryBackwardFn<SiluNames>;
-  m.impl("gelu", [](T x) { return records_grad(x) ? Gelu::apply(x) : Gelu::below(x); });
-  m.impl("gelu_backward", [](T g, T x) {
-    return records_grad(g, x) ? GeluBackward::apply(g, x) : GeluBackward::below(g, x);
-  });
-  m.impl("silu", [](T x) { return records_grad(x) ? Silu::apply(x) : Silu::below(x); });
-  m.impl("silu_backward", [](T g, T x) {
-    return records_grad(g, x) ? SiluBackward::apply(g, x) : SiluBackward::below(g, x);
-  });
-  m.impl("swiglu", [](T gate, T up) {
-    return records_grad(gate, up) ? SwigluFn::apply(gate, up) : SwigluFn::below(gate, up);
-  });
-  m.impl("swiglu_backward", [](T g, T gate, T up) {
-    if (!records_grad(g, gate, up)) return SwigluBackwardFn::below(g, gate, up);
-    auto r = SwigluBackwardFn::apply(g, gate, up);
-    return std::make_tuple(r[0], r[1]);
-  });
-  m.impl("swiglu_packed", [](T gate_up) {
-    return records_grad(gate_up) ? SwigluPackedFn::apply(gate_up) : SwigluPackedFn::below(gate_up);
-  });
-  m.impl("swiglu_packed_backward", [](T g, T gate_up) {
-    using Fn = SwigluPackedBackwardFn;
-    return records_grad(g, gate_up) ? Fn::apply(g, gate_up) : Fn::below(g, gate_up);
-  });
+#define FFN_EXT_AUTOGRAD_ACT(name, Act, ...)                                        \
+  m.impl(#name, [](T x) { return run<UnaryFn<math::Act>>(x); });                   \
+  m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); });
+#define FFN_EXT_AUTOGRAD_GATED(name, Act)                                                                    \
+  {                                                                                                          \
+    using Ops = GatedOps<k_##name>;                                                               \
+    m.impl(#name, [](T gate, T up) { return run<GatedFn<Ops>>(gate, up); });                                 \
+    m.impl(#name "_backward", [](T g, T gate, T up) { return run<GatedBackwardFn<Ops, math::Act>>(g, gate, up); }); \
+    m.impl(#name "_packed", [](T gu) { return run<GatedPackedFn<Ops>>(gu); });                               \
+    m.impl(#name "_packed_backward", [](T g, T gu) { return run<GatedPackedBackwardFn<Ops, math::Act>>(g, gu); }); \
+  }
+  FFN_EXT_ACTIVATIONS(FFN_EXT_AUTOGRAD_ACT)
+  FFN_EXT_GATED(FFN_EXT_AUTOGRAD_GATED)
+#undef FFN_EXT_AUTOGRAD_ACT
+#undef FFN_EXT_AUTOGRAD_GATED
 }
 
 }  // namespace ffn_ext

@@ -1,12 +1,15 @@
 // Declarations shared by the ffn_ext sources. Map of the code:
+//   ops_table.h        the table of ops: every activation and gated activation, one line each
 //   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; Meta kernels (shape + input checks, used by fake
 //                      tensors, torch.compile and export); build information
+//   shapes.cpp         the input checks and output allocation every kernel starts with
 //   aten_ops.cpp       CPU kernels: ATen composites (also serve CUDA tensors in a build without CUDA kernels)
-//   autograd.cpp       Autograd kernels of all eight ops (double backward included)
-//   ffn_math.h         the element math of every op (functors, __host__ __device__)
+//   autograd.cpp       Autograd kernels of every op (double backward included)
+//   ffn_math.h         the element math of every op (activations and op functors, __host__ __device__)
 //   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
 //   cuda/kernels.cu    CUDA kernels: row_ops.h's problems launched by cuda/rows_launcher.cuh
-//   python_module.cpp  the pybind11 module ffn_ext._C (build info; test paths: host math, emulated CUDA launch)
+//   python_module.cpp  the pybind11 module ffn_ext._C (build info, the functional API's fast entry points)
+//   test_paths.cpp     its test-only functions: host math, emulated CUDA launch
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -22,13 +25,14 @@ namespace ffn_ext {
 // Every kernel starts with one of these, and the Meta kernels are exactly these, so real and fake tensors accept
 // and reject the same inputs. Errors (TypeError / ValueError / RuntimeError) name the op, the argument, what was
 // expected and what was given. Outputs are always freshly allocated and contiguous.
-at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu
+// `op` is the name messages give, e.g. "ffn_ext.swiglu".
+at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu, ...
 at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x);
-at::Tensor alloc_swiglu(const at::Tensor& gate, const at::Tensor& up);
-std::tuple<at::Tensor, at::Tensor> alloc_swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
-                                                         const at::Tensor& up);
-at::Tensor alloc_swiglu_packed(const at::Tensor& gate_up);
-at::Tensor alloc_swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up);
+at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up);  // swiglu, geglu, ...
+std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
+                                                        const at::Tensor& gate, const at::Tensor& up);
+at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up);
+at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up);
 
 // ---- what the build contains ----
 std::vector<std::pair<std::string, std::string>> build_info();

@@ -13,12 +13,13 @@
 //     correctly rounded result (erff: 99.7% and 99.5%, off by up to 255 bf16 ulps where 1 + erf cancels).
 // The CUDA tests check the device's results against the same fp64 reference and against the host.
 //
-// Infinities: the functors return the mathematical limits, which ATen does not always do:
-//   silu(-inf) = -0, gelu(-inf) = -0, gelu(+inf) = silu(+inf) = +inf,
-//   silu'(-inf) = gelu'(-inf) = 0, silu'(+inf) = gelu'(+inf) = 1.   NaN in -> NaN out.
+// Infinities: the functors return the mathematical limits, which ATen does not always do (for every activation
+// act = gelu, gelu_tanh, silu):  act(-inf) = -0, act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1.
+// NaN in -> NaN out.
 #pragma once
 
 #include <cmath>
+#include <math.h>  // ::isinf on the host
 
 #if defined(__CUDACC__)
 #define FFN_HD __host__ __device__ __forceinline__
@@ -138,38 +139,78 @@ template <bool Fast, typename A> FFN_HD A gelu_grad(A x) {
   }
 }
 
-// ---- the op functors: apply<Fast>(const A in[NI], A out[NO]) ----
-struct GeluFwd {
+// ---- GELU, tanh form: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), exactly F.gelu(approximate="tanh").
+// Since 0.5 (1 + tanh(u)) = sigmoid(2u), it is x * sigmoid(z) with z = 2u = x (kA + kB x^2): SiLU's code with a
+// cubic argument, and no 1 + tanh that cancels for x << 0. z' = kA + 3 kB x^2.
+template <typename A> FFN_HD A gelu_tanh_z(A x) { return x * (A(1.5957691216057308) + A(0.07135481627260025) * x * x); }
+template <bool Fast, typename A> FFN_HD A gelu_tanh(A x) {
+  const A s = sigmoid<Fast>(gelu_tanh_z(x));
+  return s == A(0) ? A(-0.0) : x * s;  // x -> -inf (and x^3 overflowing): the limit -0, not -inf * 0
+}
+// gelu_tanh'(x) = s + x z' s (1 - s). Where s (1 - s) is 0 (|x| large or infinite: s is 0 or 1) the limit is s;
+// the select also keeps x z' from meeting a 0 when x^2 overflows.
+template <bool Fast, typename A> FFN_HD A gelu_tanh_grad(A x) {
+  const A s = sigmoid<Fast>(gelu_tanh_z(x));
+  const A sp = s * (A(1) - s);
+  return sp == A(0) ? s : s + x * (A(1.5957691216057308) + A(0.21406444881780076) * x * x) * sp;
+}
+
+// ---- activations: value f and first derivative df for the kernels (Fast as above), second derivative d2 for
+// double backward. d2 is written over any value type V with M's elementwise functions (autograd.cpp: at::Tensor
+// and ATen ops, so that it is itself differentiable); csrc/ops_table.h lists the activations.
+struct Gelu {  // exact (erf) GELU
+  template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu<Fast>(x); }
+  template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_grad<Fast>(x); }
+  template <class M, class V> static V d2(const V& x) {  // phi(x) (2 - x^2)
+    const V x2 = x * x;
+    return M::exp(x2 * -0.5) * 0.3989422804014327 * (2.0 - x2);
+  }
+};
+struct GeluTanh {  // tanh GELU: x s, s = sigmoid(z), z = x (kA + kB x^2)
+  template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu_tanh<Fast>(x); }
+  template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_tanh_grad<Fast>(x); }
+  template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 z' + x (1 - 2 s) z'^2 + x z''), z'' = 6 kB x
+    const V x2 = x * x;
+    const V s = M::sigmoid(x * (1.5957691216057308 + 0.07135481627260025 * x2));
+    const V dz = 1.5957691216057308 + 0.21406444881780076 * x2;
+    return s * (1.0 - s) * (2.0 * dz + x * (1.0 - 2.0 * s) * dz * dz + 0.42812889763560147 * x2);
+  }
+};
+struct Silu {
+  template <bool Fast, typename A> static FFN_HD A f(A x) { return silu<Fast>(x); }
+  template <bool Fast, typename A> static FFN_HD A df(A x) { return silu_grad<Fast>(x); }
+  template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 + x (1 - 2 s))
+    const V s = M::sigmoid(x);
+    return s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s));
+  }
+};
+
+// ---- the op functors: apply<Fast>(const A in[NI], A out[NO]), one per op shape over an activation
+template <class Act>
+struct UnaryFwd {  // in: x
   static constexpr int NI = 1, NO = 1;
-  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = gelu<Fast>(in[0]); }
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = Act::template f<Fast>(in[0]); }
 };
-struct GeluBwd {  // in: grad, x
+template <class Act>
+struct UnaryBwd {  // in: grad, x
   static constexpr int NI = 2, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * gelu_grad<Fast>(in[1]);
+    out[0] = in[0] * Act::template df<Fast>(in[1]);
   }
 };
-struct SiluFwd {
-  static constexpr int NI = 1, NO = 1;
-  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = silu<Fast>(in[0]); }
-};
-struct SiluBwd {  // in: grad, x
+template <class Act>
+struct GatedFwd {  // in: gate, up; out: act(gate) * up
   static constexpr int NI = 2, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * silu_grad<Fast>(in[1]);
+    out[0] = Act::template f<Fast>(in[0]) * in[1];
   }
 };
-struct SwigluFwd {  // in: gate, up
-  static constexpr int NI = 2, NO = 1;
-  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = silu<Fast>(in[0]) * in[1];
-  }
-};
-struct SwigluBwd {  // in: grad, gate, up; out: dgate, dup
+template <class Act>
+struct GatedBwd {  // in: grad, gate, up; out: dgate = grad up act'(gate), dup = grad act(gate)
   static constexpr int NI = 3, NO = 2;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * in[2] * silu_grad<Fast>(in[1]);
-    out[1] = in[0] * silu<Fast>(in[1]);
+    out[0] = in[0] * in[2] * Act::template df<Fast>(in[1]);
+    out[1] = in[0] * Act::template f<Fast>(in[1]);
   }
 };
 

@@ -4,6 +4,7 @@
 #include <torch/version.h>
 
 #include "ffn_ext.h"
+#include "ops_table.h"
 
 namespace ffn_ext {
 
@@ -22,29 +23,35 @@ std::vector<std::pair<std::string, std::string>> build_info() {
   return info;
 }
 
+// Schemas, from the table (ops_table.h says what each computes).
 TORCH_LIBRARY(ffn_ext, m) {
-  m.def("gelu(Tensor x) -> Tensor");
-  m.def("gelu_backward(Tensor grad, Tensor x) -> Tensor");
-  m.def("silu(Tensor x) -> Tensor");
-  m.def("silu_backward(Tensor grad, Tensor x) -> Tensor");
-  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
-  m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
-  m.def("swiglu_packed(Tensor gate_up) -> Tensor");
-  m.def("swiglu_packed_backward(Tensor grad, Tensor gate_up) -> Tensor");
+#define FFN_EXT_DEF_ACT(name, ...)                            \
+  m.def(#name "(Tensor x) -> Tensor");                        \
+  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor");
+#define FFN_EXT_DEF_GATED(name, Act)                                                 \
+  m.def(#name "(Tensor gate, Tensor up) -> Tensor");                                 \
+  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)"); \
+  m.def(#name "_packed(Tensor gate_up) -> Tensor");                                  \
+  m.def(#name "_packed_backward(Tensor grad, Tensor gate_up) -> Tensor");
+  FFN_EXT_ACTIVATIONS(FFN_EXT_DEF_ACT)
+  FFN_EXT_GATED(FFN_EXT_DEF_GATED)
 }
 
 // Meta kernels: the checks and output allocation every real kernel also runs (shapes.cpp).
 TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
-  m.impl("gelu", [](const at::Tensor& x) { return alloc_unary("ffn_ext.gelu", x); });
-  m.impl("gelu_backward",
-         [](const at::Tensor& g, const at::Tensor& x) { return alloc_unary_backward("ffn_ext.gelu_backward", g, x); });
-  m.impl("silu", [](const at::Tensor& x) { return alloc_unary("ffn_ext.silu", x); });
-  m.impl("silu_backward",
-         [](const at::Tensor& g, const at::Tensor& x) { return alloc_unary_backward("ffn_ext.silu_backward", g, x); });
-  m.impl("swiglu", &alloc_swiglu);
-  m.impl("swiglu_backward", &alloc_swiglu_backward);
-  m.impl("swiglu_packed", &alloc_swiglu_packed);
-  m.impl("swiglu_packed_backward", &alloc_swiglu_packed_backward);
+  using T = const at::Tensor&;
+#define FFN_EXT_META_ACT(name, ...)                                                                      \
+  m.impl(#name, [](T x) { return alloc_unary("ffn_ext." #name, x); });                                   \
+  m.impl(#name "_backward", [](T g, T x) { return alloc_unary_backward("ffn_ext." #name "_backward", g, x); });
+#define FFN_EXT_META_GATED(name, Act)                                                                    \
+  m.impl(#name, [](T gate, T up) { return alloc_gated("ffn_ext." #name, gate, up); });                   \
+  m.impl(#name "_backward",                                                                              \
+         [](T g, T gate, T up) { return alloc_gated_backward("ffn_ext." #name "_backward", g, gate, up); }); \
+  m.impl(#name "_packed", [](T gu) { return alloc_gated_packed("ffn_ext." #name "_packed", gu); });      \
+  m.impl(#name "_packed_backward",                                                                       \
+         [](T g, T gu) { return alloc_gated_packed_backward("ffn_ext." #name "_packed_backward", g, gu); });
+  FFN_EXT_ACTIVATIONS(FFN_EXT_META_ACT)
+  FFN_EXT_GATED(FFN_EXT_META_GATED)
 }
 
 }  // namespace ffn_ext

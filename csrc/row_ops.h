@@ -1,7 +1,7 @@
-// The eight ffn_ext ops as launcher problems: outputs are fresh and contiguous; inputs are used in place when they
+// The ffn_ext ops (every line of ops_table.h) as launcher problems: outputs are fresh and contiguous; inputs are used in place when they
 // can be seen as rows with a contiguous last dimension (contiguous tensors, chunk/narrow views, expanded rows),
 // otherwise made contiguous first. Written once, for a Launcher: cuda/kernels.cu instantiates Ops<CudaLauncher>
-// (the CUDA kernels), python_module.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
+// (the CUDA kernels), test_paths.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
 // A Launcher has a `Guard` constructed from the output's device and `template <typename T> static void
 // run(const F& f, const RowProblem<NI, NO>& p)`.
 #pragma once
@@ -14,6 +14,7 @@
 
 #include "ffn_ext.h"
 #include "ffn_math.h"
+#include "ops_table.h"
 #include "rows.h"
 
 namespace ffn_ext {
@@ -56,7 +57,7 @@ void launch(const F& f, at::ScalarType dtype, const RowProblem<F::NI, F::NO>& p)
                                   [&] { Launcher::template run<scalar_t>(f, p); });
 }
 
-// Ops whose inputs and outputs all have one shape (gelu, silu, swiglu and their backwards).
+// Ops whose inputs and outputs all have one shape (unary and gated ops and their backwards).
 template <class Launcher, typename F, size_t NO = F::NO>
 void run_same_shape(const F& f, std::array<at::Tensor, F::NI> ins, const std::array<at::Tensor, NO>& outs) {
   const at::Tensor& out0 = outs[0];
@@ -89,44 +90,40 @@ inline void* at_offset(const at::Tensor& t, int64_t offset) {
   return static_cast<char*>(t.data_ptr()) + offset * t.element_size();
 }
 
+// Every op shape over an activation Act (ffn_math.h); `op` names the op in error messages ("ffn_ext.swiglu").
 template <class Launcher>
 struct Ops {
-  static at::Tensor gelu(const at::Tensor& x) {
-    auto out = alloc_unary("ffn_ext.gelu", x);
-    run_same_shape<Launcher>(math::GeluFwd{}, {x}, std::array<at::Tensor, 1>{out});
+  template <class Act>
+  static at::Tensor unary(const char* op, const at::Tensor& x) {
+    auto out = alloc_unary(op, x);
+    run_same_shape<Launcher>(math::UnaryFwd<Act>{}, {x}, std::array<at::Tensor, 1>{out});
     return out;
   }
-  static at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x) {
-    auto out = alloc_unary_backward("ffn_ext.gelu_backward", grad, x);
-    run_same_shape<Launcher>(math::GeluBwd{}, {grad, x}, std::array<at::Tensor, 1>{out});
+  template <class Act>
+  static at::Tensor unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x) {
+    auto out = alloc_unary_backward(op, grad, x);
+    run_same_shape<Launcher>(math::UnaryBwd<Act>{}, {grad, x}, std::array<at::Tensor, 1>{out});
     return out;
   }
-  static at::Tensor silu(const at::Tensor& x) {
-    auto out = alloc_unary("ffn_ext.silu", x);
-    run_same_shape<Launcher>(math::SiluFwd{}, {x}, std::array<at::Tensor, 1>{out});
+  template <class Act>
+  static at::Tensor gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+    auto out = alloc_gated(op, gate, up);
+    run_same_shape<Launcher>(math::GatedFwd<Act>{}, {gate, up}, std::array<at::Tensor, 1>{out});
     return out;
   }
-  static at::Tensor silu_backward(const at::Tensor& grad, const at::Tensor& x) {
-    auto out = alloc_unary_backward("ffn_ext.silu_backward", grad, x);
-    run_same_shape<Launcher>(math::SiluBwd{}, {grad, x}, std::array<at::Tensor, 1>{out});
-    return out;
-  }
-  static at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-    auto out = alloc_swiglu(gate, up);
-    run_same_shape<Launcher>(math::SwigluFwd{}, {gate, up}, std::array<at::Tensor, 1>{out});
-    return out;
-  }
-  static std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
-                                                            const at::Tensor& up) {
-    auto outs = alloc_swiglu_backward(grad, gate, up);
-    run_same_shape<Launcher>(math::SwigluBwd{}, {grad, gate, up},
+  template <class Act>
+  static std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const at::Tensor& grad,
+                                                           const at::Tensor& gate, const at::Tensor& up) {
+    auto outs = alloc_gated_backward(op, grad, gate, up);
+    run_same_shape<Launcher>(math::GatedBwd<Act>{}, {grad, gate, up},
                              std::array<at::Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
     return outs;
   }
 
   // Packed: gate and up are the two halves of each row of gate_up, read in place (row stride of gate_up).
-  static at::Tensor swiglu_packed(const at::Tensor& gate_up) {
-    auto out = alloc_swiglu_packed(gate_up);
+  template <class Act>
+  static at::Tensor gated_packed(const char* op, const at::Tensor& gate_up) {
+    auto out = alloc_gated_packed(op, gate_up);
     if (out.numel() == 0) return out;
     const typename Launcher::Guard guard(out.device());
     const int64_t m = out.size(-1);
@@ -139,13 +136,14 @@ struct Ops {
     p.in_stride[0] = p.in_stride[1] = gu.stride;
     p.out[0] = out.data_ptr();
     p.out_stride[0] = m;
-    launch<Launcher>(math::SwigluFwd{}, out.scalar_type(), p);
+    launch<Launcher>(math::GatedFwd<Act>{}, out.scalar_type(), p);
     return out;
   }
 
   // Packed backward: dgate and dup land in the two halves of each row of one [..., 2M] tensor, in one kernel.
-  static at::Tensor swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
-    auto out = alloc_swiglu_packed_backward(grad, gate_up);
+  template <class Act>
+  static at::Tensor gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up) {
+    auto out = alloc_gated_packed_backward(op, grad, gate_up);
     if (out.numel() == 0) return out;
     const typename Launcher::Guard guard(out.device());
     const int64_t m = grad.size(-1);
@@ -162,10 +160,35 @@ struct Ops {
     p.out[0] = out.data_ptr();
     p.out[1] = at_offset(out, m);
     p.out_stride[0] = p.out_stride[1] = 2 * m;
-    launch<Launcher>(math::SwigluBwd{}, out.scalar_type(), p);
+    launch<Launcher>(math::GatedBwd<Act>{}, out.scalar_type(), p);
     return out;
   }
 };
+
+// The ops of the table (ops_table.h) as kernels of a Launcher, registered with m.impl for one dispatch key:
+// cuda/kernels.cu registers Ops<CudaLauncher> for CUDA.
+template <class Launcher, class Library>
+void impl_all(Library& m) {
+  using O = Ops<Launcher>;
+  using T = const at::Tensor&;
+#define FFN_EXT_IMPL_ACT(name, Act, ...)                                                                       \
+  m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); });                       \
+  m.impl(#name "_backward",                                                                                    \
+         [](T g, T x) { return O::template unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); });
+#define FFN_EXT_IMPL_GATED(name, Act)                                                                          \
+  m.impl(#name, [](T gate, T up) { return O::template gated<math::Act>("ffn_ext." #name, gate, up); });        \
+  m.impl(#name "_backward", [](T g, T gate, T up) {                                                           \
+    return O::template gated_backward<math::Act>("ffn_ext." #name "_backward", g, gate, up);                  \
+  });                                                                                                          \
+  m.impl(#name "_packed", [](T gu) { return O::template gated_packed<math::Act>("ffn_ext." #name "_packed", gu); }); \
+  m.impl(#name "_packed_backward", [](T g, T gu) {                                                            \
+    return O::template gated_packed_backward<math::Act>("ffn_ext." #name "_packed_backward", g, gu);          \
+  });
+  FFN_EXT_ACTIVATIONS(FFN_EXT_IMPL_ACT)
+  FFN_EXT_GATED(FFN_EXT_IMPL_GATED)
+#undef FFN_EXT_IMPL_ACT
+#undef FFN_EXT_IMPL_GATED
+}
 
 }  // namespace rows
 }  // namespace ffn_ext

@@ -99,29 +99,26 @@ at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at
   return empty_like_sizes(x, x.sym_sizes());
 }
 
-at::Tensor alloc_swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  const char* op = "ffn_ext.swiglu";
+at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);
   return empty_like_sizes(gate, gate.sym_sizes());
 }
 
-std::tuple<at::Tensor, at::Tensor> alloc_swiglu_backward(const at::Tensor& grad, const at::Tensor& gate,
-                                                         const at::Tensor& up) {
-  const char* op = "ffn_ext.swiglu_backward";
+std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
+                                                        const at::Tensor& gate, const at::Tensor& up) {
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);
   check_like(op, "grad", grad, "gate", gate);
   return {empty_like_sizes(gate, gate.sym_sizes()), empty_like_sizes(gate, gate.sym_sizes())};
 }
 
-at::Tensor alloc_swiglu_packed(const at::Tensor& gate_up) {
-  const auto m = check_packed("ffn_ext.swiglu_packed", gate_up);
+at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up) {
+  const auto m = check_packed(op, gate_up);
   return empty_like_sizes(gate_up, with_last(gate_up, m));
 }
 
-at::Tensor alloc_swiglu_packed_backward(const at::Tensor& grad, const at::Tensor& gate_up) {
-  const char* op = "ffn_ext.swiglu_packed_backward";
+at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up) {
   const auto m = check_packed(op, gate_up);
   check_input(op, "grad", grad);
   // grad must look like the forward output: gate_up's shape with the last dimension halved.

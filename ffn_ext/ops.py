@@ -12,13 +12,15 @@ import threading
 import warnings
 
 import torch
-import torch.autograd.forward_ad as _fwAD
-import torch.nn.functional as F
 
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "has_cuda_kernels", "build_info", "build_summary"]
+from . import _compat
+from .table import ACTIVATIONS, OPS, BY_NAME
+
+__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "gated", "gated_packed",
+           "has_cuda_kernels", "build_info", "build_summary"]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
-_API_OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+_API_OPS = tuple(name for name, spec in OPS.items() if not spec.backward)  # those with a fast entry point
 
 _lock = threading.Lock()
 _native = None  # the loaded native module (ffn_ext._C or the JIT module)
@@ -118,13 +120,10 @@ def _transformed(args: tuple) -> bool:
     support all of them; no fusion there). False while torch.compile traces (what it traces is the ops)."""
     if _is_compiling():
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
-    return _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
-                                             for t in args)
+    return _compat.functorch_active() or _compat.has_tangent(args)
 
 
-def _call(name: str, arg_names: tuple, args: tuple, fallback):
+def _call(name: str, args: tuple):
     """The op on args, by the cheapest path that serves them:
     1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no __torch_function__ mode, not
        under torch.compile. It calls the op through the dispatcher as ATen's own bindings do: on a CPU core
@@ -132,8 +131,8 @@ def _call(name: str, arg_names: tuple, args: tuple, fallback):
        NotImplemented for everything else;
     2. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device (tensor subclasses, torch function
        modes, and what torch.compile traces);
-    3. else fallback(*args) after the fallback's own checks: devices without ffn_ext kernels, no native library,
-       torch.func transforms and forward-mode AD (_transformed).
+    3. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
+       library, torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path."""
     try:
         fast = _fast.get(name)
@@ -147,58 +146,120 @@ def _call(name: str, arg_names: tuple, args: tuple, fallback):
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
             return overload(*args)
     except Exception:
-        _check_kinds(f"ffn_ext.{name}", arg_names, args)  # raises the clear error if a kind is the cause
+        _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         raise
-    op = f"ffn_ext.{name}"
-    _check_kinds(op, arg_names, args)
-    return fallback(op, *args)
+    return _fallback(name, args)
 
 
-def _gelu_fallback(op, x):
-    _check_dtype(op, "x", x)
-    return F.gelu(x)
+def _fallback(name: str, args: tuple):
+    """Op `name` (any op of the table, backward ops included) with ATen ops, after the checks the native ops make,
+    with the same messages."""
+    spec, op = OPS[name], f"ffn_ext.{name}"
+    _check_kinds(op, spec.args, args)
+    act = spec.act.aten
+    r = 1 if spec.backward else 0  # the argument the others are checked against: x, gate or gate_up
+    ref_name, ref = spec.args[r], args[r]
+    _check_dtype(op, ref_name, ref)
+    if spec.kind == "packed":
+        if ref.dim() == 0:
+            raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
+        if ref.shape[-1] % 2:
+            raise ValueError(f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), "
+                             f"got shape {list(ref.shape)}")
+        gate, up = ref.chunk(2, dim=-1)
+        if not spec.backward:
+            return act(gate) * up
+        grad = args[0]
+        _check_dtype(op, "grad", grad)
+        if grad.dtype != ref.dtype:
+            raise TypeError(f"{op}: expected `grad` to have the dtype of `gate_up` ({ref.dtype}), got {grad.dtype}")
+        if grad.shape != gate.shape:
+            raise ValueError(f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
+                             f"(gate_up's with the last dimension halved), got {list(grad.shape)}")
+        return torch.cat(_gated_backward(spec.act, grad, gate, up), dim=-1)
+    for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
+        _check_like(op, spec.args[k], args[k], ref_name, ref)
+    if spec.kind == "unary":
+        return spec.act.aten_backward(*args) if spec.backward else act(*args)
+    if spec.backward:
+        return _gated_backward(spec.act, *args)
+    return act(args[0]) * args[1]
 
 
-def _silu_fallback(op, x):
-    _check_dtype(op, "x", x)
-    return F.silu(x)
+def _gated_backward(act, grad, gate, up):
+    return act.aten_backward(grad * up, gate), grad * act.aten(gate)
 
 
-def _swiglu_fallback(op, gate, up):
-    _check_dtype(op, "gate", gate)
-    _check_like(op, "up", up, "gate", gate)
-    return F.silu(gate) * up
+def call_op(name: str, *args):
+    """torch.ops.ffn_ext.<name>(*args) for any op of the table (backward ops too) where the native ops serve the
+    arguments, else its ATen fallback: what the modules' lean autograd calls."""
+    if _native_for(args[-1]) and not _transformed(args):
+        return getattr(torch.ops.ffn_ext, name)(*args)
+    return _fallback(name, args)
 
 
-def _swiglu_packed_fallback(op, gate_up):
-    _check_dtype(op, "gate_up", gate_up)
-    if gate_up.dim() == 0:
-        raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), "
-                         f"got shape {list(gate_up.shape)}")
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def _pick(function: str, key: str, value):
+    """The op family (a table entry) of ffn_ext.<function>(..., key=value), or a ValueError naming `key`."""
+    act = _OPTIONS[function].get(value) if isinstance(value, str) else None
+    if act is None:
+        raise ValueError(f"ffn_ext.{function}: `{key}` must be one of {sorted(_OPTIONS[function])}, got {value!r}")
+    return act
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact (erf) GELU: 0.5 * x * (1 + erf(x / sqrt(2)))."""
-    return _call("gelu", ("x",), (x,), _gelu_fallback)
+_OPTIONS = {"gelu": {a.api[1]["approximate"]: a for a in ACTIVATIONS if a.api[0] == "gelu"}}
+_GELU, _GELU_TANH = _OPTIONS["gelu"]["none"], _OPTIONS["gelu"]["tanh"]
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU with F.gelu's `approximate`: "none" (the default) is the exact form 0.5 x (1 + erf(x / sqrt 2)),
+    "tanh" is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Any other value is a ValueError."""
+    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
+    return _call(act.name, (x,))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU (swish): x * sigmoid(x)."""
-    return _call("silu", ("x",), (x,), _silu_fallback)
+    return _call("silu", (x,))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused. gate and up: same shape, dtype and device (views such as chunk(2, -1) are fine)."""
-    return _call("swiglu", ("gate", "up"), (gate, up), _swiglu_fallback)
+    return _call("swiglu", (gate, up))
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up with gate, up = gate_up.chunk(2, -1): [..., 2M] -> [..., M]."""
-    return _call("swiglu_packed", ("gate_up",), (gate_up,), _swiglu_packed_fallback)
+    return _call("swiglu_packed", (gate_up,))
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(gate, approximate) * up, fused (Gemma's MLP with approximate="tanh"). gate and up as for swiglu."""
+    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
+    return _call(act.gated, (gate, up))
+
+
+def geglu_packed(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(gate, approximate) * up with gate, up = gate_up.chunk(2, -1): [..., 2M] -> [..., M]."""
+    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
+    return _call(act.gated + "_packed", (gate_up,))
+
+
+def _act(activation: str):
+    act = BY_NAME.get(activation) if isinstance(activation, str) else None
+    if act is None:
+        raise ValueError(f"ffn_ext: `activation` must be one of {sorted(BY_NAME)}, got {activation!r}")
+    return act
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", ...):
+    gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u, approximate="tanh")."""
+    return _call(_act(activation).gated, (gate, up))
+
+
+def gated_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up with gate, up = gate_up.chunk(2, -1), for any activation of the table by its name."""
+    return _call(_act(activation).gated + "_packed", (gate_up,))
 
 
 # ---------------------------------------------------------------- build information

@@ -1,5 +1,5 @@
-// CUDA kernels of the eight ffn_ext ops: each is a functor of ffn_math.h, turned into a RowProblem by
-// ../row_ops.h and run by launch_rows (rows_launcher.cuh).
+// CUDA kernels of every ffn_ext op (../ops_table.h): each is a functor of ffn_math.h, turned into a RowProblem
+// by ../row_ops.h and run by launch_rows (rows_launcher.cuh).
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
@@ -36,20 +36,10 @@ struct CudaLauncher {
     launch_rows<T>(f, p);
   }
 };
-using CudaOps = rows::Ops<CudaLauncher>;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) {
-  m.impl("gelu", &CudaOps::gelu);
-  m.impl("gelu_backward", &CudaOps::gelu_backward);
-  m.impl("silu", &CudaOps::silu);
-  m.impl("silu_backward", &CudaOps::silu_backward);
-  m.impl("swiglu", &CudaOps::swiglu);
-  m.impl("swiglu_backward", &CudaOps::swiglu_backward);
-  m.impl("swiglu_packed", &CudaOps::swiglu_packed);
-  m.impl("swiglu_packed_backward", &CudaOps::swiglu_packed_backward);
-}
+TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) { rows::impl_all<CudaLauncher>(m); }
 
 }  // namespace cuda
 }  // namespace ffn_ext

@@ -1,0 +1,136 @@
+// The test-only functions of ffn_ext._C, for CI without a GPU: every op's element math (ffn_math.h) run on the host
+// element by element (_host_math), and every op's whole CUDA launch (row_ops.h problem, rows.h launch shape and
+// per-thread code) emulated on the host (_emulate_cuda). Both take their op list from ops_table.h.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/extension.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "ffn_ext.h"
+#include "ffn_math.h"
+#include "ops_table.h"
+#include "row_ops.h"
+
+namespace ffn_ext {
+namespace {
+
+// Runs functor F element by element on the host, with the kernels' rounding: load storage -> opmath type,
+// compute, store opmath -> storage once. Inputs: equal-shape CPU tensors of one floating dtype.
+template <typename F>
+std::vector<at::Tensor> host_apply(const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK_VALUE(inputs.size() == F::NI, "_host_math: expected ", std::to_string(F::NI), " inputs, got ",
+                    std::to_string(inputs.size()));
+  std::vector<at::Tensor> ins, outs;
+  for (const auto& t : inputs) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == inputs[0].sizes() &&
+                          t.scalar_type() == inputs[0].scalar_type(),
+                      "_host_math: inputs must be CPU tensors of one shape and dtype");
+    ins.push_back(t.contiguous());
+  }
+  for (int o = 0; o < F::NO; ++o) outs.push_back(at::empty_like(ins[0]));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ins[0].scalar_type(), "ffn_ext_host_math", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t n = ins[0].numel();
+    for (int64_t j = 0; j < n; ++j) {
+      A a[F::NI], r[F::NO];
+      for (int i = 0; i < F::NI; ++i) a[i] = static_cast<A>(ins[i].data_ptr<scalar_t>()[j]);
+      F{}.template apply<math::fast_math_for<scalar_t>()>(a, r);
+      for (int o = 0; o < F::NO; ++o) outs[o].data_ptr<scalar_t>()[j] = static_cast<scalar_t>(r[o]);
+    }
+  });
+  return outs;
+}
+
+// The functor of every op of the table whose inputs all have one shape (the packed ops run GatedFwd/GatedBwd too).
+std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::Tensor>& inputs) {
+  using V = std::vector<at::Tensor>;
+  static const std::map<std::string, V (*)(const V&)> ops = {
+#define FFN_EXT_HOST_ACT(name, Act, ...) \
+  {#name, &host_apply<math::UnaryFwd<math::Act>>}, {#name "_backward", &host_apply<math::UnaryBwd<math::Act>>},
+#define FFN_EXT_HOST_GATED(name, Act) \
+  {#name, &host_apply<math::GatedFwd<math::Act>>}, {#name "_backward", &host_apply<math::GatedBwd<math::Act>>},
+      FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
+#undef FFN_EXT_HOST_ACT
+#undef FFN_EXT_HOST_GATED
+  };
+  const auto it = ops.find(op);
+  TORCH_CHECK_VALUE(it != ops.end(), "_host_math: unknown op '", op, "'");
+  return it->second(inputs);
+}
+
+// The CUDA launch emulated on the host: the RowProblem the CUDA kernel would get (row_ops.h), run by rows.h's
+// rows_thread for every block and thread of launch_shape's grid for `sms` multiprocessors, one after the other
+// (threads share nothing, so the order does not matter). Every element the launch must write is first set to
+// all-ones bytes (a NaN no arithmetic produces), so one that no thread writes shows.
+struct HostEmulation {
+  struct Guard {
+    explicit Guard(c10::Device) {}
+  };
+  static inline thread_local int sms = 132;
+  template <typename T, typename F>
+  static void run(const F& f, const rows::RowProblem<F::NI, F::NO>& p) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (p.rows == 0 || p.cols == 0) return;
+    for (int o = 0; o < F::NO; ++o) {
+      for (int64_t r = 0; r < p.rows; ++r) {
+        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff, p.cols * sizeof(T));
+      }
+    }
+    const rows::LaunchShape s = rows::launch_shape(p.rows, p.cols, VEC, sms);
+    for (int64_t by = 0; by < s.grid_y; ++by) {
+      for (int64_t bx = 0; bx < s.grid_x; ++bx) {
+        for (int t = 0; t < s.threads; ++t) rows::rows_thread<T, F, VEC>(p, f, {bx, by, s.grid_y, t, s.threads});
+      }
+    }
+  }
+};
+
+std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at::Tensor>& in, int sms) {
+  using Emu = rows::Ops<HostEmulation>;
+  using V = std::vector<at::Tensor>;
+  struct Entry {
+    size_t n_inputs;
+    V (*run)(const V&);
+  };
+  static const std::map<std::string, Entry> ops = {
+#define FFN_EXT_EMU_ACT(name, Act, ...)                                                                        \
+  {#name, {1, [](const V& a) -> V { return {Emu::unary<math::Act>(#name, a[0])}; }}},                         \
+      {#name "_backward", {2, [](const V& a) -> V { return {Emu::unary_backward<math::Act>(#name, a[0], a[1])}; }}},
+#define FFN_EXT_EMU_GATED(name, Act)                                                                           \
+  {#name, {2, [](const V& a) -> V { return {Emu::gated<math::Act>(#name, a[0], a[1])}; }}},                   \
+      {#name "_backward", {3, [](const V& a) -> V {                                                            \
+         auto [dgate, dup] = Emu::gated_backward<math::Act>(#name, a[0], a[1], a[2]);                          \
+         return {dgate, dup};                                                                                  \
+       }}},                                                                                                    \
+      {#name "_packed", {1, [](const V& a) -> V { return {Emu::gated_packed<math::Act>(#name, a[0])}; }}},     \
+      {#name "_packed_backward",                                                                               \
+       {2, [](const V& a) -> V { return {Emu::gated_packed_backward<math::Act>(#name, a[0], a[1])}; }}},
+      FFN_EXT_ACTIVATIONS(FFN_EXT_EMU_ACT) FFN_EXT_GATED(FFN_EXT_EMU_GATED)
+#undef FFN_EXT_EMU_ACT
+#undef FFN_EXT_EMU_GATED
+  };
+  const auto it = ops.find(op);
+  TORCH_CHECK_VALUE(it != ops.end(), "_emulate_cuda: unknown op '", op, "'");
+  TORCH_CHECK_VALUE(in.size() == it->second.n_inputs, "_emulate_cuda: ", op, " takes ",
+                    std::to_string(it->second.n_inputs), " inputs, got ", std::to_string(in.size()));
+  for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_cuda: inputs must be CPU tensors");
+  TORCH_CHECK_VALUE(sms > 0, "_emulate_cuda: sms must be positive");
+  HostEmulation::sms = sms;
+  return it->second.run(in);
+}
+
+}  // namespace
+
+void add_test_paths(pybind11::module& m) {
+  m.def("_host_math", &host_math, pybind11::arg("op"), pybind11::arg("inputs"),
+        "Test path: the kernels' element math (ffn_math.h) run on the host, element by element.");
+  m.def("_emulate_cuda", &emulate_cuda, pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("sms") = 132,
+        "Test path: op's CUDA launch (row_ops.h problem, rows.h launch shape and per-thread code) emulated on the "
+        "host with CPU tensors, for a GPU with `sms` multiprocessors.");
+}
+
+}  // namespace ffn_ext

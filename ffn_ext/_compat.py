@@ -1,0 +1,35 @@
+"""Every use of a torch-private API in ffn_ext, in one place, each with the public behaviour it stands for. When a
+torch release moves one of these, this file is what changes. (The C++ side has one more: the fast entry points in
+csrc/python_module.cpp test the FuncTorchDynamicLayerFrontMode dispatch key, which a torch.func transform sets.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as _fwAD
+import torch.nn.modules.module as _module_mod
+
+__all__ = ["functorch_active", "has_tangent", "global_module_hooks", "module_hooks"]
+
+
+def functorch_active() -> bool:
+    """True inside a torch.func transform (grad, vmap, jacrev, jvp, ...): its interpreter stack is not empty."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def has_tangent(args) -> bool:
+    """True when a forward-mode AD level is open and one of args is a dual tensor with a tangent."""
+    return _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
+                                             for t in args)
+
+
+def global_module_hooks() -> bool:
+    """True when a global nn.Module hook is registered (register_module_forward_hook and friends)."""
+    m = _module_mod
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+def module_hooks(mod) -> bool:
+    """True when `mod` has a forward, forward-pre, backward or backward-pre hook of its own. Reads the hook dicts
+    directly: a decode step's MLP is bound by host time, and nn.Module attribute access costs about a microsecond."""
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
