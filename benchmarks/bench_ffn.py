@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""FFN-level benchmark: a SwiGLU FFN on ffn_ext vs an eager Llama-style MLP and its torch.compile form.
+"""FFN-level benchmark: gated FFNs on ffn_ext vs the eager MLP a model writes and its torch.compile form.
 
     python benchmarks/bench_ffn.py --quick                       # CPU here, GPU where there is one
     python benchmarks/bench_ffn.py --quick --device cuda --out $OUT/bench
     python benchmarks/bench_ffn.py --smoke --out /tmp/x          # tiny CI check of the pipeline
 
-Widths: Llama-7B (4096 -> 11008) and Qwen2.5-0.5B (896 -> 4864); all three implementations share the same
-weights. Measured: forward (no grad) and forward+backward time (gradients of x and of every weight), the bytes
-autograd saves for backward beyond the parameters and the input x ("activation memory"), and on GPU the peak
-memory allocated during forward+backward above what was allocated before. The ffn_ext side is
-ffn_ext.SwiGLUFFN when the package has it, else a local module (gate/up/down Linear + ffn_ext.swiglu); the
+Models: SwiGLU at Llama-7B (4096 -> 11008) and Qwen2.5-0.5B (896 -> 4864) widths, against Hugging Face's
+LlamaMLP / Qwen2MLP form down(silu(gate(x)) * up(x)); tanh GeGLU at Gemma-2-2B widths (2304 -> 9216), against
+GemmaMLP's down(gelu_tanh(gate(x)) * up(x)). All three implementations share the same weights. Measured: forward
+(no grad) and forward+backward time (gradients of x and of every weight), the bytes autograd saves for backward
+beyond the parameters and the input x ("activation memory"), and on GPU the peak memory allocated during
+forward+backward above what was allocated before. The ffn_ext side is ffn_ext.SwiGLUFFN / ffn_ext.GeGLUFFN
+(approximate="tanh") when the package has it, else a local module (gate/up/down Linear + ffn_ext.gated); the
 results say which. Writes ffn.md, ffn.json and ffn.png into the output directory.
 """
 from __future__ import annotations
@@ -24,57 +26,77 @@ import common  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import ffn_ext  # noqa: E402
+from ffn_ext.table import BY_NAME  # noqa: E402
 
-MODELS = {"qwen2.5-0.5b": (896, 4864), "llama-7b": (4096, 11008), "tiny": (64, 176)}
-IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager Llama MLP", "compile": "torch.compile(eager)"}
+# model -> (d_model, d_ff, activation of ffn_ext's op table); silu: SwiGLU (Llama, Qwen2), gelu_tanh: GeGLU (Gemma)
+MODELS = {"qwen2.5-0.5b": (896, 4864, "silu"), "llama-7b": (4096, 11008, "silu"),
+          "gemma-2-2b": (2304, 9216, "gelu_tanh"), "tiny": (64, 176, "silu"), "tiny-geglu": (64, 176, "gelu_tanh")}
+MLP_NAME = {"silu": "SwiGLU", "gelu": "GeGLU (erf)", "gelu_tanh": "GeGLU (tanh)"}
+IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager MLP", "compile": "torch.compile(eager)"}
+# ffn_ext's FFN module per activation: (attribute, keyword arguments); GeGLUFFN is looked up with getattr, so that
+# an ffn_ext without it falls back to the local module (and says so)
+FFN_EXT_MODULES = {"silu": ("SwiGLUFFN", {}), "gelu": ("GeGLUFFN", {"approximate": "none"}),
+                   "gelu_tanh": ("GeGLUFFN", {"approximate": "tanh"})}
 
 
-class EagerLlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), as Hugging Face's LlamaMLP / Qwen2MLP compute it."""
+class EagerMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with ATen ops, as Hugging Face's LlamaMLP / Qwen2MLP (act = F.silu) and
+    GemmaMLP (act = F.gelu(approximate="tanh")) compute it; act is the op table's ATen form."""
 
-    def __init__(self, d_model, d_ff, device=None, dtype=None):
+    def __init__(self, d_model, d_ff, activation="silu", device=None, dtype=None):
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(d_model, d_ff, **kw)
         self.up_proj = nn.Linear(d_model, d_ff, **kw)
         self.down_proj = nn.Linear(d_ff, d_model, **kw)
+        self.activation = activation
+        self.act_fn = BY_NAME[activation].aten
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LocalSwiGLUFFN(EagerLlamaMLP):
-    """The same projections with the activation fused by ffn_ext.swiglu (used when ffn_ext has no SwiGLUFFN)."""
+class LocalGatedFFN(EagerMLP):
+    """The same projections with the activation fused by ffn_ext.gated (used when ffn_ext has no FFN module for
+    the activation)."""
 
     def forward(self, x):
-        return self.down_proj(ffn_ext.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ffn_ext.gated(self.gate_proj(x), self.up_proj(x), activation=self.activation))
 
 
-def make_ffn_ext_module(d_model, d_ff, dev, dtype, notes):
-    if hasattr(ffn_ext, "SwiGLUFFN"):
+def make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes):
+    name, kw = FFN_EXT_MODULES[activation]
+    cls = getattr(ffn_ext, name, None)
+    if cls is None:
+        note = f"ffn_ext.{name} not in this ffn_ext: local module for {MLP_NAME[activation]}"
+        if note not in notes:
+            notes.append(note)
+    else:
         try:
-            return ffn_ext.SwiGLUFFN(d_model, d_ff, bias=False, device=dev, dtype=dtype), "ffn_ext.SwiGLUFFN"
+            mod = cls(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw)
+            return mod, f"ffn_ext.{name}" + "".join(f"({k}={v!r})" for k, v in kw.items())
         except Exception as e:  # noqa: BLE001
-            notes.append(f"ffn_ext.SwiGLUFFN({d_model}, {d_ff}) failed ({type(e).__name__}: {e}); local module used")
-    return LocalSwiGLUFFN(d_model, d_ff, device=dev, dtype=dtype), "local module (nn.Linear x3 + ffn_ext.swiglu)"
+            notes.append(f"ffn_ext.{name}({d_model}, {d_ff}, {kw}) failed ({type(e).__name__}: {e}); local module "
+                         "used")
+    return (LocalGatedFFN(d_model, d_ff, activation, device=dev, dtype=dtype),
+            f"local module (nn.Linear x3 + ffn_ext.gated(activation={activation!r}))")
 
 
 def plan_for(mode, dev):
     """[(model, tokens, dtype)]"""
     if mode == "smoke":
-        return [("tiny", 32, "fp32")]
+        return [("tiny", 32, "fp32"), ("tiny-geglu", 32, "fp32")]
     if dev.type == "cuda":
         if mode == "full":
-            return [(m, t, d) for d in ("bf16", "fp16") for m in ("qwen2.5-0.5b", "llama-7b")
+            return [(m, t, d) for d in ("bf16", "fp16") for m in ("qwen2.5-0.5b", "llama-7b", "gemma-2-2b")
                     for t in (1024, 4096, 16384)]
-        return [("qwen2.5-0.5b", 4096, "bf16"), ("llama-7b", 4096, "bf16")]
+        return [("qwen2.5-0.5b", 4096, "bf16"), ("llama-7b", 4096, "bf16"), ("gemma-2-2b", 4096, "bf16")]
     if mode == "full":
         return [("qwen2.5-0.5b", 256, "fp32"), ("qwen2.5-0.5b", 1024, "fp32"), ("llama-7b", 64, "fp32"),
-                ("qwen2.5-0.5b", 256, "bf16")]
-    return [("qwen2.5-0.5b", 128, "fp32"), ("llama-7b", 16, "fp32")]
+                ("gemma-2-2b", 64, "fp32"), ("qwen2.5-0.5b", 256, "bf16")]
+    return [("qwen2.5-0.5b", 128, "fp32"), ("llama-7b", 16, "fp32"), ("gemma-2-2b", 16, "fp32")]
 
 
 def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes):
@@ -110,6 +132,9 @@ def run(args) -> dict:
         notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate)")
     if mode == "smoke":
         notes.append("smoke run: tiny width, numbers are meaningless")
+        if dev.type == "cpu":  # as bench_ops: OpenMP waits on a busy machine cost more than these tiny GEMMs
+            torch.set_num_threads(1)
+            notes.append("smoke run on CPU: 1 torch thread")
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
     if use_compile:
@@ -128,14 +153,15 @@ def run(args) -> dict:
     n_impl = 3 if use_compile else 2
     bar = common.progress(len(plan) * n_impl, f"bench_ffn [{dev.type}, {mode}]", disable=args.no_progress)
     t_start = time.time()
-    ffn_kind = None
+    ffn_kinds = {}
     for model, tokens, dname in plan:
         dtype = common.DTYPES[dname]
-        d_model, d_ff = MODELS[model]
+        d_model, d_ff, activation = MODELS[model]
         es = torch.empty((), dtype=dtype).element_size()
         common.free_memory(dev)
-        eager = EagerLlamaMLP(d_model, d_ff, device=dev, dtype=dtype)
-        ours, ffn_kind = make_ffn_ext_module(d_model, d_ff, dev, dtype, notes)
+        eager = EagerMLP(d_model, d_ff, activation, device=dev, dtype=dtype)
+        ours, ffn_kind = make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes)
+        ffn_kinds[model] = ffn_kind
         ours.load_state_dict(eager.state_dict())
         mods = {"ffn_ext": ours, "eager": eager}
         if use_compile:
@@ -162,8 +188,9 @@ def run(args) -> dict:
                 continue
             fb = r.pop("fwd+bwd")
             fw = r.pop("fwd")
-            results.append({"model": model, "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
-                            "impl": name, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
+            results.append({"model": model, "mlp": MLP_NAME[activation], "activation": activation,
+                            "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
+                            "impl": name, "module": ffn_kind if name == "ffn_ext" else type(eager).__name__, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
                             "p90_ms": fb["p90_ms"], "reps": fb["reps"], "fwd_median_ms": fw["median_ms"],
                             "fwd_reps": fw["reps"], "tf_bytes": tokens * d_ff * es, **r})
             bar.update()
@@ -177,7 +204,7 @@ def run(args) -> dict:
         r["activation_vs_eager"] = r["activation_bytes"] / e["activation_bytes"] if e and e["activation_bytes"] else None
     meta = common.metadata(dev, mode, sys.argv)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
-    meta["ffn_ext_module"] = ffn_kind
+    meta["ffn_ext_module"] = "; ".join(f"{m}: {k}" for m, k in ffn_kinds.items())
     payload = {"meta": meta, "notes": notes, "errors": errors, "results": results}
     payload["targets"] = targets(results, dev)
     return payload
@@ -185,7 +212,7 @@ def run(args) -> dict:
 
 def targets(results, dev):
     out = []
-    for model in ("llama-7b", "qwen2.5-0.5b", "tiny"):
+    for model in MODELS:
         rows = [r for r in results if r["model"] == model and r["impl"] == "ffn_ext"
                 and r["activation_vs_eager"] is not None]
         if not rows:
@@ -193,13 +220,13 @@ def targets(results, dev):
         rows.sort(key=lambda r: (r["dtype"] == "bf16", r["tokens"]))
         r = rows[-1]
         out.append(common.make_target(
-            f"{model}: SwiGLUFFN activation memory <= 0.5x eager's [tokens, d_ff] bytes",
+            f"{model}: {r['module']} activation memory <= 0.5x eager's [tokens, d_ff] bytes",
             r["activation_vs_eager"], 0.5, False, "x",
             f"{r['activation_tf_units']:.3g} vs "
             f"{r['activation_tf_units'] / r['activation_vs_eager']:.3g} [tokens, d_ff] tensors, "
             f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}", True))
     if not out:
-        out.append(common.make_target("SwiGLUFFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None,
+        out.append(common.make_target("gated FFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None,
                                       0.5, False))
     return out
 
@@ -210,12 +237,12 @@ def markdown(payload):
              f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
              f" commit {meta['git_commit']}; timing: {meta['timing']}; ffn_ext side: {meta['ffn_ext_module']}", ""]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
-    headers = ["model", "d_model→d_ff", "tokens", "dtype", "impl", "fwd ms", "fwd+bwd ms", "× eager", "× compile",
+    headers = ["model", "MLP", "d_model→d_ff", "tokens", "dtype", "impl", "fwd ms", "fwd+bwd ms", "× eager", "× compile",
                "activations MiB", "[T,d_ff] units", "vs eager", "peak MiB"]
     rows = []
     for r in payload["results"]:
         sv = r["speedup_vs"]
-        rows.append([r["model"], f"{r['d_model']}→{r['d_ff']}", r["tokens"], r["dtype"], IMPL_LABEL[r["impl"]],
+        rows.append([r["model"], r["mlp"], f"{r['d_model']}→{r['d_ff']}", r["tokens"], r["dtype"], IMPL_LABEL[r["impl"]],
                      common.fmt(r["fwd_median_ms"], ".4g"), common.fmt(r["median_ms"], ".4g"),
                      common.fmt(sv.get("eager")), common.fmt(sv.get("compile")),
                      common.fmt(r["activation_bytes"] / common.MiB, ".4g"),

@@ -6,10 +6,14 @@
     python benchmarks/bench_ops.py --full --device cuda          # every dtype at 2**12 .. 2**28 elements
     python benchmarks/bench_ops.py --smoke --out /tmp/x          # tiny CI check of the pipeline
 
-Ops: gelu, silu, swiglu, swiglu_packed; directions fwd, bwd, fwd+bwd; dtypes fp32, fp16, bf16. "Size" is the
-number of elements N of the op's output (swiglu_packed reads a [.., 2M] input: 2N elements). Bytes moved are
-counted per op (see BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N elements
-measured in the same run. Writes ops.md, ops.json and plots into the output directory.
+Ops, from the op table (ffn_ext/table.py): per activation (gelu = exact erf, gelu_tanh, silu) its unary op, its
+gated op (geglu, geglu_tanh, swiglu) and the packed form (<gated>_packed); directions fwd, bwd, fwd+bwd; dtypes
+fp32, fp16, bf16. Peers: ATen eager (the table's ATen form: F.gelu, F.gelu(approximate="tanh"), F.silu, times up),
+torch.compile of it, and Liger-Kernel's gated kernels where liger_kernel is installed (LigerSiLUMulFunction for
+swiglu, LigerGELUMulFunction for geglu_tanh: Liger's GeGLU is the tanh form). "Size" is the number of elements N
+of the op's output (a packed op reads a [.., 2M] input: 2N elements). Bytes moved are counted per op (see
+BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N elements measured in the same
+run. Writes ops.md, ops.json and plots into the output directory.
 """
 from __future__ import annotations
 
@@ -22,27 +26,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repository root on sys.path)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import ffn_ext  # noqa: E402
 
-OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+# The ops, from the op table (common.table_ops): per activation its unary op, its gated op and the packed form of
+# the gated op; the backward ops run through autograd (directions bwd and fwd+bwd).
+KINDS = common.table_ops()  # op -> (kind, Activation), kind "unary" | "gated" | "packed"
+OPS = tuple(KINDS)  # gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_packed, geglu_tanh_packed, swiglu_packed
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("ffn_ext", "eager", "compile", "liger")
 IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "ATen eager", "compile": "torch.compile", "liger": "Liger"}
 
 # Elements moved per output element N, by a kernel that reads each input once and writes each output once:
-#   gelu/silu     fwd: read x, write y = 2N;           bwd: read grad, x, write dx = 3N
-#   swiglu        fwd: read g, u, write h = 3N;        bwd: read grad, g, u, write dg, du = 5N
-#   swiglu_packed fwd: read gate_up (2N), write h = 3N; bwd: read grad (N), gate_up (2N), write dgate_up (2N) = 5N
+#   unary  (gelu, gelu_tanh, silu)        fwd: read x, write y = 2N;           bwd: read grad, x, write dx = 3N
+#   gated  (geglu, geglu_tanh, swiglu)    fwd: read g, u, write h = 3N;        bwd: read grad, g, u, write dg, du = 5N
+#   packed (<gated>_packed)               fwd: read gate_up (2N), write h = 3N; bwd: read grad (N), gate_up (2N),
+#                                         write dgate_up (2N) = 5N
 #   fwd+bwd: the sum.  Implementations that move more (ATen eager) are still credited with these bytes only, so
 #   GB/s is "effective" bandwidth and comparable across implementations.
-BYTES_PER_ELEMENT = {
-    "gelu": {"fwd": 2, "bwd": 3},
-    "silu": {"fwd": 2, "bwd": 3},
-    "swiglu": {"fwd": 3, "bwd": 5},
-    "swiglu_packed": {"fwd": 3, "bwd": 5},
-}
+_BYTES = {"unary": {"fwd": 2, "bwd": 3}, "gated": {"fwd": 3, "bwd": 5}, "packed": {"fwd": 3, "bwd": 5}}
+BYTES_PER_ELEMENT = {op: dict(_BYTES[kind]) for op, (kind, _) in KINDS.items()}
 for _v in BYTES_PER_ELEMENT.values():
     _v["fwd+bwd"] = _v["fwd"] + _v["bwd"]
 
@@ -76,25 +79,8 @@ def sizes_for(mode: str, dev: torch.device) -> dict:
 
 
 # ---------------------------------------------------------------- implementations
-def _eager_gelu(x):
-    return F.gelu(x)
-
-
-def _eager_silu(x):
-    return F.silu(x)
-
-
-def _eager_swiglu(g, u):
-    return F.silu(g) * u
-
-
-def _eager_swiglu_packed(gu):
-    g, u = gu.chunk(2, dim=-1)
-    return F.silu(g) * u
-
-
-EAGER = {"gelu": _eager_gelu, "silu": _eager_silu, "swiglu": _eager_swiglu, "swiglu_packed": _eager_swiglu_packed}
-FFN = {"gelu": ffn_ext.gelu, "silu": ffn_ext.silu, "swiglu": ffn_ext.swiglu, "swiglu_packed": ffn_ext.swiglu_packed}
+EAGER = {op: common.eager_fn(op) for op in OPS}  # the table's ATen form: act(x), act(g) * u, chunk then act(g) * u
+FFN = {op: common.ffn_ext_fn(op) for op in OPS}  # the public API: ffn_ext.gelu(x, approximate="tanh"), ...
 
 
 def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
@@ -102,24 +88,26 @@ def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
     if use_compile:
         common.setup_compile()
         impls["compile"] = {op: torch.compile(fn) for op, fn in EAGER.items()}
-    liger, why = common.liger_swiglu()
-    if liger is None:
-        notes.append(f"Liger skipped: {why}")
-    elif dev.type != "cuda":
+    liger = {}
+    for act_name, (fn, why) in common.liger_gated().items():  # Liger's gated kernels, by activation
+        if fn is None:
+            notes.append(f"Liger skipped for {act_name}: {why}")
+            continue
+        for op, (kind, act) in KINDS.items():
+            if act.name == act_name and kind != "unary":
+                liger[op] = fn if kind == "gated" else common.chunked(fn)
+    if liger and dev.type != "cuda":
         notes.append("Liger skipped: its kernels are Triton (CUDA only)")
-    else:
-        def liger_packed(gu):
-            g, u = gu.chunk(2, dim=-1)
-            return liger(g, u)
-
-        impls["liger"] = {"swiglu": liger, "swiglu_packed": liger_packed}
+    elif liger:
+        impls["liger"] = liger
     return impls
 
 
 def make_inputs(op: str, shape, dtype, dev, requires_grad: bool, gen: torch.Generator):
     rows, cols = shape
-    in_shape = (rows, 2 * cols) if op == "swiglu_packed" else (rows, cols)
-    n_in = 2 if op == "swiglu" else 1
+    kind = KINDS[op][0]
+    in_shape = (rows, 2 * cols) if kind == "packed" else (rows, cols)
+    n_in = 2 if kind == "gated" else 1
 
     def rnd(s):
         return torch.randn(s, generator=gen, device=dev, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
@@ -129,7 +117,7 @@ def make_inputs(op: str, shape, dtype, dev, requires_grad: bool, gen: torch.Gene
 
 def input_bytes(op: str, numel: int, es: int, direction: str) -> int:
     """Bytes of one input set: the op's inputs (+ the incoming gradient unless fwd)."""
-    n_in = numel if op in ("gelu", "silu") else 2 * numel
+    n_in = numel if KINDS[op][0] == "unary" else 2 * numel
     return (n_in + (numel if direction != "fwd" else 0)) * es
 
 
@@ -151,6 +139,32 @@ def runner(fn, direction: str):
 
 
 # ---------------------------------------------------------------- measuring
+def agreement(impls: dict, ops, dev: torch.device, gen: torch.Generator) -> list[str]:
+    """Every implementation's forward and gradients against ATen eager's on one small fp32 input set (a peer wired
+    to the wrong function must not be timed as if it were this op); one line per disagreement. torch.compile is
+    left out (it is eager's code, compiled: checking it would compile every op once more)."""
+    errors = []
+    for op in ops:
+        ins = make_inputs(op, (3, 40), torch.float32, dev, True, gen)
+        y0 = EAGER[op](*ins)
+        grad = torch.randn(y0.shape, generator=gen, device=dev)
+        ref = (y0, *torch.autograd.grad(y0, ins, grad))
+        for impl, table in impls.items():
+            if impl in ("eager", "compile") or op not in table:
+                continue
+            try:
+                y = table[op](*ins)
+                got = (y, *torch.autograd.grad(y, ins, grad))
+                err = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{impl} {op}: fails on a small fp32 input: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            if not err <= 1e-4:
+                errors.append(f"{impl} {op}: differs from ATen eager (max error / max |ref| {err:.3g} over the "
+                              "output and the input gradients, fp32 3x40)")
+    return errors
+
+
 def bench_case(op, direction, impl, fn, shape, dtype, dev, n_sets, gen, target_ms):
     """Times one (op, direction, impl) at one shape; for fwd+bwd also the memory probes."""
     rows, cols = shape
@@ -202,6 +216,9 @@ def run(args) -> dict:
         notes.append("WARNING: the loaded ffn_ext has no CUDA kernels; 'ffn_ext' rows are the ATen fallback")
     if mode == "smoke":
         notes.append("smoke run: tiny sizes, numbers are meaningless")
+        if dev.type == "cpu":  # ATen's CPU kernels go parallel from 32768 elements; on a busy machine the OpenMP
+            torch.set_num_threads(1)  # threads' waits cost milliseconds per call, and a smoke run only checks plumbing
+            notes.append("smoke run on CPU: 1 torch thread")
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
     plan, compile_only = sizes_for(mode, dev)
@@ -225,6 +242,7 @@ def run(args) -> dict:
     impls = build_impls(dev, use_compile, notes)
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
+    errors = agreement(impls, ops, dev, gen)
 
     cases = []
     for dname, sizes in plan.items():
@@ -237,7 +255,7 @@ def run(args) -> dict:
                         if impl == "compile" and compile_only is not None and (dname, sname) not in compile_only:
                             continue
                         cases.append((dname, sname, shape, op, direction, impl))
-    results, copies, errors = [], [], []
+    results, copies = [], []
     bar = common.progress(len(cases), f"bench_ops [{dev.type}, {mode}]", disable=args.no_progress)
     t_start = time.time()
     last_size = None
@@ -309,7 +327,8 @@ def targets(results: list, dev: torch.device) -> list:
     def cond(r, size="2^28"):
         return dev.type == "cuda" and r["dtype"] == "bf16" and r["size"] == size
 
-    for op in OPS:
+    measured = [op for op in OPS if any(r["op"] == op for r in results)] or list(OPS)
+    for op in measured:
         for direction in ("fwd", "bwd"):
             r = _pick(results, op, direction, "ffn_ext")
             out.append(common.make_target(
@@ -321,7 +340,7 @@ def targets(results: list, dev: torch.device) -> list:
         out.append(common.make_target(
             f"swiglu fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)", v, thr, True, "x",
             (r and where(r)) if v is not None else f"{IMPL_LABEL[peer]} not measured", bool(r) and cond(r)))
-    for op in OPS:
+    for op in measured:
         r = _pick(results, op, "fwd", "ffn_ext", size=DECODE[0])
         v = r and r["speedup_vs"].get("eager")
         out.append(common.make_target(

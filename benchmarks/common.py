@@ -259,14 +259,88 @@ def free_memory(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------- the ops, from the op table
+def table_ops() -> dict:
+    """{op: (kind, Activation)} for the forward ops of ffn_ext's op table (ffn_ext/table.py) that a model calls:
+    per activation its unary op ("unary"), then per activation its gated op ("gated"), then the packed forms
+    ("packed"): gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_packed, geglu_tanh_packed, swiglu_packed.
+    (The backward ops are reached through autograd.)"""
+    from ffn_ext.table import ACTIVATIONS
+
+    out = {a.name: ("unary", a) for a in ACTIVATIONS}
+    out.update({a.gated: ("gated", a) for a in ACTIVATIONS})
+    out.update({a.gated + "_packed": ("packed", a) for a in ACTIVATIONS})
+    return out
+
+
+def chunked(fn):
+    """fn(g, u) as a function of gate_up: g, u = gate_up.chunk(2, -1)."""
+    def packed(gu):
+        g, u = gu.chunk(2, dim=-1)
+        return fn(g, u)
+    return packed
+
+
+def eager_fn(op: str):
+    """op with ATen ops, as a model writes it: act(x); act(g) * u; g, u = gu.chunk(2, -1), act(g) * u. act is the
+    table's ATen form (F.gelu, F.gelu(x, approximate="tanh"), F.silu)."""
+    kind, act = table_ops()[op]
+    f = act.aten
+    if kind == "unary":
+        return f
+
+    def gated(g, u):
+        return f(g) * u
+    return gated if kind == "gated" else chunked(gated)
+
+
+def ffn_ext_fn(op: str):
+    """The public API's function for op: ffn_ext.<op> where the API has one that computes op with its defaults
+    (gelu, silu, swiglu, swiglu_packed, geglu, geglu_packed), else the API's keyword form: ffn_ext.gelu(x,
+    approximate="tanh"), ffn_ext.gated(g, u, activation="gelu_tanh"), ffn_ext.gated_packed(gu, activation=...)."""
+    import functools
+
+    import ffn_ext
+
+    kind, act = table_ops()[op]
+    fn = getattr(ffn_ext, op, None)
+    if callable(fn):
+        return fn
+    if kind == "unary":
+        return functools.partial(getattr(ffn_ext, act.api[0]), **act.api[1])
+    return functools.partial(ffn_ext.gated if kind == "gated" else ffn_ext.gated_packed, activation=act.name)
+
+
+def ffn_ext_label(op: str) -> str:
+    """How the public API call of op reads: ffn_ext.swiglu, ffn_ext.gelu(approximate='tanh'), ..."""
+    fn = ffn_ext_fn(op)
+    if not hasattr(fn, "keywords"):
+        return f"ffn_ext.{op}"
+    kw = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
+    return f"ffn_ext.{fn.func.__name__}({kw})"
+
+
 # ---------------------------------------------------------------- optional peers
-def liger_swiglu():
-    """(LigerSiLUMulFunction.apply, None) when liger_kernel is importable, else (None, reason)."""
-    try:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except Exception as e:  # noqa: BLE001  (ImportError, or triton missing inside it)
-        return None, f"liger_kernel not importable ({type(e).__name__}: {e})"
-    return LigerSiLUMulFunction.apply, None
+# Liger-Kernel's gated activations, by the table's activation name: (module, autograd Function) computing
+# act(a) * b. LigerGELUMulFunction is the tanh GeGLU (Gemma's MLP); Liger has no exact-erf GeGLU.
+LIGER_GATED = {"silu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+               "gelu_tanh": ("liger_kernel.ops.geglu", "LigerGELUMulFunction")}
+
+
+def liger_gated() -> dict:
+    """{activation: (Function.apply, None)} where liger_kernel is importable, else {activation: (None, reason)}."""
+    import importlib
+
+    out = {}
+    for act, (module, name) in LIGER_GATED.items():
+        try:
+            out[act] = (getattr(importlib.import_module(module), name).apply, None)
+        except Exception as e:  # noqa: BLE001  (ImportError, or triton missing inside it)
+            reason = ("liger_kernel not installed" if isinstance(e, ModuleNotFoundError)
+                      and (e.name or "").split(".")[0] == "liger_kernel" else
+                      f"{module}.{name} not importable ({type(e).__name__}: {e})")
+            out[act] = (None, reason)
+    return out
 
 
 def setup_compile() -> None:

@@ -3,7 +3,10 @@
 #   OUT=/some/dir bash benchmarks/device_check.sh
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
-# op and dtype. (The SASS checks run in CI on the sm_80/sm_90 build: tests/test_sass.py.) Every stage has its own time limit and log under $OUT; the summary is printed last
+# op and dtype. Every op list comes from the op table (ffn_ext/table.py): the 18 ops of gelu, gelu_tanh and silu
+# (geglu, geglu_tanh, swiglu, packed forms), 48 rows_kernels per architecture. (The SASS checks run in CI on the
+# sm_80/sm_90 build: tests/test_sass.py; the sass stage here reports the device build's counts and spills.)
+# Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
 # (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck).
@@ -44,40 +47,50 @@ note "ffn_ext device check, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$LOGS/summary.txt"
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOGS/summary.txt"
 
-stage build 90 $PY -m pip install -v --no-build-isolation --no-deps -e .
+# 48 kernels per architecture since the op table (24 before): nvcc on kernels.cu for sm_90 took 1.35x as long on a
+# 2-core CPU (77 s against 57 s), and the whole build took 50 s on the H200 machine with 24: 100 s.
+stage build 100 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
-# The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use).
+# The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use),
+# for all 48 kernels (GeluTanh ones included), then registers and any spills. About 8 s on a 2-core CPU.
 stage sass 20 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included.
 FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 
-# Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/.
+# Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/. Every op of the
+# table, 9 (gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu and the packed three), against ATen eager, torch.compile
+# and Liger (swiglu and geglu_tanh, when liger_kernel is installed): 45 s measured with 4 ops (24 s in the timing
+# loop); 9 ops, Liger on 4: about 75-85 s expected.
 stage bench_ops 110 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
 
 # Host time per call at the decode size, layer by layer (Python API, torch.ops, ATen's binding): where the
 # microseconds go when a call costs more host time than GPU time.
 stage host 20 $PY benchmarks/host_overhead.py --device cuda --out "$LOGS/bench"
 
-# Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound?
+# Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound? 21 kernels
+# (11 before: 12 s measured).
 if command -v ncu >/dev/null || ! wanted ncu; then
-  stage ncu 45 ncu --clock-control none --section SpeedOfLight \
+  stage ncu 35 ncu --clock-control none --section SpeedOfLight \
     --metrics smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     -k 'regex:rows_kernel|vectorized_elementwise|unrolled_elementwise' $PY benchmarks/ncu_cases.py
 else
   note "ncu not found: kernel profile NOT run"
 fi
 
-# compute-sanitizer over every op, dtype and layout (small shapes). racecheck covers shared memory, which these
-# kernels do not use; it runs because it is cheap and would catch a future change that does.
+# compute-sanitizer over every op of the table, dtype and layout (small shapes): 2640 op calls, 2.2x the
+# 1224 that took 5 s under memcheck. racecheck covers shared memory, which these kernels do not use; it runs because
+# it is cheap and would catch a future change that does.
 if command -v compute-sanitizer >/dev/null || ! wanted memcheck; then
-  stage memcheck 60 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage memcheck 50 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 else
   note "compute-sanitizer not found: memcheck/racecheck NOT run"; failed=$((failed + 1))
 fi
+# SwiGLU at Qwen2.5-0.5B and Llama-7B widths, tanh GeGLU at Gemma-2-2B's (ffn_ext.GeGLUFFN when the package has
+# it): 3 models x 3 implementations (10.6 s in the timing loop with 2 models).
 stage bench_ffn 45 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
 if command -v compute-sanitizer >/dev/null || ! wanted racecheck; then
-  stage racecheck 20 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 
 note "failed stages: $failed"

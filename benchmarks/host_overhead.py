@@ -11,7 +11,9 @@ generated Python binding; `ffn_ext.gelu` through a Python wrapper, `torch.ops` (
 schema), the C++ Autograd kernel and the CUDA kernel's checks. Each row times one layer of that path, so the
 differences between rows say where the time goes:
 
-    ffn_ext.<op>            - torch.ops ffn_ext    = the Python wrapper (ffn_ext/ops.py _call)
+    ffn_ext.<op>            - torch.ops ffn_ext    = the Python wrapper (ffn_ext/ops.py _call); the ops are the op
+                                                     table's (gelu, gelu_tanh, silu, geglu, ..., swiglu_packed), each
+                                                     by its public call (ffn_ext.gelu(approximate='tanh'), ...)
     torch.ops ffn_ext       - OpOverload._op       = OpOverload.__call__ (Python)
     torch.ops ffn_ext       - torch.ops aten       = ffn_ext's C++ path (autograd, checks, alloc, launch) minus ATen's
                                                      (gelu and silu: the same boxed path around both)
@@ -42,23 +44,10 @@ import torch.nn.functional as F  # noqa: E402
 
 import ffn_ext  # noqa: E402
 
-OPS = ("gelu", "silu", "swiglu", "swiglu_packed")
+KINDS = common.table_ops()  # op -> (kind, Activation), from the op table
+OPS = tuple(KINDS)  # gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_packed, geglu_tanh_packed, swiglu_packed
 EAGER_MLP = "eager MLP (3 nn.Linear, F.silu(g) * u)"
 BASELINES = ("ATen eager", EAGER_MLP)  # the row each group's last column is relative to
-
-
-def _eager(op):
-    if op == "gelu":
-        return F.gelu
-    if op == "silu":
-        return F.silu
-    if op == "swiglu":
-        return lambda g, u: F.silu(g) * u
-
-    def packed(gu):
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u
-    return packed
 
 
 def rows_for(op: str, dev: torch.device) -> list:
@@ -67,10 +56,10 @@ def rows_for(op: str, dev: torch.device) -> list:
     ours = getattr(torch.ops.ffn_ext, op).default if ffn_ext.ops._native is not None else None
     rows = []
     if dev.type != "meta":
-        rows.append(("ATen eager", _eager(op)))
-        if op in ("gelu", "silu"):
+        rows.append(("ATen eager", common.eager_fn(op)))
+        if hasattr(torch.ops.aten, op):  # gelu, silu: ATen's own op through torch.ops
             rows.append(("torch.ops aten", getattr(torch.ops.aten, op).default))
-    rows.append((f"ffn_ext.{op}", getattr(ffn_ext, op)))
+    rows.append((common.ffn_ext_label(op), common.ffn_ext_fn(op)))
     if ours is not None:
         rows.append(("torch.ops ffn_ext", ours))
         if callable(getattr(ours, "_op", None)):  # private attribute: a diagnostic row only
@@ -82,9 +71,10 @@ def rows_for(op: str, dev: torch.device) -> list:
 
 def make_args(op, shape, dtype, dev):
     rows, cols = shape
-    if op == "swiglu_packed":
+    kind = KINDS[op][0]
+    if kind == "packed":
         cols *= 2
-    n_in = 2 if op == "swiglu" else 1
+    n_in = 2 if kind == "gated" else 1
     return tuple(torch.randn(rows, cols, dtype=torch.float32, device="cpu" if dev.type == "meta" else dev)
                  .to(dtype=dtype, device=dev) for _ in range(n_in))
 

@@ -1,30 +1,38 @@
-"""The kernels `benchmarks/device_check.sh` profiles with Nsight Compute: each op once, ffn_ext and its ATen peer,
-bf16, 2**26 elements per tensor (several times the L2), so `ncu` can say whether a kernel is bound by memory or
-by instruction issue. Not a benchmark: run it under ncu, e.g.
+"""The kernels `benchmarks/device_check.sh` profiles with Nsight Compute: each op of the op table once (ffn_ext/
+table.py: per activation gelu, gelu_tanh, silu its unary forward and backward next to ATen's, its gated forward
+and backward, its packed forward), bf16, 2**26 elements per tensor (several times the L2), so `ncu` can say
+whether a kernel is bound by memory or by instruction issue. Not a benchmark: run it under ncu, e.g.
 
     ncu --clock-control none --section SpeedOfLight \\
         --metrics smsp__issue_active.avg.pct_of_peak_sustained_active python benchmarks/ncu_cases.py
-"""
-import torch
-import torch.nn.functional as F
 
-import ffn_ext
+The packed backward runs the gated backward's kernel (another layout), so it is left out.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository root on sys.path)
+
+import torch  # noqa: E402
 
 n = 1 << 26
 gen = torch.Generator(device="cuda").manual_seed(0)
 x, g, u = (torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
 gu = torch.randn(1 << 13, 1 << 14, device="cuda", generator=gen, dtype=torch.bfloat16)  # packed, 2**26 per half
-cases = [
-    ("ffn_ext gelu", lambda: ffn_ext.gelu(x)), ("aten gelu", lambda: F.gelu(x)),
-    ("ffn_ext gelu_backward", lambda: torch.ops.ffn_ext.gelu_backward(g, x)),
-    ("aten gelu_backward", lambda: torch.ops.aten.gelu_backward(g, x)),
-    ("ffn_ext silu", lambda: ffn_ext.silu(x)), ("aten silu", lambda: F.silu(x)),
-    ("ffn_ext silu_backward", lambda: torch.ops.ffn_ext.silu_backward(g, x)),
-    ("aten silu_backward", lambda: torch.ops.aten.silu_backward(g, x)),
-    ("ffn_ext swiglu", lambda: ffn_ext.swiglu(g, u)),
-    ("ffn_ext swiglu_backward", lambda: torch.ops.ffn_ext.swiglu_backward(x, g, u)),
-    ("ffn_ext swiglu_packed", lambda: ffn_ext.swiglu_packed(gu)),
-]
+ops, aten = torch.ops.ffn_ext, torch.ops.aten
+cases = []
+for op, (kind, act) in common.table_ops().items():
+    if kind == "unary":
+        cases += [(f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(x)),
+                  (f"aten {op}", lambda f=act.aten: f(x)),
+                  (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(g, x)),
+                  (f"aten {op}_backward", lambda f=act.aten_backward: f(g, x))]
+    elif kind == "gated":
+        cases += [(f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(g, u)),
+                  (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(x, g, u))]
+    else:
+        cases.append((f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(gu)))
 for name, fn in cases:
     torch.cuda.nvtx.range_push(name)
     fn()

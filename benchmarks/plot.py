@@ -5,7 +5,7 @@
 
 ops: one figure per op, bandwidth (GB/s) vs size, a panel per (dtype, direction), the measured copy bandwidth
 drawn as the ceiling; one figure per dtype with the speedup over ATen eager vs size.
-ffn: time of forward+backward and saved activation memory per implementation and model width.
+ffn: time of forward+backward and saved activation memory per implementation and model (SwiGLU, GeGLU).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
         return []
     dtypes = _ordered({r["dtype"] for r in res}, ["bf16", "fp16", "fp32"])
     dirs = _ordered({r["direction"] for r in res}, ["fwd", "bwd", "fwd+bwd"])
-    ops = _ordered({r["op"] for r in res}, ["gelu", "silu", "swiglu", "swiglu_packed"])
+    ops = list(dict.fromkeys(r["op"] for r in res))  # the benchmark's order (the op table's)
     files = []
     for op in ops:
         fig, axes = plt.subplots(len(dtypes), len(dirs), figsize=(4.2 * len(dirs), 3.2 * len(dtypes)),
@@ -82,10 +82,12 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"ffn_ext {op}: bandwidth vs size — {_label(meta)}", fontsize=10)
         files.append(_save(fig, out_dir / f"ops_bandwidth_{op}.png"))
+    ncols = min(3, len(ops))  # unary, gated, packed: one row per kind with the table's three activations
+    nrows = -(-len(ops) // ncols)
     for dt in dtypes:
-        fig, axes = plt.subplots(1, len(ops), figsize=(4.0 * len(ops), 3.4), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.0 * ncols, 3.0 * nrows), squeeze=False, sharey=True)
         for j, op in enumerate(ops):
-            ax = axes[0][j]
+            ax = axes[j // ncols][j % ncols]
             for impl, (lab, col, _) in IMPL_STYLE.items():
                 if impl == "eager":
                     continue
@@ -98,9 +100,13 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{op} {dt}", fontsize=9)
-            ax.set_xlabel("elements per tensor (N)")
+            if j // ncols == nrows - 1:
+                ax.set_xlabel("elements per tensor (N)")
             ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("speedup vs ATen eager (×)")
+        for j in range(len(ops), nrows * ncols):
+            axes[j // ncols][j % ncols].set_visible(False)
+        for i in range(nrows):
+            axes[i][0].set_ylabel("speedup vs ATen eager (×)")
         axes[0][0].legend(fontsize=6)
         fig.suptitle(f"speedup over ATen eager, {dt} — {_label(meta)}", fontsize=10)
         files.append(_save(fig, out_dir / f"ops_speedup_{dt}.png"))
@@ -136,14 +142,15 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
             ms.append(r["activation_bytes"] / 2**20)
         axes[0].bar(xs, ts, width, color=col, label=lab)
         axes[1].bar(xs, ms, width, color=col, label=lab)
-    names = [f"{m}\n{t} tok {d}" for m, t, d in configs]
+    mlp = {r["model"]: r.get("mlp", "SwiGLU") for r in res}
+    names = [f"{m} ({mlp[m]})\n{t} tok {d}" for m, t, d in configs]
     for ax, yl in ((axes[0], "forward+backward time (ms)"), (axes[1], "saved activations (MiB)")):
         ax.set_xticks(range(len(configs)))
         ax.set_xticklabels(names, fontsize=7)
         ax.set_ylabel(yl)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"SwiGLU FFN — {_label(meta)}", fontsize=10)
+    fig.suptitle(f"gated FFNs — {_label(meta)}", fontsize=10)
     return [_save(fig, out_dir / "ffn.png")]
 
 

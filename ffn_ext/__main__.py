@@ -2,8 +2,10 @@
 
 1. build information;  2. the Qwen2.5-0.5B MLP shape walk (x (1, 16, 896), d_ff 4864) through ffn_ext.SwiGLUFFN
 with forward hooks, and its training memory;  3. the parameter table for D = 4096 (standard FFN vs SwiGLU);
-4. every op (forward and backward ops, fp64 / fp32 / bf16) against ATen on the best device, with a PASS/FAIL line
-(exit status 1 on FAIL);  5. a short timing of ffn_ext vs ATen eager on that device.
+4. every op of the op table (ffn_ext/table.py: per activation, gelu, gelu_tanh, silu, its unary, gated and packed
+ops, forward and backward; fp64 / fp32 / bf16) against an fp64 reference from the table's ATen forms (act.aten,
+act.aten_backward) on the best device, with a PASS/FAIL line (exit status 1 on FAIL);  5. a short timing of ffn_ext
+vs ATen eager on that device (swiglu and geglu_tanh forward and backward, swiglu_packed, gelu, SwiGLUFFN).
 
 Options: --device cpu|cuda (default: cuda when available and the CUDA kernels are built, else cpu);
 --quick (skip the timing); --threads N (torch CPU threads, default 1).
@@ -19,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
+from ffn_ext.table import OPS as TABLE_OPS
 from ffn_ext.sizing import ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 
-OPS = ("gelu", "gelu_backward", "silu", "silu_backward", "swiglu", "swiglu_backward", "swiglu_packed",
-       "swiglu_packed_backward")
+OPS = tuple(TABLE_OPS)  # every op of the table (ffn_ext/table.py): per activation its six, forward and backward
 
 # allclose tolerances against an fp64 ATen reference (outputs rounded once ~ 2^-9 relative for bf16)
 TOLERANCES = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2 ** -6)}
@@ -117,25 +119,57 @@ def parameter_table(d: int = 4096) -> None:
 
 
 # ---------------------------------------------------------------- 4. op checks
-def _aten_swiglu_backward(grad, gate, up):
+def aten_reference(spec):
+    """The op of table entry `spec` (an OpSpec) written with its activation's ATen forms, act.aten and
+    act.aten_backward: the reference of the checks (run in float64) and the ATen column (in the op's dtype)."""
+    f, df = spec.act.aten, spec.act.aten_backward
+
+    def gated(g, u):
+        return f(g) * u
+
+    def gated_backward(grad, g, u):
+        return df(grad * u, g), grad * f(g)
+
+    if spec.kind == "unary":
+        return df if spec.backward else f
+    if spec.kind == "gated":
+        return gated_backward if spec.backward else gated
+    if spec.backward:
+        return lambda grad, gu: torch.cat(gated_backward(grad, *gu.chunk(2, dim=-1)), dim=-1)
+    return lambda gu: gated(*gu.chunk(2, dim=-1))
+
+
+def _vjp(fn, grad, *inputs):
     with torch.enable_grad():
-        g, u = gate.detach().requires_grad_(), up.detach().requires_grad_()
-        return torch.autograd.grad(F.silu(g) * u, (g, u), grad)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = torch.autograd.grad(fn(*leaves), leaves, grad)
+    return out if len(out) > 1 else out[0]
 
 
-def _aten_swiglu_packed(gate_up):
-    g, u = gate_up.chunk(2, dim=-1)
-    return F.silu(g) * u
+def api_op(spec):
+    """The op of table entry `spec` through the public functional API (what is checked when torch.ops.ffn_ext is
+    not loaded: the API's ATen fallback and its autograd): the forward op's API call (ffn_ext.gelu(x,
+    approximate="tanh"), ffn_ext.gated(g, u, activation=...), ffn_ext.gated_packed(...)); a backward op as the
+    vector-Jacobian product of it."""
+    act = spec.act
+    if spec.kind == "unary":
+        function, options = act.api
+        fwd = lambda x: getattr(ffn_ext, function)(x, **options)  # noqa: E731
+    elif spec.kind == "gated":
+        fwd = lambda g, u: ffn_ext.gated(g, u, activation=act.name)  # noqa: E731
+    else:
+        fwd = lambda gu: ffn_ext.gated_packed(gu, activation=act.name)  # noqa: E731
+    return (lambda grad, *inputs: _vjp(fwd, grad, *inputs)) if spec.backward else fwd
 
 
-def _aten_swiglu_packed_backward(grad, gate_up):
-    return torch.cat(_aten_swiglu_backward(grad, *gate_up.chunk(2, dim=-1)), dim=-1)
+def _op(name: str):
+    """torch.ops.ffn_ext.<name>, or the public API's form of it when the native library is not loaded."""
+    return getattr(torch.ops.ffn_ext, name) if ffn_ext.ops._native is not None else api_op(TABLE_OPS[name])
 
 
 def op_cases():
-    """name -> (make inputs(rows, cols, dtype, device, gen), ffn_ext op, ATen reference)."""
-    ops = torch.ops.ffn_ext
-
+    """name -> (make inputs(rows, cols, dtype, device, gen), ffn_ext op, ATen reference), for every op of the
+    table (ffn_ext.table.OPS), and each gated op again on chunk(2, -1) views, right after it."""
     def rnd(gen, rows, cols, dtype, device, scale=3.0):
         return (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
 
@@ -160,49 +194,15 @@ def op_cases():
     def packed_bw(r, c, dt, dev, g):
         return rnd(g, r, c, dt, dev, 1.0), rnd(g, r, 2 * c, dt, dev)
 
-    aten = torch.ops.aten
-    if ffn_ext.ops._native is None:  # no native library: check the public API's ATen fallback (and its autograd)
-        ops = _ApiOps()
-    return {
-        "gelu": (unary, ops.gelu, F.gelu),
-        "gelu_backward": (unary_bw, ops.gelu_backward, aten.gelu_backward),
-        "silu": (unary, ops.silu, F.silu),
-        "silu_backward": (unary_bw, ops.silu_backward, aten.silu_backward),
-        "swiglu": (binary, ops.swiglu, lambda g, u: F.silu(g) * u),
-        "swiglu (chunk views)": (views, ops.swiglu, lambda g, u: F.silu(g) * u),
-        "swiglu_backward": (binary_bw, ops.swiglu_backward, _aten_swiglu_backward),
-        "swiglu_packed": (packed, ops.swiglu_packed, _aten_swiglu_packed),
-        "swiglu_packed_backward": (packed_bw, ops.swiglu_packed_backward, _aten_swiglu_packed_backward),
-    }
-
-
-def _vjp(fn, grad, *inputs):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        out = torch.autograd.grad(fn(*leaves), leaves, grad)
-    return out if len(out) > 1 else out[0]
-
-
-class _ApiOps:
-    """The op table through the public functional API (used when torch.ops.ffn_ext is not loaded)."""
-    gelu, silu = staticmethod(ffn_ext.gelu), staticmethod(ffn_ext.silu)
-    swiglu, swiglu_packed = staticmethod(ffn_ext.swiglu), staticmethod(ffn_ext.swiglu_packed)
-
-    @staticmethod
-    def gelu_backward(grad, x):
-        return _vjp(ffn_ext.gelu, grad, x)
-
-    @staticmethod
-    def silu_backward(grad, x):
-        return _vjp(ffn_ext.silu, grad, x)
-
-    @staticmethod
-    def swiglu_backward(grad, gate, up):
-        return _vjp(ffn_ext.swiglu, grad, gate, up)
-
-    @staticmethod
-    def swiglu_packed_backward(grad, gate_up):
-        return _vjp(ffn_ext.swiglu_packed, grad, gate_up)
+    makers = {("unary", False): unary, ("unary", True): unary_bw, ("gated", False): binary,
+              ("gated", True): binary_bw, ("packed", False): packed, ("packed", True): packed_bw}
+    cases = {}
+    for name, spec in TABLE_OPS.items():
+        op, ref = _op(name), aten_reference(spec)
+        cases[name] = (makers[(spec.kind, spec.backward)], op, ref)
+        if spec.kind == "gated" and not spec.backward:
+            cases[f"{name} (chunk views)"] = (views, op, ref)
+    return cases
 
 
 def _as_tuple(out):
@@ -231,12 +231,29 @@ def _within(out, ref, dtype) -> bool:
                for o, r in zip(out, ref))
 
 
+def _as_good_as(out, base, ref, dtype) -> bool:
+    """Element by element within the tolerance plus twice ATen eager's own error in the same dtype: where ATen's
+    formula loses accuracy (fp32 tanh-GELU backward: ATen's tanh saturates to -1 for x < ~-5, so it returns 0 for
+    a derivative of ~1e-6, which grad * up scales past the absolute tolerance), ffn_ext may lose as much.
+    NaN must be where the reference has NaN."""
+    atol, rtol = TOLERANCES[dtype]
+    for o, b, r in zip(out, base, ref):
+        if o.shape != r.shape or b.shape != r.shape:
+            return False
+        o, b = o.double(), b.double()
+        both_nan = o.isnan() & r.isnan()
+        slack = atol + rtol * r.abs() + 2 * torch.where(b.isnan() & r.isnan(), torch.zeros_like(r), (b - r).abs())
+        if not bool(((o - r).abs() <= slack).logical_or(both_nan).all()):
+            return False
+    return True
+
+
 def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), rows=64, cols=1030, cases=None,
               seed=0, out=print) -> bool:
     """Every op against an fp64 ATen reference (and ATen in the same dtype, for scale); True when all pass."""
     cases = op_cases() if cases is None else cases
-    out(f"  {'op':<24} {'dtype':<9} {'max abs':>10} {'max rel':>10} {'ATen abs':>10} {'ATen rel':>10}  result")
-    all_ok = True
+    out(f"  {'op':<28} {'dtype':<9} {'max abs':>10} {'max rel':>10} {'ATen abs':>10} {'ATen rel':>10}  result")
+    all_ok, by_aten = True, []
     for name, (make, op, aten) in cases.items():
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(seed)
@@ -244,11 +261,17 @@ def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), row
             ref = tuple(r.double() for r in _as_tuple(aten(*(t.double() for t in inputs))))
             got = _as_tuple(op(*inputs))
             base = _as_tuple(aten(*inputs))
-            ok = all(g.dtype == dtype and g.device == inputs[0].device for g in got) and _within(got, ref, dtype)
+            ok = all(g.dtype == dtype and g.device == inputs[0].device for g in got)
+            if ok and not _within(got, ref, dtype):
+                ok = _as_good_as(got, base, ref, dtype)
+                by_aten += [f"{name} {_dname(dtype)}"] if ok else []
             all_ok &= ok
             (a_abs, a_rel), (b_abs, b_rel) = _errors(got, ref), _errors(base, ref)
-            out(f"  {name:<24} {_dname(dtype):<9} {a_abs:>10.2e} {a_rel:>10.2e} {b_abs:>10.2e} {b_rel:>10.2e}  "
+            out(f"  {name:<28} {_dname(dtype):<9} {a_abs:>10.2e} {a_rel:>10.2e} {b_abs:>10.2e} {b_rel:>10.2e}  "
                 f"{'ok' if ok else 'FAIL'}")
+    if by_aten:
+        out(f"  ok above the tolerance but within it plus twice ATen eager's own error in the same dtype, element by "
+            f"element: {', '.join(by_aten)}")
     return all_ok
 
 
@@ -264,7 +287,7 @@ def check_module(device, out=print) -> bool:
     ref = (y0, *torch.autograd.grad(y0, (x, *mlp.parameters()), gy))
     worst = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
     ok = worst < 1e-4
-    out(f"  {'SwiGLUFFN fwd+bwd':<24} {'float32':<9} max error / max |ref| over y and 7 grads: {worst:.2e}  "
+    out(f"  {'SwiGLUFFN fwd+bwd':<28} {'float32':<9} max error / max |ref| over y and 7 grads: {worst:.2e}  "
         f"{'ok' if ok else 'FAIL'}")
     return ok
 
@@ -303,13 +326,16 @@ def timing(device) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     gate, up, grad = (torch.randn(tokens, d_ff, device=device, dtype=dtype, generator=gen) for _ in range(3))
     gate_up = torch.randn(tokens, 2 * d_ff, device=device, dtype=dtype, generator=gen)
-    ops = torch.ops.ffn_ext if ffn_ext.ops._native is not None else _ApiOps()
-    rows = [
-        ("swiglu fwd", lambda: ops.swiglu(gate, up), lambda: F.silu(gate) * up),
-        ("swiglu bwd", lambda: ops.swiglu_backward(grad, gate, up), lambda: _aten_swiglu_backward(grad, gate, up)),
-        ("swiglu_packed fwd", lambda: ops.swiglu_packed(gate_up), lambda: _aten_swiglu_packed(gate_up)),
-        ("gelu fwd", lambda: ops.gelu(gate), lambda: F.gelu(gate)),
-    ]
+    args = {"unary": (gate,), "gated": (gate, up), "packed": (gate_up,)}
+    rows = []
+    # the gated ops of Llama/Qwen (swiglu) and Gemma (geglu_tanh), then the packed form and exact GELU; the ATen
+    # column is the table's ATen composite (ATen's forward and backward kernels, as eager autograd runs them)
+    for name in ("swiglu", "geglu_tanh", "swiglu_backward", "geglu_tanh_backward", "swiglu_packed", "gelu"):
+        spec = TABLE_OPS[name]
+        a = ((grad,) if spec.backward else ()) + args[spec.kind]
+        op, ref = _op(name), aten_reference(spec)
+        rows.append((f"{spec.forward_name} {'bwd' if spec.backward else 'fwd'}",
+                     lambda op=op, a=a: op(*a), lambda ref=ref, a=a: ref(*a)))
     layer_tokens = tokens // 2 if gpu else 128
     mlp = ffn_ext.SwiGLUFFN(d_model, d_ff if gpu else 1024).to(device=device, dtype=dtype)
     x = torch.randn(layer_tokens, d_model, device=device, dtype=dtype, generator=gen, requires_grad=True)

@@ -173,6 +173,9 @@ def _fallback(name: str, args: tuple):
         _check_dtype(op, "grad", grad)
         if grad.dtype != ref.dtype:
             raise TypeError(f"{op}: expected `grad` to have the dtype of `gate_up` ({ref.dtype}), got {grad.dtype}")
+        if grad.device != ref.device:
+            raise RuntimeError(f"{op}: expected `grad` to be on the device of `gate_up` ({ref.device}), "
+                               f"got {grad.device}")
         if grad.shape != gate.shape:
             raise ValueError(f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
                              f"(gate_up's with the last dimension halved), got {list(grad.shape)}")

@@ -1,8 +1,9 @@
 """Sizing helpers for transformer MLPs: the SwiGLU hidden width and parameter counts.
 
-A standard FFN has two matrices, up [D -> F] and down [F -> D]: 2*D*F weights. A SwiGLU FFN has three (gate, up,
-down): 3*D*F. To keep the parameter budget of the classic F = 4D, SwiGLU shrinks each matrix to 2/3 of that width:
-F = (2/3) * 4D = (8/3) * D, then rounds up to a hardware-friendly multiple (LLaMA: multiple_of=256).
+A standard FFN has two matrices, up [D -> F] and down [F -> D]: 2*D*F weights. A gated FFN (SwiGLU, GeGLU) has
+three (gate, up, down): 3*D*F, whatever its activation. To keep the parameter budget of the classic F = 4D, SwiGLU
+shrinks each matrix to 2/3 of that width: F = (2/3) * 4D = (8/3) * D, then rounds up to a hardware-friendly
+multiple (LLaMA: multiple_of=256).
 
     >>> swiglu_hidden_dim(4096)                 # LLaMA-7B / LLaMA-2-7B: 256 * ceil(10922 / 256)
     11008
@@ -16,7 +17,7 @@ rounded up to a multiple of 256). Small models pick their widths freely; read th
 """
 from __future__ import annotations
 
-__all__ = ["swiglu_hidden_dim", "ffn_params", "swiglu_ffn_params"]
+__all__ = ["swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -49,11 +50,18 @@ def ffn_params(d_model: int, d_ff: int, bias: bool = False) -> int:
     return 2 * d_model * d_ff + ((d_ff + d_model) if bias else 0)
 
 
+def gated_ffn_params(d_model: int, d_ff: int, bias: bool = False) -> int:
+    """Parameters of a gated FFN (gate, up: D -> F, down: F -> D; ffn_ext.GatedFFN, SwiGLUFFN, GeGLUFFN):
+    3*D*F (+ 2F + D biases)."""
+    d_model, d_ff = _positive_int("d_model", d_model), _positive_int("d_ff", d_ff)
+    return 3 * d_model * d_ff + ((2 * d_ff + d_model) if bias else 0)
+
+
 def swiglu_ffn_params(d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256) -> int:
-    """Parameters of a SwiGLU FFN (gate, up: D -> F, down: F -> D): 3*D*F (+ 2F + D biases).
+    """Parameters of a SwiGLU FFN (gate, up: D -> F, down: F -> D): 3*D*F (+ 2F + D biases), gated_ffn_params.
 
     d_ff=None uses swiglu_hidden_dim(d_model, multiple_of) (the 8/3 rule).
     """
     d_model = _positive_int("d_model", d_model)
     d_ff = swiglu_hidden_dim(d_model, multiple_of) if d_ff is None else _positive_int("d_ff", d_ff)
-    return 3 * d_model * d_ff + ((2 * d_ff + d_model) if bias else 0)
+    return gated_ffn_params(d_model, d_ff, bias)

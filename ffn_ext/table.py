@@ -67,7 +67,8 @@ def _gelu_cancel(x):  # x - x Q(|x|) / 1 + erf; Phi + x phi
 
 
 # ---- tanh GELU: 0.5 x (1 + tanh(u)) = x sigmoid(2u): no cancellation, but the kernels round z = 2u, and
-# sigmoid(z)'s relative error is (1 - s) |z| times z's
+# sigmoid(z)'s relative error is (1 - s) |z| times z's. The derivative's s (1 - s) takes 1 - s from the rounded s,
+# which cancels as s -> 1: an error of ulps of s^2 |x z'| (the reference takes 1 - s = sigmoid(-z) instead).
 def _tanh_z(x):
     return 2.0 * _K_TANH * (x + 0.044715 * x**3), 2.0 * _K_TANH * (1.0 + 3 * 0.044715 * x * x)
 
@@ -75,14 +76,16 @@ def _tanh_z(x):
 def _gelu_tanh_ref(x):
     z, dz = _tanh_z(x)
     s = torch.sigmoid(z)
-    return _limits(x, x * s, s + x * dz * s * (1.0 - s))
+    sp = s * torch.sigmoid(-z)
+    # where s (1 - s) is 0 (|x| large; x^3 and z' may overflow) the derivative's limit is s, not x z' * 0
+    return _limits(x, x * s, torch.where(sp == 0, s, s + x * dz * sp))
 
 
 def _gelu_tanh_cancel(x):
     z, dz = _tanh_z(x)
     s = torch.sigmoid(z)
-    sp = s * (1.0 - s)
-    return _finite((x * z).abs() * sp), _finite(s + (x * dz).abs() * sp * (1.0 + z.abs()))
+    sp = s * torch.sigmoid(-z)
+    return _finite((x * z).abs() * sp), _finite(s + (x * dz).abs() * (s * s + sp * (1.0 + z.abs())))
 
 
 # ---- SiLU
@@ -99,13 +102,14 @@ ACTIVATIONS = (
     Activation(
         name="gelu", gated="geglu", api=("gelu", {"approximate": "none"}),
         aten=F.gelu, aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
-        hf_names=("gelu",), ref=_gelu_ref, cancel=_gelu_cancel,
+        hf_names=("gelu", "gelu_python"), ref=_gelu_ref, cancel=_gelu_cancel,
         doc="exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (F.gelu)"),
     Activation(
         name="gelu_tanh", gated="geglu_tanh", api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
-        hf_names=("gelu_pytorch_tanh", "gelu_new", "gelu_fast"), ref=_gelu_tanh_ref, cancel=_gelu_tanh_cancel,
+        hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
+        ref=_gelu_tanh_ref, cancel=_gelu_tanh_cancel,
         doc="tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (F.gelu(approximate='tanh'))"),
     Activation(
         name="silu", gated="swiglu", api=("silu", {}),

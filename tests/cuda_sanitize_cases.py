@@ -1,5 +1,5 @@
-"""Every ffn_ext op (forward and backward) on CUDA, every dtype, a few shapes and layouts: a plain script for
-compute-sanitizer (no pytest, runs in seconds):
+"""Every ffn_ext op (forward and backward, every activation of the op table ffn_ext/table.py) on CUDA, every dtype,
+a few shapes and layouts: a plain script for compute-sanitizer (no pytest, runs in seconds):
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tests/cuda_sanitize_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/cuda_sanitize_cases.py
@@ -14,6 +14,7 @@ import sys
 import torch
 
 import ffn_ext
+from ffn_ext.table import ACTIVATIONS
 
 OPS = torch.ops.ffn_ext
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -62,31 +63,34 @@ def main():
                 gc = grad.cpu()
                 up = torch.randn(rows, cols, generator=gen).to(dtype).cuda()
                 uc = up.cpu()
-                check(f"gelu {tag}", OPS.gelu(x), OPS.gelu(xc.double()), dtype)
-                check(f"silu {tag}", OPS.silu(x), OPS.silu(xc.double()), dtype)
-                check(f"gelu_backward {tag}", OPS.gelu_backward(grad, x),
-                      OPS.gelu_backward(gc.double(), xc.double()), dtype)
-                check(f"silu_backward {tag}", OPS.silu_backward(grad, x),
-                      OPS.silu_backward(gc.double(), xc.double()), dtype)
-                check(f"swiglu {tag}", OPS.swiglu(x, up), OPS.swiglu(xc.double(), uc.double()), dtype)
-                dg, du = OPS.swiglu_backward(grad, x, up)
-                rg, ru = OPS.swiglu_backward(gc.double(), xc.double(), uc.double())
-                check(f"swiglu_backward.dgate {tag}", dg, rg, dtype)
-                check(f"swiglu_backward.dup {tag}", du, ru, dtype)
-                calls += 6
-                if cols % 2 == 0:  # packed ops: x is [rows, 2M]
-                    m = cols // 2
-                    gm = grad[:, :m]  # a strided grad
-                    check(f"swiglu_packed {tag}", OPS.swiglu_packed(x), OPS.swiglu_packed(xc.double()), dtype)
-                    check(f"swiglu_packed_backward {tag}", OPS.swiglu_packed_backward(gm, x),
-                          OPS.swiglu_packed_backward(gm.cpu().double(), xc.double()), dtype)
-                    calls += 2
+                for act in ACTIVATIONS:  # the op table: each activation's six ops
+                    unary, unary_bw = getattr(OPS, act.name), getattr(OPS, act.name + "_backward")
+                    gated, gated_bw = getattr(OPS, act.gated), getattr(OPS, act.gated + "_backward")
+                    check(f"{act.name} {tag}", unary(x), unary(xc.double()), dtype)
+                    check(f"{act.name}_backward {tag}", unary_bw(grad, x), unary_bw(gc.double(), xc.double()), dtype)
+                    check(f"{act.gated} {tag}", gated(x, up), gated(xc.double(), uc.double()), dtype)
+                    dg, du = gated_bw(grad, x, up)
+                    rg, ru = gated_bw(gc.double(), xc.double(), uc.double())
+                    check(f"{act.gated}_backward.dgate {tag}", dg, rg, dtype)
+                    check(f"{act.gated}_backward.dup {tag}", du, ru, dtype)
+                    calls += 4
+                    if cols % 2 == 0:  # packed ops: x is [rows, 2M]
+                        m = cols // 2
+                        gm = grad[:, :m]  # a strided grad
+                        packed = getattr(OPS, act.gated + "_packed")
+                        packed_bw = getattr(OPS, act.gated + "_packed_backward")
+                        check(f"{act.gated}_packed {tag}", packed(x), packed(xc.double()), dtype)
+                        check(f"{act.gated}_packed_backward {tag}", packed_bw(gm, x),
+                              packed_bw(gm.cpu().double(), xc.double()), dtype)
+                        calls += 2
         # autograd through the public API (the backward ops run from autograd's engine thread)
-        gu = torch.randn(6, 2 * 45, generator=gen).to(dtype).cuda().requires_grad_(True)
-        ffn_ext.swiglu_packed(gu).sum().backward()
-        x = torch.randn(6, 45, generator=gen).to(dtype).cuda().requires_grad_(True)
-        (ffn_ext.gelu(x) + ffn_ext.silu(x)).sum().backward()
-        calls += 6
+        for act in ACTIVATIONS:
+            gu = torch.randn(6, 2 * 45, generator=gen).to(dtype).cuda().requires_grad_(True)
+            ffn_ext.gated_packed(gu, activation=act.name).sum().backward()
+            x = torch.randn(6, 45, generator=gen).to(dtype).cuda().requires_grad_(True)
+            function, options = act.api
+            getattr(ffn_ext, function)(x, **options).sum().backward()
+            calls += 4
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: OK, {calls} op calls on {torch.cuda.get_device_name()} "
           f"(cuda kernels: {ffn_ext.has_cuda_kernels()})")

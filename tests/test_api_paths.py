@@ -14,16 +14,20 @@ from torch.overrides import TorchFunctionMode
 
 import ffn_ext
 from ffn_ext import ops as api
-from conftest import DEVICES, RecordOps, make_layout
+from optable import DEVICES, FORWARD_OPS, N_INPUTS, RecordOps, api_call, is_packed, make_layout
 
 pytestmark = pytest.mark.skipif(not api._fast, reason="no native library with fast entry points is loaded")
 
-API = {"gelu": 1, "silu": 1, "swiglu": 2, "swiglu_packed": 1}
+API = {name: N_INPUTS[name] for name in FORWARD_OPS}  # every forward op of the table has a fast entry point
 
 
 def _args(name, device, dtype=torch.float32, requires_grad=False):
-    shape = (3, 10) if name == "swiglu_packed" else (3, 5)
+    shape = (3, 10) if is_packed(name) else (3, 5)
     return tuple(make_layout(shape, dtype, device).requires_grad_(requires_grad) for _ in range(API[name]))
+
+
+def test_every_forward_op_has_a_fast_entry():
+    assert sorted(api._fast) == sorted(FORWARD_OPS)
 
 
 class Spy:
@@ -51,7 +55,7 @@ def test_plain_tensors_take_the_fast_entry_and_match_torch_ops(monkeypatch, name
     spy = Spy(monkeypatch, name)
     for dtype in (torch.float32, torch.bfloat16):
         args = _args(name, device, dtype)
-        out = getattr(ffn_ext, name)(*args)
+        out = api_call(name)(*args)
         want = getattr(torch.ops.ffn_ext, name)(*args)
         assert out.shape == want.shape and out.dtype == dtype and out.device == want.device
         if device != "meta":

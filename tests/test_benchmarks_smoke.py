@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite: `--smoke` runs of benchmarks/bench_ops.py, bench_ffn.py and host_overhead.py
 in a subprocess write the markdown table, the JSON with sane numbers, and (when matplotlib is installed) the
-plots; benchmarks/device_check.sh is well formed and runs its GPU-free stage."""
+plots, for every op of the op table (ffn_ext/table.py: the new gelu_tanh and geglu ops next to gelu, silu and
+swiglu); benchmarks/device_check.sh is well formed, runs its GPU-free stage, and its GPU stages reach every op."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from ffn_ext.table import ACTIVATIONS
+
 ROOT = Path(__file__).resolve().parents[1]
+# the forward ops the benchmarks time: per activation its unary op, its gated op and the packed gated op
+TABLE_OPS = [a.name for a in ACTIVATIONS] + [a.gated for a in ACTIVATIONS] + [a.gated + "_packed" for a in ACTIVATIONS]
+NEW_OPS = {"gelu_tanh", "geglu", "geglu_tanh", "geglu_packed", "geglu_tanh_packed"}
 
 
 def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.CompletedProcess:
@@ -49,9 +55,11 @@ def test_bench_ops_smoke(tmp_path):
     assert meta["mode"] == "smoke" and meta["device_type"] == "cpu"
     assert not data["errors"], data["errors"]
     res = data["results"]
-    # every op x direction x {ffn_ext, eager} at both smoke sizes
+    # every op of the table x direction x {ffn_ext, eager} at both smoke sizes
     seen = {(r["op"], r["direction"], r["impl"], r["size"]) for r in res}
-    assert len(seen) == 4 * 3 * 2 * 2, sorted(seen)
+    assert {r["op"] for r in res} == set(TABLE_OPS) >= NEW_OPS, sorted({r["op"] for r in res})
+    assert len(seen) == len(TABLE_OPS) * 3 * 2 * 2, sorted(seen)
+    assert [r["op"] for r in res][:: 3 * 2][: len(TABLE_OPS)] == TABLE_OPS  # the table's order
     for r in res:
         assert _positive(r["median_ms"]) and _positive(r["gbps"]) and _positive(r["frac_copy"]), r
         assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
@@ -63,15 +71,15 @@ def test_bench_ops_smoke(tmp_path):
             assert r["peak_extra_bytes"] is None  # CPU: not measured
     for c in data["copy"]:
         assert _positive(c["gbps"])
-    # ffn_ext's swiglu saves only its inputs; eager also saves silu(gate) (N fp32 elements)
+    # ffn_ext's gated ops save only their inputs; eager also saves act(gate) (N fp32 elements)
     for r in res:
-        if r["op"] == "swiglu" and r["direction"] == "fwd+bwd":
+        if r["op"] in {a.gated for a in ACTIVATIONS} and r["direction"] == "fwd+bwd":
             expect = 0 if r["impl"] == "ffn_ext" else r["numel"] * 4
             assert r["saved_extra_bytes"] == expect, r
     assert len(data["targets"]) >= 10 and all("met" in t for t in data["targets"])
     if _has_matplotlib():
         pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-        assert "ops_bandwidth_swiglu.png" in pngs and "ops_speedup_fp32.png" in pngs, pngs
+        assert {f"ops_bandwidth_{op}.png" for op in TABLE_OPS} | {"ops_speedup_fp32.png"} == set(pngs), pngs
         assert all((tmp_path / p).stat().st_size > 1000 for p in pngs)
 
 
@@ -82,14 +90,22 @@ def test_bench_ffn_smoke(tmp_path):
     assert "| model |" in (tmp_path / "ffn.md").read_text()
     assert not data["errors"], data["errors"]
     assert data["meta"]["ffn_ext_module"]
-    res = {r["impl"]: r for r in data["results"]}
-    assert set(res) == {"ffn_ext", "eager"}
-    for r in res.values():
-        assert _positive(r["median_ms"]) and _positive(r["fwd_median_ms"]) and _positive(r["activation_bytes"])
-    # eager saves gate, silu(gate), up and h: 4 [tokens, d_ff] tensors
-    assert res["eager"]["activation_tf_units"] == pytest.approx(4.0)
-    assert res["ffn_ext"]["activation_vs_eager"] == pytest.approx(
-        res["ffn_ext"]["activation_bytes"] / res["eager"]["activation_bytes"])
+    res = {(r["model"], r["impl"]): r for r in data["results"]}
+    assert set(res) == {(m, i) for m in ("tiny", "tiny-geglu") for i in ("ffn_ext", "eager")}, sorted(res)
+    assert {r["mlp"] for r in data["results"]} == {"SwiGLU", "GeGLU (tanh)"}
+    import ffn_ext
+
+    want = {"tiny": "ffn_ext.SwiGLUFFN",
+            "tiny-geglu": "ffn_ext.GeGLUFFN(approximate='tanh')" if hasattr(ffn_ext, "GeGLUFFN") else "local module"}
+    for model in ("tiny", "tiny-geglu"):
+        assert res[(model, "ffn_ext")]["module"].startswith(want[model]), res[(model, "ffn_ext")]["module"]
+        for r in (res[(model, "ffn_ext")], res[(model, "eager")]):
+            assert _positive(r["median_ms"]) and _positive(r["fwd_median_ms"]) and _positive(r["activation_bytes"])
+        # eager saves gate, act(gate), up and h: 4 [tokens, d_ff] tensors; ffn_ext gate and up
+        assert res[(model, "eager")]["activation_tf_units"] == pytest.approx(4.0)
+        assert res[(model, "ffn_ext")]["activation_tf_units"] == pytest.approx(2.0)
+        assert res[(model, "ffn_ext")]["activation_vs_eager"] == pytest.approx(
+            res[(model, "ffn_ext")]["activation_bytes"] / res[(model, "eager")]["activation_bytes"])
     if _has_matplotlib():
         assert (tmp_path / "ffn.png").stat().st_size > 1000
 
@@ -100,8 +116,11 @@ def test_host_overhead_smoke(tmp_path):
     data = json.loads((tmp_path / "host.json").read_text())
     assert "| op | layer |" in (tmp_path / "host.md").read_text()
     layers = {(r["op"], r["layer"]) for r in data["results"]}
-    for op in ("gelu", "silu", "swiglu", "swiglu_packed"):
+    assert {op for op, _ in layers} == set(TABLE_OPS) | {"MLP 1x8->16"}, sorted(layers)
+    for op in ("gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed"):
         assert (op, "ATen eager") in layers and (op, f"ffn_ext.{op}") in layers, sorted(layers)
+    assert ("gelu_tanh", "ffn_ext.gelu(approximate='tanh')") in layers, sorted(layers)
+    assert ("geglu_tanh", "ffn_ext.gated(activation='gelu_tanh')") in layers, sorted(layers)
     assert ("MLP 1x8->16", "ffn_ext.SwiGLUFFN") in layers, sorted(layers)
     if data["meta"]["ffn_ext_build_info"]["native"] != "none (ATen fallback)":
         assert ("gelu", "torch.ops ffn_ext") in layers and ("gelu", "torch.ops aten") in layers
@@ -113,12 +132,12 @@ def test_host_overhead_smoke(tmp_path):
 def test_device_check_script_is_well_formed(tmp_path):
     """benchmarks/device_check.sh gets one call on a lent GPU, so what can be checked here is: bash parses it,
     every default stage has a `stage` line, the stage limits leave room under the device tool's 600 s per call,
-    and the scripts it runs exist. Then a run of its one GPU-free stage (sass) writes the summary and archive,
-    and skips the rest without counting them as failures."""
-    import importlib.util
+    the scripts it runs exist and take their ops from the op table. Then a run of its one GPU-free stage (sass)
+    writes the summary and archive, and skips the rest without counting them as failures."""
     import re
 
     import ffn_ext
+    from ffn_ext import sass
 
     script = ROOT / "benchmarks" / "device_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -129,6 +148,11 @@ def test_device_check_script_is_well_formed(tmp_path):
     assert sum(int(v) for v in stages.values()) <= 590, stages
     for path in re.findall(r"\b((?:benchmarks|tests)/\w+\.py)\b", text):
         assert (ROOT / path).is_file(), path
+    # the GPU stages take their ops from the op table: bench_ops with no --ops subset, the sanitizer and ncu cases
+    # from ffn_ext.table (directly or through benchmarks/common.py's table_ops)
+    assert "--ops" not in re.search(r"^stage bench_ops .*$", text, re.M).group(0)
+    for path in ("tests/cuda_sanitize_cases.py", "benchmarks/ncu_cases.py"):
+        assert re.search(r"ffn_ext\.table|table_ops\(\)", (ROOT / path).read_text()), path
 
     env = dict(os.environ, OUT=str(tmp_path), STAGES="sass", PYTHON=sys.executable,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -138,10 +162,7 @@ def test_device_check_script_is_well_formed(tmp_path):
     for name in set(stages) - {"sass"}:
         assert re.search(rf"^{name}\s+skipped \(STAGES\)", summary, re.M), (name, summary)
     sass_ok = re.search(r"^sass\s+rc=0 ", summary, re.M) is not None
-    spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "benchmarks" / "sass_budget.py")
-    sass_budget = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass_budget)
-    if ffn_ext.has_cuda_kernels() and sass_budget.cuobjdump():
+    if ffn_ext.has_cuda_kernels() and sass.cuobjdump():
         assert sass_ok and proc.returncode == 0 and "failed stages: 0" in summary, summary
     else:
         assert not sass_ok and proc.returncode == 1 and "failed stages: 1" in summary, summary

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ffn_ext
+from ffn_ext.table import OPS as TABLE_OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT = 900  # seconds; a CPU-only build takes 1-3 minutes on 2 cores
@@ -44,50 +45,62 @@ def _run_python(*parts: str, env: dict, timeout: float = BUILD_TIMEOUT, cwd: Pat
     return r
 
 
-# Every op against ATen, and gradients, in whatever process runs it (the ops are torch.ops.ffn_ext.*).
+# Every op of the table (ffn_ext/table.py) against ATen, and gradients, in whatever process runs it (the ops are
+# torch.ops.ffn_ext.*). The table is loaded from its file, not through the ffn_ext package, whose import would load
+# ffn_ext._C next to a library the process has loaded already (the CMake build's).
 OPS_VS_ATEN = r"""
-import torch, torch.nn.functional as F
+import importlib.util, sys, torch
+_spec = importlib.util.spec_from_file_location("ffn_ext_table", @TABLE@)
+_table = sys.modules["ffn_ext_table"] = importlib.util.module_from_spec(_spec)  # (dataclasses look it up)
+_spec.loader.exec_module(_table)
+ACTIVATIONS, SPECS = _table.ACTIVATIONS, _table.OPS
 ops = torch.ops.ffn_ext
 torch.manual_seed(0)
 def check(got, want, what):
     torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+for name in SPECS:
+    assert hasattr(ops, name), name
 for dt in (torch.float32, torch.float64):
-    x = torch.randn(5, 33, dtype=dt) * 3
-    g = torch.randn(5, 33, dtype=dt)
-    gate, up = torch.randn(5, 33, dtype=dt) * 3, torch.randn(5, 33, dtype=dt)
-    gu = torch.randn(5, 66, dtype=dt) * 3
-    gp = torch.randn(5, 33, dtype=dt)
-    check(ops.gelu(x), F.gelu(x), "gelu")
-    check(ops.silu(x), F.silu(x), "silu")
-    check(ops.gelu_backward(g, x), torch.ops.aten.gelu_backward(g, x), "gelu_backward")
-    check(ops.silu_backward(g, x), torch.ops.aten.silu_backward(g, x), "silu_backward")
-    check(ops.swiglu(gate, up), F.silu(gate) * up, "swiglu")
-    dgate, dup = ops.swiglu_backward(g, gate, up)
-    check(dgate, torch.ops.aten.silu_backward(g * up, gate), "swiglu_backward dgate")
-    check(dup, g * F.silu(gate), "swiglu_backward dup")
-    a, b = gu.chunk(2, -1)
-    check(ops.swiglu_packed(gu), F.silu(a) * b, "swiglu_packed")
-    check(ops.swiglu_packed_backward(gp, gu),
-          torch.cat([torch.ops.aten.silu_backward(gp * b, a), gp * F.silu(a)], -1), "swiglu_packed_backward")
-    for name in ("gelu", "silu", "gelu_backward", "silu_backward", "swiglu", "swiglu_backward", "swiglu_packed",
-                 "swiglu_packed_backward"):
-        assert hasattr(ops, name), name
+    for act in ACTIVATIONS:
+        x = torch.randn(5, 33, dtype=dt) * 3
+        g = torch.randn(5, 33, dtype=dt)
+        gate, up = torch.randn(5, 33, dtype=dt) * 3, torch.randn(5, 33, dtype=dt)
+        gu = torch.randn(5, 66, dtype=dt) * 3
+        gp = torch.randn(5, 33, dtype=dt)
+        f, f_bwd, n = act.aten, act.aten_backward, act.gated
+        check(getattr(ops, act.name)(x), f(x), act.name)
+        check(getattr(ops, act.name + "_backward")(g, x), f_bwd(g, x), act.name + "_backward")
+        check(getattr(ops, n)(gate, up), f(gate) * up, n)
+        dgate, dup = getattr(ops, n + "_backward")(g, gate, up)
+        check(dgate, f_bwd(g * up, gate), n + "_backward dgate")
+        check(dup, g * f(gate), n + "_backward dup")
+        a, b = gu.chunk(2, -1)
+        check(getattr(ops, n + "_packed")(gu), f(a) * b, n + "_packed")
+        check(getattr(ops, n + "_packed_backward")(gp, gu), torch.cat([f_bwd(gp * b, a), gp * f(a)], -1),
+              n + "_packed_backward")
 print("OPS_OK")
-"""
+""".replace("@TABLE@", repr(str(ROOT / "ffn_ext" / "table.py")))
 
 GRADCHECK = r"""
 import torch, ffn_ext
+from ffn_ext.table import ACTIVATIONS
 torch.manual_seed(1)
 d = dict(dtype=torch.float64, requires_grad=True)
 x = torch.randn(3, 7, **d)
 gate, up = torch.randn(3, 7, **d), torch.randn(3, 7, **d)
 gu = torch.randn(3, 14, **d)
-for f, args in ((ffn_ext.gelu, (x,)), (ffn_ext.silu, (x,)), (ffn_ext.swiglu, (gate, up)),
-                (ffn_ext.swiglu_packed, (gu,))):
-    assert torch.autograd.gradcheck(f, args), f
-    assert torch.autograd.gradgradcheck(f, args), f
+for act in ACTIVATIONS:
+    function, options = act.api
+    for f, args in ((lambda t: getattr(ffn_ext, function)(t, **options), (x,)),
+                    (lambda a, b: ffn_ext.gated(a, b, activation=act.name), (gate, up)),
+                    (lambda t: ffn_ext.gated_packed(t, activation=act.name), (gu,))):
+        assert torch.autograd.gradcheck(f, args), (act.name, args)
+        assert torch.autograd.gradgradcheck(f, args), (act.name, args)
 print("GRAD_OK")
 """
+
+# The functional API's fast entry points: one per forward op of the table.
+FAST = repr(sorted(name for name, s in TABLE_OPS.items() if not s.backward))
 
 
 # ---------------------------------------------------------------- (a) JIT build
@@ -115,7 +128,7 @@ def test_jit_build_cpu_only(tmp_path):
     (y,) = mod._host_math("gelu", [torch.tensor([float("-inf"), 0.0, float("inf")])])
     assert y.tolist() == [0.0, 0.0, float("inf")], y
     # and so are the functional API's fast entry points
-    assert sorted(ffn_ext.ops._fast) == ["gelu", "silu", "swiglu", "swiglu_packed"], ffn_ext.ops._fast
+    assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
     x = torch.randn(3, 7, dtype=torch.float64)
     torch.testing.assert_close(mod._fast_gelu(x), torch.nn.functional.gelu(x))
     """
@@ -221,7 +234,7 @@ def test_cmake_build_cpu_only(tmp_path):
     assert info["native"] == "ffn_ext._C" and info["cuda_kernels"] == "no", info
     (y,) = C._host_math("silu", [torch.tensor([float("-inf"), 0.0, 2.0], dtype=torch.float64)])
     torch.testing.assert_close(y[2], torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))
-    assert sorted(ffn_ext.ops._fast) == ["gelu", "silu", "swiglu", "swiglu_packed"], ffn_ext.ops._fast
+    assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
     g, u = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
     torch.testing.assert_close(C._fast_swiglu(g, u), torch.nn.functional.silu(g) * u)
     """

@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) and torch.export of small MLPs that use the ffn_ext ops between Linears.
+"""torch.compile(fullgraph=True) and torch.export of a small MLP that uses every forward op of the table
+(tests/optable.py) between Linears, and so (through autograd) every backward op.
 
 fullgraph=True turns any graph break into an error, so passing means the ops trace as single graph nodes (their
 fake kernels run under dynamo/AOTAutograd). Compile tests are few: each costs seconds on 2 cores."""
@@ -8,28 +9,30 @@ import pytest
 import torch
 import torch.nn as nn
 
-import ffn_ext
-from conftest import DEVICES
+from optable import ACTIVATIONS, BACKWARD_OPS, DEVICES, FORWARD_OPS, api_call
 
 
 class TinyMLP(nn.Module):
-    """x -> Linear -> gelu -> Linear -> [gate|up] -> swiglu_packed -> Linear -> [gate|up] -> swiglu(chunk views)
-    -> Linear -> silu -> Linear: every forward op, and (through autograd) every backward op."""
+    """x -> Linear -> d, then for every activation of the table: Linear -> act (the public unary API) -> Linear ->
+    [gate|up] -> gated_packed -> Linear -> [gate|up] -> gated(chunk views), then Linear -> d: every forward op, and
+    (through autograd) every backward op."""
 
     def __init__(self, d=16, h=24):
         super().__init__()
-        self.l0 = nn.Linear(d, h)
-        self.l1 = nn.Linear(h, 2 * h)
-        self.l2 = nn.Linear(h, 2 * h)
-        self.l3 = nn.Linear(h, h)
-        self.l4 = nn.Linear(h, d)
+        self.inp = nn.Linear(d, h)
+        self.acts = [(api_call(a.name), api_call(a.gated + "_packed"), api_call(a.gated)) for a in ACTIVATIONS]
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.Linear(h, h), nn.Linear(h, 2 * h), nn.Linear(h, 2 * h)]) for _ in ACTIVATIONS)
+        self.out = nn.Linear(h, d)
 
     def forward(self, x):
-        y = ffn_ext.gelu(self.l0(x))
-        y = ffn_ext.swiglu_packed(self.l1(y))
-        gate, up = self.l2(y).chunk(2, dim=-1)
-        y = ffn_ext.swiglu(gate, up)
-        return self.l4(ffn_ext.silu(self.l3(y)))
+        y = self.inp(x)
+        for (unary, packed, gated), (l0, l1, l2) in zip(self.acts, self.layers):
+            y = unary(l0(y))
+            y = packed(l1(y))
+            gate, up = l2(y).chunk(2, dim=-1)
+            y = gated(gate, up)
+        return self.out(y)
 
 
 def _eager_and_grads(model, x):
@@ -83,9 +86,10 @@ def test_compile_dynamic_shapes_and_ops_in_graph(device):
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     _compare(model, compiled, [torch.randn(n, 16, device=device) for n in (3, 7, 12)])
     fw, bw = seen[0], seen[1]
-    for name in ("gelu", "silu", "swiglu", "swiglu_packed"):
+    for name in FORWARD_OPS:
         assert f"ffn_ext.{name}" in fw, f"forward graph lacks ffn_ext.{name}: {sorted(fw)}"
-        assert f"ffn_ext.{name}_backward" in bw, f"backward graph lacks ffn_ext.{name}_backward: {sorted(bw)}"
+    for name in BACKWARD_OPS:
+        assert f"ffn_ext.{name}" in bw, f"backward graph lacks ffn_ext.{name}: {sorted(bw)}"
     assert len(seen) == 2, f"dynamic=True recompiled for new batch sizes ({len(seen)} graphs)"
 
 
@@ -96,7 +100,7 @@ def test_export_graph_has_ffn_ext_ops(device):
     batch = torch.export.Dim("batch", min=2, max=1024)
     ep = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
     targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
-    for name in ("gelu", "silu", "swiglu", "swiglu_packed"):
+    for name in FORWARD_OPS:
         assert getattr(torch.ops.ffn_ext, name).default in targets, f"exported graph lacks torch.ops.ffn_ext.{name}"
     for n in (6, 11):
         x = torch.randn(n, 16, device=device)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
+from optable import OPS as OP_NAMES, as_tuple, op, spec
 
 OPS = torch.ops.ffn_ext
 HAS_GPU = torch.cuda.is_available() and not ffn_ext.build_info()["native"].startswith("none")
@@ -30,11 +31,14 @@ def _inputs(dtype, rows=33, m=200, seed=0, device="cuda"):
 
 
 def _all_ops(gate_up, grad):
-    """Every op once; returns a flat list of outputs."""
+    """Every op of the table once (x: gate, or up for every other op; gate and up: chunk views of gate_up);
+    returns a flat list of outputs."""
     gate, up = gate_up.chunk(2, -1)
-    return [OPS.gelu(gate), OPS.gelu_backward(grad, gate), OPS.silu(up), OPS.silu_backward(grad, up),
-            OPS.swiglu(gate, up), *OPS.swiglu_backward(grad, gate, up), OPS.swiglu_packed(gate_up),
-            OPS.swiglu_packed_backward(grad, gate_up)]
+    outs = []
+    for k, name in enumerate(OP_NAMES):
+        args = {"x": gate if k % 2 == 0 else up, "gate": gate, "up": up, "gate_up": gate_up, "grad": grad}
+        outs += as_tuple(op(name)(*[args[a] for a in spec(name).args]))
+    return outs
 
 
 def _assert_all_equal(a, b, what):
@@ -173,14 +177,18 @@ _CPU_ONLY_BUILD = textwrap.dedent(r"""
     assert not ffn_ext.has_cuda_kernels(), ffn_ext.build_info()
     x = torch.randn(9, 22, device="cuda", dtype=torch.float64)
     g = torch.randn(9, 11, device="cuda", dtype=torch.float64)
+    from ffn_ext.table import ACTIVATIONS
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         outs = [ffn_ext.gelu(x), ffn_ext.silu(x), ffn_ext.swiglu_packed(x), ffn_ext.swiglu(*x.chunk(2, -1)),
                 torch.ops.ffn_ext.swiglu_packed_backward(g, x), torch.ops.ffn_ext.gelu_backward(x, x)]
         outs += [ffn_ext.gelu(x) for _ in range(3)]
-    assert all(o.is_cuda for o in outs)
+        packed = [ffn_ext.gated_packed(x, activation=a.name) for a in ACTIVATIONS]
+    assert all(o.is_cuda for o in outs + packed)
     torch.testing.assert_close(outs[0], F.gelu(x))
     torch.testing.assert_close(outs[2], F.silu(x[:, :11]) * x[:, 11:])
+    for a, h in zip(ACTIVATIONS, packed):
+        torch.testing.assert_close(h, a.aten(x[:, :11]) * x[:, 11:])
     msgs = [str(m.message) for m in w if "without CUDA kernels" in str(m.message)]
     print("python warnings:", len(msgs))
 """)

@@ -62,7 +62,7 @@ def test_swiglu_ffn_with_meta_weights_and_no_wrapper_raises():
     """Not loaded (meta) weights and a real input: an error, not the uninitialised memory F.linear returns."""
     m = ffn_ext.SwiGLUFFN(8, 16).to("meta")
     for grad in (True, False):
-        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="swiglu_mlp: the weights are on the meta"):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="gated_mlp: the weights are on the meta"):
             m(torch.randn(3, 8))
     assert m(torch.randn(3, 8, device="meta")).shape == (3, 8)  # all on meta: shape inference works
     w = torch.randn(16, 8)
@@ -116,11 +116,11 @@ def test_unpatch_under_a_wrapper_added_after_patching():
     assert ffn_ext.patch_hf_model(mlp) == 1
     wrapper = add_hook(mlp).forward
     y = mlp._old_forward(x)
-    assert "_SwiGLUMLP" in type(y.grad_fn).__name__
+    assert "_GatedMLP" in type(y.grad_fn).__name__
     torch.testing.assert_close(mlp(x), 2 * y)
     assert ffn_ext.hf.unpatch_model(mlp) == 1
     assert vars(mlp)["forward"] is wrapper and not hasattr(mlp, "_ffn_ext_patched")
-    assert "_SwiGLUMLP" not in type(mlp._old_forward(x).grad_fn).__name__
+    assert "_GatedMLP" not in type(mlp._old_forward(x).grad_fn).__name__
     torch.testing.assert_close(mlp(x), 2 * ref)
 
 

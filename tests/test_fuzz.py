@@ -1,4 +1,5 @@
-"""Differential fuzzing (hypothesis) of every ffn_ext op against a float64 reference.
+"""Differential fuzzing (hypothesis) of every ffn_ext op against a float64 reference. The ops are the table's
+(tests/optable.py): each test runs once per activation, over its unary, gated and packed ops.
 
 Random shapes (0 and 1 sizes, odd widths), random layouts (storage offsets, padded rows, chunk views, transposes,
 steps, expanded rows, sliced leading dims), every dtype (float64/32/16, bfloat16), the forward and backward ops
@@ -11,7 +12,7 @@ Non-finite inputs (NaN, +-inf) are mixed in on some cases. Their expected result
 
 Hypothesis is not derandomized: every run draws new cases; a failure prints the falsifying draws (shapes, layouts,
 the torch seed of the values) and a reproduce blob. The number of cases run is printed by the last test of this
-file (about 10,600 on CPU; CI runtime about two minutes on 2 cores).
+file (about 3,550 per activation on CPU; CI runtime about a minute and a half on 2 cores for three activations).
 """
 import math
 import os
@@ -26,15 +27,16 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import ffn_ext  # noqa: E402
+from optable import ACTIVATIONS, api_call, aten_result, op, ops_of, spec, terms  # noqa: E402
 
-OPS = torch.ops.ffn_ext
+ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
 CUDA = torch.cuda.is_available() and NATIVE and ffn_ext.has_cuda_kernels()
 HOST_MATH = NATIVE and hasattr(getattr(ffn_ext.ops._native, "_host_math", None), "__call__")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # rtol applies to |ref| + the magnitude of the terms (error scale); atol is for values that round to ~0.
-# The CPU composites round intermediates to the storage dtype (e.g. silu(gate) before the multiply), hence the
+# The CPU composites round intermediates to the storage dtype (e.g. act(gate) before the multiply), hence the
 # few-ulp margins for float16/bfloat16.
 TOL = {
     torch.float64: (1e-12, 1e-300),
@@ -43,90 +45,57 @@ TOL = {
     torch.bfloat16: (2e-2, 1e-30),
 }
 
+# Below these, an activation value or derivative may be lost to exp under/overflow in the compute type (as
+# test_host_math's TINY).
+TINY = {torch.float32: 1e-35, torch.float64: 1e-300}
+
 CASES = Counter()  # cases run per test, summed up by test_fuzz_case_count
 _START = time.perf_counter()
 
-SQRT1_2 = 1.0 / math.sqrt(2.0)
-INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
 
 # ---------------------------------------------------------------- float64 references
-def _limits(val, x, at_neg_inf, at_pos_inf):
-    val = torch.where(x == -math.inf, torch.full_like(val, at_neg_inf), val)
-    return torch.where(x == math.inf, torch.full_like(val, at_pos_inf), val)
-
-
-def ref_gelu(x):
-    return _limits(0.5 * x * (1.0 + torch.erf(x * SQRT1_2)), x, 0.0, math.inf)
-
-
-def ref_gelu_grad(x):
-    d = 0.5 * (1.0 + torch.erf(x * SQRT1_2)) + x * torch.exp(-0.5 * x * x) * INV_SQRT_2PI
-    return _limits(d, x, 0.0, 1.0)
-
-
-def ref_silu(x):
-    return _limits(x * torch.sigmoid(x), x, 0.0, math.inf)
-
-
-def ref_silu_grad(x):
-    s = torch.sigmoid(x)
-    return _limits(s * (1.0 + x * (1.0 - s)), x, 0.0, 1.0)
-
-
-def reference(op, ins, opmath=torch.float64):
-    """float64 results and error scales of `op` on float64 inputs, with the documented limits at +-inf.
-    The activation values and derivative factors are rounded to `opmath` (the kernels' compute type: float for
-    float/half/bfloat16) before they multiply grad/up, so that where they underflow to 0 in the kernel, an
-    infinite grad/up gives NaN in the reference too.
-    Third result: masks of "NaN or inf, either is right" (an infinite grad/up times a factor so small that it is
-    subnormal in the compute type: whether the kernel keeps it or flushes it to 0 is not specified)."""
+def reference(name, ins, opmath=torch.float64):
+    """float64 results and error scales of op `name` (not packed) on float64 inputs, with the limits at +-inf of
+    the table's act.ref. The activation values and derivative factors are rounded to `opmath` (the kernels' compute
+    type: float for float/half/bfloat16) before they multiply grad/up, so that where they underflow to 0 in the
+    kernel, an infinite grad/up gives NaN in the reference too.
+    Second result: error scales, |factors| * |x| for a value, |factors| * (1 + |x|) for a derivative.
+    Third result: masks of "NaN or inf, either is right": an infinite grad/up times an activation value or
+    derivative that is nonzero but within the kernel's error bound of 0 (K ulps of the compute type times the size
+    of the terms its formula cancels, act.cancel, e.g. the exact GELU's 1 + erf for x << 0; or below TINY, where
+    the formula's exp under- or overflows in the compute type, e.g. the tanh GELU's derivative near x = -10 in
+    float): whether the kernel keeps the factor or gives 0 (and so NaN) is not specified."""
     r = (lambda t: t.to(opmath).double()) if opmath != torch.float64 else (lambda t: t)
-    tiny = torch.finfo(opmath).tiny
+    tiny, eps = TINY[opmath], torch.finfo(opmath).eps
+    act = spec(name).act
 
-    def either(factor, *others):
-        m = (factor.abs() < tiny) & (factor != 0)
+    def either(factor, size, *others):
+        m = (factor.abs() <= 4 * eps * size + tiny) & (factor != 0)
         return m & torch.stack([~torch.isfinite(o) for o in others]).any(0)
 
-    if op == "gelu":
-        (x,) = ins
-        return [ref_gelu(x)], [x.abs()], [None]
-    if op == "silu":
-        (x,) = ins
-        return [ref_silu(x)], [x.abs()], [None]
-    if op in ("gelu_backward", "silu_backward"):
-        g, x = ins
-        d = ref_gelu_grad(x) if op == "gelu_backward" else ref_silu_grad(x)
-        return [g * r(d)], [g.abs() * (1.0 + x.abs())], [either(d, g)]
-    if op == "swiglu":
-        gate, up = ins
-        h = ref_silu(gate)
-        return [r(h) * up], [gate.abs() * up.abs()], [either(h, up)]
-    if op == "swiglu_backward":
-        g, gate, up = ins
-        d, h = ref_silu_grad(gate), ref_silu(gate)
-        return ([g * up * r(d), g * r(h)], [g.abs() * up.abs() * (1.0 + gate.abs()), g.abs() * gate.abs()],
-                [either(d, g, up), either(h, g)])
-    raise AssertionError(op)
+    refs, scales, eithers = [], [], []
+    for which, x, factors in terms(name, ins):
+        k = 0 if which == "f" else 1
+        v, cancel = act.ref(x)[k], act.cancel(x)[k]
+        size = x.abs() if which == "f" else 1.0 + x.abs()
+        if not factors:
+            refs.append(v)
+            scales.append(size)
+            eithers.append(None)
+            continue
+        m = factors[0]
+        for f in factors[1:]:
+            m = m * f  # grad * up first, as the kernels multiply
+        refs.append(m * r(v))
+        scales.append(m.abs() * size)
+        eithers.append(either(v, cancel, *factors))
+    return refs, scales, eithers
 
 
-def aten_same_dtype(op, ins):
+def aten_same_dtype(name, ins):
     """ATen's own results on the same dtype (the CPU path's semantics for non-finite inputs)."""
-    A = torch.ops.aten
-    if op == "gelu":
-        return [A.gelu(ins[0])]
-    if op == "silu":
-        return [A.silu(ins[0])]
-    if op == "gelu_backward":
-        return [A.gelu_backward(*ins)]
-    if op == "silu_backward":
-        return [A.silu_backward(*ins)]
-    if op == "swiglu":
-        return [A.silu(ins[0]) * ins[1]]
-    if op == "swiglu_backward":
-        g, gate, up = ins
-        return [A.silu_backward(g * up, gate), g * A.silu(gate)]
-    raise AssertionError(op)
+    out = aten_result(name, *ins)
+    return list(out) if isinstance(out, tuple) else [out]
 
 
 def _opmath(dtype):
@@ -178,7 +147,7 @@ LAYOUTS = ["contiguous", "offset", "padded_rows", "transposed", "step", "expande
 def _values(shape, dtype, gen, specials, big):
     """Random values (never all zeros) rounded to dtype; `specials` sprinkles NaN/+-inf, `big` widens the range."""
     v = torch.randn(shape, generator=gen, dtype=torch.float64) * (6.0 if big else 1.5)
-    v = v.clamp(-30.0, 30.0)  # keeps float16 products (grad * up * silu') finite
+    v = v.clamp(-30.0, 30.0)  # keeps float16 products (grad * up * act') finite
     if specials and v.numel():
         pick = torch.rand(shape, generator=gen, dtype=torch.float64)
         v = torch.where(pick < 0.06, torch.full_like(v, math.nan), v)
@@ -234,8 +203,8 @@ def _gen(seed):
 
 
 # ---------------------------------------------------------------- one case per op family
-def run_unary(data, device, count_key):
-    op = data.draw(st.sampled_from(["gelu", "silu"]), label="op")
+def run_unary(data, act, device, count_key):
+    name = act.name
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(max_last=80 if device == "cuda" else 40), label="shape")
     lx, lg = (data.draw(st.sampled_from(LAYOUTS), label=f"layout_{n}") for n in ("x", "grad"))
@@ -245,21 +214,22 @@ def run_unary(data, device, count_key):
     gen = _gen(_seed(data))
     x = make(shape, dtype, lx, gen, device, specials, big)
     grad = make(shape, dtype, lg, gen, device, specials and data.draw(st.booleans(), label="grad_specials"))
-    bwd = op + "_backward"
+    bwd = name + "_backward"
 
     if via_api:  # public API + autograd (calls the backward op)
         x = x.detach().clone().requires_grad_(True)  # clone: contiguous leaf with the same values
-        y = getattr(ffn_ext, op)(x)
+        y = api_call(name)(x)
         y.backward(grad)
-        outs = {op: [y.detach()], bwd: [x.grad]}
+        outs = {name: [y.detach()], bwd: [x.grad]}
         x = x.detach()
     else:
-        outs = {op: [getattr(OPS, op)(x)], bwd: [getattr(OPS, bwd)(grad, x)]}
-    _compare(outs, {op: [x], bwd: [grad, x]}, dtype, device, specials, contiguous=not via_api)
+        outs = {name: [op(name)(x)], bwd: [op(bwd)(grad, x)]}
+    _compare(outs, {name: [x], bwd: [grad, x]}, dtype, device, specials, contiguous=not via_api)
     CASES[count_key] += 1
 
 
-def run_swiglu(data, device, count_key):
+def run_gated(data, act, device, count_key):
+    name, bwd = act.gated, act.gated + "_backward"
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(max_last=80 if device == "cuda" else 40), label="shape")
     specials = data.draw(st.integers(0, 3), label="specials") == 0
@@ -276,18 +246,19 @@ def run_swiglu(data, device, count_key):
     via_api = data.draw(st.integers(0, 3), label="via_api") == 0
     if via_api:
         g, u = gate.detach().clone().requires_grad_(True), up.detach().clone().requires_grad_(True)
-        h = ffn_ext.swiglu(g, u)
+        h = api_call(name)(g, u)
         h.backward(grad)
-        outs = {"swiglu": [h.detach()], "swiglu_backward": [g.grad, u.grad]}
+        outs = {name: [h.detach()], bwd: [g.grad, u.grad]}
         gate, up = g.detach(), u.detach()  # ATen's CPU results can depend on the layout: compare on what ran
     else:
-        outs = {"swiglu": [OPS.swiglu(gate, up)], "swiglu_backward": list(OPS.swiglu_backward(grad, gate, up))}
-    _compare(outs, {"swiglu": [gate, up], "swiglu_backward": [grad, gate, up]}, dtype, device, specials,
+        outs = {name: [op(name)(gate, up)], bwd: list(op(bwd)(grad, gate, up))}
+    _compare(outs, {name: [gate, up], bwd: [grad, gate, up]}, dtype, device, specials,
              contiguous=not via_api)  # autograd's .grad takes the leaf's strides
     CASES[count_key] += 1
 
 
-def run_packed(data, device, count_key):
+def run_packed(data, act, device, count_key):
+    name, gated = act.gated + "_packed", act.gated
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(min_dims=1, max_last=80 if device == "cuda" else 40, even_last=True), label="shape")
     specials = data.draw(st.integers(0, 3), label="specials") == 0
@@ -300,31 +271,31 @@ def run_packed(data, device, count_key):
     via_api = data.draw(st.integers(0, 3), label="via_api") == 0
     if via_api:
         gu = gate_up.detach().clone().requires_grad_(True)
-        h = ffn_ext.swiglu_packed(gu)
+        h = api_call(name)(gu)
         h.backward(grad)
         h, dgu, gate_up = h.detach(), gu.grad, gu.detach()
     else:
-        h, dgu = OPS.swiglu_packed(gate_up), OPS.swiglu_packed_backward(grad, gate_up)
+        h, dgu = op(name)(gate_up), op(name + "_backward")(grad, gate_up)
     assert h.shape == tuple(shape[:-1] + [m]) and dgu.shape == gate_up.shape
     gate, up = gate_up.chunk(2, -1)
     dgate, dup = dgu.chunk(2, -1)
-    # compare the packed results as the swiglu ones (the chunks of a contiguous result are fine to compare)
+    # compare the packed results as the gated op's (the chunks of a contiguous result are fine to compare)
     if not via_api:
         assert dgu.is_contiguous()
-    outs = {"swiglu": [h], "swiglu_backward": [dgate.contiguous(), dup.contiguous()]}
-    _compare(outs, {"swiglu": [gate, up], "swiglu_backward": [grad, gate, up]}, dtype, device, specials)
+    outs = {gated: [h], gated + "_backward": [dgate.contiguous(), dup.contiguous()]}
+    _compare(outs, {gated: [gate, up], gated + "_backward": [grad, gate, up]}, dtype, device, specials)
     CASES[count_key] += 1
 
 
 def _compare(outs, inputs, dtype, device, specials, contiguous=True):
-    for op, got in outs.items():
-        ins = inputs[op]
+    for name, got in outs.items():
+        ins = inputs[name]
         if specials and device == "cpu":  # ATen semantics on the CPU path
             # ATen's non-finite results depend on the loop ATen picks for the layout (vectorized or scalar: NaN or
             # the limit for gelu(+-inf) in float32), elementwise, so each element may match ATen on the same
             # strided inputs, ATen on contiguous copies, or the mathematical limit.
-            refs, scales, _ = reference(op, [t.double() for t in ins], _opmath(dtype))
-            cands = [aten_same_dtype(op, ins), aten_same_dtype(op, [t.contiguous() for t in ins]), refs]
+            refs, scales, _ = reference(name, [t.double() for t in ins], _opmath(dtype))
+            cands = [aten_same_dtype(name, ins), aten_same_dtype(name, [t.contiguous() for t in ins]), refs]
             rtol, atol = TOL[dtype]
             for k, o in enumerate(got):
                 o64 = o.cpu().double()
@@ -334,85 +305,92 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True):
                     c64 = c[k].cpu().double()
                     ok |= (o64 - c64).abs() <= tol + rtol * c64.abs()
                     ok |= (o64 == c64) | (o64.isnan() & c64.isnan())
-                assert bool(ok.all()), (f"{op}[{k}] ({dtype}) vs ATen/limits: {int((~ok).sum())} elements differ; "
+                assert bool(ok.all()), (f"{name}[{k}] ({dtype}) vs ATen/limits: {int((~ok).sum())} elements differ; "
                                         f"out={o64[~ok][:5].tolist()} aten={cands[0][k].double()[~ok][:5].tolist()}")
             continue
-        refs, scales, eithers = reference(op, [t.double() for t in ins], _opmath(dtype))
+        refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype))
         for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
-            check_close(o, r, s, dtype, f"{op}[{k}] on {device}", contiguous, e)
+            check_close(o, r, s, dtype, f"{name}[{k}] on {device}", contiguous, e)
 
 
 # ---------------------------------------------------------------- the tests
 SETTINGS = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
-# CPU: about 10,600 cases in all (the sum of these max_examples), ~2 minutes on 2 cores.
+# CPU: about 3,550 cases per activation (the sum of these max_examples), ~30 s per activation on 2 cores.
 # FFN_EXT_FUZZ_SCALE multiplies every count (e.g. 0.1 for a quick run, 10 for a long one).
 _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
-N_UNARY, N_SWIGLU, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (3400, 2800, 2800, 1600))
-N_CUDA = max(1, int(600 * _SCALE))
+N_UNARY, N_GATED, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (1100, 950, 950, 550))
+N_CUDA = max(1, int(400 * _SCALE))
+HOST_MATH_SKIP = pytest.mark.skipif(not HOST_MATH, reason="needs the native library (ffn_ext._C._host_math)")
+CUDA_SKIP = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
+per_activation = pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 
 
+@per_activation
 @settings(max_examples=N_UNARY, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_unary_cpu(data):
-    run_unary(data, "cpu", "unary_cpu")
+def test_fuzz_unary_cpu(act, data):
+    run_unary(data, act, "cpu", f"unary_cpu[{act.name}]")
 
 
-@settings(max_examples=N_SWIGLU, **SETTINGS)
+@per_activation
+@settings(max_examples=N_GATED, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_swiglu_cpu(data):
-    run_swiglu(data, "cpu", "swiglu_cpu")
+def test_fuzz_gated_cpu(act, data):
+    run_gated(data, act, "cpu", f"gated_cpu[{act.name}]")
 
 
+@per_activation
 @settings(max_examples=N_PACKED, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_swiglu_packed_cpu(data):
-    run_packed(data, "cpu", "packed_cpu")
+def test_fuzz_packed_cpu(act, data):
+    run_packed(data, act, "cpu", f"packed_cpu[{act.name}]")
 
 
-HOST_OPS = {"gelu": 1, "gelu_backward": 2, "silu": 1, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}
-
-
-@pytest.mark.skipif(not HOST_MATH, reason="needs the native library (ffn_ext._C._host_math)")
+@HOST_MATH_SKIP
+@per_activation
 @settings(max_examples=N_HOST, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_host_math_limits(data):
+def test_fuzz_host_math_limits(act, data):
     """The CUDA kernels' element math, run on the host: float64 reference with the documented limits at +-inf."""
-    op = data.draw(st.sampled_from(sorted(HOST_OPS)), label="op")
+    name = data.draw(st.sampled_from(ops_of(act=act, kind="unary") + ops_of(act=act, kind="gated")), label="op")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(max_last=64), label="shape")
     specials = data.draw(st.booleans(), label="specials")
     gen = _gen(_seed(data))
-    ins = [make(shape, dtype, "contiguous", gen, "cpu", specials, big=(i > 0)) for i in range(HOST_OPS[op])]
-    got = ffn_ext.ops._native._host_math(op, ins)
-    refs, scales, eithers = reference(op, [t.double() for t in ins], _opmath(dtype))
+    ins = [make(shape, dtype, "contiguous", gen, "cpu", specials, big=(i > 0)) for i in range(len(spec(name).args))]
+    got = ffn_ext.ops._native._host_math(name, ins)
+    refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype))
     for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
-        check_close(o, r, s, dtype, f"_host_math {op}[{k}]", either=e)
-    CASES["host_math"] += 1
+        check_close(o, r, s, dtype, f"_host_math {name}[{k}]", either=e)
+    CASES[f"host_math[{act.name}]"] += 1
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
+@CUDA_SKIP
+@per_activation
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_unary_cuda(data):
-    run_unary(data, "cuda", "unary_cuda")
+def test_fuzz_unary_cuda(act, data):
+    run_unary(data, act, "cuda", f"unary_cuda[{act.name}]")
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
+@CUDA_SKIP
+@per_activation
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_swiglu_cuda(data):
-    run_swiglu(data, "cuda", "swiglu_cuda")
+def test_fuzz_gated_cuda(act, data):
+    run_gated(data, act, "cuda", f"gated_cuda[{act.name}]")
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
+@CUDA_SKIP
+@per_activation
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_swiglu_packed_cuda(data):
-    run_packed(data, "cuda", "packed_cuda")
+def test_fuzz_packed_cuda(act, data):
+    run_packed(data, act, "cuda", f"packed_cuda[{act.name}]")
 
 
 def test_fuzz_case_count(capsys):
@@ -421,6 +399,7 @@ def test_fuzz_case_count(capsys):
     with capsys.disabled():
         print(f"\n[ffn_ext fuzz] {total} cases in {time.perf_counter() - _START:.1f} s: "
               + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items())))
-    cpu = sum(v for k, v in CASES.items() if k.endswith("_cpu"))
-    if {"unary_cpu", "swiglu_cpu", "packed_cpu"} <= set(CASES):  # all CPU fuzz tests ran in this session
-        assert cpu >= 0.95 * (N_UNARY + N_SWIGLU + N_PACKED), CASES
+    cpu = sum(v for k, v in CASES.items() if "_cpu[" in k)
+    expected = {f"{kind}_cpu[{a.name}]" for kind in ("unary", "gated", "packed") for a in ACTIVATIONS}
+    if expected <= set(CASES):  # all CPU fuzz tests ran in this session
+        assert cpu >= 0.95 * len(ACTIVATIONS) * (N_UNARY + N_GATED + N_PACKED), CASES

@@ -5,6 +5,7 @@ import ast
 import copy
 import importlib
 import pathlib
+import re
 import textwrap
 import types
 import warnings
@@ -12,8 +13,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
+from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,9 +70,9 @@ def test_patched_model_matches_unpatched(kind):
     mlps = _mlps(model)
     assert len(mlps) == 2
     for mlp in mlps:
-        assert "_SwiGLUMLP" in type(mlp(x).grad_fn).__name__
+        assert "_GatedMLP" in type(mlp(x).grad_fn).__name__
     for mlp in _mlps(ref):
-        assert "_SwiGLUMLP" not in type(mlp(x).grad_fn).__name__
+        assert "_GatedMLP" not in type(mlp(x).grad_fn).__name__
 
 
 def test_patch_is_idempotent_and_reversible_and_survives_deepcopy():
@@ -79,12 +82,12 @@ def test_patch_is_idempotent_and_reversible_and_survives_deepcopy():
     x = torch.randn(5, 64, requires_grad=True)
     clone = copy.deepcopy(model)
     for mlp in _mlps(clone):
-        assert "_SwiGLUMLP" in type(mlp(x).grad_fn).__name__
+        assert "_GatedMLP" in type(mlp(x).grad_fn).__name__
         assert mlp.forward.__self__ is mlp  # bound to the copy, not to the original
     assert ffn_ext.hf.unpatch_model(model) == 2
     for mlp in _mlps(model):
         assert "forward" not in vars(mlp)
-        assert "_SwiGLUMLP" not in type(mlp(x).grad_fn).__name__
+        assert "_GatedMLP" not in type(mlp(x).grad_fn).__name__
     assert ffn_ext.hf.patch_model(model) == 2
 
 
@@ -105,17 +108,179 @@ def test_patched_model_pickles(kind):
     x = torch.randn(3, 64, requires_grad=True)
     for mlp in _mlps(loaded):
         assert mlp.forward.__self__ is mlp
-        assert "_SwiGLUMLP" in type(mlp(x).grad_fn).__name__
+        assert "_GatedMLP" in type(mlp(x).grad_fn).__name__
     assert ffn_ext.hf.unpatch_model(loaded) == 2
 
 
-def test_non_silu_mlps_are_skipped_with_a_warning_or_refused():
-    model = _tiny("llama", hidden_act="gelu")
-    with pytest.warns(RuntimeWarning, match="not SiLU-gated"):
+# Gemma family: GeGLU MLPs with the tanh GELU (hidden_activation / hidden_act "gelu_pytorch_tanh")
+GEMMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, vocab_size=97, max_position_embeddings=64, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+GEMMAS = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",  # per-layer inputs and the global head kept tiny too
+               {"vocab_size_per_layer_input": 97, "hidden_size_per_layer_input": 8, "global_head_dim": 16,
+                "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
+
+def _tiny_gemma(kind):
+    cfg_name, model_name, kw = GEMMAS[kind]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
+    config = getattr(transformers, cfg_name)(**GEMMA_TINY, **kw)
+    torch.manual_seed(0)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("kind", list(GEMMAS))
+def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
+    """Tiny random Gemma, Gemma2, Gemma3 (text) and Gemma4 (text), fp32: every decoder layer's MLP is patched and
+    runs ffn_ext's geglu_tanh through the lean autograd; logits and all parameter gradients equal the unpatched
+    model's; greedy generate() gives the same tokens."""
+    model = _tiny_gemma(kind)
+    ref = copy.deepcopy(model)
+    mlps = _mlps(model)
+    assert len(mlps) == model.config.num_hidden_layers == 2
+    assert all(ffn_ext.hf._table_activation(m.act_fn).name == "gelu_tanh" for m in mlps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert ffn_ext.patch_hf_model(model) == len(mlps)
+    assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward) for m in mlps)
+
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with _Ops() as rec:
+        logits = model(ids).logits
+    assert rec.ops.count("ffn_ext.geglu_tanh.default") == len(mlps), rec.ops
+    logits0 = ref(ids).logits
+    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(logits)
+    (logits * w).sum().backward()
+    (logits0 * w).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        p0 = ref_params[name]
+        assert (p.grad is None) == (p0.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, p0.grad, atol=1e-5, rtol=1e-4, msg=name)
+    x = torch.randn(3, 32, requires_grad=True)
+    assert all("_GatedMLP" in type(m(x).grad_fn).__name__ for m in mlps)
+
+    prompt = ids[:1, :5]
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    out0 = ref.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert out.shape == (1, 9) and torch.equal(out, out0)
+    assert ffn_ext.hf.unpatch_model(model) == len(mlps)
+
+
+@pytest.mark.parametrize("hidden_act, cls", [("quick_gelu", "QuickGELUActivation"),
+                                             ("gelu_10", "ClippedGELUActivation"), ("relu", "ReLU")])
+def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls):
+    """quick_gelu (x sigmoid(1.702 x)) and gelu_10 (a clamped GELU) are GELU-like but not a GELU of the table."""
+    model = _tiny("llama", hidden_act=hidden_act)
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
+    ref = model(ids).logits
+    with pytest.warns(RuntimeWarning, match=rf"activation {cls} is not one ffn_ext implements.*: LlamaMLP at "
+                                            r"'model.layers.0.mlp' and 1 more \(left unpatched\)"):
         assert ffn_ext.patch_hf_model(model) == 0
     assert all("forward" not in vars(m) for m in _mlps(model))
-    with pytest.raises(ValueError, match="not SiLU-gated"):
+    with pytest.raises(ValueError, match=f"activation {cls} is not one ffn_ext implements"):
         ffn_ext.patch_hf_model(model, strict=True)
+    torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the names of the ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _hf_act2fn():
+    from transformers.activations import ACT2FN
+    return ACT2FN
+
+
+def _table_entry_of(hf_name):
+    return next((a for a in ACTIVATIONS if hf_name in a.hf_names), None)
+
+
+def test_table_hf_names_are_the_same_function_as_transformers_act2fn():
+    """Every ACT2FN name in the table's hf_names computes the entry's function (fp64, on [-12, 12] and at +-30:
+    equal to rounding, gelu_fast to its 10-digit sqrt(2/pi)), and every other ACT2FN name computes none of the
+    table's functions (so hf_names misses none)."""
+    act2fn = _hf_act2fn()
+    x = torch.cat([torch.linspace(-12, 12, 4801, dtype=torch.float64),
+                   torch.tensor([-30.0, 30.0], dtype=torch.float64)])
+    listed = {n for a in ACTIVATIONS for n in a.hf_names}
+    assert listed <= set(act2fn), listed - set(act2fn)
+    for name in act2fn:
+        try:
+            y = act2fn[name](x)
+        except Exception:  # e.g. an activation with a dtype of its own; not a table function either way
+            assert name not in listed, name
+            continue
+        same = [a.name for a in ACTIVATIONS if bool(torch.allclose(y, a.aten(x), rtol=1e-11, atol=1e-11))]
+        entry = _table_entry_of(name)
+        assert same == ([entry.name] if entry else []), (name, same)
+
+
+@pytest.mark.parametrize("hidden_act", list(dict.fromkeys(
+    ["gelu", "gelu_python", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast", "gelu_accurate",
+     "silu", "swish", "quick_gelu", "gelu_10", "mish", "relu2"])))
+def test_every_act2fn_activation_is_identified_truthfully(hidden_act):
+    """A Llama MLP with each ACT2FN activation: those of the table's hf_names are patched with that entry's gated
+    op (recorded) and give the unpatched MLP's output and gradients; the others are left alone, named."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    act = _table_entry_of(hidden_act)
+    torch.manual_seed(6)
+    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act=hidden_act,
+                                            num_attention_heads=2, mlp_bias=True)).double()
+    ref = copy.deepcopy(mlp)
+    assert (ffn_ext.hf._table_activation(mlp.act_fn) is act)
+    if act is None:
+        with pytest.warns(RuntimeWarning, match=f"activation {type(mlp.act_fn).__name__} is not one"):
+            assert ffn_ext.patch_hf_model(mlp) == 0
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(mlp) == 1
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    x0 = x.detach().clone().requires_grad_()
+    with _Ops() as rec:
+        y = mlp(x)
+        y.sum().backward()
+    assert f"ffn_ext.{act.gated}.default" in rec.ops and f"ffn_ext.{act.gated}_backward.default" in rec.ops
+    assert "_GatedMLP" in type(y.grad_fn).__name__
+    y0 = ref(x0)
+    y0.sum().backward()
+    tol = dict(rtol=1e-10, atol=1e-10) if hidden_act != "gelu_fast" else dict(rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(y, y0, **tol)
+    torch.testing.assert_close(x.grad, x0.grad, **tol)
+    for (name, p), p0 in zip(mlp.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, p0.grad, **tol, msg=name)
+
+
+def test_hf_activation_classes_are_those_of_transformers():
+    """ffn_ext.hf's names for transformers' activation classes exist in transformers.activations, and each class is
+    registered in ACT2CLS only under names of the same table entry (whatever its constructor arguments)."""
+    import transformers.activations as A
+
+    for cls_name, hf_name in ffn_ext.hf._HF_CLASSES.items():
+        cls = getattr(A, cls_name)
+        entry = ffn_ext.hf._HF_ENTRIES[cls_name]
+        assert hf_name in entry.hf_names
+        names = [k for k, v in A.ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is cls]
+        assert names and all(_table_entry_of(n) is entry for n in names), (cls_name, names)
+    assert A.PytorchGELUTanh is A.GELUTanh
 
 
 def test_lora_like_projection_and_hooks_keep_working():
@@ -155,7 +320,7 @@ def test_activation_hooks_and_replacement_run_the_models_own_forward(kind):
     x = torch.randn(2, 3, 64, requires_grad=True)
 
     def fused(m):
-        return "_SwiGLUMLP" in type(m(x).grad_fn).__name__
+        return "_GatedMLP" in type(m(x).grad_fn).__name__
 
     assert fused(mlp)
     # a forward hook that changes the activation's output, on both models: same result, and it fired
@@ -184,11 +349,19 @@ def test_activation_hooks_and_replacement_run_the_models_own_forward(kind):
     assert patched_calls == names and len(names) == (5 if kind == "llama" else 4), (patched_calls, names)
     assert fused(mlp)
 
-    # the activation replaced after patching (here by GELU): the replacement runs, not the fused SiLU
+    # the activation replaced after patching by one ffn_ext lacks (here Mish): the replacement runs, not the fused
+    # SiLU; by another of the table's (the tanh GELU): fused with that one
     for m in (mlp, mlp0):
-        setattr(m, name, nn.GELU())
+        setattr(m, name, nn.Mish())
     torch.testing.assert_close(mlp(x), mlp0(x), atol=1e-5, rtol=1e-5)
     assert not fused(mlp)
+    for m in (mlp, mlp0):
+        setattr(m, name, nn.GELU(approximate="tanh"))
+    with _Ops() as rec:
+        y = mlp(x)
+    torch.testing.assert_close(y, mlp0(x), atol=1e-5, rtol=1e-5)
+    op = "ffn_ext.geglu_tanh" + ("_packed" if kind == "phi3" else "") + ".default"
+    assert fused(mlp) and op in rec.ops and not any("aten.gelu" in o for o in rec.ops), rec.ops
     setattr(mlp, name, nn.SiLU())  # another SiLU: fused again
     assert fused(mlp)
     # the record of the activation goes with unpatch
@@ -227,7 +400,7 @@ def test_own_classes_are_patched_when_listed_in_extra_classes():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(net, extra_classes=[MyMLP]) == 2
     torch.testing.assert_close(net(x), ref)
-    assert "_SwiGLUMLP" in type(net[1](x.requires_grad_()).grad_fn).__name__
+    assert "_GatedMLP" in type(net[1](x.requires_grad_()).grad_fn).__name__
 
 
 def test_self_check_refuses_a_listed_class_that_is_not_plain_swiglu():
@@ -297,8 +470,10 @@ def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
         torch.testing.assert_close(run(), ref, rtol=0, atol=0)
 
 
-# The forms of plain SwiGLU that _KNOWN's forwards take (their parameter renamed x); the last one is packed, gate first
-PLAIN_SWIGLU = [
+# The forms of a plain gated MLP that _KNOWN's forwards take (their parameter renamed x); the last one is packed,
+# gate first. Which activation act_fn / activation_fn is, patch_model reads from the module (it is whatever
+# ACT2FN[config.hidden_act] gives: SiLU for Llama, the tanh GELU for Gemma, ...).
+PLAIN_GATED = [
     "return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))",
     "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj",
     "down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)\nreturn self.down_proj(down_proj)",
@@ -306,6 +481,7 @@ PLAIN_SWIGLU = [
     "up_states = self.gate_up_proj(x)\ngate, up_states = up_states.chunk(2, dim=-1)\n"
     "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)",
 ]
+_ACT_ATTRS = ("act_fn", "activation_fn")
 
 
 def _body(forward: ast.FunctionDef) -> str | None:
@@ -320,23 +496,63 @@ def _body(forward: ast.FunctionDef) -> str | None:
                      if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
 
 
-def test_known_classes_compute_plain_swiglu():
-    """Every class in ffn_ext.hf._KNOWN that the installed transformers defines has a forward of one of the plain
-    SwiGLU forms (read from the source with ast: nothing is imported)."""
-    forms = {_body(ast.parse("def forward(self, x):\n" + textwrap.indent(f, "    ")).body[0]) for f in PLAIN_SWIGLU}
-    found = {}
+def _self_attrs(tree, names) -> set:
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def _activation_assignments(cls: ast.ClassDef) -> dict | None:
+    """{attribute: source of the value} for the act_fn / activation_fn assignments in cls.__init__ (None: no
+    __init__ in the class)."""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is None:
+        return None
+    out = {}
+    for node in ast.walk(init):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute) and t.attr in _ACT_ATTRS and ast.unparse(t.value) == "self":
+                    out.setdefault(t.attr, []).append(ast.unparse(node.value))
+    return out
+
+
+def test_known_classes_compute_plain_gated_mlp():
+    """Read from transformers' source with ast (nothing imported): every class in ffn_ext.hf._KNOWN that the
+    installed transformers defines has a forward of one of the plain gated forms, and no class of those forms is
+    missing from _KNOWN. The activation the forward applies is the attribute patch_model inspects: __init__ sets
+    that one attribute (not the other name, which patch_model would look at first), once, to ACT2FN[...] or
+    nn.SiLU(), an activation object whose function patch_model identifies at patch time (the ACT2FN tests above)."""
+    forms = {_body(ast.parse("def forward(self, x):\n" + textwrap.indent(f, "    ")).body[0]) for f in PLAIN_GATED}
+    found, plain, acts = {}, set(), {}
     for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
         src = path.read_text()
         if "gate_proj" not in src and "gate_up_proj" not in src:
             continue
         for node in ast.parse(src).body:
-            if isinstance(node, ast.ClassDef) and node.name in ffn_ext.hf._KNOWN:
-                for fwd in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
-                    found.setdefault(node.name, {})[path.name] = _body(fwd)
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for fwd in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
+                body = _body(fwd)
+                if body in forms:
+                    plain.add(node.name)
+                if node.name in ffn_ext.hf._KNOWN:
+                    found.setdefault(node.name, {})[path.name] = body
+                    acts.setdefault(node.name, {})[path.name] = (_self_attrs(fwd, _ACT_ATTRS),
+                                                                 _activation_assignments(node))
     assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen2MoeMLP", "Phi3MLP"} <= found.keys()
+    assert {"GemmaMLP", "Gemma2MLP", "Gemma3MLP", "Gemma4TextMLP", "VaultGemmaMLP"} <= found.keys()
     wrong = {name: files for name, files in found.items() if not set(files.values()) <= forms}
     assert not wrong, wrong
+    assert not plain - ffn_ext.hf._KNOWN, f"plain gated MLPs missing from _KNOWN: {sorted(plain - ffn_ext.hf._KNOWN)}"
     assert not set(LOOKALIKES) & ffn_ext.hf._KNOWN
+    bad = {}
+    for name, files in acts.items():
+        for file, (used, assigned) in files.items():
+            ok = (len(used) == 1 and assigned is not None and set(assigned) == used
+                  and all(len(v) == 1 and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)", v[0]) for v in assigned.values()))
+            if not ok:
+                bad.setdefault(name, {})[file] = (used, assigned)
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("kind, name", [("llama", "x"), ("phi3", "hidden_states"), ("qwen2_5_vl", "hidden_state")])
@@ -352,7 +568,7 @@ def test_patched_forward_takes_the_input_by_name_and_other_calls_go_to_the_origi
     ref = mlp(x)
     assert ffn_ext.patch_hf_model(mlp) == 1
     for y in (mlp(x), mlp(**{name: x})):
-        assert "_SwiGLUMLP" in type(y.grad_fn).__name__
+        assert "_GatedMLP" in type(y.grad_fn).__name__
         torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     for args, kwargs in (((x, x), {}), ((), {"input": x}), ((x,), {name: x})):
         with pytest.raises(TypeError) as patched:

@@ -1,19 +1,21 @@
-"""The CUDA kernels' element math, checked on the CPU.
+"""The CUDA kernels' element math, checked on the CPU, for every op of the table (tests/optable.py) but the packed
+ones (their element math is the gated ops'; tests/test_launcher_emulation.py runs them).
 
 ffn_ext._C._host_math(op, inputs) runs the functors of csrc/ffn_math.h (the code the CUDA kernels run) on the
 host, with the kernels' rounding: load the storage type, compute in the accumulation type A (float for
-float16/bfloat16/float32, double for float64), store once. Here it is compared element by element with an fp64
-reference written from the mathematical definitions (erfc-based GELU, so that the reference itself does not
-cancel for negative x), over random inputs from ordinary to extreme magnitudes, and with the documented limits at
-+-inf and NaN propagation.
+float16/bfloat16/float32, double for float64), store once. Here it is compared element by element with the fp64
+reference of the table (act.ref: the mathematical definitions, e.g. erfc-based GELU, so that the reference itself
+does not cancel for negative x), over random inputs from ordinary to extreme magnitudes, and with the documented
+limits at +-inf and NaN propagation.
 
 Tolerance per element:  0.5 * spacing of the storage type at the reference value   (rounding once)
                       + K * eps(A) * (|ref| + S)                                     (the float/double math)
                       + TINY(A) * M                                                  (exp underflow in A)
                       + K * smallest subnormal of A                                  (math on subnormals)
-where S is the size of the terms that cancel in the formula the kernels use (e.g. |x| for GELU at negative x,
-whose 1 + erf(x/sqrt(2)) cancels) and M the factor multiplying the activation value (grad, up). A kernel that rounded twice (e.g. silu(gate) to bfloat16 before the product)
-would miss the 0.5-spacing bound on a good share of the elements.
+where S is the size of the terms that cancel in the formula the kernels use (the table's act.cancel, e.g. |x| for
+GELU at negative x, whose 1 + erf(x/sqrt(2)) cancels) and M the factor multiplying the activation value (grad,
+up). A kernel that rounded twice (e.g. silu(gate) to bfloat16 before the product) would miss the 0.5-spacing
+bound on a good share of the elements.
 """
 from __future__ import annotations
 
@@ -24,18 +26,20 @@ import pytest
 import torch
 
 import ffn_ext
+from optable import ACTIVATIONS, HOST_OPS, N_INPUTS, N_OUTPUTS, activation_arg, ops_of, spec, terms
 
 _C = getattr(ffn_ext.ops._native, "_host_math", None) and ffn_ext.ops._native
 pytestmark = pytest.mark.skipif(_C is None, reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
                                                    "or a JIT build); build with `pip install --no-build-isolation -e .`")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-OPS = ["gelu", "gelu_backward", "silu", "silu_backward", "swiglu", "swiglu_backward"]
-N_INPUTS = {"gelu": 1, "gelu_backward": 2, "silu": 1, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}
+OPS = HOST_OPS  # unary and gated ops, forward and backward
+UNARY = ops_of(kind="unary")  # with their backward ops
 INV_SQRT2 = 1.0 / math.sqrt(2.0)
 INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 K = 4  # ulps of A allowed for the math in A (measured worst: about 2.1; erf/exp are within 2 ulp)
 TINY = {torch.float32: 1e-35, torch.float64: 1e-300}  # exp(-x) overflows in A: x * sigmoid(x) is lost below this
+ACT_IDS = [a.name for a in ACTIVATIONS]
 
 
 def acc_dtype(dtype):
@@ -43,69 +47,29 @@ def acc_dtype(dtype):
 
 
 # ---------------------------------------------------------------- fp64 reference, with the documented limits
-def _sigmoid(x):
-    return torch.sigmoid(x)
-
-
-def silu_ref(x):
-    return torch.where(x == -math.inf, torch.full_like(x, -0.0), x * _sigmoid(x))
-
-
-def silu_grad_ref(x):
-    s = _sigmoid(x)
-    d = s * (1.0 + x * (1.0 - s))
-    d = torch.where(x == math.inf, torch.ones_like(x), d)
-    return torch.where(x == -math.inf, torch.zeros_like(x), d)
-
-
-def gelu_ref(x):
-    y = 0.5 * x * torch.special.erfc(-x * INV_SQRT2)  # Phi(x) = erfc(-x/sqrt2)/2: no cancellation for x < 0
-    return torch.where(x == -math.inf, torch.full_like(x, -0.0), y)
-
-
-def gelu_grad_ref(x):
-    d = 0.5 * torch.special.erfc(-x * INV_SQRT2) + x * torch.exp(-0.5 * x * x) * INV_SQRT_2PI
-    d = torch.where(x == math.inf, torch.ones_like(x), d)
-    return torch.where(x == -math.inf, torch.zeros_like(x), d)
-
-
-def _cancel_silu_grad(x):  # size of the terms of s * (1 + x * (1 - s))
-    s = _sigmoid(x)
-    return torch.nan_to_num(s * (1.0 + x.abs()), nan=0.0, posinf=0.0)
-
-
-def _cancel_gelu_grad(x):  # size of the terms of Phi(x) + x * phi(x), Phi computed as (1 + erf) / 2
-    return torch.nan_to_num(1.0 + (x * torch.exp(-0.5 * x * x)).abs() * INV_SQRT_2PI, nan=0.0, posinf=0.0)
+def act_value(act, x):
+    """act(x) in float64 with the limits at +-inf (the table's act.ref)."""
+    return act.ref(x)[0]
 
 
 def reference(op, ins):
-    """fp64 inputs -> [(fp64 output, cancellation scale S, factor M multiplying the function value)]."""
-    one = torch.ones_like(ins[0])
-    if op == "gelu":
-        (x,) = ins
-        return [(gelu_ref(x), x.abs(), one)]
-    if op == "gelu_backward":
-        g, x = ins
-        return [(g * gelu_grad_ref(x), g.abs() * _cancel_gelu_grad(x), g.abs())]
-    if op == "silu":
-        (x,) = ins
-        return [(silu_ref(x), 0 * one, one)]
-    if op == "silu_backward":
-        g, x = ins
-        return [(g * silu_grad_ref(x), g.abs() * _cancel_silu_grad(x), g.abs())]
-    if op == "swiglu":
-        gate, up = ins
-        return [(silu_ref(gate) * up, 0 * one, up.abs())]
-    if op == "swiglu_backward":
-        g, gate, up = ins
-        return [(g * up * silu_grad_ref(gate), (g * up).abs() * _cancel_silu_grad(gate), (g * up).abs()),
-                (g * silu_ref(gate), 0 * one, g.abs())]
-    raise ValueError(op)
+    """fp64 inputs -> [(fp64 output, cancellation scale S, factor M multiplying the function value)], one per
+    output, from the table's act.ref (value, derivative) and act.cancel (S of the value, of the derivative)."""
+    act = spec(op).act
+    out = []
+    for which, x, factors in terms(op, ins):
+        k = 0 if which == "f" else 1
+        v, s = act.ref(x)[k], act.cancel(x)[k]
+        m = torch.ones_like(x)
+        for f in factors:
+            m = m * f
+        out.append((m * v, m.abs() * s, m.abs()))
+    return out
 
 
 def host_math(op, ins, dtype):
     outs = _C._host_math(op, [t.to(dtype) for t in ins])
-    assert len(outs) == (2 if op == "swiglu_backward" else 1)
+    assert len(outs) == N_OUTPUTS[op]
     for o in outs:
         assert o.dtype == dtype and o.shape == ins[0].shape
     return outs
@@ -190,18 +154,21 @@ def grad_like(n, dtype, gen):
 
 
 def make_inputs(op, dtype, gen):
+    """x (or gate) from value_mix, grad from grad_like, up from value_mix clamped to +-1e3."""
     x = value_mix(4000, dtype, gen)
     n = x.numel()
-    if op in ("gelu", "silu"):
-        return [x]
-    if op in ("gelu_backward", "silu_backward"):
-        return [grad_like(n, dtype, gen), x]
-    up = value_mix(4000, dtype, gen)[:n]
-    up = torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)]) if up.numel() < n else up
-    up = representable(up.clamp(-1e3, 1e3), dtype)  # keep silu(gate) * up inside float16's range
-    if op == "swiglu":
-        return [x, up]
-    return [grad_like(n, dtype, gen), x, up]
+    ins = []
+    for name in spec(op).args:
+        if name in ("x", "gate"):
+            ins.append(x)
+        elif name == "grad":
+            ins.append(grad_like(n, dtype, gen))
+        else:  # up
+            up = value_mix(4000, dtype, gen)[:n]
+            up = torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)]) \
+                if up.numel() < n else up
+            ins.append(representable(up.clamp(-1e3, 1e3), dtype))  # keep act(gate) * up inside float16's range
+    return ins
 
 
 # ---------------------------------------------------------------- tests
@@ -216,19 +183,12 @@ def test_host_math_matches_fp64_reference(op, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("op", OPS)
 def test_host_math_dense_grid(op, dtype):
-    """Every value on a fine grid over [-12, 12] (where the curves bend and the zero of silu' sits)."""
+    """Every value on a fine grid over [-12, 12] (where the curves bend and the derivatives' zeros sit)."""
     x = representable(torch.linspace(-12, 12, 24001, dtype=torch.float64), dtype).unique()
     gen = torch.Generator().manual_seed(7)
-    rest = [representable(torch.randn(x.numel(), generator=gen, dtype=torch.float64) * 3 + 0.1, dtype)
-            for _ in range(N_INPUTS[op] - 1)]
-    if op in ("gelu_backward", "silu_backward"):
-        ins = [rest[0], x]
-    elif op == "swiglu":
-        ins = [x, rest[0]]
-    elif op == "swiglu_backward":
-        ins = [rest[0], x, rest[1]]
-    else:
-        ins = [x]
+    ins = [representable(torch.randn(x.numel(), generator=gen, dtype=torch.float64) * 3 + 0.1, dtype)
+           for _ in range(N_INPUTS[op])]
+    ins[activation_arg(op)] = x
     check(op, ins, dtype, "(grid)")
 
 
@@ -240,12 +200,10 @@ def test_huge_finite_inputs(dtype):
     big = representable(big[big <= fi.max], dtype)
     x = torch.cat([big, -big])
     one = torch.ones_like(x)
-    for op in ("gelu", "silu"):
-        check(op, [x], dtype, "(huge)")
-    for op in ("gelu_backward", "silu_backward"):
-        check(op, [one * 0.5, x], dtype, "(huge)")
-    check("swiglu", [x, one * 0.75], dtype, "(huge)")
-    check("swiglu_backward", [one * 0.5, x, one * 0.75], dtype, "(huge)")
+    for op in OPS:  # the activation's argument huge, grad 0.5, up 0.75
+        ins = [one * (0.5 if name == "grad" else 0.75) for name in spec(op).args]
+        ins[activation_arg(op)] = x
+        check(op, ins, dtype, "(huge)")
 
 
 def every_16bit_value(dtype):
@@ -254,10 +212,11 @@ def every_16bit_value(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("op", ["gelu", "gelu_backward", "silu", "silu_backward"])
+@pytest.mark.parametrize("op", UNARY)
 def test_every_16bit_input(op, dtype):
-    """Exhaustive over the activation's input: 16-bit GELU runs its own tail formula (not erff), so every value
-    it can be given is checked, and at least 99.9% of the forward results must be the correctly rounded value."""
+    """Exhaustive over the activation's input: 16-bit GELU runs its own tail formula (not erff), and every
+    activation its own fast-math path, so every value it can be given is checked, and at least 99.9% of the
+    forward results must be the correctly rounded value."""
     x = every_16bit_value(dtype)
     if op.endswith("_backward"):
         gen = torch.Generator().manual_seed(11)
@@ -267,7 +226,7 @@ def test_every_16bit_input(op, dtype):
     outs = host_math(op, [x], dtype)
     check(op, [x], dtype, "(every value)", outs=outs)
     (y,) = outs
-    ref = (gelu_ref if op == "gelu" else silu_ref)(x)
+    ref = act_value(spec(op).act, x)
     fin = torch.isfinite(ref)
     exact = (y.double() == ref.to(dtype).double())[fin].double().mean()
     assert exact > 0.999, f"{op} {dtype}: only {exact:.4%} of results are the correctly rounded value"
@@ -286,9 +245,9 @@ def test_gelu_tail_coefficients_are_the_fit():
     k = float(re.search(r"kK = ([0-9.e+-]+)f;", body).group(1))
     c = [float(v) for v in re.findall(r"(-?[0-9.]+(?:e[+-]?[0-9]+)?)f",
                                        re.search(r"c\[8\] = \{([^}]*)\}", body).group(1))]
-    spec = importlib.util.spec_from_file_location("fit_gelu_tail", root / "csrc" / "fit_gelu_tail.py")
-    fit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit)
+    mod_spec = importlib.util.spec_from_file_location("fit_gelu_tail", root / "csrc" / "fit_gelu_tail.py")
+    fit = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(fit)
     assert k == fit.K and len(c) == fit.DEGREE + 1
     c_fit, err_fit = fit.fit(iterations=100)
     assert err_fit < 1.2e-7
@@ -306,28 +265,30 @@ def _bits_negative_zero(t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_documented_limits_at_infinity_and_nan(dtype):
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+def test_documented_limits_at_infinity_and_nan(act, dtype):
     inf, nan = math.inf, math.nan
     x = torch.tensor([inf, -inf, nan], dtype=dtype)
 
-    (y,) = _C._host_math("gelu", [x])
-    assert y[0].item() == inf and _bits_negative_zero(y[1]) and math.isnan(y[2].item()), y
-    (y,) = _C._host_math("silu", [x])
+    (y,) = _C._host_math(act.name, [x])
     assert y[0].item() == inf and _bits_negative_zero(y[1]) and math.isnan(y[2].item()), y
 
     g = torch.tensor([1.5, 1.5, 1.5], dtype=dtype)
-    for op in ("gelu_backward", "silu_backward"):  # derivative 1 at +inf, 0 at -inf
-        (y,) = _C._host_math(op, [g, x])
-        assert y[0].item() == 1.5 and y[1].item() == 0.0 and math.isnan(y[2].item()), (op, y)
-    (y,) = _C._host_math("gelu_backward", [torch.tensor([nan, 2.0], dtype=dtype), torch.tensor([0.0, nan], dtype=dtype)])
+    (y,) = _C._host_math(act.name + "_backward", [g, x])  # derivative 1 at +inf, 0 at -inf
+    assert y[0].item() == 1.5 and y[1].item() == 0.0 and math.isnan(y[2].item()), y
+    (y,) = _C._host_math(act.name + "_backward", [torch.tensor([nan, 2.0], dtype=dtype),
+                                                  torch.tensor([0.0, nan], dtype=dtype)])
     assert torch.isnan(y).all(), y
 
     up = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
-    (h,) = _C._host_math("swiglu", [x, up])
+    (h,) = _C._host_math(act.gated, [x, up])
     assert h[0].item() == inf and h[1].item() == 0.0 and math.isnan(h[2].item()), h
-    (h,) = _C._host_math("swiglu", [torch.tensor([1.0, -1.0, 0.5], dtype=dtype), torch.tensor([inf, inf, nan], dtype=dtype)])
-    assert h[0].item() == inf and h[1].item() == -inf and math.isnan(h[2].item()), h
-    dgate, dup = _C._host_math("swiglu_backward", [g, x, up])
+    # an infinite up times a finite nonzero act(gate): an infinity of act(gate)'s sign; NaN propagates
+    gate = torch.tensor([1.0, -1.0, 0.5], dtype=dtype)
+    (h,) = _C._host_math(act.gated, [gate, torch.tensor([inf, inf, nan], dtype=dtype)])
+    want = act_value(act, gate.double()) * torch.tensor([inf, inf, nan], dtype=torch.float64)
+    assert torch.equal(h.double().nan_to_num(0.5), want.nan_to_num(0.5)), (h, want)
+    dgate, dup = _C._host_math(act.gated + "_backward", [g, x, up])
     assert dgate[0].item() == 3.0 and dgate[1].item() == 0.0 and math.isnan(dgate[2].item()), dgate
     assert dup[0].item() == inf and dup[1].item() == 0.0 and math.isnan(dup[2].item()), dup
 
@@ -345,45 +306,61 @@ def test_specials_in_every_combination(dtype):
         check(op, ins, dtype, "(specials)")
 
 
-def test_reference_matches_aten_float64():
-    """The reference used above agrees with ATen in float64 (checks the checker). ATen's GELU uses 1 + erf, which
-    cancels for negative x, so the allowed difference there is a few ulps of |x| rather than of the value."""
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+def test_reference_matches_aten_float64(act):
+    """The reference used above (act.ref) agrees with ATen (act.aten, act.aten_backward) in float64 (checks the
+    checker, and that the table's two descriptions of the activation are the same function). ATen's formulas may
+    cancel where the reference does not (the exact GELU's 1 + erf for negative x, the tanh GELU's 1 + tanh and
+    1 - tanh^2, SiLU's derivative near its zero), so the allowed difference is a few ulps of the terms' size: |x|
+    for the value, |grad| (1 + |x| + |x|^3) for the derivative, on top of the value's own ulps."""
     x = torch.cat([torch.randn(5000, dtype=torch.float64) * 4, torch.linspace(-30, 30, 1001, dtype=torch.float64)])
     g = torch.randn_like(x)
     eps = torch.finfo(torch.float64).eps
+    f, d = act.ref(x)
     pairs = [
-        (gelu_ref(x), torch.nn.functional.gelu(x), x.abs()),
-        (silu_ref(x), torch.nn.functional.silu(x), 0 * x),
-        (g * gelu_grad_ref(x), torch.ops.aten.gelu_backward(g, x), g.abs()),
-        (g * silu_grad_ref(x), torch.ops.aten.silu_backward(g, x), g.abs() * (1 + x.abs()) * torch.sigmoid(x)),
+        ("value", f, act.aten(x), x.abs()),
+        ("grad * derivative", g * d, act.aten_backward(g, x), g.abs() * (1 + x.abs() + x.abs() ** 3)),
     ]
-    for i, (ours, aten, scale) in enumerate(pairs):
+    for what, ours, aten, scale in pairs:
         err = (ours - aten).abs()
         tol = 8 * eps * (ours.abs() + scale) + 1e-300
-        assert (err <= tol).all(), (i, float((err / tol).max()), x[err > tol][:5].tolist())
+        assert (err <= tol).all(), (act.name, what, float((err / tol).max()), x[err > tol][:5].tolist())
+    # and the two descriptions are not vacuous: the reference is not another activation's
+    for other in ACTIVATIONS:
+        if other is not act:
+            assert not torch.allclose(other.ref(x)[0], f, rtol=1e-6, atol=0), (act.name, other.name)
 
 
 def test_host_math_rejects_bad_calls():
     with pytest.raises(ValueError, match="unknown op"):
         _C._host_math("tanh", [torch.ones(2)])
-    with pytest.raises(ValueError, match="expected 2 inputs"):
-        _C._host_math("swiglu", [torch.ones(2)])
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        _C._host_math("swiglu", [torch.ones(2), torch.ones(3)])
+    for op in OPS:
+        n = N_INPUTS[op]
+        with pytest.raises(ValueError, match=f"expected {n} inputs"):
+            _C._host_math(op, [torch.ones(2)] * (n - 1 if n > 1 else 2))
+        if n > 1:
+            with pytest.raises(ValueError, match="one shape and dtype"):
+                _C._host_math(op, [torch.ones(2)] * (n - 1) + [torch.ones(3)])
+    for packed in ops_of(kind="packed"):  # not host-math ops: their element math is the gated op's
+        with pytest.raises(ValueError, match="unknown op"):
+            _C._host_math(packed, [torch.ones(2)])
 
 
-def test_host_math_rounds_once_for_half_types():
-    """A fused product rounded once is closer to fp64 than silu(gate) rounded to bf16 and then multiplied:
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+def test_host_math_rounds_once_for_half_types(act):
+    """A fused product rounded once is closer to fp64 than act(gate) rounded to bf16 and then multiplied:
     the host math must beat that two-rounding recipe on average, and never lose by more than the math error."""
     gen = torch.Generator().manual_seed(3)
     gate = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
     up = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
-    (h,) = _C._host_math("swiglu", [gate.bfloat16(), up.bfloat16()])
-    ref = silu_ref(gate) * up
-    twice = (torch.nn.functional.silu(gate.bfloat16().float()).bfloat16().float() * up.float()).bfloat16().double()
+    (h,) = _C._host_math(act.gated, [gate.bfloat16(), up.bfloat16()])
+    ref = act_value(act, gate) * up
+    twice = (act.aten(gate.bfloat16().float()).bfloat16().float() * up.float()).bfloat16().double()
     err_once = (h.double() - ref).abs()
     err_twice = (twice - ref).abs()
-    assert err_once.mean() < 0.8 * err_twice.mean(), (err_once.mean(), err_twice.mean())
+    # (measured: 0.75 of the two-rounding error for SiLU, 0.86 for the GELUs, whose values are often exact in
+    # bfloat16 already; rounding twice would give about 1)
+    assert err_once.mean() < 0.92 * err_twice.mean(), (err_once.mean(), err_twice.mean())
     correctly_rounded = (h.double() == ref.to(torch.bfloat16).double()).double().mean()
     assert correctly_rounded > 0.999, f"only {correctly_rounded:.4%} of bfloat16 results are the correctly rounded value"
 
@@ -394,7 +371,7 @@ def test_host_math_rounds_once_for_half_types():
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_kernels_match_reference_and_host_math(op, dtype):
     """The same inputs and tolerances through torch.ops.ffn_ext on the GPU (the device's erff/expf, and for 16-bit
-    types its approximate reciprocal and exp2, differ from the host's in the last bits; 16-bit GELU and SiLU also
+    types its approximate reciprocal and exp2, differ from the host's in the last bits; the 16-bit unary ops also
     get every input value), plus the GPU results against the host math: within the two results' error
     allowances, so the host path tests the formulas the device runs. (Not
     'the same value or a neighbour': where a formula cancels, such as 1 + erf(x) for negative x or the sigmoid
@@ -404,9 +381,9 @@ def test_cuda_kernels_match_reference_and_host_math(op, dtype):
     specials = [representable(t.reshape(-1), dtype)
                 for t in torch.meshgrid(*([vals] * N_INPUTS[op]), indexing="ij")]
     sets = [("random", make_inputs(op, dtype, gen)), ("specials", specials)]
-    if op in ("gelu", "gelu_backward", "silu", "silu_backward") and dtype in (torch.float16, torch.bfloat16):
+    if op in UNARY and dtype in (torch.float16, torch.bfloat16):
         x = every_16bit_value(dtype)
-        sets.append(("every value", [x] if op in ("gelu", "silu") else [grad_like(x.numel(), dtype, gen), x]))
+        sets.append(("every value", [x] if not spec(op).backward else [grad_like(x.numel(), dtype, gen), x]))
     for what, ins in sets:
         outs = getattr(torch.ops.ffn_ext, op)(*[t.to(dtype).cuda() for t in ins])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]

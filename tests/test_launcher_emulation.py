@@ -1,4 +1,5 @@
-"""The CUDA launch of every op, emulated on the CPU: runs in CI, where there is no GPU.
+"""The CUDA launch of every op of the table (tests/optable.py), emulated on the CPU: runs in CI, where there is no
+GPU.
 
 ffn_ext._C._emulate_cuda(op, inputs, sms) builds the RowProblem the CUDA kernel gets (csrc/row_ops.h, the code
 the CUDA ops use), takes the launch shape csrc/rows.h computes for a GPU with `sms` multiprocessors, and runs
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import ffn_ext
+from optable import ACTIVATIONS, HOST_OPS, N_INPUTS, PACKED_OPS, activation_arg, is_packed, spec, unpack
 
 _C = ffn_ext.ops._native
 pytestmark = pytest.mark.skipif(getattr(_C, "_emulate_cuda", None) is None,
@@ -53,12 +55,12 @@ def _host(op, *ins):
 
 
 def expected(op, ins):
-    if op == "swiglu_packed":
-        gate, up = ins[0].chunk(2, -1)
-        return _host("swiglu", gate, up)
-    if op == "swiglu_packed_backward":
-        grad, (gate, up) = ins[0], ins[1].chunk(2, -1)
-        return [torch.cat(_host("swiglu_backward", grad, gate, up), -1)]
+    """The host math of op's functor: a packed op is its gated op on gate, up = gate_up.chunk(2, -1), with the
+    backward's (dgate, dup) concatenated."""
+    if is_packed(op):
+        gated, gated_ins = unpack(op, ins)
+        outs = _host(gated, *gated_ins)
+        return [torch.cat(outs, -1)] if spec(op).backward else outs
     return _host(op, *ins)
 
 
@@ -70,7 +72,9 @@ def check(op, ins, sms, what):
         _same_bits(g, w, f"{op}[{k}] {ins[0].dtype} {what} sms={sms}")
 
 
-SAME_SHAPE = {"gelu": 1, "silu": 1, "gelu_backward": 2, "silu_backward": 2, "swiglu": 2, "swiglu_backward": 3}
+SAME_SHAPE = {op: N_INPUTS[op] for op in HOST_OPS}  # the ops whose inputs all have the output's shape
+GATED = [a.gated for a in ACTIVATIONS]
+ACT_IDS = [a.name for a in ACTIVATIONS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -88,7 +92,7 @@ def test_contiguous_and_misaligned_lengths(op, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("op", ["swiglu", "swiglu_backward"])
+@pytest.mark.parametrize("op", [g + suffix for g in GATED for suffix in ("", "_backward")])
 def test_chunk_views_with_a_row_stride(op, dtype):
     """gate, up = x.chunk(2, -1): rows of M elements with row stride 2M, read in place; M odd or even, rows
     starting on and off 16-byte boundaries (the head differs row by row when M is odd)."""
@@ -96,64 +100,76 @@ def test_chunk_views_with_a_row_stride(op, dtype):
     for rows, m in [(1, 5), (3, 8), (16, 4864), (7, 4865), (33, 96), (5, 1)]:
         gate, up = _rand([rows, 2 * m], dtype, gen).chunk(2, -1)
         grad = _rand([rows, m], dtype, gen, 1)
-        ins = [gate, up] if op == "swiglu" else [grad, gate, up]
+        ins = [grad, gate, up] if spec(op).backward else [gate, up]
         for sms in (132, 2):
             check(op, ins, sms, f"chunk rows={rows} M={m}")
-        if op == "swiglu":  # up as the view with the offset, gate contiguous
+        if not spec(op).backward:  # up as the view with the offset, gate contiguous
             check(op, [_rand([rows, m], dtype, gen), up], 132, f"contiguous gate, chunk up rows={rows} M={m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_packed_forward_and_backward(dtype):
-    """swiglu_packed reads both halves of each [..., 2M] row in place; its backward writes dgate and dup into the
+@pytest.mark.parametrize("op", PACKED_OPS)
+def test_packed_forward_and_backward(op, dtype):
+    """<gated>_packed reads both halves of each [..., 2M] row in place; its backward writes dgate and dup into the
     two halves of one packed output (row stride 2M for both outputs)."""
     gen = torch.Generator().manual_seed(3)
     for shape in [(1, 2), (3, 18), (2, 5, 34), (16, 9728), (9, 9730), (4, 2 * 4863)]:
         gate_up = _rand(list(shape), dtype, gen)
         grad = _rand(list(shape[:-1]) + [shape[-1] // 2], dtype, gen, 1)
         for sms in (132, 2):
-            check("swiglu_packed", [gate_up], sms, f"shape={shape}")
-            check("swiglu_packed_backward", [grad, gate_up], sms, f"shape={shape}")
+            check(op, [gate_up], sms, f"shape={shape}")
+            check(op + "_backward", [grad, gate_up], sms, f"shape={shape}")
         # a packed input that is itself a view with a row stride (every other row of a bigger tensor)
         big = _rand([2 * shape[0], shape[-1]], dtype, gen) if len(shape) == 2 else None
         if big is not None:
-            check("swiglu_packed", [big[::2]], 132, f"strided rows shape={shape}")
+            check(op, [big[::2]], 132, f"strided rows shape={shape}")
+            check(op + "_backward", [grad, big[::2]], 132, f"strided rows shape={shape}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-def test_more_rows_than_grid_y(dtype):
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+def test_more_rows_than_grid_y(act, dtype):
     """More than 65535 rows: grid.y stops at 65535 and each block loops over rows y, y + 65535, ..."""
     gen = torch.Generator().manual_seed(4)
     gate, up = _rand([70_001, 6], dtype, gen).chunk(2, -1)
-    check("swiglu", [gate, up], 132, "70001 chunk rows")
-    check("swiglu_packed", [_rand([70_001, 4], dtype, gen)], 132, "70001 packed rows")
+    check(act.gated, [gate, up], 132, "70001 chunk rows")
+    check(act.gated + "_packed", [_rand([70_001, 4], dtype, gen)], 132, "70001 packed rows")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=lambda d: str(d).split(".")[-1])
-def test_layouts_that_need_a_copy_and_broadcast_rows(dtype):
+@pytest.mark.parametrize("op", list(SAME_SHAPE))
+def test_layouts_that_need_a_copy_and_broadcast_rows(op, dtype):
     """Transposed and every-other-column inputs cannot be rows with a contiguous last dim: made contiguous first.
-    Expanded rows (stride 0 along the rows) can: read in place."""
+    Expanded rows (stride 0 along the rows) can: read in place. The activation's argument gets the layout, the
+    other inputs are contiguous."""
     gen = torch.Generator().manual_seed(5)
+    k = activation_arg(op)
     x = _rand([40, 24], dtype, gen)
-    check("gelu", [x.t()], 132, "transposed")
-    check("silu", [x[:, ::2]], 132, "every other column")
     row = _rand([1, 37], dtype, gen)
-    check("swiglu", [row.expand(9, 37), _rand([9, 37], dtype, gen)], 132, "expanded gate rows")
-    check("gelu_backward", [_rand([9, 37], dtype, gen), row.expand(9, 37)], 2, "expanded x rows")
+    for what, a, shape, sms in (("transposed", x.t(), [24, 40], 132), ("every other column", x[:, ::2], [40, 12], 2),
+                                ("expanded rows", row.expand(9, 37), [9, 37], 132)):
+        ins = [_rand(shape, dtype, gen) for _ in range(N_INPUTS[op])]
+        ins[k] = a
+        check(op, ins, sms, what)
 
 
 def test_empty_and_zero_dim():
     gen = torch.Generator().manual_seed(6)
     for dtype in DTYPES:
-        check("gelu", [torch.empty(0, 5, dtype=dtype)], 132, "empty")
-        check("silu", [_rand([], dtype, gen)], 132, "0-dim")
-        check("swiglu_packed", [torch.empty(3, 0, dtype=dtype)], 132, "M = 0")
+        for op, n in SAME_SHAPE.items():
+            check(op, [torch.empty(0, 5, dtype=dtype)] * n, 132, "empty")
+            check(op, [_rand([], dtype, gen) for _ in range(n)], 132, "0-dim")
+        for op in PACKED_OPS:
+            check(op, [torch.empty(3, 0, dtype=dtype)], 132, "M = 0")
+            check(op + "_backward", [torch.empty(3, 0, dtype=dtype)] * 2, 132, "M = 0")
 
 
 def test_emulate_cuda_rejects_bad_calls():
     with pytest.raises(ValueError, match="unknown op"):
         _C._emulate_cuda("tanh", [torch.ones(2)])
-    with pytest.raises(ValueError, match="takes 2 inputs"):
-        _C._emulate_cuda("swiglu", [torch.ones(2)])
+    for op in list(SAME_SHAPE) + list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:
+        n = N_INPUTS[op]
+        with pytest.raises(ValueError, match=f"takes {n} inputs"):
+            _C._emulate_cuda(op, [torch.ones(2)] * (n + 1))
     with pytest.raises(ValueError, match="sms"):
         _C._emulate_cuda("gelu", [torch.ones(2)], 0)

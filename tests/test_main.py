@@ -10,6 +10,7 @@ import torch
 
 import ffn_ext
 from ffn_ext import __main__ as demo
+from ffn_ext.table import OPS as TABLE_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
@@ -43,14 +44,51 @@ def test_main_key_lines(full_run):
     # the parameter table
     assert re.search(r"standard FFN, d_ff = 4D\s+2\s+16384\s+134,217,728", out)
     assert re.search(r"SwiGLU, 8/3 rule to 256 \(LLaMA\)\s+3\s+11008\s+135,266,304", out)
-    # every op, every dtype, and the module
-    for op in demo.OPS:
+    # every op of the table (18: six per activation), every dtype, each gated op on chunk views, and the module
+    assert set(demo.OPS) == set(TABLE_OPS) and len(demo.OPS) == 6 * len({s.act.name for s in TABLE_OPS.values()})
+    for op in [*demo.OPS, *(f"{s.name} \\(chunk views\\)" for s in TABLE_OPS.values() if s.kind == "gated"
+                            and not s.backward)]:
         for dtype in ("float64", "float32", "bfloat16"):
             assert re.search(rf"^\s+{op}\s+{dtype}\s+\S+\s+\S+\s+\S+\s+\S+\s+ok$", out, re.M), (op, dtype)
     assert re.search(r"SwiGLUFFN fwd\+bwd\s+float32 .* ok$", out, re.M)
     # the timing, labelled with the device
     assert re.search(r"== Timing on " + ("GPU" if GPU else "CPU"), out)
-    assert re.search(r"swiglu fwd\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out)
+    for case in ("swiglu fwd", "geglu_tanh fwd", "swiglu bwd", "geglu_tanh bwd", "swiglu_packed fwd", "gelu fwd"):
+        assert re.search(case + r"\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), case
+
+
+def test_cases_cover_the_table_with_aten_references():
+    """op_cases: one case per op of the table (plus chunk views of the gated ops), each with the reference built
+    from the table's ATen forms; the references agree with autograd through act.aten in float64."""
+    cases = demo.op_cases()
+    assert set(TABLE_OPS) <= set(cases)
+    assert set(cases) - set(TABLE_OPS) == {f"{s.name} (chunk views)" for s in TABLE_OPS.values()
+                                           if s.kind == "gated" and not s.backward}
+    gen = torch.Generator().manual_seed(0)
+    for name, spec in TABLE_OPS.items():
+        if not spec.backward:
+            continue
+        make, _, ref = cases[name]
+        fwd = cases[spec.forward_name][2]
+        grad, *inputs = make(3, 8, torch.float64, torch.device("cpu"), gen)
+        want = demo._vjp(fwd, grad, *inputs)
+        got = ref(grad, *inputs)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_checker_accepts_atens_own_error_only(capsys):
+    """An error above the tolerance passes only where ATen eager in the same dtype errs as much, element by
+    element (the note names the case); the same error without it fails."""
+    unary = demo.op_cases()["gelu"][0]
+    f = torch.nn.functional.gelu
+    off = lambda x: f(x) + 1e-4 * (x > 2)  # noqa: E731
+    like_aten = lambda x: off(x) if x.dtype == torch.float32 else f(x)  # noqa: E731  (exact in float64)
+    assert demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
+                          cases={"gelu_like_aten": (unary, off, like_aten)})
+    assert "within it plus twice ATen eager's own error" in capsys.readouterr().out
+    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
+                              cases={"gelu_worse_than_aten": (unary, off, f)})
 
 
 def test_checker_catches_a_wrong_op(capsys):
@@ -73,11 +111,10 @@ def test_checker_catches_a_wrong_op(capsys):
 def test_main_returns_one_on_fail(monkeypatch, capsys):
     real = demo.op_cases
 
-    def broken():
+    def broken():  # two cases, one of them off: the run is short, and main must say FAIL
         cases = real()
         make, op, ref = cases["silu"]
-        cases["silu"] = (make, lambda x: op(x) + 1e-3, ref)
-        return cases
+        return {"gelu_tanh": cases["gelu_tanh"], "silu": (make, lambda x: op(x) + 1e-3, ref)}
 
     monkeypatch.setattr(demo, "op_cases", broken)
     assert demo.main(["--quick", "--device", "cpu", "--threads", "0"]) == 1  # 0: leave torch threads

@@ -1,4 +1,6 @@
-"""ffn_ext.GELU/SiLU/SwiGLU, FFN, SwiGLUFFN (lean autograd: gradcheck, saved bytes, torch.compile) and sizing."""
+"""ffn_ext.GELU/SiLU/SwiGLU/GeGLU/Gated, FFN, the gated FFNs (GatedFFN, SwiGLUFFN, GeGLUFFN) and their lean autograd
+(ffn_ext.mlp: gradcheck, saved bytes, peak memory, torch.compile), and sizing. "Every gated activation" tests run over
+ffn_ext/table.py's ACTIVATIONS, against the eager formula with the entry's ATen expression."""
 import warnings
 import weakref
 
@@ -10,13 +12,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ffn_ext
-from ffn_ext import modules as M
+from ffn_ext import mlp as M
+from ffn_ext.table import ACTIVATIONS, BY_NAME
 
 CUDA = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
 DEVICES = ["cpu", pytest.param("cuda", marks=[cuda, needs_cuda])]
+ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
+
+
+class _Ops(TorchDispatchMode):
+    """Records the names of the ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _close(a, b, dtype=None):
@@ -65,9 +81,22 @@ def test_unary_modules_take_torchs_arguments(ours, ref, device):
     assert repr(ffn_ext.GELU()) == repr(nn.GELU()) and repr(ffn_ext.SiLU()) == repr(nn.SiLU())
 
 
-def test_gelu_module_rejects_unknown_approximation():
-    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
-        ffn_ext.GELU(approximate="erf")
+@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
+@pytest.mark.parametrize("approximate,op", [("none", "ffn_ext.gelu.default"), ("tanh", "ffn_ext.gelu_tanh.default")])
+def test_gelu_module_runs_ffn_ext_kernels(approximate, op):
+    # GELU(approximate="tanh") runs ffn_ext's gelu_tanh op (it once ran ATen's tanh GELU), forward and backward
+    x = torch.randn(4, 9, requires_grad=True)
+    with _Ops() as rec:
+        ffn_ext.GELU(approximate=approximate)(x).sum().backward()
+    assert op in rec.ops and op.replace(".default", "_backward.default") in rec.ops, rec.ops
+    assert not any(o.startswith("aten.gelu") for o in rec.ops), rec.ops
+
+
+@pytest.mark.parametrize("cls", [ffn_ext.GELU, ffn_ext.GeGLU, ffn_ext.GeGLUFFN])
+def test_gelu_modules_reject_unknown_approximation(cls):
+    args = (8, 16) if cls is ffn_ext.GeGLUFFN else ()
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: approximate must be 'none' or 'tanh'"):
+        cls(*args, approximate="erf")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,8 +124,49 @@ def test_swiglu_module_rejects_odd_packed_width():
         ffn_ext.SwiGLU()(torch.randn(4, 7))
 
 
+def _gated_module(act):
+    """ffn_ext's module for act(gate) * up: SwiGLU(), GeGLU(approximate) by the entry's public name."""
+    return ffn_ext.SwiGLU() if act.api[0] == "silu" else ffn_ext.GeGLU(**act.api[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_modules_two_args_and_packed(act, device):
+    """SwiGLU, GeGLU(approximate) and Gated(name), two arguments or packed, against act.aten(gate) * up in fp64."""
+    gate_up = _rand(5, 3, 2 * 33, dtype=torch.float64, device=device)
+    ref_in = gate_up.detach().clone().requires_grad_()
+    g0, u0 = ref_in.chunk(2, dim=-1)
+    ref = act.aten(g0) * u0
+    w = torch.randn_like(ref)
+    (4 * ref * w).sum().backward()  # each of the two modules is used twice
+    total = 0
+    for mod in (_gated_module(act), ffn_ext.Gated(act.name)):
+        assert mod.activation == act.name
+        g, u = gate_up.chunk(2, dim=-1)
+        two, packed = mod(g, u), mod(gate_up)
+        _close(two, ref)
+        _close(packed, ref)
+        total = total + two + packed
+    (total * w).sum().backward()
+    _close(gate_up.grad, ref_in.grad)
+
+
+def test_gated_module_names_and_errors():
+    assert repr(ffn_ext.SwiGLU()) == "SwiGLU()"
+    assert repr(ffn_ext.GeGLU()) == "GeGLU(approximate='none')"
+    assert repr(ffn_ext.GeGLU(approximate="tanh")) == "GeGLU(approximate='tanh')"
+    assert repr(ffn_ext.Gated("gelu_tanh")) == "Gated(activation='gelu_tanh')"
+    assert ffn_ext.GeGLU(approximate="tanh").activation == "gelu_tanh" and ffn_ext.GeGLU().activation == "gelu"
+    for bad in ("swiglu", "relu", None):
+        with pytest.raises(ValueError, match="Gated: `activation` must be one of"):
+            ffn_ext.Gated(bad)
+    with pytest.raises(ValueError):
+        ffn_ext.GeGLU()(torch.randn(4, 7))
+
+
 # ---------------------------------------------------------------- FFN
-@pytest.mark.parametrize("activation,fn", [("gelu", F.gelu), ("silu", F.silu), ("relu", F.relu), ("GELU", F.gelu)])
+@pytest.mark.parametrize("activation,fn",
+                         [(a.name, a.aten) for a in ACTIVATIONS] + [("relu", F.relu), ("GELU", F.gelu)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_ffn_matches_composite(activation, fn, bias):
     torch.manual_seed(2)
@@ -118,6 +188,15 @@ def test_ffn_matches_composite(activation, fn, bias):
 def test_ffn_unknown_activation(bad):
     with pytest.raises(ValueError, match="activation"):
         ffn_ext.FFN(8, 16, activation=bad)
+
+
+def test_ffn_activations_come_from_the_table():
+    """FFN takes every activation of the table (and relu), each run by ffn_ext's module for it."""
+    assert set(ffn_ext.modules._FFN_ACTIVATIONS) == set(BY_NAME) | {"relu"}
+    acts = {name: ffn_ext.FFN(8, 16, activation=name).act for name in BY_NAME}
+    assert repr(acts["gelu"]) == repr(ffn_ext.GELU()) and repr(acts["silu"]) == repr(ffn_ext.SiLU())
+    assert repr(acts["gelu_tanh"]) == repr(ffn_ext.GELU(approximate="tanh"))
+    assert repr(ffn_ext.FFN(8, 16, activation="gelu_tanh")).startswith("FFN(\n  activation='gelu_tanh'")
 
 
 # ---------------------------------------------------------------- SwiGLUFFN
@@ -161,7 +240,7 @@ def test_swiglu_ffn_matches_eager(bias, dtype, device):
     mlp = ffn_ext.SwiGLUFFN(48, 136, bias=bias).to(device=device, dtype=dtype)
     x = _rand(3, 11, 48, dtype=dtype, device=device, scale=1.0)
     y = mlp(x)
-    assert "_SwiGLUMLP" in type(y.grad_fn).__name__  # the lean Function, not the module path
+    assert "_GatedMLP" in type(y.grad_fn).__name__  # the lean Function, not the module path
     y0 = _eager(mlp, x)
     gy = torch.randn_like(y)
     got = torch.autograd.grad(y, (x, *mlp.parameters()), gy)
@@ -210,20 +289,26 @@ def test_swiglu_mlp_gradcheck_and_gradgradcheck(bias):
         assert torch.autograd.gradgradcheck(ffn_ext.swiglu_mlp_packed, packed)
 
 
-def test_swiglu_ffn_aten_fallback(monkeypatch):
-    """Without a native library the lean Function runs on ATen ops (still the same results)."""
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_ffn_aten_fallback(monkeypatch, act):
+    """Without a native library the lean Function runs on ATen ops (the table's fallbacks; still the same
+    results)."""
     torch.manual_seed(7)
-    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True).double()
+    mlp = _gated_ffn(act, 16, 40, bias=True).double()
     x = _rand(4, 16, dtype=torch.float64)
-    monkeypatch.setattr(ffn_ext.ops, "_native", None)
-    y = mlp(x)
-    assert "_SwiGLUMLP" in type(y.grad_fn).__name__
-    y0 = _eager(mlp, x)
+    monkeypatch.setattr(ffn_ext.ops, "_native", None)  # as without a native library: no op, no fast entry point
+    monkeypatch.setattr(ffn_ext.ops, "_fast", {})
+    with _Ops() as rec:
+        y = mlp(x)
+        y.sum().backward(retain_graph=True)
+    assert not any(o.startswith("ffn_ext.") for o in rec.ops), rec.ops
+    assert "_GatedMLP" in type(y.grad_fn).__name__
+    y0 = _eager_act(act, mlp, x)
     _close(y, y0)
     for a, b in zip(torch.autograd.grad(y.sum(), (x, *mlp.parameters())),
                     torch.autograd.grad(y0.sum(), (x, *mlp.parameters()))):
         _close(a, b)
-    assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp_packed,
+    assert torch.autograd.gradcheck(lambda *a: M.gated_mlp_packed(*a, activation=act.name),
                                     (x[:2, :5].detach().requires_grad_(), _rand(6, 5, dtype=torch.float64),
                                      _rand(5, 3, dtype=torch.float64), None, None))
 
@@ -290,13 +375,14 @@ def test_swiglu_ffn_runs_a_replaced_activation():
         _close(mlp(x), want)
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_ffn_jit_trace_save_and_load(bias, tmp_path):
-    # torch.jit.trace records the plain ops (F.linear, ffn_ext.swiglu), not the Python autograd.Function (which it
-    # cannot save, and which made the trace's sanity check fail): the trace saves, loads and gives the module's
-    # outputs and gradients.
+def test_gated_ffn_jit_trace_save_and_load(bias, act, tmp_path):
+    # torch.jit.trace records the plain ops (F.linear, ffn_ext.swiglu / geglu / ...), not the Python
+    # autograd.Function (which it cannot save, and which made the trace's sanity check fail): the trace saves, loads
+    # and gives the module's outputs and gradients.
     torch.manual_seed(10)
-    m = ffn_ext.SwiGLUFFN(8, 16, bias=bias)
+    m = _gated_ffn(act, 8, 16, bias=bias)
     x = torch.randn(2, 3, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated in recent PyTorch
@@ -318,10 +404,10 @@ def test_swiglu_mlp_without_grad_mode_skips_the_autograd_function(monkeypatch, p
     x = torch.randn(2, 5, 12)
     if packed:
         args = (x, torch.randn(2 * 20, 12), torch.randn(12, 20), torch.randn(2 * 20), None)
-        fn, fn_cls = ffn_ext.swiglu_mlp_packed, ffn_ext.modules._SwiGLUMLPPacked
+        fn, fn_cls = ffn_ext.swiglu_mlp_packed, ffn_ext.mlp._GatedMLPPacked
     else:
         args = (x, torch.randn(20, 12), torch.randn(20, 12), torch.randn(12, 20), None, torch.randn(20), None)
-        fn, fn_cls = ffn_ext.swiglu_mlp, ffn_ext.modules._SwiGLUMLP
+        fn, fn_cls = ffn_ext.swiglu_mlp, ffn_ext.mlp._GatedMLP
     want = fn(*args)
     assert want.grad_fn is None  # nothing required grad, but it ran through the Function
     real_apply = fn_cls.apply
@@ -416,8 +502,9 @@ def _fwd_bwd_peak(fn, x, params, g):
     return live.peak
 
 
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
-def test_backward_peak_memory_below_eager(packed):
+def test_backward_peak_memory_below_eager(packed, act):
     """Forward + backward peak memory, as the FFN benchmark's peak MiB on a GPU: the lean autograd saves 2
     [tokens, d_ff] tensors, and its backward drops each [tokens, d_ff] gradient once used and recomputes h last,
     so at most 5 are alive at once (saved 2 + dh, dgate, dup); eager autograd reaches 7."""
@@ -427,15 +514,15 @@ def test_backward_peak_memory_below_eager(packed):
     w_gu, w_down = torch.randn(2 * d_ff, d_model) * 0.1, torch.randn(d_model, d_ff) * 0.1
     params = [w_gu.requires_grad_(), w_down.requires_grad_()]
     if packed:
-        ours = lambda x: M.swiglu_mlp_packed(x, w_gu, w_down)
+        ours = lambda x: M.gated_mlp_packed(x, w_gu, w_down, activation=act.name)
     else:
         w_g, w_u = (w.detach().clone().requires_grad_() for w in w_gu.chunk(2))
         params = [w_g, w_u, w_down]
-        ours = lambda x: M.swiglu_mlp(x, w_g, w_u, w_down)
+        ours = lambda x: M.gated_mlp(x, w_g, w_u, w_down, activation=act.name)
 
     def eager(x):
         gate, up = (F.linear(x, w_gu).chunk(2, -1) if packed else (F.linear(x, params[0]), F.linear(x, params[1])))
-        return F.linear(F.silu(gate) * up, w_down)
+        return F.linear(act.aten(gate) * up, w_down)
 
     unit = tokens * d_ff * 4
     small = 3 * d_model * d_ff * 4 + 4 * tokens * d_model * 4  # weight gradients, y, dx and its two parts
@@ -460,9 +547,192 @@ def test_autocast_cpu_bf16():
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
 
 
+# ---------------------------------------------------------------- every gated activation: GatedFFN, functional forms
+def _gated_ffn(act, d_model, d_ff, **kw):
+    """GatedFFN for table entry `act`, as the subclass that names it when there is one (SwiGLUFFN, GeGLUFFN)."""
+    if act.api[0] == "silu":
+        return ffn_ext.SwiGLUFFN(d_model, d_ff, **kw)
+    if act.api[0] == "gelu":
+        return ffn_ext.GeGLUFFN(d_model, d_ff, **act.api[1], **kw)
+    return ffn_ext.GatedFFN(d_model, d_ff, activation=act.name, **kw)
+
+
+def _eager_act(act, mlp, x):
+    return mlp.down_proj(act.aten(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def _packed_weights(mlp):
+    w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().requires_grad_()
+    b_gu = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach() \
+        .requires_grad_()
+    return w_gu, b_gu
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_ffn_matches_eager_fp64(act, bias):
+    """Every gated activation: the module (SwiGLUFFN / GeGLUFFN / GatedFFN) and the packed functional form give the
+    eager formula's output and gradients for x and every parameter, in fp64."""
+    torch.manual_seed(13)
+    for mlp in (_gated_ffn(act, 24, 56, bias=bias), ffn_ext.GatedFFN(24, 56, activation=act.name, bias=bias)):
+        mlp = mlp.double()
+        assert mlp.activation == act.name
+        x = _rand(3, 7, 24, dtype=torch.float64, scale=1.0)
+        y, y0 = mlp(x), _eager_act(act, mlp, x)
+        assert "_GatedMLP" in type(y.grad_fn).__name__
+        _close(y, y0)
+        gy = torch.randn_like(y)
+        params = (x, *mlp.parameters())
+        for a, b in zip(torch.autograd.grad(y, params, gy), torch.autograd.grad(y0, params, gy)):
+            _close(a, b)
+    # packed: w_gate_up = [w_gate; w_up]
+    w_gu, b_gu = _packed_weights(mlp)
+    w_d, b_d = mlp.down_proj.weight, mlp.down_proj.bias
+    y = M.gated_mlp_packed(x, w_gu, w_d, b_gu, b_d, activation=act.name)
+    assert "_GatedMLPPacked" in type(y.grad_fn).__name__
+    gate, up = F.linear(x, w_gu, b_gu).chunk(2, -1)
+    y0 = F.linear(act.aten(gate) * up, w_d, b_d)
+    _close(y, y0)
+    params = (x, w_gu, w_d) + ((b_gu, b_d) if bias else ())
+    for a, b in zip(torch.autograd.grad(y, params, gy), torch.autograd.grad(y0, params, gy)):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_mlp_gradcheck_and_gradgradcheck(act):
+    """gradcheck and double backward (create_graph=True) of the lean autograd, separate and packed, with biases."""
+    torch.manual_seed(14)
+    d, m = 4, 5
+    x = _rand(2, 3, d, dtype=torch.float64, scale=1.0)
+    ws = [_rand(m, d, dtype=torch.float64), _rand(m, d, dtype=torch.float64), _rand(d, m, dtype=torch.float64)]
+    bs = [_rand(m, dtype=torch.float64), _rand(m, dtype=torch.float64), _rand(d, dtype=torch.float64)]
+    sep = lambda *a: M.gated_mlp(*a, activation=act.name)  # noqa: E731
+    packed = lambda *a: M.gated_mlp_packed(*a, activation=act.name)  # noqa: E731
+    args = (x, *ws, *bs)
+    pargs = (x, _rand(2 * m, d, dtype=torch.float64), ws[2], _rand(2 * m, dtype=torch.float64), bs[2])
+    for fn, a in ((sep, args), (packed, pargs)):
+        assert "_GatedMLP" in type(fn(*a).grad_fn).__name__
+        assert torch.autograd.gradcheck(fn, a)
+        assert torch.autograd.gradgradcheck(fn, a)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_named_functional_forms_are_gated_mlp(act):
+    """swiglu_mlp(_packed) and geglu_mlp(_packed, approximate) are gated_mlp(_packed) with their activation."""
+    x = torch.randn(3, 8, dtype=torch.float64)
+    wg, wu, wd, wgu = (torch.randn(*s, dtype=torch.float64) for s in ((12, 8), (12, 8), (8, 12), (24, 8)))
+    if act.api[0] == "silu":
+        sep, packed = ffn_ext.swiglu_mlp(x, wg, wu, wd), ffn_ext.swiglu_mlp_packed(x, wgu, wd)
+    else:
+        sep = ffn_ext.geglu_mlp(x, wg, wu, wd, **act.api[1])
+        packed = ffn_ext.geglu_mlp_packed(x, wgu, wd, **act.api[1])
+    torch.testing.assert_close(sep, ffn_ext.gated_mlp(x, wg, wu, wd, activation=act.name), rtol=0, atol=0)
+    torch.testing.assert_close(packed, ffn_ext.gated_mlp_packed(x, wgu, wd, activation=act.name), rtol=0, atol=0)
+    _close(sep, F.linear(act.aten(F.linear(x, wg)) * F.linear(x, wu), wd))
+
+
+def test_functional_forms_reject_unknown_activations():
+    x, w = torch.randn(2, 4), torch.randn(6, 4)
+    for bad in ("swiglu", "relu", None):
+        with pytest.raises(ValueError, match=r"gated_mlp: `activation` must be one of \['gelu', 'gelu_tanh', 'silu'"):
+            ffn_ext.gated_mlp(x, w, w, w.t(), activation=bad)
+        with pytest.raises(ValueError, match="gated_mlp_packed: `activation` must be one of"):
+            ffn_ext.gated_mlp_packed(x, torch.randn(12, 4), w.t(), activation=bad)
+        with pytest.raises(ValueError, match="GatedFFN: `activation` must be one of"):
+            ffn_ext.GatedFFN(4, 6, activation=bad)
+    with pytest.raises(ValueError, match=r"geglu_mlp: `approximate` must be one of \['none', 'tanh'\]"):
+        ffn_ext.geglu_mlp(x, w, w, w.t(), approximate="erf")
+    with pytest.raises(ValueError, match="geglu_mlp_packed: `approximate` must be one of"):
+        ffn_ext.geglu_mlp_packed(x, torch.randn(12, 4), w.t(), approximate=None)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_ffn_saves_two_tensors_not_four(act):
+    """Every gated activation: the module's autograd saves 2 [tokens, d_ff] tensors (gate, up), eager 4 (gate,
+    act(gate), up, h); measured with saved_tensors_hooks. Packed: 1 [tokens, 2*d_ff] tensor (gate_up)."""
+    tokens, d_model, d_ff = 2 * 37, 48, 200
+    torch.manual_seed(15)
+    mlp = _gated_ffn(act, d_model, d_ff)
+    x = _rand(2, 37, d_model, scale=1.0)
+    one = tokens * d_ff * 4
+    n, nbytes, y = _saved_activations(lambda: mlp(x), tokens, d_ff)
+    n0, nbytes0, _ = _saved_activations(lambda: _eager_act(act, mlp, x), tokens, d_ff)
+    assert (n, nbytes) == (2, 2 * one)
+    assert (n0, nbytes0) == (4, 4 * one)
+    y.sum().backward()
+    assert mlp.down_proj.weight.grad is not None
+    w_gu, _ = _packed_weights(mlp)
+    n, nbytes, _ = _saved_activations(lambda: M.gated_mlp_packed(x, w_gu, mlp.down_proj.weight,
+                                                                 activation=act.name), tokens, 2 * d_ff)
+    assert (n, nbytes) == (1, 2 * one)
+
+
+def test_geglu_ffn_names_state_dict_and_repr():
+    """GeGLUFFN: Gemma's MLP names (gate_proj, up_proj, down_proj, act_fn's place taken by act), so a Gemma MLP's
+    state_dict loads; d_ff is required; the activation follows approximate."""
+    class GemmaStyleMLP(nn.Module):  # GemmaMLP's attribute names and forward, with gelu_pytorch_tanh
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(32, 80, bias=False), nn.Linear(32, 80, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(80, 32, bias=False), nn.GELU(approximate="tanh")
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    torch.manual_seed(16)
+    ref = GemmaStyleMLP()
+    mlp = ffn_ext.GeGLUFFN(32, 80, approximate="tanh")
+    mlp.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(4, 32)
+    _close(mlp(x), ref(x))
+    assert mlp.activation == "gelu_tanh" and ffn_ext.GeGLUFFN(32, 80).activation == "gelu"
+    assert isinstance(mlp, ffn_ext.GatedFFN) and isinstance(ffn_ext.SwiGLUFFN(8, 16), ffn_ext.GatedFFN)
+    assert repr(mlp).startswith("GeGLUFFN(\n  d_model=32, d_ff=80, approximate='tanh'")
+    assert repr(ffn_ext.GatedFFN(8, 16, activation="gelu")).startswith("GatedFFN(\n  d_model=8, d_ff=16, "
+                                                                        "activation='gelu'")
+    with pytest.raises(TypeError):
+        ffn_ext.GeGLUFFN(32)  # no default width: the 8/3 rule is SwiGLUFFN's
+    assert sum(p.numel() for p in ffn_ext.GeGLUFFN(40, 112, bias=True).parameters()) == \
+        ffn_ext.gated_ffn_params(40, 112, bias=True)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_ffn_act_replaced_by_another_gated_activation_is_fused_with_it(act):
+    """An `act` replaced by another of ffn_ext's gated activation modules: the fused path with that activation."""
+    torch.manual_seed(17)
+    mlp = ffn_ext.SwiGLUFFN(16, 40).double()
+    mlp.act = _gated_module(act)
+    assert mlp.activation == act.name
+    x = _rand(3, 16, dtype=torch.float64)
+    y = mlp(x)
+    assert "_GatedMLP" in type(y.grad_fn).__name__
+    _close(y, _eager_act(act, mlp, x))
+    mlp.act = nn.Identity()  # not a gated activation at all: the module path (and its error)
+    assert mlp.activation is None
+    with pytest.raises(TypeError):
+        mlp(x)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_ffn_autocast_cpu_bf16(act):
+    torch.manual_seed(18)
+    mlp = _gated_ffn(act, 32, 96, bias=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y0 = mlp(x), _eager_act(act, mlp, x)
+    assert y.dtype == y0.dtype == torch.bfloat16
+    got = torch.autograd.grad(y.float().sum(), (x, *mlp.parameters()))
+    ref = torch.autograd.grad(y0.float().sum(), (x, *mlp.parameters()))
+    for a, b in zip((y, *got), (y0, *ref)):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+
+
 # ---------------------------------------------------------------- torch.compile
-def test_compile_graphs_use_ffn_ext_ops_without_recomputing_gemms():
-    """aot_eager: the forward graph calls ffn_ext.swiglu; the backward recomputes swiglu, not the projections."""
+@pytest.mark.parametrize("act", ACTS)
+def test_compile_graphs_use_ffn_ext_ops_without_recomputing_gemms(act):
+    """aot_eager: the forward graph calls the gated op (ffn_ext.swiglu, geglu, ...); the backward recomputes it
+    and calls its backward op, not the projections."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -473,13 +743,14 @@ def test_compile_graphs_use_ffn_ext_ops_without_recomputing_gemms():
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True)
+    mlp = _gated_ffn(act, 16, 40, bias=True)
     x = torch.randn(3, 16, requires_grad=True)
     compiled = torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
     compiled(x).sum().backward()
     fwd, bwd = graphs
-    assert "ffn_ext.swiglu.default" in fwd
-    assert "ffn_ext.swiglu.default" in bwd and "ffn_ext.swiglu_backward.default" in bwd
+    op = f"ffn_ext.{act.gated}"
+    assert op + ".default" in fwd
+    assert op + ".default" in bwd and op + "_backward.default" in bwd
     assert sum(t.startswith("aten.addmm") or t.startswith("aten.mm") for t in fwd) == 3
     assert not any(t.startswith("aten.addmm") for t in bwd)  # no projection recomputed
     assert sum(t.startswith("aten.mm") for t in bwd) == 6  # dW_down, dh, 2 x (dx, dW)

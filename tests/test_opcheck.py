@@ -1,11 +1,12 @@
-"""torch.library.opcheck on all eight ffn_ext ops: schema (no aliasing or mutation), fake/Meta kernels match the
-real kernel's sizes and strides, autograd registration, and AOT dispatch with dynamic shapes."""
+"""torch.library.opcheck on every ffn_ext op of the table (tests/optable.py): schema (no aliasing or mutation),
+fake/Meta kernels match the real kernel's sizes and strides, autograd registration, and AOT dispatch with dynamic
+shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import DEVICES, OPS, make_inputs, op
+from optable import ACTIVATIONS, DEVICES, OPS, make_inputs, op
 
 # Each opcheck costs seconds (AOT dispatch with dynamic shapes): one case each way. Without grad: 3-D chunk views
 # with odd M (gate and up at different offsets, strided rows); with grad: contiguous 2-D leaves.
@@ -24,7 +25,7 @@ def test_opcheck(name, requires_grad, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["swiglu", "swiglu_packed_backward"])
+@pytest.mark.parametrize("name", [n for a in ACTIVATIONS for n in (a.gated, a.gated + "_packed_backward")])
 def test_opcheck_partial_requires_grad_and_bf16(name, device):
     inputs = list(make_inputs(name, (3, 9), torch.bfloat16, device, "chunk"))
     inputs[-1] = inputs[-1].detach().clone().requires_grad_()  # only the last input requires grad

@@ -1,12 +1,14 @@
-"""Machine code of the CUDA kernels, read without a GPU.
+"""Machine code of the CUDA kernels, read without a GPU (ffn_ext.sass).
 
 `cuobjdump` (shipped in the triton package that the CUDA build of torch installs, triton/backends/nvidia/bin; else
 $CUDA_HOME/bin or PATH) dumps the SASS of the built extension (the loaded ffn_ext native library, or the file named
-by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every rows_kernel instantiation (6 functors x 4
-dtypes) and every architecture:
+by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every architecture:
+  * the binary holds exactly the rows_kernel instantiations that ffn_ext.table predicts (ffn_ext.sass.KERNELS:
+    4 shapes UnaryFwd/UnaryBwd/GatedFwd/GatedBwd x the table's activations x 4 dtypes, VEC = 16 bytes / sizeof(T))
+    and no other kernel, so an activation added to one table and not the other fails here;
   * the vector body uses 128-bit global loads (LDG...128) and stores (STG...128), at least one per operand;
   * no local memory traffic (LDL/STL) and no stack (register spills would show up as both);
-  * the vector path (benchmarks/sass_budget.py) moves kUnroll 16-byte packs per operand, issues all its loads
+  * the vector path (ffn_ext.sass.vector_path) moves kUnroll 16-byte packs per operand, issues all its loads
     before any floating-point math, and on sm_90 the 16-bit and float32 kernels need few enough instructions per
     byte to run at 92% of an H200's copy bandwidth;
 and the binary holds exactly the SASS and PTX the architecture list asked for (TORCH_CUDA_ARCH_LIST, else
@@ -16,31 +18,21 @@ Skips when the extension has no CUDA kernels or no cuobjdump is found.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import ffn_ext
+from ffn_ext import sass as S
+from ffn_ext.table import ACTIVATIONS, OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_ENV = "FFN_EXT_SASS_LIB"
 
-_spec = importlib.util.spec_from_file_location("sass_budget", ROOT / "benchmarks" / "sass_budget.py")
-budget = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(budget)
-
-FUNCTORS = {f: (ni, no) for f, (_, ni, no) in budget.FUNCTORS.items()}  # functor -> (NI, NO), as in ffn_math.h
-DTYPES = budget.DTYPES
-EXPECTED_KERNELS = {(f, dt) for f in FUNCTORS for dt, _ in DTYPES.values()}  # 24 per architecture
-
-LOAD_128 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.128\b")
-STORE_128 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.128\b")
-LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")
+EXPECTED_KERNELS = S.expected_kernels()  # {(shape, act, dtype)}: 4 shapes x activations x 4 dtypes per arch
 
 
 # ---------------------------------------------------------------- locating the binary
@@ -48,12 +40,7 @@ def _library() -> tuple[str | None, str]:
     """(path of the binary to inspect, why not) ."""
     if os.environ.get(LIB_ENV):
         return os.environ[LIB_ENV], ""
-    native = ffn_ext.ops._native
-    if native is None:
-        return None, f"no native ffn_ext library is loaded ({ffn_ext.build_info().get('reason')})"
-    if not ffn_ext.has_cuda_kernels():
-        return None, "the loaded ffn_ext was built without CUDA kernels"
-    return native.__file__, ""
+    return S.native_library()
 
 
 def requested_archs() -> tuple[str, set[int], set[int]]:
@@ -73,62 +60,19 @@ def requested_archs() -> tuple[str, set[int], set[int]]:
     return text, sass, ptx
 
 
-def parse_sass(text: str) -> dict[tuple[int, str], list[str]]:
-    """{(sm, mangled function name): [instruction lines]} from `cuobjdump --dump-sass`."""
-    funcs: dict[tuple[int, str], list[str]] = {}
-    arch, current = None, None
-    for line in text.splitlines():
-        m = re.match(r"\s*arch = sm_(\d+)", line)
-        if m:
-            arch, current = int(m.group(1)), None
-            continue
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            assert arch is not None, "SASS function before any 'arch = sm_XX' header"
-            current = funcs.setdefault((arch, m.group(1)), [])
-            continue
-        if current is not None and re.match(r"\s*/\*[0-9a-f]{4,}\*/", line):
-            current.append(line.split(";")[0])
-    return funcs
-
-
-def parse_resources(text: str) -> dict[tuple[int, str], dict[str, int]]:
-    """{(sm, function): {'REG': .., 'STACK': .., 'LOCAL': .., ...}} from `cuobjdump --dump-resource-usage`."""
-    out, arch, fn = {}, None, None
-    for line in text.splitlines():
-        m = re.match(r"\s*arch = sm_(\d+)", line)
-        if m:
-            arch = int(m.group(1))
-            continue
-        m = re.match(r"\s*Function (\S+):\s*$", line)
-        if m:
-            fn = m.group(1)
-            continue
-        if fn is not None and "REG:" in line:
-            out[(arch, fn)] = {k: int(v) for k, v in re.findall(r"([A-Z]+):(\d+)", line)}
-            fn = None
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def dump(kind: str) -> str:
     lib, why = _library()
-    tool = budget.cuobjdump()
     if lib is None:
         pytest.skip(why)
-    if tool is None:
+    if S.cuobjdump() is None:
         pytest.skip("cuobjdump not found (install triton, or set CUDA_HOME to a toolkit that has it)")
-    flag = {"sass": "--dump-sass", "res": "--dump-resource-usage", "elf": "--list-elf", "ptx": "--list-ptx"}[kind]
-    r = subprocess.run([tool, flag, lib], capture_output=True, text=True, timeout=300)
-    if kind == "ptx" and r.returncode != 0 and "No PTX" in r.stderr + r.stdout:
-        return ""
-    assert r.returncode == 0, f"{tool} {flag} {lib} failed ({r.returncode}):\n{r.stderr[-2000:]}"
-    return r.stdout
+    return S.dump(lib, kind)
 
 
 @pytest.fixture(scope="module")
 def sass():
-    funcs = parse_sass(dump("sass"))
+    funcs = S.parse_sass(dump("sass"))
     assert funcs, "cuobjdump found no SASS functions in the extension"
     return funcs
 
@@ -138,22 +82,40 @@ def _archs_in(funcs) -> set[int]:
 
 
 # ---------------------------------------------------------------- tests
+def test_kernel_list_follows_the_table():
+    """ffn_ext.sass.KERNELS is the op table read as kernels: per activation its C++ functor (CamelCase of the
+    name, as csrc/ops_table.h spells it), four shapes, and the packed ops on the gated kernels."""
+    assert S.act_struct("gelu") == "Gelu" and S.act_struct("gelu_tanh") == "GeluTanh" and S.act_struct("silu") == "Silu"
+    assert set(S.KERNELS) == {(shape, S.act_struct(a.name)) for a in ACTIVATIONS
+                              for shape in ("UnaryFwd", "UnaryBwd", "GatedFwd", "GatedBwd")}
+    ops_run = [op for k in S.KERNELS.values() for op in (k.op, *k.also)]
+    assert sorted(ops_run) == sorted(OPS), "every op of the table runs exactly one kernel"
+    assert S.KERNELS[("GatedBwd", "GeluTanh")] == S.KernelSpec("geglu_tanh_backward", 3, 2,
+                                                              ("geglu_tanh_packed_backward",))
+    assert S.KERNELS[("UnaryFwd", "Silu")] == S.KernelSpec("silu", 1, 1)
+    assert len(EXPECTED_KERNELS) == 4 * len(ACTIVATIONS) * 4
+
+
 def test_kernel_inventory(sass):
-    """Exactly the 24 rows_kernel instantiations (6 functors x 4 dtypes, VEC = 16 bytes / sizeof(T)) per arch."""
+    """Exactly the rows_kernel instantiations the table predicts (4 shapes x activations x 4 dtypes, VEC = 16
+    bytes / sizeof(T)) per arch, and no other kernel."""
     lines = []
     for arch in sorted(_archs_in(sass)):
         names = [n for a, n in sass if a == arch]
-        parsed = {n: budget.kernel_of(n) for n in names}
+        parsed = {n: S.kernel_of(n) for n in names}
         unknown = [n for n, p in parsed.items() if p is None]
-        assert not unknown, f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel: {unknown}"
-        found = {(f, dt) for f, dt, _ in parsed.values()}
+        assert not unknown, (f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel<T, math::Shape<Act>, VEC>: "
+                             f"{unknown}")
+        found = {(k.shape, k.act, k.dtype) for k in parsed.values()}
         assert len(found) == len(names), f"sm_{arch}: duplicate instantiations: {sorted(names)}"
-        assert found == EXPECTED_KERNELS, (f"sm_{arch}: missing {sorted(EXPECTED_KERNELS - found)}, "
-                                           f"unexpected {sorted(found - EXPECTED_KERNELS)}")
-        for f, dt, vec in parsed.values():
-            size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dt]
-            assert vec * size == 16, f"sm_{arch}: rows_kernel<{dt}, {f}> uses VEC={vec}: {vec * size}-byte packs"
-        lines += [f"sm_{arch} rows_kernel<{dt}, {f}, VEC={vec}>" for f, dt, vec in sorted(parsed.values())]
+        assert found == EXPECTED_KERNELS, (
+            f"sm_{arch}: the binary and ffn_ext.table disagree: in the binary only "
+            f"{sorted(found - EXPECTED_KERNELS)}, predicted only {sorted(EXPECTED_KERNELS - found)} (is the C++ "
+            "functor of each activation the CamelCase of its table name? csrc/ops_table.h, ffn_ext/table.py)")
+        for k in parsed.values():
+            size = k.vec * S.DTYPE_SIZE[k.dtype]
+            assert size == 16, f"sm_{arch}: {k} uses {size}-byte packs"
+        lines += [f"sm_{arch} {k}" for k in sorted(parsed.values(), key=str)]
     print(f"\n{len(lines)} kernels:\n" + "\n".join(lines))
 
 
@@ -164,8 +126,8 @@ def test_arch_list_matches_request_and_build_info(sass):
     cubin_archs = {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.cubin", elf)}
     ptx_archs = {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.ptx", ptx)}
     assert cubin_archs == _archs_in(sass), (elf, sorted(_archs_in(sass)))
-    hint = (f"(expected from {'TORCH_CUDA_ARCH_LIST' if os.environ.get('TORCH_CUDA_ARCH_LIST') else 'default_cuda_archs'}"
-            f"={text!r}; rebuild, or set TORCH_CUDA_ARCH_LIST to the list the extension was built with)")
+    source = "TORCH_CUDA_ARCH_LIST" if os.environ.get("TORCH_CUDA_ARCH_LIST") else "default_cuda_archs"
+    hint = (f"(expected from {source}={text!r}; rebuild, or set TORCH_CUDA_ARCH_LIST to the list the extension was built with)")
     assert cubin_archs == want_sass, f"SASS for {sorted(cubin_archs)}, expected {sorted(want_sass)} {hint}"
     assert ptx_archs == want_ptx, f"PTX for {sorted(ptx_archs)}, expected {sorted(want_ptx)} {hint}"
     if not os.environ.get(LIB_ENV):
@@ -180,52 +142,53 @@ def test_default_arch_list_is_ampere_and_hopper():
     assert {"8.0", "9.0+PTX"} <= items, default
 
 
-@pytest.mark.parametrize("functor", sorted(FUNCTORS))
+@pytest.mark.parametrize("functor", sorted(f"{shape}<{act}>" for shape, act in S.KERNELS))
 def test_vector_loads_and_stores_no_local_memory(sass, functor):
-    ni, no = FUNCTORS[functor]
     checked = 0
     for (arch, name), insts in sorted(sass.items()):
-        parsed = budget.kernel_of(name)
-        if parsed is None or parsed[0] != functor:
+        k = S.kernel_of(name)
+        if k is None or k.functor != functor:
             continue
-        where = f"sm_{arch} rows_kernel<{parsed[1]}, {functor}>"
-        loads = [i for i in insts if LOAD_128.search(i)]
-        stores = [i for i in insts if STORE_128.search(i)]
-        local = [i.strip() for i in insts if LOCAL_MEM.search(i)]
-        assert len(loads) >= ni, f"{where}: {len(loads)} 128-bit global loads (LDG.*.128), want >= {ni} (one per input)"
-        assert len(stores) >= no, f"{where}: {len(stores)} 128-bit global stores (STG.*.128), want >= {no}"
+        spec = S.KERNELS[(k.shape, k.act)]
+        where = f"sm_{arch} {k}"
+        ops = [op for _, op in insts]
+        loads = [i for i in ops if S.LOAD_128.search(i)]
+        stores = [i for i in ops if S.STORE_128.search(i)]
+        local = [i for i in ops if S.LOCAL_MEM.search(i)]
+        assert len(loads) >= spec.ni, (f"{where}: {len(loads)} 128-bit global loads (LDG.*.128), want >= {spec.ni} "
+                                       "(one per input)")
+        assert len(stores) >= spec.no, f"{where}: {len(stores)} 128-bit global stores (STG.*.128), want >= {spec.no}"
         assert not local, f"{where}: local memory traffic (spills?): {local[:5]}"
         checked += 1
     assert checked == 4 * len(_archs_in(sass)), f"{functor}: {checked} kernels checked, want 4 dtypes x archs"
 
 
 def test_no_stack_or_local_memory_in_resource_usage(sass):
-    res = parse_resources(dump("res"))
-    ours = {k: v for k, v in res.items() if budget.kernel_of(k[1]) is not None}
+    res = S.parse_resources(dump("res"))
+    ours = {k: v for k, v in res.items() if S.kernel_of(k[1]) is not None}
     assert len(ours) == len(sass), f"resource usage for {len(ours)} kernels, SASS for {len(sass)}"
-    bad = {f"sm_{a} {budget.kernel_of(n)}": r for (a, n), r in ours.items() if r.get("STACK") or r.get("LOCAL")}
+    bad = {f"sm_{a} {S.kernel_of(n)}": r for (a, n), r in ours.items() if r.get("STACK") or r.get("LOCAL")}
     assert not bad, f"kernels with stack or local memory: {bad}"
-    regs = sorted((r["REG"], a, budget.kernel_of(n)) for (a, n), r in ours.items())
+    regs = sorted((r["REG"], a, str(S.kernel_of(n))) for (a, n), r in ours.items())
     print(f"\nregisters: min {regs[0]}, max {regs[-1]}")
     # __launch_bounds__(256): up to 255 registers fit; more than 128 would halve the resident warps.
     assert regs[-1][0] <= 128, f"register use above 128: {regs[-5:]}"
 
 
 def test_vector_path_fits_the_issue_budget(sass):
-    """The path nearly every thread of a large tensor takes (benchmarks/sass_budget.py): kUnroll 128-bit loads
+    """The path nearly every thread of a large tensor takes (ffn_ext.sass.vector_path): kUnroll 128-bit loads
     per input and stores per output, all issued before the first floating-point instruction, and, on sm_90, few
     enough instructions per byte moved that an H200 can issue them at 92% of copy bandwidth (the target of the
     CUDA kernels issue). The bound is calibrated against Nsight Compute on the 2026-11-30 H200 run, where
     exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
     float64 is exempt: its arithmetic issues at half rate, so instruction count alone does not bound it."""
-    text = dump("sass")
-    limit = budget.H200_INSTR_PER_BYTE / 0.92
+    limit = S.H200_INSTR_PER_BYTE / 0.92
     checked = 0
     for arch in sorted(_archs_in(sass)):
-        rows = budget.budget(text, arch)
+        rows = S.budget(sass, arch)
         assert len(rows) == len(EXPECTED_KERNELS), f"sm_{arch}: traced {len(rows)} kernels"
         for r in rows:
-            where = f"sm_{arch} {r['op']} {r['dtype']}"
+            where = f"sm_{arch} {r['op']} ({r['kernel']}) {r['dtype']}"
             assert (r["loads"], r["stores"]) == (r["want_loads"], r["want_stores"]), (
                 f"{where}: the traced vector path has {r['loads']} 128-bit loads and {r['stores']} stores, want "
                 f"{r['want_loads']} and {r['want_stores']} (the SASS layout changed, or the tracer lost its way)")
@@ -238,8 +201,8 @@ def test_vector_path_fits_the_issue_budget(sass):
                     f"byte moved: above {limit:.2f}, an H200 could not issue them at 92% of copy bandwidth")
                 checked += 1
     if 90 in _archs_in(sass):
-        assert checked == 18  # 6 ops x 3 dtypes
-        print("\n" + budget.table(budget.budget(text, 90), 90))
+        assert checked == len(S.KERNELS) * 3  # every kernel x 3 dtypes
+        print("\n" + S.table(S.budget(sass, 90), 90))
 
 
 def test_vector_path_tracer_on_a_sample():
@@ -261,7 +224,7 @@ def test_vector_path_tracer_on_a_sample():
         (0xc0, "BRA 0x00"),                         # the row loop: one row only
         (0xd0, "EXIT"),
     ]
-    assert budget.vector_path(sample, 1, 1) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
+    assert S.vector_path(sample, 1, 1) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
 
 
 def test_vector_path_tracer_takes_the_fast_body():
@@ -286,14 +249,15 @@ def test_vector_path_tracer_takes_the_fast_body():
         (0xe0, "EXIT"),
     ]
     path = []
-    assert budget.vector_path(sample, 1, 1, path) == (8, 1, 1)
+    assert S.vector_path(sample, 1, 1, path) == (8, 1, 1)
     assert [sample[i][0] for i in path] == [0x00, 0x10, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xe0]
     with pytest.raises(RuntimeError, match="no path"):
-        budget.vector_path(sample, 2, 1)
+        S.vector_path(sample, 2, 1)
 
 
 def test_parsers_on_a_sample():
-    """The SASS parser itself (so a format change in cuobjdump fails here instead of passing vacuously)."""
+    """The SASS and resource parsers and the name decoder (so a format change in cuobjdump, or in how the kernels
+    are named, fails here instead of passing vacuously)."""
     sample = """
 Fatbin elf code:
 ================
@@ -301,18 +265,38 @@ arch = sm_90
 code version = [1,8]
 
 	code for sm_90
-		Function : _ZN7ffn_ext4cuda11rows_kernelIfNS_4math7SiluFwdELi4EEEvNS0_10RowProblemIXsrT0_2NIEXsrS5_2NOEEES5_
+		Function : _ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4SiluEEELi4EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrS8_2NOEEES8_
 	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
         /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;     /* 0x000 */
         /*0010*/                   STL.64 [R1], R4 ;                    /* 0x000 */
-        /*0020*/                   STG.E.128.STRONG.GPU desc[UR4][R6.64], R8 ;   /* 0x000 */
+        /*0020*/              @!P0 STG.E.128.STRONG.GPU desc[UR4][R6.64], R8 ;   /* 0x000 */
 """
-    funcs = parse_sass(sample)
+    funcs = S.parse_sass(sample)
     ((key, insts),) = funcs.items()
-    assert key[0] == 90 and budget.kernel_of(key[1]) == ("SiluFwd", "float32", 4)
-    assert len(insts) == 3
-    assert LOAD_128.search(insts[0]) and STORE_128.search(insts[2]) and LOCAL_MEM.search(insts[1])
-    assert not LOAD_128.search("LDG.E.64 R4, [R2.64]") and not LOCAL_MEM.search("LDG.E R4, [R2.64]")
-    assert budget.kernel_of(
-        "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_2NIEXsrS7_2NOEEES7_"
-    ) == ("SwigluBwd", "bfloat16", 8)
+    assert key[0] == 90 and S.kernel_of(key[1]) == S.Kernel("UnaryFwd", "Silu", "float32", 4)
+    assert [a for a, _ in insts] == [0x0, 0x10, 0x20]
+    assert insts[2][1] == "@!P0 STG.E.128.STRONG.GPU desc[UR4][R6.64], R8"
+    ops = [op for _, op in insts]
+    assert S.LOAD_128.search(ops[0]) and S.STORE_128.search(ops[2]) and S.LOCAL_MEM.search(ops[1])
+    assert not S.LOAD_128.search("LDG.E.64 R4, [R2.64]") and not S.LOCAL_MEM.search("LDG.E R4, [R2.64]")
+    # the names in the binary: math::<Shape><math::<Act>>, the namespace substitution depends on the dtype
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math8GatedBwdINS4_8GeluTanhEEELi8EEEvNS_4rows"
+                    "10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
+    assert k == S.Kernel("GatedBwd", "GeluTanh", "bfloat16", 8) and k.functor == "GatedBwd<GeluTanh>"
+    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIdNS_4math8UnaryBwdINS2_4GeluEEELi2EEEvNS_4rows10RowProblemIX"
+                       "srT0_2NIEXsrS8_2NOEEES8_") == S.Kernel("UnaryBwd", "Gelu", "float64", 2)
+    # a plain functor (the names before the op table) still decodes, and the inventory test would reject it
+    old = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_"
+                      "2NIEXsrS7_2NOEEES7_")
+    assert old == S.Kernel("SwigluBwd", None, "bfloat16", 8) and (old.shape, old.act, old.dtype) not in EXPECTED_KERNELS
+    assert S.kernel_of("_ZN7ffn_ext4cuda11other_kernelIfEEvv") is None
+    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4Si") is None  # truncated
+    res = S.parse_resources("""
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4SiluEEELi4EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrS8_2NOEEES8_:
+  REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:568 TEXTURE:0 SURFACE:0 SAMPLER:0
+""".replace("Resource usage:", "Resource usage:\n arch = sm_90"))
+    assert res == {(90, key[1]): {"REG": 40, "STACK": 0, "SHARED": 0, "LOCAL": 0, "TEXTURE": 0, "SURFACE": 0,
+                                  "SAMPLER": 0}}

@@ -1,6 +1,7 @@
 """Thread safety of the Python layer: many threads making their first ffn_ext calls at once, in a fresh process (so
 the first-use paths -- torch.ops attribute lookup, OpOverload caching, autograd registration, the dispatcher's
-kernel lookup -- really run concurrently), give correct results, raise nothing, and warn at most once.
+kernel lookup -- really run concurrently), give correct results, raise nothing, and warn at most once. Every op of
+the table (ffn_ext.table.ACTIVATIONS: the unary, gated and packed ops and their backward ops) is called.
 """
 import os
 import subprocess
@@ -15,7 +16,6 @@ _SCRIPT = textwrap.dedent(r"""
     warnings.simplefilter("always")  # every warning is shown, so a repeated one would be counted twice
     N_THREADS, DEVICE, IMPORT_IN_THREADS = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
     import torch
-    import torch.nn.functional as F
     if not IMPORT_IN_THREADS:
         import ffn_ext
 
@@ -35,39 +35,46 @@ _SCRIPT = textwrap.dedent(r"""
             ops = torch.ops.ffn_ext
             if DEVICE == "cuda":
                 assert ffn_ext.has_cuda_kernels()
+            from ffn_ext.table import ACTIVATIONS  # every activation of the op table
             gen = torch.Generator().manual_seed(i)
             x = (torch.randn(7, 10, generator=gen, dtype=torch.float64) + 0.1).to(DEVICE)
             g = torch.randn(7, 10, generator=gen, dtype=torch.float64).to(DEVICE)
             gate, up = x.chunk(2, -1)
             gh = g[:, :5]
-            # forward ops through the public API and torch.ops
-            close(ffn_ext.gelu(x), F.gelu(x), "gelu")
-            close(ffn_ext.silu(x), F.silu(x), "silu")
-            close(ffn_ext.swiglu(gate, up), F.silu(gate) * up, "swiglu")
-            close(ffn_ext.swiglu_packed(x), F.silu(gate) * up, "swiglu_packed")
-            dg, du = torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)
-            if not ffn_ext.build_info()["native"].startswith("none"):  # the backward ops exist
-                close(ops.gelu_backward(g, x), torch.ops.aten.gelu_backward(g, x), "gelu_backward")
-                close(ops.silu_backward(g, x), torch.ops.aten.silu_backward(g, x), "silu_backward")
-                dgate, dup = ops.swiglu_backward(gh.contiguous(), gate, up)
-                close(dgate, dg, "swiglu_backward dgate")
-                close(dup, du, "swiglu_backward dup")
-                close(ops.swiglu_packed_backward(gh, x), torch.cat([dg, du], -1), "swiglu_packed_backward")
-            # autograd backward (and double backward) right away
-            for f, ref in ((ffn_ext.gelu, F.gelu), (ffn_ext.silu, F.silu), (ffn_ext.swiglu_packed,
-                            lambda t: F.silu(t[..., :5]) * t[..., 5:])):
-                a = x.clone().requires_grad_(True)
-                b = x.clone().requires_grad_(True)
-                (ga,) = torch.autograd.grad(f(a).sum(), a, create_graph=True)
-                (gb,) = torch.autograd.grad(ref(b).sum(), b, create_graph=True)
-                close(ga, gb, f"grad {f.__name__}")
-                (gga,) = torch.autograd.grad((ga * g).sum(), a)
-                (ggb,) = torch.autograd.grad((gb * g).sum(), b)
-                close(gga, ggb, f"double grad {f.__name__}")
-            a, b = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
-            ffn_ext.swiglu(a, b).backward(gh)
-            close(a.grad, dg, "swiglu autograd dgate")
-            close(b.grad, du, "swiglu autograd dup")
+            native = not ffn_ext.build_info()["native"].startswith("none")  # the backward ops exist
+            for act in ACTIVATIONS:
+                fn, opts = act.api
+                unary = lambda t, fn=fn, opts=opts: getattr(ffn_ext, fn)(t, **opts)
+                gated = lambda a, b, act=act: ffn_ext.gated(a, b, activation=act.name)
+                packed = lambda t, act=act: ffn_ext.gated_packed(t, activation=act.name)
+                # forward ops through the public API and torch.ops
+                close(unary(x), act.aten(x), act.name)
+                close(gated(gate, up), act.aten(gate) * up, act.gated)
+                close(packed(x), act.aten(gate) * up, act.gated + "_packed")
+                dg, du = act.aten_backward(gh * up, gate), gh * act.aten(gate)
+                if native:
+                    bwd = getattr(ops, act.name + "_backward")
+                    close(bwd(g, x), act.aten_backward(g, x), act.name + "_backward")
+                    dgate, dup = getattr(ops, act.gated + "_backward")(gh.contiguous(), gate, up)
+                    close(dgate, dg, act.gated + "_backward dgate")
+                    close(dup, du, act.gated + "_backward dup")
+                    close(getattr(ops, act.gated + "_packed_backward")(gh, x), torch.cat([dg, du], -1),
+                          act.gated + "_packed_backward")
+                # autograd backward (and double backward) right away
+                for f, ref, what in ((unary, act.aten, act.name),
+                                     (packed, lambda t, act=act: act.aten(t[..., :5]) * t[..., 5:], act.gated)):
+                    a = x.clone().requires_grad_(True)
+                    b = x.clone().requires_grad_(True)
+                    (ga,) = torch.autograd.grad(f(a).sum(), a, create_graph=True)
+                    (gb,) = torch.autograd.grad(ref(b).sum(), b, create_graph=True)
+                    close(ga, gb, f"grad {what}")
+                    (gga,) = torch.autograd.grad((ga * g).sum(), a)
+                    (ggb,) = torch.autograd.grad((gb * g).sum(), b)
+                    close(gga, ggb, f"double grad {what}")
+                a, b = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+                gated(a, b).backward(gh)
+                close(a.grad, dg, f"{act.gated} autograd dgate")
+                close(b.grad, du, f"{act.gated} autograd dup")
             done.append(i)
         except BaseException as e:  # noqa: BLE001 (reported by the parent)
             errors.append(f"thread {i}: {type(e).__name__}: {e}")

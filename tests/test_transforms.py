@@ -1,12 +1,14 @@
 """torch.func transforms and forward-mode AD through the functional API.
 
 The ops' autograd is a C++ torch::autograd::Function, which supports neither functorch transforms nor forward-mode
-AD (jvp). Under a transform, or with a dual tensor, ffn_ext.gelu/silu/swiglu/swiglu_packed (and the modules built
-on them) take ATen's ops, which support all of them; everywhere else they take the native op. Results are compared
-with the same transform applied to the ATen reference, on fresh float64 inputs.
+AD (jvp). Under a transform, or with a dual tensor, the functional API (every forward op of the table:
+ffn_ext.gelu/silu/swiglu/geglu/gated/..., and the modules built on them) takes ATen's ops, which support all of
+them; everywhere else it takes the native op. Results are compared with the same transform applied to the ATen
+reference, on fresh float64 inputs.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -16,22 +18,35 @@ import torch.nn.functional as F
 
 import ffn_ext
 from conftest import RecordOps
+from ffn_ext.table import ACTIVATIONS, BY_NAME
 
 torch_func = pytest.importorskip("torch.func")
 
 
-def _ref_packed(gate_up):
+def _ref_packed(gate_up, act=BY_NAME["silu"]):
     gate, up = gate_up.chunk(2, -1)
-    return F.silu(gate) * up
+    return act.aten(gate) * up
 
 
-# (name, ffn_ext function, ATen reference, number of inputs, last dim of the inputs)
-OPS = [
-    ("gelu", ffn_ext.gelu, F.gelu, 1, 5),
-    ("silu", ffn_ext.silu, F.silu, 1, 5),
-    ("swiglu", ffn_ext.swiglu, lambda g, u: F.silu(g) * u, 2, 5),
-    ("swiglu_packed", ffn_ext.swiglu_packed, _ref_packed, 1, 6),
-]
+def _table_ops():
+    """(name, ffn_ext function, ATen reference, number of inputs, last dim of the inputs) for every forward op of
+    the table, through the public API: gelu, gelu(approximate="tanh"), silu, swiglu, geglu(approximate=...),
+    gated(..., activation) and the packed forms."""
+    ops = []
+    for act in ACTIVATIONS:
+        fn, kw = act.api
+        public = getattr(ffn_ext, fn)
+        ops.append((act.name, functools.partial(public, **kw) if kw else public, act.aten, 1, 5))
+        gated = {"silu": ffn_ext.swiglu, "gelu": functools.partial(ffn_ext.geglu, **kw)}.get(fn)
+        packed = {"silu": ffn_ext.swiglu_packed, "gelu": functools.partial(ffn_ext.geglu_packed, **kw)}.get(fn)
+        ops.append((act.gated, gated or functools.partial(ffn_ext.gated, activation=act.name),
+                    lambda g, u, a=act: a.aten(g) * u, 2, 5))
+        ops.append((act.gated + "_packed", packed or functools.partial(ffn_ext.gated_packed, activation=act.name),
+                    functools.partial(_ref_packed, act=act), 1, 6))
+    return ops
+
+
+OPS = _table_ops()
 IDS = [o[0] for o in OPS]
 
 
@@ -86,7 +101,11 @@ def test_module_under_vmap_and_grad():
     """The activation modules are built on the functional API, so they follow it."""
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     _close(torch_func.vmap(ffn_ext.SwiGLU())(x), _ref_packed(x))
+    tanh = BY_NAME["gelu_tanh"]
+    _close(torch_func.vmap(ffn_ext.GeGLU(approximate="tanh"))(x), _ref_packed(x, tanh))
     _close(torch_func.grad(lambda t: ffn_ext.GELU()(t).sum())(x), torch_func.grad(lambda t: F.gelu(t).sum())(x))
+    _close(torch_func.grad(lambda t: ffn_ext.GELU(approximate="tanh")(t).sum())(x),
+           torch_func.grad(lambda t: tanh.aten(t).sum())(x))
 
 
 @pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
@@ -114,24 +133,25 @@ def test_the_dispatcher_op_still_refuses_a_dual_tensor():
             torch.ops.ffn_ext.gelu(fwAD.make_dual(x, torch.randn_like(x)))
 
 
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=[a.name for a in ACTIVATIONS])
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
-def test_swiglu_ffn_under_torch_func_and_forward_ad(packed):
-    """SwiGLUFFN's lean autograd.Function supports neither; under them it runs the plain ops (F.linear and the
-    functional SwiGLU), with the results of the eager Llama MLP."""
+def test_gated_ffn_under_torch_func_and_forward_ad(packed, act):
+    """The gated FFNs' lean autograd.Function supports neither; under them it runs the plain ops (F.linear and the
+    functional gated op), with the results of the eager MLP (Llama's with SiLU, Gemma's with the tanh GELU)."""
     torch.manual_seed(0)
-    mlp = ffn_ext.SwiGLUFFN(6, 10).double()
+    mlp = ffn_ext.GatedFFN(6, 10, activation=act.name).double()
     if packed:
         w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        fn = lambda x: ffn_ext.swiglu_mlp_packed(x, w_gu, mlp.down_proj.weight)  # noqa: E731
+        fn = lambda x: ffn_ext.gated_mlp_packed(x, w_gu, mlp.down_proj.weight, activation=act.name)  # noqa: E731
     else:
         fn = mlp
-    ref = lambda x: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
+    ref = lambda x: mlp.down_proj(act.aten(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     _close(torch_func.vmap(torch_func.grad(lambda t: fn(t).sum()))(x),
            torch_func.vmap(torch_func.grad(lambda t: ref(t).sum()))(x))
     params = dict(mlp.named_parameters())
     grads = torch_func.grad(lambda p: torch_func.functional_call(mlp, p, (x,)).pow(2).sum())(params)
-    want = torch_func.grad(lambda p: ref_call(mlp, p, x).pow(2).sum())(params)
+    want = torch_func.grad(lambda p: ref_call(mlp, p, x, act).pow(2).sum())(params)
     for k in params:
         _close(grads[k], want[k])
     t = torch.randn_like(x)
@@ -141,7 +161,7 @@ def test_swiglu_ffn_under_torch_func_and_forward_ad(packed):
     _close(got.tangent, exp.tangent)
 
 
-def ref_call(mlp, params, x):
+def ref_call(mlp, params, x, act):
     g = F.linear(x, params["gate_proj.weight"])
     u = F.linear(x, params["up_proj.weight"])
-    return F.linear(F.silu(g) * u, params["down_proj.weight"])
+    return F.linear(act.aten(g) * u, params["down_proj.weight"])

@@ -1,6 +1,8 @@
 """Input validation: every bad input raises a clear error that names the op and the argument, through the public
 API (ffn_ext.gelu, ...) and through the dispatcher ops (torch.ops.ffn_ext.*), on real (CPU), meta and fake tensors,
-and in the pure-ATen fallback (FFN_EXT_NO_C=1, in a subprocess).
+and in the pure-ATen fallback (ffn_ext.ops._fallback in process, and FFN_EXT_NO_C=1 in a subprocess). BAD_INPUTS
+lists examples of every kind of error; TABLE_CASES generates the dtype, shape, device and argument-kind errors for
+every op of the table (tests/optable.py).
 
 Error classes (see README, "Input validation"): TypeError for what kind of tensor / dtype, ValueError for shapes,
 RuntimeError for devices. No op takes an out= argument: outputs are always fresh tensors, so aliased outputs
@@ -15,9 +17,23 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ffn_ext
+from optable import (
+    ACTIVATIONS,
+    FORWARD_OPS,
+    NATIVE,
+    OPS as OP_NAMES,
+    activation_arg,
+    api_call,
+    aten_result,
+    call,
+    input_shapes,
+    make_inputs,
+    needs_native,
+    op,
+    spec,
+)
 
 OPS = torch.ops.ffn_ext
 CUDA = torch.cuda.is_available() and ffn_ext.build_info().get("native") != "none (ATen fallback)"
@@ -177,6 +193,82 @@ BACKWARD_BAD = [
 ]
 
 
+
+# ---------------------------------------------------------------- the same errors for every op of the table
+def _table_cases():
+    """(id, op name, args, exception, message regex, paths): for every op, bad inputs built from its argument
+    names (spec.args) with the messages the C++ checks (csrc/shapes.cpp) and the ATen fallback give. paths: where
+    the error is expected, "ops" (torch.ops.ffn_ext; not for non-tensors, which the dispatcher rejects itself),
+    "fallback" (ops._fallback) and "api" (the public API, forward ops)."""
+    cases = []
+    for name in OP_NAMES:
+        sp, nm = spec(name), re.escape(f"ffn_ext.{name}")
+        args = list(make_inputs(name, (3, 4), torch.float32))
+        r = activation_arg(name)
+        ref = sp.args[r]  # x, gate or gate_up: what the other arguments are checked against
+
+        def bad(k, value, exc, msg, what):
+            a = list(args)
+            a[k] = value
+            paths = {"fallback"} | ({"ops"} if isinstance(value, torch.Tensor) else set()) | \
+                (set() if sp.backward else {"api"})
+            cases.append((f"{name}-{sp.args[k]}-{what}", name, tuple(a), exc, msg, paths))
+
+        for k, arg in enumerate(sp.args):  # dtypes that are not floating point, for every argument
+            bad(k, args[k].long(), TypeError, rf"{nm}: expected `{arg}` to have dtype float64, float32, float16 or "
+                                              rf"bfloat16, got torch\.int64", "int64")
+        bad(r, args[r].to(torch.complex64), TypeError,
+            rf"{nm}: expected `{ref}` to have dtype .*, got torch\.complex64", "complex64")
+        bad(r, None, TypeError, rf"{nm}: expected `{ref}` to be a torch\.Tensor, got NoneType", "None")
+        if sp.kind == "packed":
+            bad(r, torch.randn(3, 5), ValueError, rf"{nm}: expected the last dimension of `gate_up` to be even "
+                                                   rf"\(\[\.\.\., 2\*M\]\), got shape \[3, 5\]", "odd")
+            bad(r, torch.tensor(1.0), ValueError, rf"{nm}: expected `gate_up` to have at least 1 dimension "
+                                                   rf"\(\[\.\.\., 2\*M\]\), got a 0-dim tensor", "0-dim")
+            if sp.backward:
+                g = args[0]
+                bad(0, torch.randn(3, 8), ValueError, rf"{nm}: expected `grad` to have the forward output's shape "
+                                                       rf"\[3, 4\] \(gate_up's with the last dimension halved\), "
+                                                       rf"got \[3, 8\]", "full-width")
+                bad(0, g.double(), TypeError, rf"{nm}: expected `grad` to have the dtype of `gate_up` "
+                                              rf"\(torch\.float32\), got torch\.float64", "float64")
+                bad(0, g.to("meta"), RuntimeError, rf"{nm}: expected `grad` to be on the device of `gate_up` "
+                                                   rf"\(cpu\), got meta", "meta")
+            continue
+        for k, arg in enumerate(sp.args):  # each other argument against the reference one
+            if k == r:
+                continue
+            t = args[k]
+            bad(k, t.double(), TypeError, rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
+                                          rf"\(torch\.float32\), got torch\.float64", "float64")
+            bad(k, t.half(), TypeError, rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
+                                        rf"\(torch\.float32\), got torch\.float16", "float16")
+            bad(k, torch.randn(3, 5), ValueError, rf"{nm}: expected `{arg}` to have the shape of `{ref}` "
+                                                  rf"\[3, 4\], got \[3, 5\]", "shape")
+            bad(k, torch.randn(4), ValueError, rf"{nm}: expected `{arg}` to have the shape of `{ref}` \[3, 4\], "
+                                               rf"got \[4\]", "no-broadcast")  # no broadcasting
+            bad(k, t.to("meta"), RuntimeError, rf"{nm}: expected `{arg}` to be on the device of `{ref}` \(cpu\), "
+                                               rf"got meta", "meta")
+            bad(k, None, TypeError, rf"{nm}: expected `{arg}` to be a torch\.Tensor, got NoneType", "None")
+    return cases
+
+
+TABLE_CASES = _table_cases()
+_PUBLIC_KINDS = [  # (id, bad argument, exception, message): what only the public API sees (the dispatcher cannot)
+    ("None", lambda t: None, TypeError, "expected `{arg}` to be a torch\\.Tensor, got NoneType"),
+    ("list", lambda t: [1.0], TypeError, "expected `{arg}` to be a torch\\.Tensor, got list"),
+    ("sparse", lambda t: t.to_sparse(), TypeError,
+     "expected `{arg}` to be a dense strided tensor, got layout torch\\.sparse_coo"),
+    ("nested", lambda t: _nested(), TypeError, "`{arg}` is a nested tensor; expected a dense strided tensor"),
+    ("quantized", lambda t: _quantized(t), TypeError,
+     "`{arg}` is a quantized tensor; expected a floating-point tensor"),
+]
+PUBLIC_KIND_CASES = [(f"{name}-{arg}-{kid}", name, k, make_bad, exc, rf"{re.escape('ffn_ext.' + name)}: " +
+                      msg.format(arg=arg))
+                     for name in FORWARD_OPS for k, arg in enumerate(spec(name).args)
+                     for kid, make_bad, exc, msg in _PUBLIC_KINDS]
+
+
 def _ids(cases):
     return [c[0] for c in cases]
 
@@ -188,6 +280,7 @@ def test_public_api_rejects(case):
         api()
 
 
+@needs_native
 @pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[2] is not None],
                          ids=_ids([c for c in BAD_INPUTS if c[2] is not None]))
 def test_dispatcher_rejects(case):
@@ -196,6 +289,7 @@ def test_dispatcher_rejects(case):
         ops_call()
 
 
+@needs_native
 @pytest.mark.parametrize("case", DISPATCHER_ONLY, ids=_ids(DISPATCHER_ONLY))
 def test_dispatcher_rejects_unsupported_kinds(case):
     _, call, exc, msg = case
@@ -203,11 +297,75 @@ def test_dispatcher_rejects_unsupported_kinds(case):
         call()
 
 
+@needs_native
 @pytest.mark.parametrize("case", BACKWARD_BAD, ids=_ids(BACKWARD_BAD))
 def test_backward_ops_reject(case):
     _, call, exc, msg = case
     with pytest.raises(exc, match=msg):
         call()
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=_ids(TABLE_CASES))
+def test_every_op_rejects(case):
+    """torch.ops.ffn_ext.<op>, the public API (forward ops) and the ATen fallback (ops._fallback) give the same
+    error for the same bad input; under FakeTensorMode (the Meta kernels) too, but for the device mismatches and
+    non-tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, name, args, exc, msg, paths = case
+    if not NATIVE:
+        paths = paths - {"ops"}
+    calls = {"ops": lambda: op(name)(*args), "fallback": lambda: ffn_ext.ops._fallback(name, args),
+             "api": lambda: api_call(name)(*args)}
+    for path in sorted(paths):
+        with pytest.raises(exc, match=msg):
+            calls[path]()
+    if "ops" in paths and all(a.device.type == "cpu" for a in args):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with pytest.raises(exc, match=msg):
+                op(name)(*args)
+
+
+@pytest.mark.parametrize("case", PUBLIC_KIND_CASES, ids=_ids(PUBLIC_KIND_CASES))
+def test_public_api_rejects_tensor_kinds_for_every_op(case):
+    """Non-tensors, sparse, nested and quantized tensors in any argument of any forward op: the clear error from
+    the public API (the dispatcher fails elsewhere for these: DISPATCHER_ONLY), and from the ATen fallback."""
+    _, name, k, make_bad, exc, msg = case
+    args = list(make_inputs(name, (3, 4), torch.float32))
+    args[k] = make_bad(args[k])
+    for call in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args))):
+        with pytest.raises(exc, match=msg):
+            call()
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda: ffn_ext.gelu(X, approximate="bogus"), "approximate"),
+    (lambda: ffn_ext.gelu(X, approximate=None), "approximate"),
+    (lambda: ffn_ext.gelu(X, approximate="Tanh"), "approximate"),
+    (lambda: ffn_ext.geglu(X, X, approximate="bogus"), "approximate"),
+    (lambda: ffn_ext.geglu_packed(X8, approximate="bogus"), "approximate"),
+    (lambda: ffn_ext.geglu_packed(X8, approximate=1), "approximate"),
+    (lambda: ffn_ext.gated(X, X, activation="bogus"), "activation"),
+    (lambda: ffn_ext.gated(X, X, activation=None), "activation"),
+    (lambda: ffn_ext.gated_packed(X8, activation="swiglu"), "activation"),  # the op's name, not the activation's
+], ids=["gelu-bogus", "gelu-None", "gelu-Tanh", "geglu-bogus", "geglu_packed-bogus", "geglu_packed-int",
+        "gated-bogus", "gated-None", "gated_packed-swiglu"])
+def test_bad_options_raise_value_error_naming_the_option(call, key):
+    with pytest.raises(ValueError, match=rf"`{key}` must be one of .*, got "):
+        call()
+
+
+def test_every_option_value_is_accepted():
+    """The values the errors above list are the table's: ffn_ext.gelu(approximate=) for each GELU entry,
+    gated(activation=) for every activation."""
+    for act in ACTIVATIONS:
+        function, options = act.api
+        torch.testing.assert_close(getattr(ffn_ext, function)(X, **options), call(act.name)(X), rtol=0, atol=0)
+        torch.testing.assert_close(ffn_ext.gated(X, X, activation=act.name), call(act.gated)(X, X), rtol=0, atol=0)
+        torch.testing.assert_close(ffn_ext.gated_packed(X8, activation=act.name), call(act.gated + "_packed")(X8),
+                                   rtol=0, atol=0)
+    for approximate in ("none", "tanh"):
+        ffn_ext.geglu(X, X, approximate=approximate), ffn_ext.geglu_packed(X8, approximate=approximate)
 
 
 def _to_meta(v):
@@ -234,78 +392,75 @@ def test_fake_tensor_mode_rejects_the_same(case):
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
-def _all_ops(x2m, x, grad_m):
-    """Calls every op once; x2m: [..., 2M], x and grad_m: [..., M]."""
-    g, u = x2m.chunk(2, -1)
-    return {
-        "gelu": OPS.gelu(x), "gelu_backward": OPS.gelu_backward(grad_m, x),
-        "silu": OPS.silu(x), "silu_backward": OPS.silu_backward(grad_m, x),
-        "swiglu": OPS.swiglu(g, u), "swiglu_backward": OPS.swiglu_backward(grad_m, g, u),
-        "swiglu_packed": OPS.swiglu_packed(x2m), "swiglu_packed_backward": OPS.swiglu_packed_backward(grad_m, x2m),
-    }
-
-
+@needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(5, 6), (2, 3, 8), (4,), (0, 6), (3, 0)], ids=str)
 def test_meta_tensors_match_real_outputs(dtype, shape):
-    """Meta inputs give outputs with the real outputs' sizes, strides and dtype (fake kernels, torch.compile)."""
-    x2m = rnd(*shape, dtype=dtype)
-    m = shape[-1] // 2
-    x, grad_m = rnd(*shape[:-1], m, dtype=dtype), rnd(*shape[:-1], m, dtype=dtype)
-    real = _all_ops(x2m, x, grad_m)
-    meta = _all_ops(x2m.to("meta"), x.to("meta"), grad_m.to("meta"))
-    for name, r in real.items():
-        for rr, mm in zip(r if isinstance(r, tuple) else (r,), meta[name] if isinstance(r, tuple) else (meta[name],)):
+    """Meta inputs give outputs with the real outputs' sizes, strides and dtype (fake kernels, torch.compile), for
+    every op; `shape` is the packed ops' gate_up, the others' output is its half."""
+    out_shape = shape[:-1] + (shape[-1] // 2,)
+    for name in OP_NAMES:
+        args = [rnd(*s, dtype=dtype) for s in input_shapes(name, out_shape)]
+        real = op(name)(*args)
+        meta = op(name)(*[a.to("meta") for a in args])
+        for rr, mm in zip(real if isinstance(real, tuple) else (real,), meta if isinstance(meta, tuple) else (meta,)):
             assert mm.device.type == "meta", name
             assert (mm.shape, mm.stride(), mm.dtype) == (rr.shape, rr.stride(), rr.dtype), name
 
 
-def test_meta_through_public_api_and_autograd():
-    gu = torch.empty(4, 10, device="meta", requires_grad=True)
-    out = ffn_ext.swiglu_packed(gu)
-    assert out.shape == (4, 5) and out.device.type == "meta"
-    (g,) = torch.autograd.grad(out, gu, torch.empty(4, 5, device="meta"))
-    assert g.shape == (4, 10) and g.device.type == "meta"
-    x = torch.empty(3, 7, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    for f in (ffn_ext.gelu, ffn_ext.silu):
-        (gx,) = torch.autograd.grad(f(x).sum(), x)
-        assert gx.shape == x.shape and gx.dtype == x.dtype and gx.device.type == "meta"
+@pytest.mark.parametrize("name", FORWARD_OPS)
+def test_meta_through_public_api_and_autograd(name):
+    args = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            for s in input_shapes(name, (4, 5))]
+    out = api_call(name)(*args)
+    assert out.shape == (4, 5) and out.device.type == "meta" and out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out, args, torch.empty(4, 5, device="meta", dtype=torch.bfloat16))
+    for g, a in zip(grads, args):
+        assert g.shape == a.shape and g.dtype == a.dtype and g.device.type == "meta"
 
 
-def test_zero_dim_is_fine_for_elementwise_ops():
-    x = torch.tensor(0.75, dtype=torch.float64)
-    u = torch.tensor(-1.5, dtype=torch.float64)
-    torch.testing.assert_close(ffn_ext.gelu(x), F.gelu(x), rtol=1e-12, atol=0)
-    torch.testing.assert_close(ffn_ext.silu(x), F.silu(x), rtol=1e-12, atol=0)
-    torch.testing.assert_close(ffn_ext.swiglu(x, u), F.silu(x) * u, rtol=1e-12, atol=0)
-    assert ffn_ext.gelu(x).dim() == 0
+@pytest.mark.parametrize("name", [n for n in OP_NAMES if spec(n).kind != "packed"])
+def test_zero_dim_is_fine_for_elementwise_ops(name):
+    args = [torch.tensor(v, dtype=torch.float64) for v in (0.75, -1.5, 2.25)[:len(spec(name).args)]]
+    out = call(name)(*args)
+    want = aten_result(name, *args)
+    for o, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+        assert o.dim() == 0
+        torch.testing.assert_close(o, w, rtol=1e-12, atol=0)
+    if not spec(name).backward:
+        torch.testing.assert_close(api_call(name)(*args), want, rtol=1e-12, atol=0)
 
 
-def test_aliased_and_overlapping_inputs():
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=[a.name for a in ACTIVATIONS])
+def test_aliased_and_overlapping_inputs(act):
     """Inputs may alias each other (they are only read); outputs are fresh and never alias an input."""
     base = rnd(6, 9, dtype=torch.float64)
     a, b = base[:, :-1], base[:, 1:]  # overlapping views, shifted by one element
-    torch.testing.assert_close(ffn_ext.swiglu(a, b), F.silu(a) * b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ffn_ext.swiglu(a, a), F.silu(a) * a, rtol=1e-12, atol=1e-12)
     grad = rnd(6, 8, dtype=torch.float64)
-    dg, du = OPS.swiglu_backward(grad, a, a)  # the same tensor as gate and up
-    ref = torch.ops.aten.silu_backward(grad * a, a), grad * F.silu(a)
-    torch.testing.assert_close(dg, ref[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(du, ref[1], rtol=1e-12, atol=1e-12)
-    dx = OPS.gelu_backward(a, a)  # grad aliases x
-    torch.testing.assert_close(dx, torch.ops.aten.gelu_backward(a, a), rtol=1e-12, atol=1e-12)
-    exp = rnd(1, 8, dtype=torch.float64).expand(5, 8)  # stride-0 rows
-    torch.testing.assert_close(ffn_ext.gelu(exp), F.gelu(exp), rtol=1e-12, atol=1e-12)
-    # outputs are fresh, contiguous and do not share memory with inputs
-    for out in (ffn_ext.swiglu(a, b), ffn_ext.gelu(a), ffn_ext.swiglu_packed(base[:, :8]), dg, du, dx):
-        assert out.is_contiguous()
-        assert out.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    g, bwd = act.gated, act.name + "_backward"
+    calls = [
+        (g, (a, b)), (g, (a, a)),
+        (g + "_backward", (grad, a, a)),  # the same tensor as gate and up
+        (g + "_backward", (a, b, a)),  # grad overlaps gate and is up
+        (bwd, (a, a)),  # grad aliases x
+        (act.name, (rnd(1, 8, dtype=torch.float64).expand(5, 8),)),  # stride-0 rows
+        (g + "_packed", (base[:, :8],)),
+        (g + "_packed_backward", (base[:, :4], base[:, 1:9])),  # grad overlaps gate_up
+    ]
+    for name, args in calls:
+        out = call(name)(*args)
+        want = aten_result(name, *args)
+        for o, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(o, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+            # outputs are fresh, contiguous (the native ops') and do not share memory with inputs
+            assert o.is_contiguous() or not NATIVE, name
+            assert o.untyped_storage().data_ptr() != base.untyped_storage().data_ptr(), name
 
 
+@needs_native
 def test_no_op_takes_out_argument():
     """Nothing to alias: no ffn_ext op schema has an out= (mutable) argument."""
-    for name in ("gelu", "gelu_backward", "silu", "silu_backward", "swiglu", "swiglu_backward", "swiglu_packed",
-                 "swiglu_packed_backward"):
+    for name in OP_NAMES:
         schema = getattr(OPS, name).default._schema
         assert not schema.is_mutable, (name, str(schema))
         assert all(a.alias_info is None for a in schema.arguments), (name, str(schema))
@@ -319,6 +474,22 @@ def test_autograd_rejects_wrong_grad_shape():
 
 
 # ---------------------------------------------------------------- CUDA (GPU machine only)
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_cuda_cpu_device_mismatch_every_op(name):
+    """Each argument but the reference one (x, gate, gate_up) on the CPU, the others on the GPU."""
+    args = list(make_inputs(name, (3, 4), torch.float32, "cuda"))
+    r = activation_arg(name)
+    for k, arg in enumerate(spec(name).args):
+        if k != r:
+            bad = list(args)
+            bad[k] = bad[k].cpu()
+            with pytest.raises(RuntimeError, match=rf"{re.escape('ffn_ext.' + name)}: expected `{arg}` to be on the "
+                                                   rf"device of `{spec(name).args[r]}` \(cuda:0\), got cpu"):
+                op(name)(*bad)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_cpu_device_mismatch_names_the_argument():
@@ -356,7 +527,26 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
         (lambda: ffn_ext.swiglu_packed(X8.to(torch.complex64)), TypeError, r"ffn_ext\.swiglu_packed: expected `gate_up` to have dtype"),
         (lambda: ffn_ext.gelu(X.to_sparse()), TypeError, r"ffn_ext\.gelu: expected `x` to be a dense strided tensor, got layout torch\.sparse_coo"),
         (lambda: ffn_ext.gelu(None), TypeError, r"ffn_ext\.gelu: expected `x` to be a torch\.Tensor, got NoneType"),
+        (lambda: ffn_ext.gelu(X, approximate="bogus"), ValueError, r"`approximate` must be one of"),
+        (lambda: ffn_ext.geglu(X, X, approximate="bogus"), ValueError, r"`approximate` must be one of"),
+        (lambda: ffn_ext.geglu_packed(X8, approximate="bogus"), ValueError, r"`approximate` must be one of"),
+        (lambda: ffn_ext.gated(X, X, activation="bogus"), ValueError, r"`activation` must be one of"),
     ]
+    # every op of the table through the public API: the op's name in the message
+    from ffn_ext.table import ACTIVATIONS
+    for act in ACTIVATIONS:
+        fn, opts = act.api
+        cases += [
+            (lambda fn=fn, opts=opts: getattr(ffn_ext, fn)(X.long(), **opts), TypeError,
+             rf"ffn_ext\.{act.name}: expected `x` to have dtype .*, got torch\.int64"),
+            (lambda a=act: ffn_ext.gated(X, X.double(), activation=a.name), TypeError,
+             rf"ffn_ext\.{act.gated}: expected `up` to have the dtype of `gate` \(torch\.float32\), "
+             r"got torch\.float64"),
+            (lambda a=act: ffn_ext.gated(X, M, activation=a.name), RuntimeError,
+             rf"ffn_ext\.{act.gated}: expected `up` to be on the device of `gate` \(cpu\), got meta"),
+            (lambda a=act: ffn_ext.gated_packed(torch.randn(3, 5), activation=a.name), ValueError,
+             rf"ffn_ext\.{act.gated}_packed: expected the last dimension of `gate_up` to be even"),
+        ]
     for call, exc, msg in cases:
         try:
             call()
@@ -366,6 +556,9 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
             raise AssertionError(f"no {exc.__name__} for {msg}")
     y = ffn_ext.swiglu_packed(torch.empty(2, 6, device="meta"))
     assert y.shape == (2, 3) and y.device.type == "meta"
+    for act in ACTIVATIONS:  # and the ops compute: ATen's composites
+        g, u = torch.randn(3, 4), torch.randn(3, 4)
+        torch.testing.assert_close(ffn_ext.gated(g, u, activation=act.name), act.aten(g) * u)
     print("fallback-ok", len(cases))
 """)
 
@@ -375,4 +568,4 @@ def test_aten_fallback_validates_the_same():
     env = dict(os.environ, FFN_EXT_NO_C="1")
     r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "fallback-ok 11" in r.stdout
+    assert f"fallback-ok {15 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout

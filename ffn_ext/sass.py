@@ -1,0 +1,426 @@
+"""The machine code of ffn_ext's CUDA kernels, read without a GPU: instructions per element on each kernel's vector
+path, and what that count predicts for bandwidth on an H200. Used by benchmarks/sass_budget.py (the command line)
+and tests/test_sass.py; pure Python, not imported by ``import ffn_ext``.
+
+    python benchmarks/sass_budget.py                 # the loaded ffn_ext native library, sm_90
+    python -m ffn_ext.sass --lib build/libffn_ext_ops.so --arch 80
+
+What it reads. ``cuobjdump`` (triton ships one, triton/backends/nvidia/bin, in the CUDA build of torch; else
+$CUDA_HOME/bin or PATH) dumps the SASS (``--dump-sass``) and the resource usage (``--dump-resource-usage``) of a
+binary; parse_sass and parse_resources turn them into {(sm, mangled name): ...}. Every CUDA kernel of ffn_ext is
+an instantiation ``ffn_ext::cuda::rows_kernel<T, math::<Shape><Act>, VEC>``: T the storage type, Shape one of
+UnaryFwd, UnaryBwd, GatedFwd, GatedBwd (csrc/ffn_math.h), Act the activation's functor and VEC = 16 bytes /
+sizeof(T). kernel_of decodes a mangled name into a Kernel; KERNELS, derived from ffn_ext.table, says which
+kernels the op table makes (the packed ops run the gated kernels with another layout, so they add none) and what
+each one computes: per activation of the table, its C++ functor is the CamelCase of its name ("gelu_tanh" ->
+GeluTanh, csrc/ops_table.h), its unary ops run UnaryFwd / UnaryBwd, its gated ops GatedFwd / GatedBwd, and the
+number of inputs and outputs of a kernel are those of its op (OpSpec.args, OpSpec.n_outputs).
+
+The vector path. A memory-bound elementwise kernel is fast only while the SMs can issue its instructions faster
+than memory moves its bytes. vector_path follows, in a rows_kernel's SASS, the path that almost every thread of a
+large contiguous tensor takes: a block other than block 0 along the row (no head or tail elements), every
+operand 16-byte aligned, all kUnroll vectors in range, one row (rows.h's kFull body). At a conditional forward
+branch the path jumps if the code jumped over holds a scalar global load or store (LDG/STG of one element: the
+head, an element-wise fallback, the general body) and the target can still lead to kUnroll 128-bit loads per
+input and stores per output; otherwise it falls through (into the vector access the branch guards, or into
+math). The row loop's back edge is not taken. budget counts the instructions on that path (NOPs excluded) and
+divides by the elements a thread handles (kUnroll * VEC) and the bytes each element moves. It also counts the
+floating-point instructions issued before the path's last load: 0 means every load of the thread is in flight
+before its math starts, which is what keeps enough bytes in flight per multiprocessor.
+
+Calibration. On the tree of commit cec8a58, this count matches Nsight Compute's smsp__inst_executed on the H200
+(benchmarks/results/2026-11-30_h200/ncu.log, bf16, 2**26 elements) to within 2%: gelu 34.9 and 34.9 per element,
+gelu_backward 56.5 and 56.5, silu 23.8 and 23.8, silu_backward 40.1 and 40.1, swiglu 31.9 and 31.9,
+swiglu_backward 47.0 and 48.0. The same run gives the issue ceiling: 132 SMs x 4 schedulers x 1.92 GHz at the
+~83% issue-active that issue-bound kernels reached, 2.69e13 instructions/s per thread lane, against a copy at
+4172 GB/s: about 6.45 instructions per byte. A kernel needing D instructions per byte then reaches at most
+6.45 / D of copy bandwidth; that bound gave 74% for GELU forward and 69% for GELU backward (measured: 73.6% and
+70.6%), and above 96% for SiLU (measured 97.7-97.8%). It is a prediction for an H200 and this nvcc, not a
+measurement: the device benchmarks measure. (The branch rule above gives the same counts as the rule used for
+that calibration, which never took a branch into code with 128-bit accesses, on the kernels of cec8a58 and
+2bfde8d; the kFull body came after.)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .table import ACTIVATIONS, OPS
+
+__all__ = ["K_UNROLL", "DTYPES", "DTYPE_SIZE", "H200_INSTR_PER_BYTE", "Kernel", "KernelSpec", "KERNELS",
+           "act_struct", "expected_kernels", "kernel_of", "cuobjdump", "native_library", "dump", "parse_sass",
+           "parse_resources", "vector_path", "budget", "table", "spill_report", "main"]
+
+K_UNROLL = 4  # csrc/rows.h kUnroll: 16-byte vectors per operand and thread in the body
+# the storage type as the Itanium ABI mangles it -> (torch dtype name, bytes)
+DTYPES = {"d": ("float64", 8), "f": ("float32", 4), "N3c104HalfE": ("float16", 2), "N3c108BFloat16E": ("bfloat16", 2)}
+DTYPE_SIZE = dict(DTYPES.values())
+H200_INSTR_PER_BYTE = 6.45  # issue ceiling / copy bandwidth, from the 2026-11-30 H200 run (see above)
+
+VECTOR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.[A-Z0-9_]+)*\.128\b")         # 16 bytes: LDG.E.128, STG.E.128...
+SCALAR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.(?!128\b)[A-Z0-9_]+)*\s")      # one element: LDG.E.U16, STG.E.64...
+LOAD_128 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.128\b")
+STORE_128 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.128\b")
+LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")                                 # spills (with a stack frame)
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+BRANCH = re.compile(r"BRA(?:\.[A-Z0-9_]+)*\s+(?:(!?U?P[T0-9]+),\s*)?(0x[0-9a-f]+)")  # BRA [!P0,] 0x1b60
+FP_MATH = re.compile(r"(?:FFMA|FMUL|FADD|MUFU|DFMA|DMUL|DADD|HFMA2(?!\.MMA)|HMUL2|HADD2)\b")  # HFMA2.MMA: a move
+
+
+# ---------------------------------------------------------------- the kernels the op table makes
+@dataclass(frozen=True)
+class Kernel:
+    """One rows_kernel instantiation, decoded from its mangled name."""
+    shape: str  # UnaryFwd | UnaryBwd | GatedFwd | GatedBwd (whatever the name says: kernel_of does not check)
+    act: str | None  # the activation functor, e.g. "GeluTanh"; None for a shape without one
+    dtype: str  # float64 | float32 | float16 | bfloat16
+    vec: int  # elements per 16-byte vector
+
+    @property
+    def functor(self) -> str:
+        return self.shape if self.act is None else f"{self.shape}<{self.act}>"
+
+    def __str__(self) -> str:
+        return f"rows_kernel<{self.dtype}, {self.functor}, VEC={self.vec}>"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What the op table says a kernel computes."""
+    op: str  # the op it runs (the packed op of a gated kernel runs it too: `also`)
+    ni: int  # inputs per element
+    no: int  # outputs per element
+    also: tuple = ()  # other ops that launch this kernel
+
+
+def act_struct(name: str) -> str:
+    """The C++ functor of a table activation: CamelCase of its name ("gelu_tanh" -> "GeluTanh"), the rule
+    csrc/ops_table.h follows (tests/test_sass.py fails if the binary's kernels and this rule disagree)."""
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+_SHAPES = {("unary", False): "UnaryFwd", ("unary", True): "UnaryBwd",
+           ("gated", False): "GatedFwd", ("gated", True): "GatedBwd"}
+
+
+def _kernels() -> dict[tuple[str, str], KernelSpec]:
+    specs: dict[tuple[str, str], KernelSpec] = {}
+    packed: dict[tuple[str, str], tuple] = {}
+    for spec in OPS.values():
+        kind = "gated" if spec.kind == "packed" else spec.kind  # a packed op: the gated kernel, packed layout
+        key = (_SHAPES[(kind, spec.backward)], act_struct(spec.act.name))
+        if spec.kind == "packed":
+            packed[key] = packed.get(key, ()) + (spec.name,)
+        else:
+            specs[key] = KernelSpec(spec.name, len(spec.args), spec.n_outputs)
+    return {key: KernelSpec(s.op, s.ni, s.no, packed.get(key, ())) for key, s in specs.items()}
+
+
+# {(shape, act struct): KernelSpec}: every rows_kernel functor the op table makes
+KERNELS: dict[tuple[str, str], KernelSpec] = _kernels()
+
+
+def expected_kernels() -> set[tuple[str, str, str]]:
+    """{(shape, act, dtype)}: the rows_kernel instantiations the table predicts for one architecture."""
+    return {(shape, act, dt) for shape, act in KERNELS for dt in DTYPE_SIZE}
+
+
+_KERNEL_HEAD = re.compile(r"_ZN7ffn_ext4cuda11rows_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)NS_4math")
+
+
+def _source_name(s: str, i: int) -> tuple[str, int] | None:
+    m = re.compile(r"\d+").match(s, i)
+    if m is None:
+        return None
+    n, j = int(m.group()), m.end()
+    return (s[j:j + n], j + n) if len(s) >= j + n else None
+
+
+def kernel_of(mangled: str) -> Kernel | None:
+    """Decodes ``_ZN7ffn_ext4cuda11rows_kernelI<T>NS_4math<n><Shape>IN<S?_><m><Act>EEELi<VEC>E...`` (a template
+    shape over an activation, e.g. math::UnaryFwd<math::GeluTanh>) or ``...NS_4math<n><Functor>ELi<VEC>E...`` (a
+    plain functor); None for anything else."""
+    m = _KERNEL_HEAD.match(mangled)
+    if not m:
+        return None
+    got = _source_name(mangled, m.end())
+    if got is None:
+        return None
+    shape, i = got
+    act = None
+    if mangled.startswith("I", i):  # template arguments: one activation, a nested name math::<Act>
+        t = re.compile(r"IN(?:S[0-9A-Z]*_)+").match(mangled, i)
+        if t is None:
+            return None
+        got = _source_name(mangled, t.end())
+        if got is None or not mangled.startswith("EE", got[1]):
+            return None
+        act, i = got[0], got[1] + 2  # closes math::<Act>, then the template argument list
+    rest = re.compile(r"ELi(\d+)E").match(mangled, i)  # closes math::<Shape>, then VEC
+    if rest is None:
+        return None
+    return Kernel(shape, act, DTYPES[m.group(1)][0], int(rest.group(1)))
+
+
+# ---------------------------------------------------------------- reading a binary
+def cuobjdump() -> str | None:
+    """triton's copy (the CUDA build of torch installs it), else $CUDA_HOME/bin, else PATH."""
+    spec = importlib.util.find_spec("triton")
+    candidates = [Path(loc) / "backends" / "nvidia" / "bin" / "cuobjdump"
+                  for loc in (spec.submodule_search_locations or [])] if spec else []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "bin" / "cuobjdump")
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    return shutil.which("cuobjdump")
+
+
+def native_library() -> tuple[str | None, str]:
+    """(path of the loaded ffn_ext native library, "") or (None, why there is no CUDA code to read)."""
+    import ffn_ext
+
+    native = ffn_ext.ops._native
+    if native is None:
+        return None, f"no native ffn_ext library is loaded ({ffn_ext.build_info().get('reason')})"
+    if not ffn_ext.has_cuda_kernels():
+        return None, "the loaded ffn_ext was built without CUDA kernels"
+    return native.__file__, ""
+
+
+_FLAGS = {"sass": "--dump-sass", "res": "--dump-resource-usage", "elf": "--list-elf", "ptx": "--list-ptx",
+          "text": "--list-text"}
+
+
+def dump(lib: str, kind: str = "sass", arch: int | None = None, tool: str | None = None) -> str:
+    """cuobjdump's output for `lib`: kind sass | res | elf | ptx | text, of one architecture (`arch`, e.g. 90) or
+    all. A binary without PTX gives "" for ptx; any other failure raises RuntimeError."""
+    tool = tool or cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (pip install triton, or set CUDA_HOME to a toolkit that has it)")
+    cmd = [tool, _FLAGS[kind], *(["-arch", f"sm_{arch}"] if arch is not None else []), lib]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if kind == "ptx" and r.returncode != 0 and "No PTX" in r.stderr + r.stdout:
+        return ""
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+_ARCH_HEADER = re.compile(r"\s*(?:arch = |code for )sm_(\d+)")  # a library's fatbin, or a bare cubin
+
+
+def parse_sass(text: str) -> dict[tuple[int, str], list[tuple[int, str]]]:
+    """{(sm, mangled function name): [(address, instruction)]} from `cuobjdump --dump-sass` output (the
+    instruction without its trailing ';' and encoding comment, predicate included)."""
+    out: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    arch, cur = None, None
+    for line in text.splitlines():
+        m = _ARCH_HEADER.match(line)
+        if m:
+            arch, cur = int(m.group(1)), None
+            continue
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            if arch is None:
+                raise ValueError("SASS function before any 'arch = sm_XX' / 'code for sm_XX' header")
+            cur = out.setdefault((arch, m.group(1)), [])
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", line)
+        if cur is not None and m:
+            cur.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def parse_resources(text: str) -> dict[tuple[int, str], dict[str, int]]:
+    """{(sm, function): {'REG': .., 'STACK': .., 'LOCAL': .., ...}} from `cuobjdump --dump-resource-usage`."""
+    out, arch, fn = {}, None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1))
+            continue
+        m = re.match(r"\s*Function (\S+):\s*$", line)
+        if m:
+            fn = m.group(1)
+            continue
+        if fn is not None and "REG:" in line:
+            out[(arch, fn)] = {k: int(v) for k, v in re.findall(r"([A-Z]+):(\d+)", line)}
+            fn = None
+    return out
+
+
+# ---------------------------------------------------------------- the vector path
+def _step(op: str, predicated: bool, addr: int, index: dict) -> tuple[tuple[int, int], list[int], bool]:
+    """One instruction: its (128-bit loads, 128-bit stores), the indices the path can go on to (none: the path
+    ends there), and whether it is a conditional forward branch (two ways on)."""
+    vec = VECTOR_MEM.match(op) is not None
+    add = (int(vec and op.startswith("LDG")), int(vec and op.startswith("STG")))
+    nxt = index[addr] + 1
+    if op.startswith("EXIT") and not predicated:
+        return add, [], False
+    m = BRANCH.match(op)
+    if m is None:
+        return add, [nxt], False
+    target = int(m.group(2), 16)
+    conditional = predicated or m.group(1) not in (None, "PT")
+    if target <= addr:  # the row loop's back edge: one row only
+        return add, [nxt] if conditional else [], False
+    return add, [index[target], nxt] if conditional else [index[target]], conditional
+
+
+def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, path: list | None = None
+                ) -> tuple[int, int, int]:
+    """(instructions, 128-bit loads, 128-bit stores) on the path described at the top of this file, for a kernel
+    whose vector path makes want_loads 128-bit loads and want_stores 128-bit stores. The path never passes an
+    unpredicated scalar access (a predicated one is issued with its predicate off, and counted). If `path` is a
+    list, the indices of the path's instructions are appended to it."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    ops = [(PREDICATE.sub("", t), PREDICATE.match(t) is not None) for _, t in ins]
+    want = (want_loads, want_stores)
+    # can[i]: the (loads, stores) that some path from instruction i to its end makes (at most `want`)
+    can: list[set] = [set() for _ in range(len(ins) + 1)]
+    for i in range(len(ins) - 1, -1, -1):
+        op, predicated = ops[i]
+        if op.startswith("NOP"):
+            can[i] = can[i + 1]
+        elif not (SCALAR_MEM.search(op) and not predicated):
+            add, nexts, _ = _step(op, predicated, ins[i][0], index)
+            after = set.union(*(can[j] for j in nexts)) if nexts else {(0, 0)}
+            can[i] = {(a + add[0], b + add[1]) for a, b in after if a + add[0] <= want[0] and b + add[1] <= want[1]}
+    if want not in can[0]:
+        raise RuntimeError(f"no path through the kernel makes {want_loads} 128-bit loads and {want_stores} stores "
+                           "without a scalar access")
+    i, count, done = 0, 0, (0, 0)
+    while True:
+        op, predicated = ops[i]
+        if op.startswith("NOP"):
+            i += 1
+            continue
+        add, nexts, two_ways = _step(op, predicated, ins[i][0], index)
+        if path is not None:
+            path.append(i)
+        count, done = count + 1, (done[0] + add[0], done[1] + add[1])
+        if not nexts:
+            return count, done[0], done[1]
+        rest = (want[0] - done[0], want[1] - done[1])
+        options = [j for j in nexts if rest in can[j]]  # never empty: rest was in can[i]
+        if two_ways and len(options) == 2:  # jump past scalar accesses, else fall through
+            i = options[0] if any(SCALAR_MEM.search(t) for t, _ in ops[i + 1:options[0]]) else options[1]
+        else:
+            i = options[0]
+
+
+def _order(kernel: Kernel) -> tuple:
+    """Unary kernels first, then gated; within each, the table's order of activations, forward before backward."""
+    acts = [act_struct(a.name) for a in ACTIVATIONS]
+    shapes = ["UnaryFwd", "UnaryBwd", "GatedFwd", "GatedBwd"]
+    return (kernel.shape.startswith("Gated"), acts.index(kernel.act) if kernel.act in acts else len(acts),
+            shapes.index(kernel.shape) if kernel.shape in shapes else len(shapes),
+            list(DTYPE_SIZE).index(kernel.dtype))
+
+
+def budget(sass: str | dict, arch: int) -> list[dict]:
+    """One row per rows_kernel of `arch` (SASS text, or parse_sass's result): op, kernel, dtype, instructions per
+    element and per byte, the 128-bit loads/stores on the path (and how many there should be), the
+    floating-point instructions the path issues before its last load (0: every load is in flight before the math
+    starts) and the H200 bound (fraction of copy bandwidth). A kernel the op table does not predict raises
+    KeyError."""
+    funcs = parse_sass(sass) if isinstance(sass, str) else sass
+    rows = []
+    for (sm, name), ins in funcs.items():
+        k = kernel_of(name)
+        if sm != arch or k is None:
+            continue
+        spec = KERNELS.get((k.shape, k.act))
+        if spec is None:
+            raise KeyError(f"sm_{sm} {k}: not a kernel of the op table (ffn_ext.table; known: "
+                           f"{sorted(f'{a}<{b}>' for a, b in KERNELS)})")
+        size = DTYPE_SIZE[k.dtype]
+        path: list[int] = []
+        per_thread, loads, stores = vector_path(ins, K_UNROLL * spec.ni, K_UNROLL * spec.no, path)
+        ops = [PREDICATE.sub("", ins[i][1]) for i in path]
+        last_load = max(n for n, op in enumerate(ops) if VECTOR_MEM.match(op) and op.startswith("LDG"))
+        math_first = sum(FP_MATH.match(op) is not None for op in ops[:last_load])
+        per_elem = per_thread / (K_UNROLL * k.vec)
+        per_byte = per_elem / ((spec.ni + spec.no) * size)
+        # float64 arithmetic issues at half rate on an H200 (and its exp/erf are long): no bound from issue alone
+        bound = None if k.dtype == "float64" else min(1.0, H200_INSTR_PER_BYTE / per_byte)
+        rows.append(dict(op=spec.op, also=spec.also, kernel=k.functor, dtype=k.dtype, instr_per_thread=per_thread,
+                         instr_per_elem=per_elem, instr_per_byte=per_byte, loads=loads, stores=stores,
+                         want_loads=K_UNROLL * spec.ni, want_stores=K_UNROLL * spec.no,
+                         math_before_last_load=math_first, h200_bound=bound, _key=_order(k)))
+    rows.sort(key=lambda r: r.pop("_key"))
+    return rows
+
+
+def table(rows: list[dict], arch: int) -> str:
+    """budget's rows as a markdown table."""
+    lines = [f"Vector path of each rows_kernel, sm_{arch} SASS (a prediction, not a measurement; see "
+             "ffn_ext/sass.py)", "",
+             "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | 128-bit loads / stores "
+             "| math before the last load |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["h200_bound"]
+        bound = "- (fp64 pipe: half rate)" if b is None else ">= 1 (memory-bound)" if b >= 1 else f"{b:.0%}"
+        lines.append(f"| {r['op']} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
+                     f"{r['instr_per_byte']:.2f} | {bound} | {r['loads']} / {r['stores']} | "
+                     f"{r['math_before_last_load']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog or "python -m ffn_ext.sass",
+                                 description="Instructions per element on each CUDA kernel's vector path, read from "
+                                 "the SASS (no GPU needed), and the H200 bandwidth they predict.")
+    ap.add_argument("--lib", help="binary to read (default: the loaded ffn_ext native library)")
+    ap.add_argument("--arch", type=int, default=90, help="SASS architecture, e.g. 80 or 90 (default 90)")
+    args = ap.parse_args(argv)
+    name = ap.prog
+    lib = args.lib
+    if lib is None:
+        lib, why = native_library()
+        if lib is None:
+            print(f"{name}: {why}; pass --lib", file=sys.stderr)
+            return 2
+    if cuobjdump() is None:
+        print(f"{name}: cuobjdump not found (pip install triton, or set CUDA_HOME)", file=sys.stderr)
+        return 2
+    funcs = parse_sass(dump(lib, "sass", args.arch))
+    rows = budget(funcs, args.arch)
+    if not rows:
+        print(f"{name}: no rows_kernel SASS for sm_{args.arch} in {lib}", file=sys.stderr)
+        return 2
+    print(table(rows, args.arch))
+    print("\n" + spill_report(funcs, parse_resources(dump(lib, "res", args.arch)), args.arch))
+    return 0
+
+
+def spill_report(funcs: dict, res: dict, arch: int) -> str:
+    """Registers per rows_kernel of `arch` and the kernels with a stack frame, local memory or local loads and
+    stores (spills): a report (tests/test_sass.py is the check)."""
+    ours = {n: r for (a, n), r in res.items() if a == arch and kernel_of(n) is not None}
+    if not ours:
+        return f"sm_{arch}: no resource usage for the rows_kernels"
+    regs = sorted((r.get("REG", 0), str(kernel_of(n))) for n, r in ours.items())
+    lines = [f"sm_{arch} registers per thread: {regs[0][0]} ({regs[0][1]}) to {regs[-1][0]} ({regs[-1][1]}); "
+             f"{sum(r == regs[-1][0] for r, _ in regs)} of {len(regs)} kernels at {regs[-1][0]}"]
+    bad = []
+    for n, r in sorted(ours.items(), key=lambda kv: str(kernel_of(kv[0]))):
+        local = sum(LOCAL_MEM.search(op) is not None for _, op in funcs.get((arch, n), []))
+        if r.get("STACK") or r.get("LOCAL") or local:
+            bad.append(f"  {kernel_of(n)}: REG {r.get('REG')}, STACK {r.get('STACK')} bytes, LOCAL {r.get('LOCAL')} "
+                       f"bytes, {local} local loads/stores (LDL/STL)")
+    lines += (["SPILLS (stack or local memory):"] + bad) if bad else ["no stack, local memory or LDL/STL in any kernel"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

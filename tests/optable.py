@@ -1,0 +1,440 @@
+"""The ffn_ext ops as the tests see them: op lists, inputs, the float64 reference and tolerances, all derived from
+the op table (ffn_ext/table.py), so an activation added there is tested by every test file without editing it.
+
+Import it from a test file as ``from optable import ...`` (tests/ is on sys.path: pytest puts the directory of
+the rootdir conftest there, and ``python tests/<script>.py`` runs with tests/ first on the path). conftest.py holds
+only pytest's hooks, fixtures and markers.
+
+  SPECS, OPS, FORWARD_OPS, BACKWARD_OPS, UNARY_OPS, GATED_OPS, PACKED_OPS     op names from the table
+  N_INPUTS, N_OUTPUTS, ARG_NAMES, ACTIVATIONS, ACT_NAMES                        per op / per activation
+  op(name), spec(name), is_packed(name), activation_arg(name)                  torch.ops packet, OpSpec, ...
+  call(name), NATIVE, needs_native                the op, or its ATen fallback without the native library
+  api_call(name)                                  the public API callable of forward op `name` (gelu approximate=...)
+  terms(name, inputs)                             an op (not packed) as products: which act value, times what
+  unpack(name, inputs) / repack(name, outs)       a packed op as its gated op on the two halves and back
+  reference(name, *inputs, inf_limits=False)      float64 result (ATen semantics, or the limits at +-inf)
+  aten_result(name, *inputs)                      ATen's composite in the inputs' own dtype (the CPU kernels)
+  error_scale(name, *inputs)                      size of the terms the kernels' formulas cancel (act.cancel)
+  tolerance(dtype), assert_close_to, assert_matches_reference
+  make_layout, make_chunk_pair, make_inputs, input_shapes, LAYOUTS, FLOAT_DTYPES, CPU_DTYPES
+  DEVICES, RecordOps, poison_cuda_cache, as_tuple
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ffn_ext
+from ffn_ext.table import ACTIVATIONS, BY_NAME, OPS as SPECS
+
+try:  # the plain scripts (cuda_sanitize_cases.py) import this module without pytest
+    import pytest
+except ImportError:  # pragma: no cover
+    pytest = None
+
+__all__ = [
+    "ACTIVATIONS", "ACT_NAMES", "BY_NAME", "SPECS", "OPS", "FORWARD_OPS", "BACKWARD_OPS", "UNARY_OPS", "GATED_OPS",
+    "PACKED_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES", "FLOAT_DTYPES", "CPU_DTYPES", "DEVICES", "LAYOUTS",
+    "NATIVE", "needs_native", "op", "call", "spec", "is_packed", "activation_arg", "api_call", "ops_of", "terms",
+    "unpack", "repack", "reference", "aten_result", "error_scale", "tolerance", "assert_close_to",
+    "assert_matches_reference", "make_layout", "make_chunk_pair", "make_inputs", "input_shapes", "as_tuple",
+    "RecordOps", "poison_cuda_cache",
+]
+
+# ---------------------------------------------------------------- ops, from the table
+OPS = tuple(SPECS)  # every op of torch.ops.ffn_ext, forward and backward
+FORWARD_OPS = tuple(n for n, s in SPECS.items() if not s.backward)
+BACKWARD_OPS = tuple(n for n, s in SPECS.items() if s.backward)
+UNARY_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "unary")  # forward ops only, as GATED/PACKED_OPS
+GATED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "gated")
+PACKED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "packed")
+HOST_OPS = tuple(n for n in OPS if SPECS[n].kind != "packed")  # what ffn_ext._C._host_math runs
+ACT_NAMES = tuple(a.name for a in ACTIVATIONS)
+N_INPUTS = {n: len(s.args) for n, s in SPECS.items()}
+N_OUTPUTS = {n: s.n_outputs for n, s in SPECS.items()}
+ARG_NAMES = {n: s.args for n, s in SPECS.items()}  # as in the schemas and the error messages
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+
+# A device parameter list: `@pytest.mark.parametrize("device", DEVICES)`.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)] if pytest is not None else ["cpu", "cuda"]
+
+# The native library (ffn_ext._C or a JIT build) is loaded: the torch.ops.ffn_ext ops exist. Without it
+# (FFN_EXT_NO_C=1) the public API runs the ATen fallback; tests of the dispatcher ops skip (needs_native).
+NATIVE = not ffn_ext.build_info()["native"].startswith("none")
+needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native library (torch.ops.ffn_ext ops)") \
+    if pytest is not None else None
+
+
+def op(name: str):
+    """torch.ops.ffn_ext.<name>."""
+    return getattr(torch.ops.ffn_ext, name)
+
+
+def call(name: str):
+    """op(name) when the native library is loaded, else op `name`'s ATen fallback (ffn_ext.ops._fallback: the same
+    checks and ATen composites), so that value tests also run on the fallback path (FFN_EXT_NO_C=1)."""
+    if NATIVE:
+        return op(name)
+    return lambda *args: ffn_ext.ops._fallback(name, args)
+
+
+def spec(name: str):
+    """The table's OpSpec of op `name` (act, kind, backward, args, n_outputs)."""
+    return SPECS[name]
+
+
+def ops_of(kind: str | None = None, backward: bool | None = None, act=None) -> tuple:
+    """The op names of the table with the given kind ("unary", "gated", "packed"), direction and activation."""
+    return tuple(n for n, s in SPECS.items() if (kind is None or s.kind == kind)
+                 and (backward is None or s.backward == backward)
+                 and (act is None or s.act.name == getattr(act, "name", act)))
+
+
+def as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def is_packed(name: str) -> bool:
+    """True for the packed ops (<gated>_packed and <gated>_packed_backward: gate_up is [..., 2M])."""
+    return SPECS[name].kind == "packed"
+
+
+def activation_arg(name: str) -> int:
+    """Index of the argument the activation applies to: x, gate or gate_up (whose first half is the gate)."""
+    return 1 if SPECS[name].backward else 0
+
+
+def api_call(name: str):
+    """The public API callable that runs forward op `name`: ffn_ext.gelu(x, approximate="tanh") for gelu_tanh,
+    ffn_ext.gated(gate, up, activation=...) for the gated ops, ffn_ext.gated_packed(...) for the packed ones."""
+    s = SPECS[name]
+    assert not s.backward, f"{name}: backward ops have no public API"
+    if s.kind == "unary":
+        function, options = s.act.api
+        return functools.partial(getattr(ffn_ext, function), **options)
+    fn = ffn_ext.gated if s.kind == "gated" else ffn_ext.gated_packed
+    return functools.partial(fn, activation=s.act.name)
+
+
+def input_shapes(name: str, shape) -> tuple:
+    """Input shapes of op `name` whose (first) output has shape `shape`. Packed ops: gate_up is [..., 2M] for an
+    output [..., M]; their `grad` has the forward output's shape [..., M]."""
+    shape = tuple(shape)
+    if is_packed(name):
+        packed = shape[:-1] + (2 * shape[-1],)
+        return (shape, packed) if SPECS[name].backward else (packed,)
+    return (shape,) * N_INPUTS[name]
+
+
+# ---------------------------------------------------------------- the ops as formulas
+def terms(name: str, inputs):
+    """Op `name` (not packed) written as products, one per output: (which, x, factors) where the output is
+    prod(factors) * act(x) for which == "f" and prod(factors) * act'(x) for which == "d" (factors multiply
+    left to right, first of all: grad * up before the derivative, as the kernels do)."""
+    s = SPECS[name]
+    assert s.kind != "packed", f"{name}: unpack() a packed op first"
+    if s.kind == "unary":
+        if s.backward:
+            grad, x = inputs
+            return [("d", x, (grad,))]
+        return [("f", inputs[0], ())]
+    if s.backward:
+        grad, gate, up = inputs
+        return [("d", gate, (grad, up)), ("f", gate, (grad,))]
+    gate, up = inputs
+    return [("f", gate, (up,))]
+
+
+def unpack(name: str, inputs):
+    """A packed op's inputs as its gated op's: (gated op name, inputs with gate, up = gate_up.chunk(2, -1))."""
+    s = SPECS[name]
+    assert s.kind == "packed", name
+    gated = s.act.gated + ("_backward" if s.backward else "")
+    if s.backward:
+        grad, gate_up = inputs
+        return gated, (grad, *gate_up.chunk(2, dim=-1))
+    return gated, tuple(inputs[0].chunk(2, dim=-1))
+
+
+def repack(name: str, outs):
+    """The gated op's outputs as packed op `name`'s: the backward's (dgate, dup) concatenated to [..., 2M]."""
+    outs = as_tuple(outs)
+    return (torch.cat(outs, dim=-1),) if SPECS[name].backward else outs
+
+
+def _prod(factors):
+    out = None
+    for f in factors:
+        out = f if out is None else out * f
+    return out
+
+
+def _evaluate(name, inputs, f, backward):
+    """Op `name` from an activation `f(x)` and `backward(m, x)` = m * act'(x); a tensor or a tuple, like the op."""
+    if is_packed(name):
+        gated, ins = unpack(name, inputs)
+        outs = repack(name, _evaluate(gated, ins, f, backward))
+    else:
+        outs = []
+        for which, x, factors in terms(name, inputs):
+            m = _prod(factors)
+            if which == "f":
+                outs.append(f(x) if m is None else f(x) * m)
+            else:
+                outs.append(backward(torch.ones_like(x) if m is None else m, x))
+    return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def reference(name: str, *inputs: torch.Tensor, inf_limits: bool = False):
+    """The result of torch.ops.ffn_ext.<name>(*inputs) in float64 from the same input values (upcast exactly), on
+    the inputs' device. A tensor, or a tuple for the gated backward ops, like the op.
+
+    inf_limits=False: ATen's semantics (the table's act.aten / act.aten_backward in float64; e.g. NaN for
+    silu(-inf)), what the CPU kernels return.
+    inf_limits=True: the mathematical limits the CUDA kernels implement (the table's act.ref: act(-inf) = -0,
+    act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1; NaN propagates)."""
+    act = SPECS[name].act
+    d = [t.detach().double() for t in inputs]
+    if inf_limits:
+        return _evaluate(name, d, lambda x: act.ref(x)[0], lambda m, x: m * act.ref(x)[1])
+    return _evaluate(name, d, act.aten, act.aten_backward)
+
+
+def aten_result(name: str, *inputs: torch.Tensor):
+    """Op `name` with the table's ATen composites in the inputs' own dtype and device (what the CPU kernels
+    compute, intermediates rounded to the dtype)."""
+    act = SPECS[name].act
+    return _evaluate(name, [t.detach() for t in inputs], act.aten, act.aten_backward)
+
+
+def error_scale(name: str, *inputs: torch.Tensor):
+    """Per output of op `name` (a tuple of float64 tensors): S, the size of the terms the kernels' formulas cancel
+    (the table's act.cancel, times the factors the activation value is multiplied by: |up|, |grad|, ...). Rounding
+    errors of a few ulps of the compute type are relative to |result| + S, not to |result| alone: e.g. the exact
+    GELU's 1 + erf(x / sqrt 2) cancels for x < 0, so geglu's error in float32 is ulps of |gate| |up|."""
+    act = SPECS[name].act
+    d = [t.detach().double() for t in inputs]
+    if is_packed(name):
+        gated, d = unpack(name, d)
+        return repack(name, error_scale(gated, *d))
+    out = []
+    for which, x, factors in terms(name, d):
+        s = act.cancel(x)[0 if which == "f" else 1]
+        for f in factors:
+            s = s * f.abs()
+        out.append(s)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- tolerances
+_TOL = {
+    # A fused kernel rounds once (error <= 0.5 ulp of the storage type, plus the float math's few ulp); the CPU
+    # composites round an intermediate too (act(gate) before * up), hence bf16/fp16 rtol of about 2-3 ulp.
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float16: dict(rtol=1e-3, atol=1e-5),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-5),
+}
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """dict(rtol=, atol=) for comparing a result computed in `dtype` with the float64 reference(). The atol covers
+    results near the zero crossings of the derivatives (silu' at x ~ -1.28, gelu' and the tanh gelu' at
+    x ~ -0.75), where the float math cancels."""
+    return dict(_TOL[dtype])
+
+
+def _close(a, e, rtol, atol, spread=None):
+    """Elementwise: a == e (infinities), both NaN, or |a - e| <= atol + rtol * (|e| + spread) where e is finite."""
+    bound = e.abs() if spread is None else e.abs() + torch.nan_to_num(spread.double(), nan=0.0, posinf=0.0)
+    return (a == e) | (a.isnan() & e.isnan()) | (e.isfinite() & ((a - e).abs() <= atol + rtol * bound))
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = "", scale=1.0,
+                    spread=None, alt=None):
+    """actual (any float dtype) vs an fp64 expected, with tolerance(dtype) times `scale`; NaN must match NaN.
+    spread: error_scale(), added to |expected| for the rtol. alt: alternative expected values (a tensor or a list:
+    ATen's results in the same dtype, for the ATen composites), each accepted element by element where it is
+    within the tolerance."""
+    tol = tolerance(dtype)
+    rtol, atol = tol["rtol"] * scale, tol["atol"] * scale
+    if spread is None and alt is None:
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=True,
+                                   check_device=True, msg=(lambda m: f"{msg}\n{m}") if msg else None)
+        return
+    a, e = actual.double(), expected.double()
+    assert a.shape == e.shape and a.device == e.device, (msg, a.shape, e.shape, a.device, e.device)
+    ok = _close(a, e, rtol, atol, spread)
+    alts = [] if alt is None else list(as_tuple(alt))
+    for t in alts:
+        ok |= _close(a, t.double(), rtol, atol)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[:5].tolist()
+        sp = torch.zeros_like(e) if spread is None else spread.double()
+        raise AssertionError(
+            f"{msg}\n{int((~ok).sum())} of {ok.numel()} elements out of tolerance (rtol={rtol:g}, atol={atol:g}, "
+            f"times |expected| + spread); first: " + "; ".join(
+                f"{tuple(i)}: got {a[tuple(i)].item()!r} expected {e[tuple(i)].item()!r} spread "
+                f"{sp[tuple(i)].item():.3g}" + "".join(f" alt {t[tuple(i)].item()!r}" for t in alts)
+                for i in bad))
+
+
+def _stepped(t):
+    """A copy of t whose last dimension has stride 2 (ATen then runs its scalar loop, not the vectorized one)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return t.clone()
+    buf = torch.empty(t.shape[:-1] + (2 * t.shape[-1],), dtype=t.dtype, device=t.device)[..., ::2]
+    return buf.copy_(t)
+
+
+def _loop_variants(inputs):
+    return (tuple(inputs), tuple(t.contiguous() for t in inputs), tuple(_stepped(t) for t in inputs))
+
+
+def assert_matches_reference(name: str, inputs, out, msg: str = "", inf_limits: bool = False, scale=1.0,
+                             aten=None):
+    """Checks op `name`'s result `out` (tensor or tuple) for `inputs`: shape, dtype, device, contiguity, and values
+    against reference() within tolerance(dtype) * scale, relative to |reference| + error_scale().
+    aten (default: inputs on the CPU, no inf_limits): also accept, element by element, ATen's own result in the
+    dtype (aten_result, on the inputs as given, on contiguous copies and on copies with a step, as ATen's
+    vectorized and scalar loops differ in the last bits): the CPU kernels are ATen's composites, whose accuracy is
+    ATen's (e.g. the float32 backward of F.gelu(approximate="tanh") loses ~1e-6 absolute to the 1 - tanh^2 it
+    cancels)."""
+    outs, refs = as_tuple(out), as_tuple(reference(name, *inputs, inf_limits=inf_limits))
+    assert len(outs) == N_OUTPUTS[name], f"{name}: expected {N_OUTPUTS[name]} outputs, got {len(outs)}"
+    spreads = error_scale(name, *inputs)
+    if aten is None:
+        aten = inputs[0].device.type == "cpu" and not inf_limits
+    alts = (list(zip(*(as_tuple(aten_result(name, *ins)) for ins in _loop_variants(inputs)))) if aten
+            else (None,) * len(outs))
+    dtype = inputs[0].dtype
+    for k, (o, r, s, a) in enumerate(zip(outs, refs, spreads, alts)):
+        where = f"{name} output {k} {msg}"
+        assert isinstance(o, torch.Tensor), where
+        assert o.shape == r.shape, f"{where}: shape {tuple(o.shape)} != expected {tuple(r.shape)}"
+        assert o.dtype == dtype, f"{where}: dtype {o.dtype} != input dtype {dtype}"
+        assert o.device == inputs[0].device, f"{where}: device {o.device} != {inputs[0].device}"
+        # the native ops' outputs are fresh contiguous tensors (the ATen fallback's take ATen's strides)
+        assert o.is_contiguous() or not NATIVE, f"{where}: output is not contiguous (strides {o.stride()})"
+        assert_close_to(o, r, dtype, where, scale=scale, spread=s, alt=a)
+
+
+# ---------------------------------------------------------------- input layouts
+# Every layout gives a tensor of the requested logical shape; they differ in strides / storage offset:
+LAYOUTS = (
+    "contiguous",
+    "transposed",  # last two dims swapped in memory (not row-like: a kernel must copy or gather)
+    "step",  # x[..., ::2] slicing with a step along the last dim (stride(-1) == 2)
+    "row_step",  # x[..., ::2, :]: rows with a gap between them (row stride 2*cols)
+    "padded",  # rows of an odd-width buffer: x[..., :cols] of [..., cols + 3] (rows at odd alignments)
+    "offset",  # buf[1:].view(shape): contiguous but misaligned by one element
+    "expanded",  # one row expanded over the rows (stride 0 along dim -2)
+    "chunk_hi",  # the upper half of [..., 2*cols].chunk(2, -1) (row stride 2*cols, storage offset cols)
+    "scalar",  # one value expanded to the whole shape (every stride 0), e.g. the grad of .sum()
+)
+
+
+def _randn(shape, dtype, device, scale):
+    return (torch.randn(shape, dtype=torch.float32, device=device) * scale).to(dtype)
+
+
+def make_layout(shape, dtype=torch.float32, device="cpu", layout="contiguous", scale=3.0) -> torch.Tensor:
+    """A random tensor (N(0, scale^2) values, never all zeros) of logical `shape`, laid out as `layout` (one of
+    LAYOUTS). Layouts that need 2 dims fall back to the nearest meaningful one for 0-d/1-d shapes ("transposed",
+    "row_step", "expanded" -> "contiguous" / "step" on 1-d)."""
+    shape = tuple(shape)
+    nd = len(shape)
+    if layout == "contiguous" or nd == 0 and layout not in ("offset", "scalar"):
+        return _randn(shape, dtype, device, scale)
+    if layout == "scalar":
+        return _randn((), dtype, device, scale).expand(shape)
+    if layout == "offset":
+        n = math.prod(shape)
+        return _randn((n + 1,), dtype, device, scale)[1:].view(shape)
+    cols = shape[-1]
+    if layout == "step":
+        return _randn(shape[:-1] + (2 * cols,), dtype, device, scale)[..., ::2]
+    if layout == "padded":
+        return _randn(shape[:-1] + (cols + 3,), dtype, device, scale)[..., :cols]
+    if layout == "chunk_hi":
+        return _randn(shape[:-1] + (2 * cols,), dtype, device, scale).chunk(2, dim=-1)[1] if cols else \
+            _randn(shape, dtype, device, scale)
+    if nd < 2:
+        return make_layout(shape, dtype, device, "step", scale)
+    if layout == "transposed":
+        return _randn(shape[:-2] + (shape[-1], shape[-2]), dtype, device, scale).transpose(-1, -2)
+    if layout == "row_step":
+        return _randn(shape[:-2] + (2 * shape[-2], cols), dtype, device, scale)[..., ::2, :]
+    if layout == "expanded":
+        return _randn(shape[:-2] + (1, cols), dtype, device, scale).expand(shape)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS} or 'chunk' (make_inputs)")
+
+
+def make_chunk_pair(shape, dtype=torch.float32, device="cpu", offset=0, scale=3.0):
+    """gate, up = t.chunk(2, -1) of one random [..., 2*cols] tensor t (views with row stride 2*cols; up starts
+    `cols` elements after gate, so for odd cols they sit at different alignments). offset > 0 shifts t's storage
+    by that many elements (t = buf[offset:].view(...))."""
+    shape = tuple(shape)
+    if len(shape) == 0 or shape[-1] == 0:  # nothing to chunk: two plain tensors
+        return _randn(shape, dtype, device, scale), _randn(shape, dtype, device, scale)
+    full = shape[:-1] + (2 * shape[-1],)
+    n = math.prod(full)
+    t = _randn((n + offset,), dtype, device, scale)[offset:].view(full)
+    return t.chunk(2, dim=-1)
+
+
+def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="contiguous", grad_layout=None,
+                scale=3.0):
+    """Random inputs for op `name` whose output has shape `shape`. Every input gets `layout`, except `grad`
+    (backward ops), which gets grad_layout (default: `layout`). layout="chunk": the gated ops (and their
+    backward) take gate, up = t.chunk(2, -1); the packed ops take gate_up as the upper half of a [..., 4M] chunk;
+    unary ops take a "chunk_hi" view."""
+    shape = tuple(shape)
+    grad_layout = layout if grad_layout is None else grad_layout
+    if layout == "chunk":
+        s = SPECS[name]
+        if s.kind == "gated":
+            pair = make_chunk_pair(shape, dtype, device, scale=scale)
+            if not s.backward:
+                return pair
+            g_layout = "chunk_hi" if grad_layout == "chunk" else grad_layout
+            return (make_layout(shape, dtype, device, g_layout, scale=scale),) + pair
+        layout = "chunk_hi"
+        grad_layout = "chunk_hi" if grad_layout == "chunk" else grad_layout
+    shapes = input_shapes(name, shape)
+    names = ARG_NAMES[name]
+    return tuple(make_layout(s, dtype, device, grad_layout if n == "grad" else layout, scale=scale)
+                 for s, n in zip(shapes, names))
+
+
+# ---------------------------------------------------------------- recording the ops a call dispatches
+class RecordOps(TorchDispatchMode):
+    """A dispatch mode that records the name of every op it sees (str of the OpOverload, e.g.
+    'ffn_ext.gelu.default') and runs it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------- CUDA caching allocator poison
+def poison_cuda_cache(device="cuda", nbytes: int = 256 << 20, small_blocks: int = 16) -> None:
+    """Fills the CUDA caching allocator's free memory with NaN bytes (0xFF: NaN in fp16, bf16, fp32 and fp64):
+    releases the unused cache, allocates one large block (`nbytes`) and `small_blocks` blocks of the small pool
+    (<= 1 MiB), fills them with 0xFF and frees them. The next allocations (inputs, then the op's outputs) are
+    carved from this memory, so an element a kernel forgets to write reads as NaN and fails the comparison."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    big = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0xFF)
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device=device).fill_(0xFF) for _ in range(small_blocks)]
+    torch.cuda.synchronize(device)
+    del big, small
