@@ -171,8 +171,10 @@ def test_no_stack_or_local_memory_in_resource_usage(sass):
     assert not bad, f"kernels with stack or local memory: {bad}"
     regs = sorted((r["REG"], a, str(S.kernel_of(n))) for (a, n), r in ours.items())
     print(f"\nregisters: min {regs[0]}, max {regs[-1]}")
-    # __launch_bounds__(256): up to 255 registers fit; more than 128 would halve the resident warps.
-    assert regs[-1][0] <= 128, f"register use above 128: {regs[-5:]}"
+    # __launch_bounds__(256): up to 255 registers fit; more than 128 would halve the resident warps. float64 is not
+    # capped (rows_launcher.cuh min_blocks: its erf/exp spilled at 128), so it only has to fit.
+    over = [r for r in regs if r[0] > (255 if "float64" in r[2] else 128)]
+    assert not over, f"register use above the cap: {over}"
 
 
 def test_vector_path_fits_the_issue_budget(sass):
