@@ -13,7 +13,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
 from ffn_ext.table import ACTIVATIONS
@@ -191,16 +190,7 @@ def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_ref
     torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
 
 
-class _Ops(TorchDispatchMode):
-    """Records the names of the ops that run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from optable import RecordOps as _Ops  # noqa: E402  (records the ops that run inside it)
 
 
 def _hf_act2fn():

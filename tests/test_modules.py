@@ -23,16 +23,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[cuda, needs_cuda])]
 ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
 
 
-class _Ops(TorchDispatchMode):
-    """Records the names of the ops that run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+from optable import RecordOps as _Ops  # noqa: E402  (records the ops that run inside it)
 
 
 def _close(a, b, dtype=None):
