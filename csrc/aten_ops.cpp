@@ -27,17 +27,34 @@ at::Tensor act_of(const at::Tensor& x) {
   return out;
 }
 
-// h = act(gate) * up into `out`; dgate, dup into the given (possibly strided) views.
-template <class Act>
-void gated_into(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
-  at::mul_out(out, act_of<Act>(gate), up);
-}
-template <class Act>
-void gated_backward_into(at::Tensor dgate, at::Tensor dup, const at::Tensor& grad, const at::Tensor& gate,
-                         const at::Tensor& up) {
-  Aten<Act>::backward(dgate, grad * up, gate);
-  at::mul_out(dup, grad, act_of<Act>(gate));
-}
+// A gate's ATen composite: forward into `out`, (dgate, dup) into the given (possibly strided) views.
+template <class Gate> struct AtenGate;
+template <class Act> struct AtenGate<math::Glu<Act>> {  // act(gate) * up
+  static void forward(at::Tensor out, const at::Tensor& gate, const at::Tensor& up, const math::NoParams&) {
+    at::mul_out(out, act_of<Act>(gate), up);
+  }
+  static void backward(at::Tensor dgate, at::Tensor dup, const at::Tensor& grad, const at::Tensor& gate,
+                       const at::Tensor& up, const math::NoParams&) {
+    Aten<Act>::backward(dgate, grad * up, gate);
+    at::mul_out(dup, grad, act_of<Act>(gate));
+  }
+};
+template <> struct AtenGate<math::SwigluClamped> {  // GPT-OSS's expression (transformers' GptOssExperts), in its order
+  static void forward(at::Tensor out, const at::Tensor& gate, const at::Tensor& up, const math::ClampParams& p) {
+    const auto g = gate.clamp_max(p.limit);
+    at::mul_out(out, up.clamp(-p.limit, p.limit) + p.up_offset, g * at::sigmoid(g * p.alpha));
+  }
+  // torch.clamp's gradients: passed where the input is within the bounds, else 0 (at the bound: kClampGradAtBound)
+  static void backward(at::Tensor dgate, at::Tensor dup, const at::Tensor& grad, const at::Tensor& gate,
+                       const at::Tensor& up, const math::ClampParams& p) {
+    const auto g = gate.clamp_max(p.limit);
+    const auto z = g * p.alpha;
+    const auto s = at::sigmoid(z);
+    const auto dh = s * (z * (1 - s) + 1);  // d/dg [g sigmoid(alpha g)] = silu'(alpha g)
+    dgate.copy_(at::where(clamp_pass_g(gate, p), grad * (up.clamp(-p.limit, p.limit) + p.up_offset) * dh, 0));
+    dup.copy_(at::where(clamp_pass_u(up, p), grad * (g * s), 0));
+  }
+};
 
 template <class Act>
 at::Tensor unary(const char* op, const at::Tensor& x) {
@@ -51,32 +68,42 @@ at::Tensor unary_backward(const char* op, const at::Tensor& grad, const at::Tens
   Aten<Act>::backward(out, grad, x);
   return out;
 }
-template <class Act>
-at::Tensor gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+template <class Gate>
+at::Tensor gated(const char* op, const typename Gate::Params& prm, const at::Tensor& gate, const at::Tensor& up) {
+  check_params(op, prm);
   auto out = alloc_gated(op, gate, up);
-  gated_into<Act>(out, gate, up);
+  AtenGate<Gate>::forward(out, gate, up, prm);
   return out;
 }
-template <class Act>
-std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate,
+template <class Gate>
+std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const typename Gate::Params& prm,
+                                                  const at::Tensor& grad, const at::Tensor& gate,
                                                   const at::Tensor& up) {
+  check_params(op, prm);
   auto outs = alloc_gated_backward(op, grad, gate, up);
-  gated_backward_into<Act>(std::get<0>(outs), std::get<1>(outs), grad, gate, up);
+  AtenGate<Gate>::backward(std::get<0>(outs), std::get<1>(outs), grad, gate, up, prm);
   return outs;
 }
-template <class Act>
-at::Tensor gated_packed(const char* op, const at::Tensor& gate_up) {
+template <class Gate>
+at::Tensor gated_packed(const char* op, const typename Gate::Params& prm, const at::Tensor& gate_up,
+                        c10::string_view layout) {
+  check_params(op, prm);
+  const Layout lay = parse_layout(op, layout);
   auto out = alloc_gated_packed(op, gate_up);
-  const int64_t m = out.size(-1);
-  gated_into<Act>(out, gate_up.narrow(-1, 0, m), gate_up.narrow(-1, m, m));
+  const auto [gate, up] = split_packed(gate_up, out.size(-1), lay);
+  AtenGate<Gate>::forward(out, gate, up, prm);
   return out;
 }
-template <class Act>
-at::Tensor gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up) {
+template <class Gate>
+at::Tensor gated_packed_backward(const char* op, const typename Gate::Params& prm, const at::Tensor& grad,
+                                 const at::Tensor& gate_up, c10::string_view layout) {
+  check_params(op, prm);
+  const Layout lay = parse_layout(op, layout);
   auto out = alloc_gated_packed_backward(op, grad, gate_up);
   const int64_t m = grad.size(-1);
-  gated_backward_into<Act>(out.narrow(-1, 0, m), out.narrow(-1, m, m), grad, gate_up.narrow(-1, 0, m),
-                           gate_up.narrow(-1, m, m));
+  const auto [gate, up] = split_packed(gate_up, m, lay);
+  const auto [dgate, dup] = split_packed(out, m, lay);
+  AtenGate<Gate>::backward(dgate, dup, grad, gate, up, prm);
   return out;
 }
 
@@ -101,22 +128,23 @@ void impl_all(Library& m) {
     FFN_EXT_WARN;                                                               \
     return unary_backward<math::Act>("ffn_ext." #name "_backward", g, x);       \
   });
-#define FFN_EXT_ATEN_IMPL_GATED(name, Act)                                      \
-  m.impl(#name, [](T gate, T up) {                                              \
+#define FFN_EXT_ATEN_IMPL_GATED(name, Gate, P)                                  \
+  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                           \
     FFN_EXT_WARN;                                                               \
-    return gated<math::Act>("ffn_ext." #name, gate, up);                        \
+    return gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);   \
   });                                                                           \
-  m.impl(#name "_backward", [](T g, T gate, T up) {                             \
+  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {          \
     FFN_EXT_WARN;                                                               \
-    return gated_backward<math::Act>("ffn_ext." #name "_backward", g, gate, up); \
+    return gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
   });                                                                           \
-  m.impl(#name "_packed", [](T gu) {                                            \
+  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
     FFN_EXT_WARN;                                                               \
-    return gated_packed<math::Act>("ffn_ext." #name "_packed", gu);             \
+    return gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout); \
   });                                                                           \
-  m.impl(#name "_packed_backward", [](T g, T gu) {                              \
+  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
     FFN_EXT_WARN;                                                               \
-    return gated_packed_backward<math::Act>("ffn_ext." #name "_packed_backward", g, gu); \
+    return gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, g, gu, \
+                                             layout);                           \
   });
   FFN_EXT_ACTIVATIONS(FFN_EXT_ATEN_IMPL_ACT)
   FFN_EXT_GATED(FFN_EXT_ATEN_IMPL_GATED)

@@ -9,8 +9,10 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
+#include "ffn_ext.h"
 #include "ops_table.h"
 
 namespace ffn_ext {
@@ -27,14 +29,6 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
 }
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
-// With no gradient to record (grad mode off, or no input requires grad) and no forward-mode tangent, the op
-// goes straight to its kernel below the autograd keys: Function::apply's bookkeeping is skipped on the inference
-// path. Otherwise Function::apply runs as before (and raises for forward-mode AD, which these ops do not support).
-template <typename... Ts>
-bool records_grad(const Ts&... ts) {
-  const bool grad = at::GradMode::is_enabled() && (ts.requires_grad() || ...);
-  return grad || (ts._fw_grad(/*level=*/0).defined() || ...);
-}
 // The op below the autograd keys (each Function's forward, and the whole op when there is nothing to record).
 template <typename Sig, typename... Ts>
 auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
@@ -66,17 +60,44 @@ struct ActOps {
   }
 };
 
-// Gradients of (dgate, dup) = gated_backward(grad, gate, up) = (grad up act'(gate), grad act(gate)) w.r.t.
-// (grad, gate, up), given gg_gate, gg_up. act and grad * act' are the activation's own ops (differentiable through
-// their Functions below), act'' its d2.
+// ---- second derivatives of the gated ops, by gate: gradients of (dgate, dup) = name_backward(grad, gate, up)
+// w.r.t. (grad, gate, up), given gg_gate, gg_up (ATen ops throughout, so they are differentiable themselves).
+template <class Gate> struct Second;
+
+// Glu<Act>: (dgate, dup) = (grad up act'(gate), grad act(gate)). act and grad * act' are the activation's own ops
+// (differentiable through their Functions below), act'' its d2.
 template <class Act>
-variable_list gated_second(T grad, T gate, T up, T gg_gate, T gg_up) {
-  const auto& act = ActOps<Act>::fwd();
-  const auto& act_bwd = ActOps<Act>::bwd();  // (g, x) -> g * act'(x)
-  auto gg_gate_up = gg_gate * up;
-  return {act_bwd.call(gg_gate_up, gate) + gg_up * act.call(gate),
-          grad * gg_gate_up * grad2<Act>(gate) + act_bwd.call(grad * gg_up, gate), act_bwd.call(grad * gg_gate, gate)};
-}
+struct Second<math::Glu<Act>> {
+  static variable_list of(const math::NoParams&, T grad, T gate, T up, T gg_gate, T gg_up) {
+    const auto& act = ActOps<Act>::fwd();
+    const auto& act_bwd = ActOps<Act>::bwd();  // (g, x) -> g * act'(x)
+    auto gg_gate_up = gg_gate * up;
+    return {act_bwd.call(gg_gate_up, gate) + gg_up * act.call(gate),
+            grad * gg_gate_up * grad2<Act>(gate) + act_bwd.call(grad * gg_up, gate),
+            act_bwd.call(grad * gg_gate, gate)};
+  }
+};
+
+// SwigluClamped: with x = clamp(gate, max=L), c = clamp(up, -L, L) + up_offset, h(x) = x sigmoid(alpha x) and the
+// masks mg, mu where the clamps pass the gradient (clamp_pass_g, clamp_pass_u): (dgate, dup) = (mg ? grad c h'(x) : 0, mu ? grad h(x) : 0), where
+// h'(x) = silu'(alpha x), h''(x) = alpha silu''(alpha x), dx/dgate = mg, dc/dup = mu.
+template <>
+struct Second<math::SwigluClamped> {
+  static variable_list of(const math::ClampParams& p, T grad, T gate, T up, T gg_gate, T gg_up) {
+    const auto mg = clamp_pass_g(gate, p);
+    const auto mu = clamp_pass_u(up, p);
+    const auto x = gate.clamp_max(p.limit);
+    const auto c = up.clamp(-p.limit, p.limit) + p.up_offset;
+    const auto z = x * p.alpha;
+    const auto s = at::sigmoid(z);
+    const auto h = x * s;
+    const auto dh = s * (z * (1 - s) + 1);
+    const auto d2h = math::Silu::d2<TensorMath>(z) * p.alpha;
+    return {at::where(mg, gg_gate * c * dh, 0) + at::where(mu, gg_up * h, 0),
+            at::where(mg, gg_gate * grad * c * d2h + at::where(mu, gg_up * grad * dh, 0), 0),
+            at::where(mg.logical_and(mu), gg_gate * grad * dh, 0)};
+  }
+};
 
 // ---- unary: act(x), act_backward(grad, x)
 template <class Act>
@@ -108,86 +129,160 @@ struct UnaryBackwardFn : torch::autograd::Function<UnaryBackwardFn<Act>> {
   }
 };
 
-// ---- gated: act(gate) * up, separate and packed. Names: the table's gated op name ("ffn_ext::swiglu").
-template <const char* Name>
+// ---- gated ops: name(gate, up, params...), name_backward, name_packed(gate_up, params..., layout) and its
+// backward. A gate's Params (ffn_math.h) travel as the ops' trailing scalar arguments and in ctx->saved_data; the
+// Functions take them (and the layout) as non-tensor inputs, whose gradients are undefined.
+inline std::tuple<> param_args(const math::NoParams&) { return {}; }
+inline std::tuple<double, double, double> param_args(const math::ClampParams& p) {
+  return {p.limit, p.alpha, p.up_offset};
+}
+inline void save_params(AutogradContext*, const math::NoParams&) {}
+inline void save_params(AutogradContext* ctx, const math::ClampParams& p) {
+  ctx->saved_data["limit"] = p.limit;
+  ctx->saved_data["alpha"] = p.alpha;
+  ctx->saved_data["up_offset"] = p.up_offset;
+}
+template <class P> P load_params(AutogradContext* ctx);
+template <> math::NoParams load_params(AutogradContext*) { return {}; }
+template <> math::ClampParams load_params(AutogradContext* ctx) {
+  return {ctx->saved_data["limit"].toDouble(), ctx->saved_data["alpha"].toDouble(),
+          ctx->saved_data["up_offset"].toDouble()};
+}
+Layout load_layout(AutogradContext* ctx, const char* op) {
+  return parse_layout(op, ctx->saved_data["layout"].toStringRef());
+}
+
+// R(A...) for the argument types of some tuples, concatenated.
+template <class R, class Tuple> struct FnOf;
+template <class R, class... A> struct FnOf<R, std::tuple<A...>> {
+  using type = R(A...);
+};
+template <class R, class... Tuples>
+using Sig = typename FnOf<R, decltype(std::tuple_cat(std::declval<Tuples>()...))>::type;
+using Str = c10::string_view;
+
+// The four ops of a gated line (Name "swiglu", its Gate functor), called with a Params.
+template <const char* Name, class Gate_>
 struct GatedOps {
+  using Gate = Gate_;
+  using P = typename Gate::Params;
+  using PArgs = decltype(param_args(std::declval<P>()));
   static std::string name(const char* suffix) { return std::string("ffn_ext::") + Name + suffix; }
-  static const c10::TypedOperatorHandle<at::Tensor(T, T)>& fwd() {
-    static const auto h = op<at::Tensor(T, T)>(name("").c_str());
-    return h;
+  static at::Tensor fwd(T gate, T up, const P& p) {
+    static const auto h = op<Sig<at::Tensor, std::tuple<T, T>, PArgs>>(name("").c_str());
+    return std::apply([&](auto... a) { return h.call(gate, up, a...); }, param_args(p));
   }
-  static const c10::TypedOperatorHandle<Pair(T, T, T)>& bwd() {
-    static const auto h = op<Pair(T, T, T)>(name("_backward").c_str());
-    return h;
+  static Pair bwd(T grad, T gate, T up, const P& p) {
+    static const auto h = op<Sig<Pair, std::tuple<T, T, T>, PArgs>>(name("_backward").c_str());
+    return std::apply([&](auto... a) { return h.call(grad, gate, up, a...); }, param_args(p));
   }
-  static const c10::TypedOperatorHandle<at::Tensor(T)>& packed() {
-    static const auto h = op<at::Tensor(T)>(name("_packed").c_str());
-    return h;
+  static at::Tensor packed(T gate_up, const P& p, Str layout) {
+    static const auto h = op<Sig<at::Tensor, std::tuple<T>, PArgs, std::tuple<Str>>>(name("_packed").c_str());
+    return std::apply([&](auto... a) { return h.call(gate_up, a..., layout); }, param_args(p));
   }
-  static const c10::TypedOperatorHandle<at::Tensor(T, T)>& packed_bwd() {
-    static const auto h = op<at::Tensor(T, T)>(name("_packed_backward").c_str());
-    return h;
+  static at::Tensor packed_bwd(T grad, T gate_up, const P& p, Str layout) {
+    static const auto h =
+        op<Sig<at::Tensor, std::tuple<T, T>, PArgs, std::tuple<Str>>>(name("_packed_backward").c_str());
+    return std::apply([&](auto... a) { return h.call(grad, gate_up, a..., layout); }, param_args(p));
   }
 };
 
 template <class Ops>
 struct GatedFn : torch::autograd::Function<GatedFn<Ops>> {
-  static at::Tensor below(T gate, T up) { return call_below(Ops::fwd(), gate, up); }
-  static at::Tensor forward(AutogradContext* ctx, T gate, T up) {
+  using P = typename Ops::P;
+  static at::Tensor below(T gate, T up, const P& p) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return Ops::fwd(gate, up, p);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T gate, T up, const P& p) {
     ctx->save_for_backward({gate, up});
-    return below(gate, up);
+    save_params(ctx, p);
+    return below(gate, up, p);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [dgate, dup] = Ops::bwd().call(grads[0], saved[0], saved[1]);
-    return {ctx->needs_input_grad(0) ? dgate : at::Tensor(), ctx->needs_input_grad(1) ? dup : at::Tensor()};
+    auto [dgate, dup] = Ops::bwd(grads[0], saved[0], saved[1], load_params<P>(ctx));
+    return {ctx->needs_input_grad(0) ? dgate : at::Tensor(), ctx->needs_input_grad(1) ? dup : at::Tensor(),
+            at::Tensor()};
   }
 };
-template <class Ops, class Act>
-struct GatedBackwardFn : torch::autograd::Function<GatedBackwardFn<Ops, Act>> {
-  static Pair below(T grad, T gate, T up) { return call_below(Ops::bwd(), grad, gate, up); }
-  static variable_list forward(AutogradContext* ctx, T grad, T gate, T up) {
+template <class Ops>
+struct GatedBackwardFn : torch::autograd::Function<GatedBackwardFn<Ops>> {
+  using P = typename Ops::P;
+  static Pair below(T grad, T gate, T up, const P& p) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return Ops::bwd(grad, gate, up, p);
+  }
+  static variable_list forward(AutogradContext* ctx, T grad, T gate, T up, const P& p) {
     ctx->save_for_backward({grad, gate, up});
-    auto [dgate, dup] = below(grad, gate, up);
+    save_params(ctx, p);
+    auto [dgate, dup] = below(grad, gate, up, p);
     return {dgate, dup};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    return gated_second<Act>(s[0], s[1], s[2], grads[0], grads[1]);
+    auto d = Second<typename Ops::Gate>::of(load_params<P>(ctx), s[0], s[1], s[2], grads[0], grads[1]);
+    d.emplace_back();
+    return d;
   }
 };
 template <class Ops>
 struct GatedPackedFn : torch::autograd::Function<GatedPackedFn<Ops>> {
-  static at::Tensor below(T gate_up) { return call_below(Ops::packed(), gate_up); }
-  static at::Tensor forward(AutogradContext* ctx, T gate_up) {
+  using P = typename Ops::P;
+  static at::Tensor below(T gate_up, const P& p, Str layout) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return Ops::packed(gate_up, p, layout);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T gate_up, const P& p, Str layout) {
     ctx->save_for_backward({gate_up});
-    return below(gate_up);
+    save_params(ctx, p);
+    ctx->saved_data["layout"] = std::string(layout);
+    return below(gate_up, p, layout);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {Ops::packed_bwd().call(grads[0], ctx->get_saved_variables()[0])};
+    const auto& layout = ctx->saved_data["layout"].toStringRef();
+    return {Ops::packed_bwd(grads[0], ctx->get_saved_variables()[0], load_params<P>(ctx), layout), at::Tensor(),
+            at::Tensor()};
   }
 };
-template <class Ops, class Act>
-struct GatedPackedBackwardFn : torch::autograd::Function<GatedPackedBackwardFn<Ops, Act>> {
-  static at::Tensor below(T grad, T gate_up) { return call_below(Ops::packed_bwd(), grad, gate_up); }
-  static at::Tensor forward(AutogradContext* ctx, T grad, T gate_up) {
+template <class Ops>
+struct GatedPackedBackwardFn : torch::autograd::Function<GatedPackedBackwardFn<Ops>> {
+  using P = typename Ops::P;
+  static at::Tensor below(T grad, T gate_up, const P& p, Str layout) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return Ops::packed_bwd(grad, gate_up, p, layout);
+  }
+  static at::Tensor forward(AutogradContext* ctx, T grad, T gate_up, const P& p, Str layout) {
     ctx->save_for_backward({grad, gate_up});
-    return below(grad, gate_up);
+    save_params(ctx, p);
+    ctx->saved_data["layout"] = std::string(layout);
+    return below(grad, gate_up, p, layout);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto halves = s[1].chunk(2, -1);
-    const auto gg = grads[0].chunk(2, -1);
-    auto d = gated_second<Act>(s[0], halves[0], halves[1], gg[0], gg[1]);
-    return {d[0], at::cat({d[1], d[2]}, -1)};
+    const Layout lay = load_layout(ctx, "ffn_ext: packed double backward");
+    const int64_t m = s[0].size(-1);
+    const auto [gate, up] = split_packed(s[1], m, lay);
+    const auto [gg_gate, gg_up] = split_packed(grads[0], m, lay);
+    auto d = Second<typename Ops::Gate>::of(load_params<P>(ctx), s[0], gate, up, gg_gate, gg_up);
+    return {d[0], join_packed(d[1], d[2], lay), at::Tensor(), at::Tensor()};
   }
 };
 
+// Whether an argument needs the op's Function: a tensor that requires grad or carries a forward-mode tangent.
+inline bool requires_grad_(const at::Tensor& t) { return t.requires_grad(); }
+inline bool has_tangent_(const at::Tensor& t) { return t._fw_grad(/*level=*/0).defined(); }
+template <class X> bool requires_grad_(const X&) { return false; }
+template <class X> bool has_tangent_(const X&) { return false; }
+
 // The Autograd kernel of an op: its Function when there is a gradient to record, else straight to the kernel
-// below autograd.
+// below autograd. With no gradient to record (grad mode off, or no input requires grad) and no forward-mode
+// tangent, Function::apply's bookkeeping is skipped on the inference path; otherwise Function::apply runs (and
+// raises for forward-mode AD, which these ops do not support).
 template <class Fn, typename... Ts>
 auto run(const Ts&... ts) {
-  if (!records_grad(ts...)) return Fn::below(ts...);
+  const bool grad = at::GradMode::is_enabled() && (requires_grad_(ts) || ...);
+  if (!grad && !(has_tangent_(ts) || ...)) return Fn::below(ts...);
   if constexpr (std::is_same_v<decltype(Fn::below(ts...)), Pair>) {
     auto r = Fn::apply(ts...);
     return std::make_tuple(r[0], r[1]);
@@ -199,7 +294,7 @@ auto run(const Ts&... ts) {
 }  // namespace
 
 // Every op of the table (ops_table.h).
-#define FFN_EXT_GATED_NAME(name, Act) constexpr char k_##name[] = #name;
+#define FFN_EXT_GATED_NAME(name, ...) constexpr char k_##name[] = #name;
 FFN_EXT_GATED(FFN_EXT_GATED_NAME)
 #undef FFN_EXT_GATED_NAME
 
@@ -207,13 +302,19 @@ TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
 #define FFN_EXT_AUTOGRAD_ACT(name, Act, ...)                                        \
   m.impl(#name, [](T x) { return run<UnaryFn<math::Act>>(x); });                   \
   m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); });
-#define FFN_EXT_AUTOGRAD_GATED(name, Act)                                                                    \
+#define FFN_EXT_AUTOGRAD_GATED(name, Gate, P)                                                                  \
   {                                                                                                          \
-    using Ops = GatedOps<k_##name>;                                                               \
-    m.impl(#name, [](T gate, T up) { return run<GatedFn<Ops>>(gate, up); });                                 \
-    m.impl(#name "_backward", [](T g, T gate, T up) { return run<GatedBackwardFn<Ops, math::Act>>(g, gate, up); }); \
-    m.impl(#name "_packed", [](T gu) { return run<GatedPackedFn<Ops>>(gu); });                               \
-    m.impl(#name "_packed_backward", [](T g, T gu) { return run<GatedPackedBackwardFn<Ops, math::Act>>(g, gu); }); \
+    using Ops = GatedOps<k_##name, math::Gate>;                                                              \
+    m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { return run<GatedFn<Ops>>(gate, up, FFN_EXT_P_MAKE_##P); }); \
+    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                     \
+      return run<GatedBackwardFn<Ops>>(g, gate, up, FFN_EXT_P_MAKE_##P);                                     \
+    });                                                                                                      \
+    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, Str layout) {                                        \
+      return run<GatedPackedFn<Ops>>(gu, FFN_EXT_P_MAKE_##P, layout);                                        \
+    });                                                                                                      \
+    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, Str layout) {                          \
+      return run<GatedPackedBackwardFn<Ops>>(g, gu, FFN_EXT_P_MAKE_##P, layout);                             \
+    });                                                                                                      \
   }
   FFN_EXT_ACTIVATIONS(FFN_EXT_AUTOGRAD_ACT)
   FFN_EXT_GATED(FFN_EXT_AUTOGRAD_GATED)

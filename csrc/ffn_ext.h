@@ -13,11 +13,14 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "ffn_math.h"
 
 namespace ffn_ext {
 
@@ -33,6 +36,23 @@ std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at
                                                         const at::Tensor& gate, const at::Tensor& up);
 at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up);
 at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up);
+
+// A packed op's `layout` argument: "concat" ([gate | up]) or "interleaved" ([g0, u0, g1, u1, ...]); anything else
+// is a ValueError naming `layout`.
+enum class Layout { kConcat, kInterleaved };
+Layout parse_layout(const char* op, c10::string_view layout);
+// The two operands of a packed [..., 2M] tensor in a layout, as views: its halves, or its even and odd elements;
+// and the inverse, a new [..., 2M] tensor from two [..., M] ones.
+std::pair<at::Tensor, at::Tensor> split_packed(const at::Tensor& t, int64_t m, Layout layout);
+at::Tensor join_packed(const at::Tensor& a, const at::Tensor& b, Layout layout);
+
+// A gated op's keyword parameters (ops_table.h's P column), checked before anything else: swiglu_clamped's `limit`
+// must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite; ValueErrors name the parameter.
+inline void check_params(const char*, const math::NoParams&) {}
+void check_params(const char* op, const math::ClampParams& p);
+// Where swiglu_clamped's clamps pass the gradient (bool tensors; ffn_math.h's SwigluClamped::pass_g / pass_u).
+at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p);
+at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p);
 
 // ---- what the build contains ----
 std::vector<std::pair<std::string, std::string>> build_info();

@@ -18,6 +18,8 @@
 // NaN in -> NaN out.
 #pragma once
 
+#include <torch/version.h>
+
 #include <cmath>
 #include <math.h>  // ::isinf on the host
 
@@ -185,33 +187,107 @@ struct Silu {
   }
 };
 
-// ---- the op functors: apply<Fast>(const A in[NI], A out[NO]), one per op shape over an activation
+// ---- gates: the element math of a gated op, gate(g, u) and its two partial derivatives, over an activation or
+// with parameters of its own (csrc/ops_table.h's gated lines). A gate is built from its op's parameters (the
+// schema's keyword arguments) on the host and passed to the kernel by value.
+struct NoParams {};
+// torch.clamp's gradient at the bound itself, which swiglu_clamped's gradients follow: passed (subgradient 1)
+// before torch 2.14, 0 since (pytorch#191142: the minimum-norm subgradient, as relu and hardtanh). A build of
+// ffn_ext loads only with the torch it was built against, so the torch headers decide.
+constexpr bool kClampGradAtBound = TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14);
+struct ClampParams {  // swiglu_clamped: limit > 0 (checked in shapes.cpp), alpha, up_offset
+  double limit, alpha, up_offset;
+};
+
+// act(g) * u for an activation above: swiglu (Silu), geglu (Gelu), geglu_tanh (GeluTanh).
+template <class Act_>
+struct Glu {
+  using Act = Act_;
+  using Params = NoParams;
+  explicit Glu(NoParams = {}) {}
+  template <bool Fast, typename A> FFN_HD A fwd(A g, A u) const { return Act::template f<Fast>(g) * u; }
+  // dgate = grad u act'(g), dup = grad act(g)
+  template <bool Fast, typename A> FFN_HD void bwd(A grad, A g, A u, A& dg, A& du) const {
+    dg = grad * u * Act::template df<Fast>(g);
+    du = grad * Act::template f<Fast>(g);
+  }
+};
+
+// Clamped SwiGLU (GPT-OSS with alpha = 1.702, up_offset = 1, limit = 7; DeepSeek-V4 with alpha = 1, no offset):
+//   (clamp(u, -L, L) + up_offset) h(clamp(g, max=L)),  h(x) = x sigmoid(alpha x)
+// h'(x) = silu'(alpha x), so the derivative is SiLU's at z = alpha x. The gradients are torch.clamp's: each passes
+// where its input is within the bounds, is 0 beyond, and at the bound itself follows kClampGradAtBound (and for
+// NaN: 0, a select like ATen's where, so grad = NaN there gives 0 too). The clamps are selects, not fminf/fmaxf,
+// so NaN passes through.
+struct SwigluClamped {
+  using Params = ClampParams;
+  ClampParams p;
+  explicit SwigluClamped(ClampParams params) : p(params) {}
+  template <typename A> FFN_HD A clamp_g(A g) const { return g > A(p.limit) ? A(p.limit) : g; }
+  // where the clamps pass the gradient
+  template <typename A> FFN_HD bool pass_g(A g) const { return kClampGradAtBound ? g <= A(p.limit) : g < A(p.limit); }
+  template <typename A> FFN_HD bool pass_u(A u) const {
+    return kClampGradAtBound ? u >= A(-p.limit) && u <= A(p.limit) : u > A(-p.limit) && u < A(p.limit);
+  }
+  template <typename A> FFN_HD A clamp_u(A u) const {
+    return u < A(-p.limit) ? A(-p.limit) : (u > A(p.limit) ? A(p.limit) : u);
+  }
+  template <typename A> static FFN_HD A h(A x, A s) { return s == A(0) ? A(-0.0) : x * s; }  // x -> -inf: -0
+  template <bool Fast, typename A> FFN_HD A fwd(A g, A u) const {
+    const A x = clamp_g(g);
+    return h(x, sigmoid<Fast>(A(p.alpha) * x)) * (clamp_u(u) + A(p.up_offset));
+  }
+  template <bool Fast, typename A> FFN_HD void bwd(A grad, A g, A u, A& dg, A& du) const {
+    const A x = clamp_g(g);
+    const A z = A(p.alpha) * x;
+    const A s = sigmoid<Fast>(z);
+    const A dh = isinf_(z) ? (z > A(0) ? A(1) : A(0)) : s * (A(1) + z * (A(1) - s));  // silu'(z)
+    dg = pass_g(g) ? grad * (clamp_u(u) + A(p.up_offset)) * dh : A(0);
+    du = pass_u(u) ? grad * h(x, s) : A(0);
+  }
+};
+
+// ---- the op functors: apply<Fast>(const A in[NI], A out[NO]), one per op shape over an activation or a gate.
+// kPairIn / kPairOut: the launcher's interleaved operands (rows.h), -1 for none; set by Interleaved below.
+struct PlainLayout {
+  static constexpr int kPairIn = -1, kPairOut = -1;
+};
 template <class Act>
-struct UnaryFwd {  // in: x
+struct UnaryFwd : PlainLayout {  // in: x
   static constexpr int NI = 1, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = Act::template f<Fast>(in[0]); }
 };
 template <class Act>
-struct UnaryBwd {  // in: grad, x
+struct UnaryBwd : PlainLayout {  // in: grad, x
   static constexpr int NI = 2, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
     out[0] = in[0] * Act::template df<Fast>(in[1]);
   }
 };
-template <class Act>
-struct GatedFwd {  // in: gate, up; out: act(gate) * up
+template <class Gate>
+struct GatedFwd : PlainLayout {  // in: gate, up; out: gate(gate, up)
   static constexpr int NI = 2, NO = 1;
+  Gate gate;
+  explicit GatedFwd(Gate g = Gate{typename Gate::Params{}}) : gate(g) {}
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = Act::template f<Fast>(in[0]) * in[1];
+    out[0] = gate.template fwd<Fast>(in[0], in[1]);
   }
 };
-template <class Act>
-struct GatedBwd {  // in: grad, gate, up; out: dgate = grad up act'(gate), dup = grad act(gate)
+template <class Gate>
+struct GatedBwd : PlainLayout {  // in: grad, gate, up; out: dgate, dup
   static constexpr int NI = 3, NO = 2;
+  Gate gate;
+  explicit GatedBwd(Gate g = Gate{typename Gate::Params{}}) : gate(g) {}
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * in[2] * Act::template df<Fast>(in[1]);
-    out[1] = in[0] * Act::template f<Fast>(in[1]);
+    gate.template bwd<Fast>(in[0], in[1], in[2], out[0], out[1]);
   }
+};
+// F with inputs PairIn, PairIn + 1 (and outputs PairOut, PairOut + 1) stored interleaved in one operand,
+// [a0, b0, a1, b1, ...]: the packed ops' layout="interleaved" (GPT-OSS). -1: no such pair.
+template <class F, int PairIn, int PairOut>
+struct Interleaved : F {
+  explicit Interleaved(const F& f) : F(f) {}
+  static constexpr int kPairIn = PairIn, kPairOut = PairOut;
 };
 
 // Fast math for 16-bit storage types (see the top of this file).

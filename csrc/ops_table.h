@@ -9,11 +9,14 @@
 //   Act  its functor in ffn_math.h (f, df for the kernels; d2 for double backward)
 //   aten_forward, aten_backward  the CPU kernels' ATen composites, expressions in (out, x) and (out, grad, x)
 //
-// FFN_EXT_GATED(X): X(name, Act), one line per gated activation act(gate) * up over an activation above:
-//   ops  name(Tensor gate, Tensor up) -> Tensor                          act(gate) * up
-//        name_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)     (dgate, dup)
-//        name_packed(Tensor gate_up) -> Tensor                           [..., 2M] -> [..., M], gate first
-//        name_packed_backward(Tensor grad, Tensor gate_up) -> Tensor     [..., M], [..., 2M] -> [dgate | dup]
+// FFN_EXT_GATED(X): X(name, Gate, P), one line per gated op, Gate its functor in ffn_math.h (Glu<Act>: act(gate) * up
+// over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below: NONE or CLAMP):
+//   ops  name(Tensor gate, Tensor up[, *, P]) -> Tensor                       gate(gate, up)
+//        name_backward(Tensor grad, Tensor gate, Tensor up[, *, P]) -> (Tensor, Tensor)   (dgate, dup)
+//        name_packed(Tensor gate_up, *[, P], str layout="concat") -> Tensor       [..., 2M] -> [..., M]
+//        name_packed_backward(Tensor grad, Tensor gate_up, *[, P], str layout="concat") -> Tensor  [..., 2M]
+//   layout of gate_up (and of the packed backward's [dgate, dup]): "concat" [gate | up] (gate = gate_up[..., :M]),
+//   or "interleaved" [g0, u0, g1, u1, ...] (gate = gate_up[..., ::2], GPT-OSS).
 #pragma once
 
 #define FFN_EXT_ACTIVATIONS(X)                                                                  \
@@ -21,10 +24,27 @@
   X(gelu_tanh, GeluTanh, at::gelu_out(out, x, "tanh"), at::gelu_backward_out(out, grad, x, "tanh")) \
   X(silu, Silu, at::silu_out(out, x), at::silu_backward_out(out, grad, x))
 
-#define FFN_EXT_GATED(X) \
-  X(swiglu, Silu)        \
-  X(geglu, Gelu)         \
-  X(geglu_tanh, GeluTanh)
+#define FFN_EXT_GATED(X)                \
+  X(swiglu, Glu<math::Silu>, NONE)      \
+  X(geglu, Glu<math::Gelu>, NONE)       \
+  X(geglu_tanh, Glu<math::GeluTanh>, NONE)\
+  X(swiglu_clamped, SwigluClamped, CLAMP)
+
+// Keyword parameters of a gated op, by the name in its line's P column (pasted: FFN_EXT_P_SCHEMA_##P ...):
+//   SCHEMA  the schema's keyword arguments, each preceded by ", "; KWONLY: ", *" and them (or nothing)
+//   DECL    the same as C++ parameters of a kernel, each preceded by ", "
+//   ARGS    those parameters' names, each preceded by ", " (to pass them on)
+//   MAKE    the functor's Params (ffn_math.h) from them
+#define FFN_EXT_P_SCHEMA_NONE ""
+#define FFN_EXT_P_KWONLY_NONE ""
+#define FFN_EXT_P_DECL_NONE
+#define FFN_EXT_P_ARGS_NONE
+#define FFN_EXT_P_MAKE_NONE math::NoParams{}
+#define FFN_EXT_P_SCHEMA_CLAMP ", float limit, float alpha=1.0, float up_offset=0.0"
+#define FFN_EXT_P_KWONLY_CLAMP ", *" FFN_EXT_P_SCHEMA_CLAMP
+#define FFN_EXT_P_DECL_CLAMP , double limit, double alpha, double up_offset
+#define FFN_EXT_P_ARGS_CLAMP , limit, alpha, up_offset
+#define FFN_EXT_P_MAKE_CLAMP math::ClampParams{limit, alpha, up_offset}
 
 #include "ffn_math.h"
 

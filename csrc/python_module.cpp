@@ -29,9 +29,12 @@ namespace {
 // ops' C++ autograd cannot serve (a torch.func transform, a forward-mode dual tensor: ops.py takes ATen's ops).
 using TRef = const at::Tensor&;
 
-template <const char* Op, int N>
+// Kind: 1 unary (x), 2 gated (gate, up), 3 packed (gate_up; layout "concat", the default the API's fast path
+// serves).
+template <const char* Op, int Kind>
 PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
+  constexpr int N = Kind == 2 ? 2 : 1;
   if (nargs != N || at::impl::torch_function_mode_enabled()) Py_RETURN_NOTIMPLEMENTED;
   // torch.func transforms include this key in the thread's dispatch keys while their layer stack is not empty
   if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
@@ -47,45 +50,58 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
   if (dev != c10::DeviceType::CUDA && dev != c10::DeviceType::CPU && dev != c10::DeviceType::Meta) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  using Sig = std::conditional_t<N == 1, at::Tensor(TRef), at::Tensor(TRef, TRef)>;
+  using Sig = std::conditional_t<Kind == 1, at::Tensor(TRef),
+                                 std::conditional_t<Kind == 2, at::Tensor(TRef, TRef), at::Tensor(TRef, c10::string_view)>>;
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(Op, "").typed<Sig>();
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    if constexpr (N == 1) {
+    if constexpr (Kind == 1) {
       out = op.call(a);
-    } else {
+    } else if constexpr (Kind == 2) {
       out = op.call(a, THPVariable_Unpack(args[1]));
+    } else {
+      out = op.call(a, c10::string_view("concat"));
     }
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
-// _fast_<op> for every forward op of the table (ops_table.h): unary and gated ops and the packed gated ops.
+// _fast_<op> for every forward op of the table (ops_table.h) without keyword parameters: unary and gated ops and
+// the packed gated ops. Gated ops with parameters (swiglu_clamped) and calls with a non-default layout go through
+// torch.ops (ops.py).
 #define FFN_EXT_FAST_ACT(name, ...) constexpr char k_##name[] = "ffn_ext::" #name;
-#define FFN_EXT_FAST_GATED(name, Act) \
+#define FFN_EXT_FAST_GATED(name, Gate, P) FFN_EXT_FAST_GATED_##P(name)
+#define FFN_EXT_FAST_GATED_CLAMP(name)
+#define FFN_EXT_FAST_GATED_NONE(name)             \
   constexpr char k_##name[] = "ffn_ext::" #name;  \
   constexpr char k_##name##_packed[] = "ffn_ext::" #name "_packed";
 FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_ACT)
 FFN_EXT_GATED(FFN_EXT_FAST_GATED)
 #undef FFN_EXT_FAST_ACT
 #undef FFN_EXT_FAST_GATED
+#undef FFN_EXT_FAST_GATED_NONE
+#undef FFN_EXT_FAST_GATED_CLAMP
 
 constexpr const char* kFastDoc =
     "Fast entry point of the functional API (returns NotImplemented where torch.ops must serve the call).";
-template <const char* Op, int N>
+template <const char* Op, int Kind>
 PyMethodDef fast_def(const char* name) {
-  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<Op, N>)), METH_FASTCALL,
+  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<Op, Kind>)), METH_FASTCALL,
           kFastDoc};
 }
 PyMethodDef fast_methods[] = {
 #define FFN_EXT_FAST_DEF_ACT(name, ...) fast_def<k_##name, 1>("_fast_" #name),
-#define FFN_EXT_FAST_DEF_GATED(name, Act) \
-  fast_def<k_##name, 2>("_fast_" #name), fast_def<k_##name##_packed, 1>("_fast_" #name "_packed"),
+#define FFN_EXT_FAST_DEF_GATED(name, Gate, P) FFN_EXT_FAST_DEF_GATED_##P(name)
+#define FFN_EXT_FAST_DEF_GATED_CLAMP(name)
+#define FFN_EXT_FAST_DEF_GATED_NONE(name) \
+  fast_def<k_##name, 2>("_fast_" #name), fast_def<k_##name##_packed, 3>("_fast_" #name "_packed"),
     FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_DEF_ACT) FFN_EXT_GATED(FFN_EXT_FAST_DEF_GATED)
 #undef FFN_EXT_FAST_DEF_ACT
 #undef FFN_EXT_FAST_DEF_GATED
+#undef FFN_EXT_FAST_DEF_GATED_NONE
+#undef FFN_EXT_FAST_DEF_GATED_CLAMP
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

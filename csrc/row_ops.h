@@ -90,7 +90,8 @@ inline void* at_offset(const at::Tensor& t, int64_t offset) {
   return static_cast<char*>(t.data_ptr()) + offset * t.element_size();
 }
 
-// Every op shape over an activation Act (ffn_math.h); `op` names the op in error messages ("ffn_ext.swiglu").
+// Every op shape over an activation Act or a gate (ffn_math.h); `op` names the op in error messages
+// ("ffn_ext.swiglu").
 template <class Launcher>
 struct Ops {
   template <class Act>
@@ -105,24 +106,33 @@ struct Ops {
     run_same_shape<Launcher>(math::UnaryBwd<Act>{}, {grad, x}, std::array<at::Tensor, 1>{out});
     return out;
   }
-  template <class Act>
-  static at::Tensor gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  template <class Gate>
+  static at::Tensor gated(const char* op, const typename Gate::Params& prm, const at::Tensor& gate,
+                          const at::Tensor& up) {
+    check_params(op, prm);
     auto out = alloc_gated(op, gate, up);
-    run_same_shape<Launcher>(math::GatedFwd<Act>{}, {gate, up}, std::array<at::Tensor, 1>{out});
+    run_same_shape<Launcher>(math::GatedFwd<Gate>(Gate(prm)), {gate, up}, std::array<at::Tensor, 1>{out});
     return out;
   }
-  template <class Act>
-  static std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const at::Tensor& grad,
-                                                           const at::Tensor& gate, const at::Tensor& up) {
+  template <class Gate>
+  static std::tuple<at::Tensor, at::Tensor> gated_backward(const char* op, const typename Gate::Params& prm,
+                                                           const at::Tensor& grad, const at::Tensor& gate,
+                                                           const at::Tensor& up) {
+    check_params(op, prm);
     auto outs = alloc_gated_backward(op, grad, gate, up);
-    run_same_shape<Launcher>(math::GatedBwd<Act>{}, {grad, gate, up},
+    run_same_shape<Launcher>(math::GatedBwd<Gate>(Gate(prm)), {grad, gate, up},
                              std::array<at::Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
     return outs;
   }
 
-  // Packed: gate and up are the two halves of each row of gate_up, read in place (row stride of gate_up).
-  template <class Act>
-  static at::Tensor gated_packed(const char* op, const at::Tensor& gate_up) {
+  // Packed: gate and up are read in place from each row of gate_up (row stride of gate_up): its two halves
+  // ("concat"), or its even and odd elements ("interleaved": one operand of pairs, rows.h; a contiguous gate_up is
+  // then one long row).
+  template <class Gate>
+  static at::Tensor gated_packed(const char* op, const typename Gate::Params& prm, const at::Tensor& gate_up,
+                                 c10::string_view layout) {
+    check_params(op, prm);
+    const Layout lay = parse_layout(op, layout);
     auto out = alloc_gated_packed(op, gate_up);
     if (out.numel() == 0) return out;
     const typename Launcher::Guard guard(out.device());
@@ -132,17 +142,30 @@ struct Ops {
     p.rows = out.numel() / m;
     p.cols = m;
     p.in[0] = gu.t.data_ptr();
-    p.in[1] = at_offset(gu.t, m);
     p.in_stride[0] = p.in_stride[1] = gu.stride;
     p.out[0] = out.data_ptr();
     p.out_stride[0] = m;
-    launch<Launcher>(math::GatedFwd<Act>{}, out.scalar_type(), p);
+    const math::GatedFwd<Gate> f(Gate{prm});
+    if (lay == Layout::kConcat) {
+      p.in[1] = at_offset(gu.t, m);
+      launch<Launcher>(f, out.scalar_type(), p);
+    } else {
+      p.in[1] = at_offset(gu.t, 1);
+      if (gu.stride == 2 * m) {
+        p.cols = out.numel();
+        p.rows = 1;
+      }
+      launch<Launcher>(math::Interleaved<math::GatedFwd<Gate>, 0, -1>(f), out.scalar_type(), p);
+    }
     return out;
   }
 
-  // Packed backward: dgate and dup land in the two halves of each row of one [..., 2M] tensor, in one kernel.
-  template <class Act>
-  static at::Tensor gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up) {
+  // Packed backward: dgate and dup land in one [..., 2M] tensor, in gate_up's layout, in one kernel.
+  template <class Gate>
+  static at::Tensor gated_packed_backward(const char* op, const typename Gate::Params& prm, const at::Tensor& grad,
+                                          const at::Tensor& gate_up, c10::string_view layout) {
+    check_params(op, prm);
+    const Layout lay = parse_layout(op, layout);
     auto out = alloc_gated_packed_backward(op, grad, gate_up);
     if (out.numel() == 0) return out;
     const typename Launcher::Guard guard(out.device());
@@ -154,13 +177,24 @@ struct Ops {
     p.cols = m;
     p.in[0] = g.t.data_ptr();
     p.in[1] = gu.t.data_ptr();
-    p.in[2] = at_offset(gu.t, m);
     p.in_stride[0] = g.stride;
     p.in_stride[1] = p.in_stride[2] = gu.stride;
     p.out[0] = out.data_ptr();
-    p.out[1] = at_offset(out, m);
     p.out_stride[0] = p.out_stride[1] = 2 * m;
-    launch<Launcher>(math::GatedBwd<Act>{}, out.scalar_type(), p);
+    const math::GatedBwd<Gate> f(Gate{prm});
+    if (lay == Layout::kConcat) {
+      p.in[2] = at_offset(gu.t, m);
+      p.out[1] = at_offset(out, m);
+      launch<Launcher>(f, out.scalar_type(), p);
+    } else {
+      p.in[2] = at_offset(gu.t, 1);
+      p.out[1] = at_offset(out, 1);
+      if (g.stride == m && gu.stride == 2 * m) {
+        p.cols = grad.numel();
+        p.rows = 1;
+      }
+      launch<Launcher>(math::Interleaved<math::GatedBwd<Gate>, 1, 0>(f), out.scalar_type(), p);
+    }
     return out;
   }
 };
@@ -175,14 +209,19 @@ void impl_all(Library& m) {
   m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); });                       \
   m.impl(#name "_backward",                                                                                    \
          [](T g, T x) { return O::template unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); });
-#define FFN_EXT_IMPL_GATED(name, Act)                                                                          \
-  m.impl(#name, [](T gate, T up) { return O::template gated<math::Act>("ffn_ext." #name, gate, up); });        \
-  m.impl(#name "_backward", [](T g, T gate, T up) {                                                           \
-    return O::template gated_backward<math::Act>("ffn_ext." #name "_backward", g, gate, up);                  \
+#define FFN_EXT_IMPL_GATED(name, Gate, P)                                                                      \
+  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                         \
+    return O::template gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);                      \
   });                                                                                                          \
-  m.impl(#name "_packed", [](T gu) { return O::template gated_packed<math::Act>("ffn_ext." #name "_packed", gu); }); \
-  m.impl(#name "_packed_backward", [](T g, T gu) {                                                            \
-    return O::template gated_packed_backward<math::Act>("ffn_ext." #name "_packed_backward", g, gu);          \
+  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                        \
+    return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
+  });                                                                                                          \
+  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                              \
+    return O::template gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout);   \
+  });                                                                                                          \
+  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                \
+    return O::template gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, \
+                                                         g, gu, layout);                                       \
   });
   FFN_EXT_ACTIVATIONS(FFN_EXT_IMPL_ACT)
   FFN_EXT_GATED(FFN_EXT_IMPL_GATED)

@@ -14,6 +14,12 @@
 // mod 16 bytes) uses element loads/stores for its body; the others stay vectorized. All offsets are int64. A
 // thread whose kUnroll vectors are all in range, with every operand aligned (nearly every thread of a large
 // tensor), runs a copy of the body without those checks (kFull).
+//
+// Interleaved pairs (the packed ops' layout="interleaved", [g0, u0, g1, u1, ...]): a functor whose kPairIn is p
+// (ffn_math.h's Interleaved) reads inputs p and p + 1 from one operand, in[p] pointing at its first element and
+// in[p + 1] = in[p] + 1, element j of each at offset 2 j (kPairOut likewise for outputs). A vector of VEC elements
+// of the pair is two 16-byte accesses holding VEC whole pairs, split into the two inputs (or merged from the two
+// outputs) in registers, so interleaved operands stay vectorized.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -164,10 +170,27 @@ struct ThreadPos {
   int64_t t, threads;
 };
 
+// Operand i of a functor whose pair starts at P (kPairIn or kPairOut; -1 for none) is one of the pair's two.
+FFN_HD constexpr bool in_pair(int P, int i) { return P >= 0 && (i == P || i == P + 1); }
+// Its element stride: 2 for the members of an interleaved pair, 1 otherwise.
+FFN_HD constexpr int64_t step(int P, int i) { return in_pair(P, i) ? 2 : 1; }
+
+// Where, in the widened packs of a vector, element k of operand i lives: pack `src`, position `pos`. A pair's
+// VEC elements k of its operands P and P + 1 sit at 2 k and 2 k + 1 of the pair's two packs (held in the slots of
+// P and P + 1).
+struct Slot {
+  int src, pos;
+};
+FFN_HD constexpr Slot slot(int P, int i, int k, int vec) {
+  if (!in_pair(P, i)) return {i, k};
+  const int at = 2 * k + (i - P);
+  return {P + at / vec, at % vec};
+}
+
 // Everything one thread does: rows by, by + grid_y, ...; in each, block bx's share of the row.
 template <typename T, typename F, int VEC>
 FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const ThreadPos pos) {
-  constexpr int NI = F::NI, NO = F::NO;
+  constexpr int NI = F::NI, NO = F::NO, PI = F::kPairIn, PO = F::kPairOut;
   constexpr bool kFast = math::fast_math_for<T>();
   using A = at::opmath_type<T>;
   const int64_t cols = p.cols;
@@ -180,9 +203,12 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
     FFN_UNROLL
     for (int o = 0; o < NO; ++o) out[o] = static_cast<T*>(p.out[o]) + row * p.out_stride[o];
 
-    // Head: elements before out[0] + head is 16-byte aligned.
+    // Head: elements before out[0] + head is 16-byte aligned (none if out[0] is a pair at an odd element offset,
+    // which no head can align: then its body stores are element stores).
     const int64_t mis = (reinterpret_cast<uintptr_t>(out[0]) / sizeof(T)) % VEC;
-    const int64_t head = std::min<int64_t>(cols, (VEC - mis) % VEC);
+    const int64_t head = step(PO, 0) == 1 ? std::min<int64_t>(cols, (VEC - mis) % VEC)
+                         : mis % 2           ? 0
+                                             : std::min<int64_t>(cols, (VEC - mis) % VEC / 2);
     const int64_t nvec = (cols - head) / VEC;
     const int64_t tail_start = head + nvec * VEC;
 
@@ -190,21 +216,30 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
     auto one = [&](int64_t j) {
       A a[NI], r[NO];
       FFN_UNROLL
-      for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(in[i][j]);
+      for (int i = 0; i < NI; ++i) a[i] = static_cast<A>(in[i][j * step(PI, i)]);
       f.template apply<kFast>(a, r);
       FFN_UNROLL
-      for (int o = 0; o < NO; ++o) out[o][j] = static_cast<T>(r[o]);
+      for (int o = 0; o < NO; ++o) out[o][j * step(PO, o)] = static_cast<T>(r[o]);
     };
     if (pos.bx == 0) {  // threads >= 32 > VEC: thread t does head element t and tail element t
       if (pos.t < head) one(pos.t);
       if (pos.t < cols - tail_start) one(tail_start + pos.t);
     }
 
+    // The first element of vector v of operand i (of its half of the pair's two packs, for a pair member).
+    auto in_at = [&](int i, int64_t v) -> const T* {
+      if (!in_pair(PI, i)) return in[i] + head + v * VEC;
+      return in[PI] + 2 * (head + v * VEC) + (i - PI) * VEC;
+    };
+    auto out_at = [&](int o, int64_t v) -> T* {
+      if (!in_pair(PO, o)) return out[o] + head + v * VEC;
+      return out[PO] + 2 * (head + v * VEC) + (o - PO) * VEC;
+    };
     bool in_vec[NI], out_vec[NO], all_vec = true;
     FFN_UNROLL
-    for (int i = 0; i < NI; ++i) all_vec &= in_vec[i] = aligned16(in[i] + head);
+    for (int i = 0; i < NI; ++i) all_vec &= in_vec[i] = aligned16(in_at(i, 0));
     FFN_UNROLL
-    for (int o = 0; o < NO; ++o) all_vec &= out_vec[o] = aligned16(out[o] + head);
+    for (int o = 0; o < NO; ++o) all_vec &= out_vec[o] = aligned16(out_at(o, 0));
 
     // Body: this block's kUnroll * threads vectors; thread t takes vectors t, t + threads, ... (coalesced).
     // Written once, instantiated twice: kFull (every operand 16-byte aligned and all kUnroll vectors in range,
@@ -219,7 +254,7 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
         const int64_t v = v0 + u * pos.threads;
         if (kFull || v < nvec) {
           FFN_UNROLL
-          for (int i = 0; i < NI; ++i) load_pack(buf[u][i], in[i] + head + v * VEC, kFull || in_vec[i]);
+          for (int i = 0; i < NI; ++i) load_pack(buf[u][i], in_at(i, v), kFull || in_vec[i]);
         }
       }
       if (kFull && never()) return;  // keeps every load above: see never()
@@ -234,16 +269,22 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
           for (int k = 0; k < VEC; ++k) {
             A a[NI], r[NO];
             FFN_UNROLL
-            for (int i = 0; i < NI; ++i) a[i] = x[i][k];
+            for (int i = 0; i < NI; ++i) {
+              const Slot s = slot(PI, i, k, VEC);
+              a[i] = x[s.src][s.pos];
+            }
             f.template apply<kFast>(a, r);
             FFN_UNROLL
-            for (int o = 0; o < NO; ++o) y[o][k] = r[o];
+            for (int o = 0; o < NO; ++o) {
+              const Slot s = slot(PO, o, k, VEC);
+              y[s.src][s.pos] = r[o];
+            }
           }
           FFN_UNROLL
           for (int o = 0; o < NO; ++o) {
             Pack<T, VEC> res;
             narrow(y[o], res);
-            store_pack(out[o] + head + v * VEC, res, kFull || out_vec[o]);
+            store_pack(out_at(o, v), res, kFull || out_vec[o]);
           }
         }
       }

@@ -2,9 +2,12 @@
 // (fake tensors, torch.compile with dynamic shapes, export) accept and reject exactly the same inputs.
 #include "ffn_ext.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <string>
 
 namespace ffn_ext {
@@ -131,6 +134,37 @@ at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, c
                     ": expected `grad` to have the forward output's shape ", shape_str(out_sizes),
                     " (gate_up's with the last dimension halved), got ", shape_str(grad.sym_sizes()));
   return empty_like_sizes(gate_up, gate_up.sym_sizes());
+}
+
+Layout parse_layout(const char* op, c10::string_view layout) {
+  if (layout == "concat") return Layout::kConcat;
+  if (layout == "interleaved") return Layout::kInterleaved;
+  TORCH_CHECK_VALUE(false, op, ": `layout` must be \"concat\" or \"interleaved\", got \"", std::string(layout), "\"");
+}
+
+std::pair<at::Tensor, at::Tensor> split_packed(const at::Tensor& t, int64_t m, Layout layout) {
+  if (layout == Layout::kConcat) return {t.narrow(-1, 0, m), t.narrow(-1, m, m)};
+  return {t.slice(-1, 0, std::nullopt, 2), t.slice(-1, 1, std::nullopt, 2)};
+}
+at::Tensor join_packed(const at::Tensor& a, const at::Tensor& b, Layout layout) {
+  if (layout == Layout::kConcat) return at::cat({a, b}, -1);
+  return at::stack({a, b}, -1).flatten(-2);
+}
+
+at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p) {
+  return math::kClampGradAtBound ? gate.le(p.limit) : gate.lt(p.limit);
+}
+at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p) {
+  return math::kClampGradAtBound ? up.ge(-p.limit).logical_and_(up.le(p.limit))
+                                 : up.gt(-p.limit).logical_and_(up.lt(p.limit));
+}
+
+void check_params(const char* op, const math::ClampParams& p) {
+  // !(x > 0) also rejects NaN
+  TORCH_CHECK_VALUE(p.limit > 0, op, ": `limit` must be > 0, got ", std::to_string(p.limit));
+  TORCH_CHECK_VALUE(std::isfinite(p.alpha), op, ": `alpha` must be finite, got ", std::to_string(p.alpha));
+  TORCH_CHECK_VALUE(std::isfinite(p.up_offset), op, ": `up_offset` must be finite, got ",
+                    std::to_string(p.up_offset));
 }
 
 }  // namespace ffn_ext

@@ -21,7 +21,7 @@ namespace {
 // Runs functor F element by element on the host, with the kernels' rounding: load storage -> opmath type,
 // compute, store opmath -> storage once. Inputs: equal-shape CPU tensors of one floating dtype.
 template <typename F>
-std::vector<at::Tensor> host_apply(const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> host_apply(const F& f, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK_VALUE(inputs.size() == F::NI, "_host_math: expected ", std::to_string(F::NI), " inputs, got ",
                     std::to_string(inputs.size()));
   std::vector<at::Tensor> ins, outs;
@@ -38,28 +38,56 @@ std::vector<at::Tensor> host_apply(const std::vector<at::Tensor>& inputs) {
     for (int64_t j = 0; j < n; ++j) {
       A a[F::NI], r[F::NO];
       for (int i = 0; i < F::NI; ++i) a[i] = static_cast<A>(ins[i].data_ptr<scalar_t>()[j]);
-      F{}.template apply<math::fast_math_for<scalar_t>()>(a, r);
+      f.template apply<math::fast_math_for<scalar_t>()>(a, r);
       for (int o = 0; o < F::NO; ++o) outs[o].data_ptr<scalar_t>()[j] = static_cast<scalar_t>(r[o]);
     }
   });
   return outs;
 }
 
+// A gated op's Params from the test paths' `params` list: [] or [limit, alpha, up_offset].
+using Doubles = std::vector<double>;
+template <class P> P params_from(const std::string& op, const Doubles& v);
+template <> math::NoParams params_from(const std::string& op, const Doubles& v) {
+  TORCH_CHECK_VALUE(v.empty(), op, " takes no params, got ", std::to_string(v.size()));
+  return {};
+}
+template <> math::ClampParams params_from(const std::string& op, const Doubles& v) {
+  TORCH_CHECK_VALUE(v.size() == 3, op, " takes params [limit, alpha, up_offset], got ", std::to_string(v.size()),
+                    " values");
+  return {v[0], v[1], v[2]};
+}
+
 // The functor of every op of the table whose inputs all have one shape (the packed ops run GatedFwd/GatedBwd too).
-std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::Tensor>& inputs, const Doubles& params) {
   using V = std::vector<at::Tensor>;
-  static const std::map<std::string, V (*)(const V&)> ops = {
-#define FFN_EXT_HOST_ACT(name, Act, ...) \
-  {#name, &host_apply<math::UnaryFwd<math::Act>>}, {#name "_backward", &host_apply<math::UnaryBwd<math::Act>>},
-#define FFN_EXT_HOST_GATED(name, Act) \
-  {#name, &host_apply<math::GatedFwd<math::Act>>}, {#name "_backward", &host_apply<math::GatedBwd<math::Act>>},
+  using Run = V (*)(const std::string&, const V&, const Doubles&);
+  static const std::map<std::string, Run> ops = {
+#define FFN_EXT_HOST_ACT(name, Act, ...)                                                         \
+  {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
+     params_from<math::NoParams>(op, prm);                                                      \
+     return host_apply(math::UnaryFwd<math::Act>{}, in);                                        \
+   }},                                                                                           \
+      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
+         params_from<math::NoParams>(op, prm);                                                  \
+         return host_apply(math::UnaryBwd<math::Act>{}, in);                                    \
+       }},
+#define FFN_EXT_HOST_GATED(name, Gate, P)                                                        \
+  {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
+     using G = math::Gate;                                                                      \
+     return host_apply(math::GatedFwd<G>(G(params_from<G::Params>(op, prm))), in);              \
+   }},                                                                                           \
+      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
+         using G = math::Gate;                                                                  \
+         return host_apply(math::GatedBwd<G>(G(params_from<G::Params>(op, prm))), in);          \
+       }},
       FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
 #undef FFN_EXT_HOST_ACT
 #undef FFN_EXT_HOST_GATED
   };
   const auto it = ops.find(op);
   TORCH_CHECK_VALUE(it != ops.end(), "_host_math: unknown op '", op, "'");
-  return it->second(inputs);
+  return it->second(op, inputs, params);
 }
 
 // The CUDA launch emulated on the host: the RowProblem the CUDA kernel would get (row_ops.h), run by rows.h's
@@ -75,9 +103,10 @@ struct HostEmulation {
   static void run(const F& f, const rows::RowProblem<F::NI, F::NO>& p) {
     constexpr int VEC = 16 / sizeof(T);
     if (p.rows == 0 || p.cols == 0) return;
-    for (int o = 0; o < F::NO; ++o) {
+    for (int o = 0; o < F::NO; ++o) {  // an interleaved pair of outputs: 2 cols from the first's pointer
+      if (rows::in_pair(F::kPairOut, o) && o != F::kPairOut) continue;
       for (int64_t r = 0; r < p.rows; ++r) {
-        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff, p.cols * sizeof(T));
+        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff, rows::step(F::kPairOut, o) * p.cols * sizeof(T));
       }
     }
     const rows::LaunchShape s = rows::launch_shape(p.rows, p.cols, VEC, sms);
@@ -89,26 +118,41 @@ struct HostEmulation {
   }
 };
 
-std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at::Tensor>& in, int sms) {
+std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at::Tensor>& in, int sms,
+                                     const Doubles& params, const std::string& layout) {
   using Emu = rows::Ops<HostEmulation>;
   using V = std::vector<at::Tensor>;
+  using S = const std::string&;
   struct Entry {
     size_t n_inputs;
-    V (*run)(const V&);
+    V (*run)(S, const V&, const Doubles&, S);
   };
   static const std::map<std::string, Entry> ops = {
 #define FFN_EXT_EMU_ACT(name, Act, ...)                                                                        \
-  {#name, {1, [](const V& a) -> V { return {Emu::unary<math::Act>(#name, a[0])}; }}},                         \
-      {#name "_backward", {2, [](const V& a) -> V { return {Emu::unary_backward<math::Act>(#name, a[0], a[1])}; }}},
-#define FFN_EXT_EMU_GATED(name, Act)                                                                           \
-  {#name, {2, [](const V& a) -> V { return {Emu::gated<math::Act>(#name, a[0], a[1])}; }}},                   \
-      {#name "_backward", {3, [](const V& a) -> V {                                                            \
-         auto [dgate, dup] = Emu::gated_backward<math::Act>(#name, a[0], a[1], a[2]);                          \
+  {#name, {1, [](S op, const V& a, const Doubles& prm, S) -> V {                                              \
+     params_from<math::NoParams>(op, prm);                                                                     \
+     return {Emu::unary<math::Act>(#name, a[0])};                                                              \
+   }}},                                                                                                        \
+      {#name "_backward", {2, [](S op, const V& a, const Doubles& prm, S) -> V {                              \
+         params_from<math::NoParams>(op, prm);                                                                 \
+         return {Emu::unary_backward<math::Act>(#name, a[0], a[1])};                                           \
+       }}},
+#define FFN_EXT_EMU_GATED(name, Gate, P)                                                                       \
+  {#name, {2, [](S op, const V& a, const Doubles& prm, S) -> V {                                              \
+     return {Emu::gated<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1])};            \
+   }}},                                                                                                        \
+      {#name "_backward", {3, [](S op, const V& a, const Doubles& prm, S) -> V {                              \
+         auto [dgate, dup] =                                                                                   \
+             Emu::gated_backward<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1], a[2]); \
          return {dgate, dup};                                                                                  \
        }}},                                                                                                    \
-      {#name "_packed", {1, [](const V& a) -> V { return {Emu::gated_packed<math::Act>(#name, a[0])}; }}},     \
-      {#name "_packed_backward",                                                                               \
-       {2, [](const V& a) -> V { return {Emu::gated_packed_backward<math::Act>(#name, a[0], a[1])}; }}},
+      {#name "_packed", {1, [](S op, const V& a, const Doubles& prm, S lay) -> V {                            \
+         return {Emu::gated_packed<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], lay)};  \
+       }}},                                                                                                    \
+      {#name "_packed_backward", {2, [](S op, const V& a, const Doubles& prm, S lay) -> V {                   \
+         return {Emu::gated_packed_backward<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1], \
+                                                        lay)};                                                 \
+       }}},
       FFN_EXT_ACTIVATIONS(FFN_EXT_EMU_ACT) FFN_EXT_GATED(FFN_EXT_EMU_GATED)
 #undef FFN_EXT_EMU_ACT
 #undef FFN_EXT_EMU_GATED
@@ -120,15 +164,16 @@ std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at
   for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_cuda: inputs must be CPU tensors");
   TORCH_CHECK_VALUE(sms > 0, "_emulate_cuda: sms must be positive");
   HostEmulation::sms = sms;
-  return it->second.run(in);
+  return it->second.run(op, in, params, layout);
 }
 
 }  // namespace
 
 void add_test_paths(pybind11::module& m) {
-  m.def("_host_math", &host_math, pybind11::arg("op"), pybind11::arg("inputs"),
+  m.def("_host_math", &host_math, pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("params") = Doubles{},
         "Test path: the kernels' element math (ffn_math.h) run on the host, element by element.");
   m.def("_emulate_cuda", &emulate_cuda, pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("sms") = 132,
+        pybind11::arg("params") = Doubles{}, pybind11::arg("layout") = "concat",
         "Test path: op's CUDA launch (row_ops.h problem, rows.h launch shape and per-thread code) emulated on the "
         "host with CPU tensors, for a GPU with `sms` multiprocessors.");
 }

@@ -3,7 +3,8 @@ backward.
 
     import ffn_ext
     h = ffn_ext.swiglu(gate, up)                      # silu(gate) * up
-    h = ffn_ext.swiglu_packed(gate_up)                # [..., 2M] -> [..., M]
+    h = ffn_ext.swiglu_packed(gate_up)                # [..., 2M] -> [..., M]; layout="interleaved" too
+    h = ffn_ext.swiglu_clamped(gate, up, limit=7.0, alpha=1.702, up_offset=1.0)   # GPT-OSS, DeepSeek-V4
     h = ffn_ext.geglu(gate, up, approximate="tanh")   # gelu_tanh(gate) * up (Gemma)
     y = ffn_ext.gelu(x); y = ffn_ext.gelu(x, approximate="tanh"); y = ffn_ext.silu(x)
     mlp = ffn_ext.SwiGLUFFN(896, 4864); mlp = ffn_ext.GeGLUFFN(2048, 16384, approximate="tanh")   # lean autograd
@@ -16,7 +17,7 @@ import torch  # noqa: F401  (load libtorch before the native library)
 
 from . import jit  # noqa: F401
 from .ops import (build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels, silu,
-                  swiglu, swiglu_packed)
+                  swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
 from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, swiglu_mlp, swiglu_mlp_packed
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
@@ -24,8 +25,8 @@ from . import hf  # noqa: F401
 from .hf import patch_model as patch_hf_model
 
 __version__ = "0.1.0"
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "gated", "gated_packed",
-           "has_cuda_kernels", "build_info", "build_summary", "jit"]
+__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed", "geglu",
+           "geglu_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary", "jit"]
 __all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
             "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
             "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]

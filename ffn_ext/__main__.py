@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
-from ffn_ext.table import OPS as TABLE_OPS
+from ffn_ext.table import OPS as TABLE_OPS, join_packed, split_packed
 from ffn_ext.sizing import ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 
 OPS = tuple(TABLE_OPS)  # every op of the table (ffn_ext/table.py): per activation its six, forward and backward
@@ -119,24 +119,25 @@ def parameter_table(d: int = 4096) -> None:
 
 
 # ---------------------------------------------------------------- 4. op checks
-def aten_reference(spec):
-    """The op of table entry `spec` (an OpSpec) written with its activation's ATen forms, act.aten and
-    act.aten_backward: the reference of the checks (run in float64) and the ATen column (in the op's dtype)."""
-    f, df = spec.act.aten, spec.act.aten_backward
-
-    def gated(g, u):
-        return f(g) * u
-
-    def gated_backward(grad, g, u):
-        return df(grad * u, g), grad * f(g)
-
+def aten_reference(spec, layout="concat"):
+    """The op of table entry `spec` (an OpSpec) written with ATen ops (its activation's act.aten and
+    act.aten_backward, or its gated op's own ATen form, at the example parameters): the reference of the checks
+    (run in float64) and the ATen column (in the op's dtype). Packed ops in `layout`."""
     if spec.kind == "unary":
-        return df if spec.backward else f
+        return spec.act.aten_backward if spec.backward else spec.act.aten
+    g, p = spec.gated, spec.example
+
+    def gated(gate, up):
+        return g.forward(gate, up, **p)
+
+    def gated_backward(grad, gate, up):
+        return g.backward(grad, gate, up, **p)
+
     if spec.kind == "gated":
         return gated_backward if spec.backward else gated
     if spec.backward:
-        return lambda grad, gu: torch.cat(gated_backward(grad, *gu.chunk(2, dim=-1)), dim=-1)
-    return lambda gu: gated(*gu.chunk(2, dim=-1))
+        return lambda grad, gu: join_packed(*gated_backward(grad, *split_packed(gu, layout)), layout)
+    return lambda gu: gated(*split_packed(gu, layout))
 
 
 def _vjp(fn, grad, *inputs):
@@ -146,30 +147,41 @@ def _vjp(fn, grad, *inputs):
     return out if len(out) > 1 else out[0]
 
 
-def api_op(spec):
+def api_op(spec, layout="concat"):
     """The op of table entry `spec` through the public functional API (what is checked when torch.ops.ffn_ext is
     not loaded: the API's ATen fallback and its autograd): the forward op's API call (ffn_ext.gelu(x,
-    approximate="tanh"), ffn_ext.gated(g, u, activation=...), ffn_ext.gated_packed(...)); a backward op as the
-    vector-Jacobian product of it."""
+    approximate="tanh"), ffn_ext.gated(g, u, activation=...), ffn_ext.gated_packed(..., layout=...),
+    ffn_ext.swiglu_clamped(..., **example params)); a backward op as the vector-Jacobian product of it."""
     act = spec.act
     if spec.kind == "unary":
         function, options = act.api
         fwd = lambda x: getattr(ffn_ext, function)(x, **options)  # noqa: E731
+    elif spec.params:
+        fn = getattr(ffn_ext, spec.gated.name + ("_packed" if spec.kind == "packed" else ""))
+        kw = dict(spec.example, **({"layout": layout} if spec.kind == "packed" else {}))
+        fwd = lambda *a: fn(*a, **kw)  # noqa: E731
     elif spec.kind == "gated":
         fwd = lambda g, u: ffn_ext.gated(g, u, activation=act.name)  # noqa: E731
     else:
-        fwd = lambda gu: ffn_ext.gated_packed(gu, activation=act.name)  # noqa: E731
+        fwd = lambda gu: ffn_ext.gated_packed(gu, activation=act.name, layout=layout)  # noqa: E731
     return (lambda grad, *inputs: _vjp(fwd, grad, *inputs)) if spec.backward else fwd
 
 
-def _op(name: str):
-    """torch.ops.ffn_ext.<name>, or the public API's form of it when the native library is not loaded."""
-    return getattr(torch.ops.ffn_ext, name) if ffn_ext.ops._native is not None else api_op(TABLE_OPS[name])
+def _op(name: str, layout="concat"):
+    """torch.ops.ffn_ext.<name> (with the table's example parameters, and `layout` for a packed op), or the public
+    API's form of it when the native library is not loaded."""
+    spec = TABLE_OPS[name]
+    if ffn_ext.ops._native is None:
+        return api_op(spec, layout)
+    kw = dict(spec.example, **({"layout": layout} if spec.kind == "packed" else {}))
+    op = getattr(torch.ops.ffn_ext, name)
+    return (lambda *a: op(*a, **kw)) if kw else op
 
 
 def op_cases():
     """name -> (make inputs(rows, cols, dtype, device, gen), ffn_ext op, ATen reference), for every op of the
-    table (ffn_ext.table.OPS), and each gated op again on chunk(2, -1) views, right after it."""
+    table (ffn_ext.table.OPS), each gated op again on chunk(2, -1) views and each packed op again in the
+    interleaved layout, right after it."""
     def rnd(gen, rows, cols, dtype, device, scale=3.0):
         return (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
 
@@ -202,6 +214,9 @@ def op_cases():
         cases[name] = (makers[(spec.kind, spec.backward)], op, ref)
         if spec.kind == "gated" and not spec.backward:
             cases[f"{name} (chunk views)"] = (views, op, ref)
+        if spec.kind == "packed":
+            cases[f"{name} (interleaved)"] = (makers[(spec.kind, spec.backward)], _op(name, "interleaved"),
+                                              aten_reference(spec, "interleaved"))
     return cases
 
 
@@ -336,6 +351,25 @@ def timing(device) -> None:
         op, ref = _op(name), aten_reference(spec)
         rows.append((f"{spec.forward_name} {'bwd' if spec.backward else 'fwd'}",
                      lambda op=op, a=a: op(*a), lambda ref=ref, a=a: ref(*a)))
+    # GPT-OSS's experts: the clamped SwiGLU on the interleaved layout (limit 7, alpha 1.702, up + 1; inputs scaled
+    # so that the clamps act) against transformers' GptOssExperts._apply_gate in ATen ops; fwd+bwd: the forward, then
+    # the gradient of gate_up (autograd's backward for ATen)
+    gpt_oss = {"limit": 7.0, "alpha": 1.702, "up_offset": 1.0}
+    gu_c = gate_up * 4
+    gu_cg = gu_c.detach().requires_grad_()
+
+    def hf_apply_gate(gu):
+        g, u = gu[..., ::2], gu[..., 1::2]
+        g = g.clamp(min=None, max=gpt_oss["limit"])
+        u = u.clamp(min=-gpt_oss["limit"], max=gpt_oss["limit"])
+        return (u + gpt_oss["up_offset"]) * (g * torch.sigmoid(g * gpt_oss["alpha"]))
+
+    def clamped(gu):
+        return ffn_ext.swiglu_clamped_packed(gu, layout="interleaved", **gpt_oss)
+
+    rows.append(("GPT-OSS clamped interl. fwd", lambda: clamped(gu_c), lambda: hf_apply_gate(gu_c)))
+    rows.append(("GPT-OSS clamped interl. fwd+bwd", lambda: torch.autograd.grad(clamped(gu_cg), gu_cg, grad),
+                 lambda: torch.autograd.grad(hf_apply_gate(gu_cg), gu_cg, grad)))
     layer_tokens = tokens // 2 if gpu else 128
     mlp = ffn_ext.SwiGLUFFN(d_model, d_ff if gpu else 1024).to(device=device, dtype=dtype)
     x = torch.randn(layer_tokens, d_model, device=device, dtype=dtype, generator=gen, requires_grad=True)

@@ -14,6 +14,8 @@ Double backward is supported (see ffn_ext/mlp.py).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,7 +24,7 @@ from . import ops as _ops
 from .mlp import fusable, gated_mlp, linear_args
 from .mlp import swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
-from .table import ACTIVATIONS, BY_NAME
+from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
 
 __all__ = ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN"]
 
@@ -99,34 +101,74 @@ class _Unary(nn.Module):
         return f"activation={self.activation!r}"
 
 
+def _check_layout(who: str, layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"ffn_ext.{who}: `layout` must be one of {list(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
 class Gated(nn.Module):
     """act(gate) * up for an activation of the table by name ("silu", "gelu", "gelu_tanh", ...):
-    ``Gated("gelu")(gate, up)``; with one argument it takes the packed tensor [..., 2M] (gate first, then up, as
-    ``chunk(2, -1)``) and returns [..., M]. SwiGLU and GeGLU are this with their activation fixed."""
+    ``Gated("gelu")(gate, up)``; with one argument it takes the packed tensor [..., 2M] and returns [..., M]:
+    layout="concat" (gate first, then up, as ``chunk(2, -1)``) or "interleaved" ([g0, u0, g1, u1, ...], GPT-OSS).
+    SwiGLU and GeGLU are this with their activation fixed."""
 
     activation = "silu"
+    layout = "concat"
 
-    def __init__(self, activation: str = "silu") -> None:
+    def __init__(self, activation: str = "silu", *, layout: str = "concat") -> None:
         super().__init__()
         self.activation = _entry(type(self).__name__, activation).name
+        self.layout = _check_layout(type(self).__name__, layout)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         a = self.activation
-        return _ops.gated_packed(gate, a) if up is None else _ops.gated(gate, up, a)
+        return _ops.gated_packed(gate, a, layout=self.layout) if up is None else _ops.gated(gate, up, a)
+
+    def _layout_repr(self) -> str:
+        return "" if self.layout == "concat" else f"layout={self.layout!r}"
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}"
+        return ", ".join(filter(None, (f"activation={self.activation!r}", self._layout_repr())))
 
 
 class SwiGLU(Gated):
-    """silu(gate) * up. ``SwiGLU()(gate, up)``; with one argument it takes the packed tensor [..., 2M] (gate first,
-    then up, as ``chunk(2, -1)``) and returns [..., M]."""
+    """silu(gate) * up. ``SwiGLU()(gate, up)``; with one argument it takes the packed tensor [..., 2M] in `layout`
+    (as Gated) and returns [..., M].
 
-    def __init__(self) -> None:
-        super().__init__("silu")
+    Clamped (GPT-OSS, DeepSeek-V4): with `limit` (> 0), or alpha / up_offset other than their defaults, it computes
+    ffn_ext.swiglu_clamped: (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate,
+    max=limit); GPT-OSS is ``SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0, layout="interleaved")``. Without a limit
+    nothing is clamped (limit=inf)."""
+
+    limit = None
+    alpha = 1.0
+    up_offset = 0.0
+
+    def __init__(self, *, limit: float | None = None, alpha: float = 1.0, up_offset: float = 0.0,
+                 layout: str = "concat") -> None:
+        super().__init__("silu", layout=layout)
+        check_params("ffn_ext.SwiGLU", GATED_BY_NAME["swiglu_clamped"],
+                     dict(limit=math.inf if limit is None else limit, alpha=alpha, up_offset=up_offset))
+        self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
+
+    @property
+    def clamped(self) -> bool:
+        return self.limit is not None or self.alpha != 1.0 or self.up_offset != 0.0
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.clamped:
+            return super().forward(gate, up)
+        p = dict(limit=math.inf if self.limit is None else self.limit, alpha=self.alpha, up_offset=self.up_offset)
+        if up is None:
+            return _ops.swiglu_clamped_packed(gate, layout=self.layout, **p)
+        return _ops.swiglu_clamped(gate, up, **p)
 
     def extra_repr(self) -> str:
-        return ""
+        parts = [f"limit={self.limit}"] if self.limit is not None else []
+        parts += [f"alpha={self.alpha}"] if self.alpha != 1.0 else []
+        parts += [f"up_offset={self.up_offset}"] if self.up_offset != 0.0 else []
+        return ", ".join(parts + ([self._layout_repr()] if self.layout != "concat" else []))
 
 
 class GeGLU(Gated):
@@ -135,15 +177,15 @@ class GeGLU(Gated):
 
     activation = "gelu"
 
-    def __init__(self, approximate: str = "none") -> None:
-        super().__init__(_gelu_entry("GeGLU", approximate).name)
+    def __init__(self, approximate: str = "none", *, layout: str = "concat") -> None:
+        super().__init__(_gelu_entry("GeGLU", approximate).name, layout=layout)
 
     @property
     def approximate(self) -> str:
         return BY_NAME[self.activation].api[1]["approximate"]
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
+        return ", ".join(filter(None, (f"approximate={self.approximate!r}", self._layout_repr())))
 
 
 def _gated_module(act) -> Gated:

@@ -14,10 +14,10 @@ import warnings
 import torch
 
 from . import _compat
-from .table import ACTIVATIONS, OPS, BY_NAME
+from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "gated", "gated_packed",
-           "has_cuda_kernels", "build_info", "build_summary"]
+__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
+           "swiglu_clamped_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary"]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
 _API_OPS = tuple(name for name, spec in OPS.items() if not spec.backward)  # those with a fast entry point
@@ -123,40 +123,53 @@ def _transformed(args: tuple) -> bool:
     return _compat.functorch_active() or _compat.has_tangent(args)
 
 
-def _call(name: str, args: tuple):
-    """The op on args, by the cheapest path that serves them:
-    1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no __torch_function__ mode, not
-       under torch.compile. It calls the op through the dispatcher as ATen's own bindings do: on a CPU core
-       ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors; benchmarks/host_overhead.py). It returns
-       NotImplemented for everything else;
+def _call(name: str, args: tuple, kwargs: dict | None = None):
+    """The op on args (and keyword arguments: a gated op's parameters, a packed op's layout), by the cheapest path
+    that serves them:
+    1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no keyword arguments, no
+       __torch_function__ mode, not under torch.compile. It calls the op through the dispatcher as ATen's own
+       bindings do: on a CPU core ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors;
+       benchmarks/host_overhead.py). It returns NotImplemented for everything else;
     2. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device (tensor subclasses, torch function
        modes, and what torch.compile traces);
     3. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
        library, torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path."""
     try:
-        fast = _fast.get(name)
-        if fast is not None and not _is_compiling():
-            out = fast(*args)
-            if out is not NotImplemented:
-                return out
+        if not kwargs:
+            fast = _fast.get(name)
+            if fast is not None and not _is_compiling():
+                out = fast(*args)
+                if out is not NotImplemented:
+                    return out
         if _native_for(args[0]) and not _transformed(args):
             overload = _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
-            return overload(*args)
+            return overload(*args, **kwargs) if kwargs else overload(*args)
     except Exception:
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         raise
-    return _fallback(name, args)
+    return _fallback(name, args, kwargs)
 
 
-def _fallback(name: str, args: tuple):
+def _fallback(name: str, args: tuple, kwargs: dict | None = None):
     """Op `name` (any op of the table, backward ops included) with ATen ops, after the checks the native ops make,
-    with the same messages."""
+    with the same messages. kwargs: the gated op's parameters, and a packed op's layout."""
     spec, op = OPS[name], f"ffn_ext.{name}"
+    kwargs = dict(kwargs or {})
+    layout = kwargs.pop("layout", "concat") if spec.kind == "packed" else None
+    params = {p.name: kwargs.pop(p.name, p.default) for p in spec.params}
+    if kwargs:
+        raise TypeError(f"{op}: unexpected keyword argument(s) {sorted(kwargs)}")
+    missing = [k for k, v in params.items() if v is None]
+    if missing:
+        raise TypeError(f"{op}: missing required keyword argument(s) {missing}")
+    if spec.gated is not None:
+        check_params(op, spec.gated, params)
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
     _check_kinds(op, spec.args, args)
-    act = spec.act.aten
     r = 1 if spec.backward else 0  # the argument the others are checked against: x, gate or gate_up
     ref_name, ref = spec.args[r], args[r]
     _check_dtype(op, ref_name, ref)
@@ -166,9 +179,9 @@ def _fallback(name: str, args: tuple):
         if ref.shape[-1] % 2:
             raise ValueError(f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), "
                              f"got shape {list(ref.shape)}")
-        gate, up = ref.chunk(2, dim=-1)
+        gate, up = split_packed(ref, layout)
         if not spec.backward:
-            return act(gate) * up
+            return spec.gated.forward(gate, up, **params)
         grad = args[0]
         _check_dtype(op, "grad", grad)
         if grad.dtype != ref.dtype:
@@ -179,26 +192,22 @@ def _fallback(name: str, args: tuple):
         if grad.shape != gate.shape:
             raise ValueError(f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
                              f"(gate_up's with the last dimension halved), got {list(grad.shape)}")
-        return torch.cat(_gated_backward(spec.act, grad, gate, up), dim=-1)
+        return join_packed(*spec.gated.backward(grad, gate, up, **params), layout)
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
     if spec.kind == "unary":
-        return spec.act.aten_backward(*args) if spec.backward else act(*args)
+        return spec.act.aten_backward(*args) if spec.backward else spec.act.aten(*args)
     if spec.backward:
-        return _gated_backward(spec.act, *args)
-    return act(args[0]) * args[1]
+        return spec.gated.backward(*args, **params)
+    return spec.gated.forward(*args, **params)
 
 
-def _gated_backward(act, grad, gate, up):
-    return act.aten_backward(grad * up, gate), grad * act.aten(gate)
-
-
-def call_op(name: str, *args):
-    """torch.ops.ffn_ext.<name>(*args) for any op of the table (backward ops too) where the native ops serve the
-    arguments, else its ATen fallback: what the modules' lean autograd calls."""
+def call_op(name: str, *args, **kwargs):
+    """torch.ops.ffn_ext.<name>(*args, **kwargs) for any op of the table (backward ops too) where the native ops
+    serve the arguments, else its ATen fallback: what the modules' lean autograd calls."""
     if _native_for(args[-1]) and not _transformed(args):
-        return getattr(torch.ops.ffn_ext, name)(*args)
-    return _fallback(name, args)
+        return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
+    return _fallback(name, args, kwargs)
 
 
 def _pick(function: str, key: str, value):
@@ -230,9 +239,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _call("swiglu", (gate, up))
 
 
-def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up with gate, up = gate_up.chunk(2, -1): [..., 2M] -> [..., M]."""
-    return _call("swiglu_packed", (gate_up,))
+def _layout(layout: str):
+    """A packed op's keyword arguments for `layout` (none for the default, so the fast entry point serves it)."""
+    return None if layout == "concat" else {"layout": layout}
+
+
+def swiglu_packed(gate_up: torch.Tensor, *, layout: str = "concat") -> torch.Tensor:
+    """silu(gate) * up from one [..., 2M] tensor -> [..., M], read in place. layout="concat": gate, up =
+    gate_up.chunk(2, -1); "interleaved": gate, up = gate_up[..., ::2], gate_up[..., 1::2] (GPT-OSS)."""
+    return _call("swiglu_packed", (gate_up,), _layout(layout))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -241,10 +256,26 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> to
     return _call(act.gated, (gate, up))
 
 
-def geglu_packed(gate_up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """gelu(gate, approximate) * up with gate, up = gate_up.chunk(2, -1): [..., 2M] -> [..., M]."""
+def geglu_packed(gate_up: torch.Tensor, approximate: str = "none", *, layout: str = "concat") -> torch.Tensor:
+    """gelu(gate, approximate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed) -> [..., M]."""
     act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
-    return _call(act.gated + "_packed", (gate_up,))
+    return _call(act.gated + "_packed", (gate_up,), _layout(layout))
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float = 1.0,
+                   up_offset: float = 0.0) -> torch.Tensor:
+    """(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit), fused:
+    GPT-OSS's experts (alpha=1.702, up_offset=1.0, limit=7.0) and DeepSeek-V4 (alpha=1.0, up_offset=0.0,
+    limit=config.swiglu_limit). limit must be > 0 (ValueError). Gradients are torch.clamp's: they pass where the
+    input is within the bounds (the bounds included) and are 0 beyond."""
+    return _call("swiglu_clamped", (gate, up), {"limit": limit, "alpha": alpha, "up_offset": up_offset})
+
+
+def swiglu_clamped_packed(gate_up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0,
+                          layout: str = "concat") -> torch.Tensor:
+    """swiglu_clamped of one [..., 2M] tensor in `layout` (as for swiglu_packed; GPT-OSS: "interleaved")."""
+    return _call("swiglu_clamped_packed", (gate_up,),
+                 {"limit": limit, "alpha": alpha, "up_offset": up_offset, "layout": layout})
 
 
 def _act(activation: str):
@@ -260,9 +291,10 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     return _call(_act(activation).gated, (gate, up))
 
 
-def gated_packed(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up with gate, up = gate_up.chunk(2, -1), for any activation of the table by its name."""
-    return _call(_act(activation).gated + "_packed", (gate_up,))
+def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str = "concat") -> torch.Tensor:
+    """act(gate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed), for any activation of the
+    table by its name."""
+    return _call(_act(activation).gated + "_packed", (gate_up,), _layout(layout))
 
 
 # ---------------------------------------------------------------- build information

@@ -2,14 +2,16 @@
 functional API (ops.py), the modules, Hugging Face patching, ``python -m ffn_ext`` and the tests take their op lists
 from here, so an activation is one entry (README, "Adding an activation").
 
-Each activation ``act`` gives six dispatcher ops, torch.ops.ffn_ext.<op>:
+Each activation ``act`` gives two dispatcher ops, torch.ops.ffn_ext.<op>, and each gated op (GATED: act(gate) * up
+for each activation, and gated ops with parameters of their own, such as swiglu_clamped) four:
 
     <name>(x)                           act(x)
     <name>_backward(grad, x)            grad * act'(x)
-    <gated>(gate, up)                   act(gate) * up
-    <gated>_backward(grad, gate, up)    (grad * up * act'(gate), grad * act(gate))
-    <gated>_packed(gate_up)             [..., 2M] -> [..., M], gate = gate_up[..., :M], up = gate_up[..., M:]
-    <gated>_packed_backward(grad, gate_up)   -> [dgate | dup], [..., 2M]
+    <gated>(gate, up, *, params)        act(gate) * up, or the gated op's own function of (gate, up)
+    <gated>_backward(grad, gate, up, *, params)   (dgate, dup)
+    <gated>_packed(gate_up, *, params, layout="concat")   [..., 2M] -> [..., M]; layout "concat": gate, up =
+                                        gate_up[..., :M], gate_up[..., M:]; "interleaved": gate_up[..., ::2], [..., 1::2]
+    <gated>_packed_backward(grad, gate_up, *, params, layout="concat")   -> (dgate, dup) packed in that layout
 
 Every entry also carries its float64 reference (the value and derivative formulas with the mathematical limits at
 +-inf that the CUDA kernels implement, and the size of the terms the kernels' formulas cancel, which the host-math
@@ -24,7 +26,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Activation", "ACTIVATIONS", "BY_NAME", "OpSpec", "OPS", "op_spec", "activation_for"]
+__all__ = ["Activation", "ACTIVATIONS", "BY_NAME", "Param", "Gated", "GATED", "GATED_BY_NAME", "LAYOUTS", "OpSpec",
+           "OPS", "op_spec", "activation_for"]
 
 _INF = math.inf
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -132,6 +135,130 @@ def activation_for(function: str, **options) -> Activation:
     return entries[0]
 
 
+# ---------------------------------------------------------------- gated ops
+@dataclass(frozen=True)
+class Param:
+    """A keyword parameter of a gated op (a float in the schema)."""
+    name: str
+    default: float | None  # None: required
+    example: float  # the value the tests and the live check pass (chosen so that the parameter matters)
+    doc: str
+
+
+@dataclass(frozen=True)
+class Gated:
+    """A gated op: act(gate) * up over an activation, or a function of its own of (gate, up) and parameters, whose
+    derivatives are the activation's at a transformed gate (terms)."""
+    name: str  # its ops: <name>, <name>_backward, <name>_packed, <name>_packed_backward
+    act: Activation
+    params: tuple = ()  # Params, keyword-only, in schema order
+    aten: Callable | None = None  # (gate, up, **params) -> out with ATen ops (the fallback); None: act(gate) * up
+    aten_backward: Callable | None = None  # (grad, gate, up, **params) -> (dgate, dup); None: Glu's
+    terms: Callable | None = None  # see gated_terms
+    doc: str = ""
+
+    @property
+    def example(self) -> dict:
+        return {p.name: p.example for p in self.params}
+
+    def forward(self, gate, up, **params):
+        return self.act.aten(gate) * up if self.aten is None else self.aten(gate, up, **params)
+
+    def backward(self, grad, gate, up, **params):
+        if self.aten_backward is None:
+            return self.act.aten_backward(grad * up, gate), grad * self.act.aten(gate)
+        return self.aten_backward(grad, gate, up, **params)
+
+
+def gated_terms(g: Gated, gate, up, grad=None, **params):
+    """Gated op g as products of its activation's value or derivative, for float64 references: a list with one entry
+    per output (the forward's out, or the backward's dgate, dup) of (which, x, factors, mask): the output is
+    prod(factors) * act(x) for which == "f" and prod(factors) * act'(x) for "d", where `mask` (a bool tensor, or
+    None) holds, and 0 elsewhere (a select: also where the product is NaN)."""
+    if g.terms is not None:
+        return g.terms(gate, up, grad, **params)
+    if grad is None:
+        return [("f", gate, (up,), None)]
+    return [("d", gate, (grad, up), None), ("f", gate, (grad,), None)]
+
+
+# ---- clamped SwiGLU: (clamp(up, -L, L) + up_offset) * x sigmoid(alpha x), x = clamp(gate, max=L) (GPT-OSS,
+# DeepSeek-V4). x sigmoid(alpha x) = silu(alpha x) / alpha and its derivative is silu'(alpha x).
+def _check_clamp(op, limit, alpha, up_offset):
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+        raise ValueError(f"{op}: `limit` must be > 0, got {limit!r}")
+    for name, v in (("alpha", alpha), ("up_offset", up_offset)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"{op}: `{name}` must be finite, got {v!r}")
+
+
+# torch.clamp's gradient at the bound itself: passed before torch 2.14, 0 since (pytorch#191142, the minimum-norm
+# subgradient); the kernels follow the torch they were built against (csrc/ffn_math.h kClampGradAtBound).
+CLAMP_GRAD_AT_BOUND = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
+
+
+def clamp_pass(gate, up, limit):
+    """Where swiglu_clamped's clamps pass the gradient: (for gate, for up), bool tensors."""
+    if CLAMP_GRAD_AT_BOUND:
+        return gate <= limit, (up >= -limit) & (up <= limit)
+    return gate < limit, (up > -limit) & (up < limit)
+
+
+def _clamped(gate, up, limit, alpha=1.0, up_offset=0.0):
+    g = gate.clamp(max=limit)  # transformers' GptOssExperts._apply_gate, in its order
+    return (up.clamp(-limit, limit) + up_offset) * (g * torch.sigmoid(g * alpha))
+
+
+def _clamped_backward(grad, gate, up, limit, alpha=1.0, up_offset=0.0):
+    g = gate.clamp(max=limit)
+    z = g * alpha
+    s = torch.sigmoid(z)
+    dh = s * (1 + z * (1 - s))
+    zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+    pass_g, pass_u = clamp_pass(gate, up, limit)
+    return torch.where(pass_g, grad * (up.clamp(-limit, limit) + up_offset) * dh, zero), \
+        torch.where(pass_u, grad * (g * s), zero)
+
+
+def _clamped_terms(gate, up, grad, limit, alpha=1.0, up_offset=0.0):
+    x = alpha * gate.clamp(max=limit)
+    c = up.clamp(-limit, limit) + up_offset
+    if grad is None:
+        return [("f", x, (c / alpha,), None)]
+    pass_g, pass_u = clamp_pass(gate, up, limit)
+    return [("d", x, (grad, c), pass_g), ("f", x, (grad / alpha,), pass_u)]
+
+
+GATED = tuple(Gated(a.gated, a, doc=f"{a.name}(gate) * up") for a in ACTIVATIONS) + (
+    Gated(
+        "swiglu_clamped", BY_NAME["silu"],
+        params=(Param("limit", None, 2.5, "clamp bound, > 0: gate <= limit, -limit <= up <= limit"),
+                Param("alpha", 1.0, 1.702, "gate * sigmoid(alpha * gate)"),
+                Param("up_offset", 0.0, 1.0, "added to the clamped up")),
+        aten=_clamped, aten_backward=_clamped_backward, terms=_clamped_terms,
+        doc="(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit) "
+            "(GPT-OSS: alpha=1.702, up_offset=1, limit=7; DeepSeek-V4: alpha=1, up_offset=0)"),
+)
+GATED_BY_NAME = {g.name: g for g in GATED}
+LAYOUTS = ("concat", "interleaved")  # the packed ops' gate_up layouts
+
+
+def check_params(op: str, gated: Gated, params: dict) -> None:
+    """The checks the native ops make of a gated op's parameters, with the same messages (ATen fallback)."""
+    if gated.name == "swiglu_clamped":
+        _check_clamp(op, **params)
+
+
+def split_packed(t, layout: str):
+    """gate, up of a packed [..., 2M] tensor in `layout` (views)."""
+    return t.chunk(2, dim=-1) if layout == "concat" else (t[..., 0::2], t[..., 1::2])
+
+
+def join_packed(a, b, layout: str):
+    """The [..., 2M] tensor of a, b in `layout`."""
+    return torch.cat((a, b), dim=-1) if layout == "concat" else torch.stack((a, b), dim=-1).flatten(-2)
+
+
 # ---------------------------------------------------------------- the ops, derived
 @dataclass(frozen=True)
 class OpSpec:
@@ -139,27 +266,39 @@ class OpSpec:
     act: Activation
     kind: str  # "unary" | "gated" | "packed"
     backward: bool
-    args: tuple  # argument names, as in the schema and the error messages
+    args: tuple  # tensor argument names, as in the schema and the error messages
     n_outputs: int
+    gated: Gated | None = None  # the gated op, for kind "gated" and "packed"
+    params: tuple = ()  # its Params (keyword-only); packed ops also take layout="concat" | "interleaved"
 
     @property
     def forward_name(self) -> str:
         return self.name[: -len("_backward")] if self.backward else self.name
 
+    @property
+    def example(self) -> dict:
+        """Keyword arguments for a call with every parameter set to its example value (tests, live check)."""
+        return {p.name: p.example for p in self.params}
+
 
 def _specs(act: Activation):
-    g = act.gated
     return (
         OpSpec(act.name, act, "unary", False, ("x",), 1),
         OpSpec(act.name + "_backward", act, "unary", True, ("grad", "x"), 1),
-        OpSpec(g, act, "gated", False, ("gate", "up"), 1),
-        OpSpec(g + "_backward", act, "gated", True, ("grad", "gate", "up"), 2),
-        OpSpec(g + "_packed", act, "packed", False, ("gate_up",), 1),
-        OpSpec(g + "_packed_backward", act, "packed", True, ("grad", "gate_up"), 1),
     )
 
 
-OPS = {s.name: s for act in ACTIVATIONS for s in _specs(act)}
+def _gated_specs(g: Gated):
+    n, a, p = g.name, g.act, g.params
+    return (
+        OpSpec(n, a, "gated", False, ("gate", "up"), 1, g, p),
+        OpSpec(n + "_backward", a, "gated", True, ("grad", "gate", "up"), 2, g, p),
+        OpSpec(n + "_packed", a, "packed", False, ("gate_up",), 1, g, p),
+        OpSpec(n + "_packed_backward", a, "packed", True, ("grad", "gate_up"), 1, g, p),
+    )
+
+
+OPS = {s.name: s for specs in ([_specs(a) for a in ACTIVATIONS] + [_gated_specs(g) for g in GATED]) for s in specs}
 
 
 def op_spec(name: str) -> OpSpec:
