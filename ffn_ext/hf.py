@@ -1,4 +1,5 @@
-"""Hugging Face interop: make a loaded `transformers` model's gated MLPs (SwiGLU, GeGLU) run on ffn_ext, in place.
+"""Hugging Face interop: make a loaded `transformers` model's gated MLPs (SwiGLU, GeGLU, clamped SwiGLU) and MoE
+experts run on ffn_ext, in place.
 
     model = AutoModelForCausalLM.from_pretrained(...)
     n = ffn_ext.hf.patch_model(model)      # == ffn_ext.patch_hf_model(model); returns the number patched
@@ -34,6 +35,25 @@ module whose parameters are plain, materialized floating tensors (not meta / off
 that carries no hooks or forward wrappers is run both ways on two random rows (no_grad, its device and dtype, a
 private generator); a mismatch leaves it unpatched the same way.
 
+Clamped SwiGLU MLPs (``_KNOWN_CLAMPED``: DeepseekV4MLP, Glm5NextTextMLP, Glm5NextVisionMLP, MiniMaxM3VLDenseMLP):
+down_proj of (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), with limit
+(and alpha) read from the module at each call; the patched forward runs the projections as modules around
+ffn_ext.swiglu_clamped (packed: swiglu_clamped_packed). Their activation, where they have one, must be a SiLU.
+
+MoE experts (``_EXPERTS``, 69 transformers classes): the modules holding a layer's routed experts as 3-D parameters
+(gate_up_proj [E, 2I, H], down_proj), whose gating of the [S, 2I] projection is one ffn_ext op: act_fn(gate) * up
+with act_fn of the table (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...: gated_packed), or clamped (swiglu_clamped_packed:
+GPT-OSS's interleaved halves with alpha 1.702 and up + 1; DeepSeek-V4's, GLM-5-Next's, ...). transformers'
+@use_experts_implementation classes reach the gating through ``_apply_gate`` under grouped_mm, batched_mm and
+deepgemm, and through their own forward under "eager" (config._experts_implementation): the instance's _apply_gate
+is replaced (_BoundGate) and, where the class's forward inlines the gating (``act_fn(gate) * up`` on a chunk), the
+instance's forward too (_BoundExperts: the same loop with the fused gating while the implementation is "eager", the
+class's forward otherwise); classes without that switch (Llama 4, LongCat, DBRX, Inkling's shared experts) get a
+replaced forward. Gated experts modules (has_gate, an _apply_gate, or 3-D gate parameters) that are not in the list
+(or whose activation or limit ffn_ext cannot take) are named in the warning, as are MLPs; experts that are not gated
+(act(up), NemotronH) are not, like non-gated MLPs. The experts' self-check runs the class's gating code and the op on
+a random projection (float32 on the CPU: the gating has no parameters), scaled past the clamp limit.
+
 The patch replaces the MLP instance's ``forward`` (no class swap, no weight copy): the parameters stay the same
 objects, state_dict / save_pretrained are unchanged, deepcopy and pickling keep the patch. Called with one tensor
 (positionally or by the name of the original forward's parameter: x, hidden_state(s)), the new forward runs
@@ -46,12 +66,15 @@ or a forward wrapper, or it was replaced after patching by something that is not
 and for any other call signature, the MLP runs its original forward: the class's, or the forward wrapper the
 instance had when it was patched (then always that one). An activation replaced by another of the table's is
 fused with that one.
-``unpatch_model`` restores the original forward. transformers itself is not imported here.
+``unpatch_model`` restores the original forward (and removes the experts' instance _apply_gate). transformers
+itself is not imported here.
 """
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -64,7 +87,7 @@ from .table import ACTIVATIONS, BY_NAME
 
 __all__ = ["patch_model", "unpatch_model"]
 
-_MARK = "_ffn_ext_patched"  # 'gated' | 'packed'
+_MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
 _ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
 
 # transformers classes whose forward is exactly down_proj(act(gate_proj(x)) * up_proj(x)) (gated), or
@@ -103,6 +126,73 @@ _UNKNOWN = ("not known to compute exactly down_proj(act_fn(gate_proj(x)) * up_pr
             "multipliers, clamps, norms, dropout or adapters); if a class does, pass it in extra_classes=[...]")
 _DISAGREES = ("their forward gave a different result from the fused gated MLP on a random input (self-check), so "
               "it is not a plain gated MLP and must run as it is")
+
+
+class _Gate(NamedTuple):
+    """A gating that one ffn_ext op computes: act(gate) * up with `act` a table entry, or, with a `limit`, the
+    clamped SwiGLU (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
+    (ffn_ext.swiglu_clamped). Packed projections are split by `layout`."""
+    act: str | None = "act_fn"   # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
+    limit: str | None = None     # the attribute holding the clamp limit; None: no clamp
+    alpha: str | float = 1.0     # the attribute holding alpha, or its value
+    up_offset: float = 0.0
+    layout: str = "concat"       # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
+
+
+_PLAIN = _Gate()
+
+# transformers MLP classes with nn.Linear projections (gate_proj/up_proj/down_proj, or packed gate_up_proj/down_proj)
+# whose forward is down_proj of a clamped SwiGLU, with the _Gate it computes (tests/test_hf_moe.py checks the source)
+_KNOWN_CLAMPED = {
+    "DeepseekV4MLP": _Gate(limit="limit"),                # the shared expert; act_fn = ACT2FN[hidden_act], SiLU
+    "Glm5NextTextMLP": _Gate(limit="swiglu_limit"),
+    "Glm5NextVisionMLP": _Gate(limit="swiglu_limit"),
+    "MiniMaxM3VLDenseMLP": _Gate(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0),
+}
+
+# transformers 5.24 MoE experts classes whose gating is one ffn_ext op: name -> (_Gate, form). Forms: how the class's
+# own (eager) forward reaches the gating, so what the patch replaces:
+#   gate         it calls self._apply_gate (GPT-OSS, DeepSeek-V4, ...): only _apply_gate is patched
+#   linear       @use_experts_implementation classes whose eager loop inlines gate, up = F.linear(x, gate_up_proj[e])
+#                .chunk(2, -1); act_fn(gate) * up; transformers' default _apply_gate (the same gating) serves its other
+#                implementations: both are patched (matmul: x @ gate_up_proj[e], is_transposed; linear_norm: with the
+#                post_expert_norm)
+#   llama4, longcat, dbrx, shared   classes without an experts implementation switch: forward is patched
+# tests/test_hf_moe.py checks each against transformers' source, and that no class of these forms is missing.
+_GPT_OSS = _Gate(act=None, limit="limit", alpha="alpha", up_offset=1.0)
+_EXPERTS = {
+    **{name: (_PLAIN, "linear") for name in """
+        AXK1Experts AXK2Experts AfmoeExperts BailingHybridExperts Cohere2MoeExperts DeepseekOcr2TextExperts
+        DeepseekV2Experts DeepseekV32Experts DeepseekV3Experts DiffusionGemmaTextExperts Dots1Experts Dots3NoteExperts
+        Ernie4_5_MoeExperts Ernie4_5_VLMoeMoeExperts ExaoneMoeExperts FlexOlmoExperts FlintExperts Gemma4TextExperts
+        Glm4MoeExperts Glm4MoeLiteExperts Glm4vMoeTextExperts GlmMoeDsaExperts GraniteMoeExperts
+        GraniteMoeHybridExperts GraniteMoeSWAExperts GraniteMoeSharedExperts HYV3Experts HunYuanMoEV1Experts
+        InklingExperts JambaExperts KimiLinearExperts Kolibri1Experts LagunaExperts LaraMiniExperts Lfm2MoeExperts
+        MellumExperts MiMoV2FlashExperts MiniMaxExperts MiniMaxM2Experts Mistral4Experts MistralLarge4TextExperts
+        MixtralExperts OlmoeExperts PhimoeExperts Qwen2MoeExperts Qwen3MoeExperts Qwen3NextExperts
+        Qwen3OmniMoeTalkerTextExperts Qwen3OmniMoeThinkerTextExperts Qwen3VLMoeTextExperts Qwen3_5MoeExperts
+        Qwen4ExpTextExperts SolarOpenExperts UnlimitedOcrTextExperts ZayaExperts
+    """.split()},
+    "AriaExperts": (_PLAIN, "matmul"),
+    "MuseSparkExperts": (_PLAIN, "linear_norm"),
+    "BeamExperts": (_PLAIN, "gate"),  # act_fn(gate.float()) * up.float(), rounded once: what ffn_ext computes
+    "GptOssExperts": (_GPT_OSS._replace(layout="interleaved"), "gate"),
+    "OpenAIPrivacyFilterExperts": (_GPT_OSS, "gate"),
+    "MiniMaxM3VLExperts": (_Gate(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0), "gate"),
+    "DeepseekV4Experts": (_Gate(limit="limit"), "gate"),
+    "Glm5NextTextExperts": (_Gate(act=None, limit="swiglu_limit"), "gate"),
+    "HYV4Experts": (_Gate(act=None, limit="swiglu_limit"), "gate"),
+    "HYV4VLExperts": (_Gate(act=None, limit="swiglu_limit"), "gate"),
+    "Llama4TextExperts": (_PLAIN, "llama4"),
+    "LongcatFlashExperts": (_PLAIN, "longcat"),
+    "DbrxExpertGLU": (_Gate(act="activation_fn"), "dbrx"),
+    "InklingSharedExperts": (_PLAIN, "shared"),
+}
+
+_UNKNOWN_EXPERTS = ("MoE experts modules whose gating ffn_ext does not compute or that are not known to it (their "
+                    "routed experts run as they are, unaccelerated)")
+_DISAGREES_GATE = ("their gating gave a different result from ffn_ext's op on a random input (self-check), so it "
+                   "must run as it is")
 
 
 def _unsupported(act) -> str:
@@ -173,6 +263,223 @@ def _packed_forward(self, x, act):
     return d(_ops.gated_packed(gu(x), act.name))
 
 
+
+# ---------------------------------------------------------------- clamped SwiGLU and MoE experts
+class _Clamp(NamedTuple):
+    """The arguments of ffn_ext.swiglu_clamped(_packed) for a clamped _Gate, read from the module when it runs."""
+    limit: float
+    alpha: float
+    up_offset: float
+    layout: str
+
+
+def _attr(module, name):
+    mods = module._modules
+    return mods[name] if name in mods else getattr(module, name, None)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _gate_state(module, gate: _Gate):
+    """What ffn_ext's op needs to stand in for `module`'s gating now, else None (then its own code runs): the table
+    entry of its activation, which must run no hook (on it or global) and, clamped, be SiLU; or, clamped, the
+    _Clamp of its current limit (a number > 0) and alpha (a finite number)."""
+    entry = _SILU
+    if gate.act is not None:
+        act = _attr(module, gate.act)
+        entry = _table_activation(act)
+        if entry is None or (gate.limit is not None and entry is not _SILU) or (
+                isinstance(act, nn.Module) and not fusable((), (act,))):
+            return None
+    if gate.limit is None:
+        return entry
+    limit = getattr(module, gate.limit, None)
+    alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
+    if not (_real(limit) and limit > 0 and _real(alpha) and math.isfinite(alpha)):
+        return None
+    return _Clamp(float(limit), float(alpha), gate.up_offset, gate.layout)
+
+
+def _gate_problem(module, gate: _Gate) -> str | None:
+    """Why `module`'s gating (`gate`) cannot run on ffn_ext, or None (the patch-time form of _gate_state, which also
+    lets hooks on the activation pass: with them the module's own code runs, call by call)."""
+    if gate.act is not None:
+        act = _attr(module, gate.act)
+        entry = _table_activation(act)
+        if entry is None:
+            return _unsupported(act)
+        if gate.limit is not None and entry is not _SILU:
+            return (f"clamped gating with activation {type(act).__name__} ({entry.name}): ffn_ext's clamped op is "
+                    "SiLU's")
+    if gate.limit is not None:
+        limit = getattr(module, gate.limit, None)
+        alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
+        if not (_real(limit) and limit > 0):
+            return f"clamp limit {gate.limit} = {limit!r} is not a number > 0"
+        if not (_real(alpha) and math.isfinite(alpha)):
+            return f"{gate.alpha} = {alpha!r} is not a finite number"
+    return None
+
+
+def _fused_gate(state, gate_up):
+    """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place."""
+    if isinstance(state, _Clamp):
+        return _ops.swiglu_clamped_packed(gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset,
+                                          layout=state.layout)
+    return _ops.gated_packed(gate_up, state.name)
+
+
+def _own_gate(module, gate: _Gate, gate_up):
+    """What the module's own code computes from gate_up: its class's _apply_gate, else (the classes that inline the
+    gating: always the plain form, concat) act(gate) * up."""
+    cls_gate = getattr(type(module), "_apply_gate", None)
+    if cls_gate is not None:
+        return cls_gate(module, gate_up)
+    g, u = gate_up.chunk(2, dim=-1)
+    return _attr(module, gate.act)(g) * u
+
+
+def _clamped_forward(self, x, c):
+    mods = self._modules
+    g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
+    return d(_ops.swiglu_clamped(g(x), u(x), limit=c.limit, alpha=c.alpha, up_offset=c.up_offset))
+
+
+def _clamped_packed_forward(self, x, c):
+    mods = self._modules
+    return mods["down_proj"](_fused_gate(c, mods["gate_up_proj"](x)))
+
+
+# The replacement forwards of experts classes that inline their gating (_EXPERTS' forms): the class's own code with
+# the gating by ffn_ext (state: from _gate_state), the rest as it was, operation for operation.
+def _routed(self, state, hidden_states, top_k_index, top_k_weights, matmul=False, norm=False):
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(mask[expert_idx])
+        current = hidden_states[token_idx]
+        if matmul:
+            current = _fused_gate(state, current @ self.gate_up_proj[expert_idx]) @ self.down_proj[expert_idx]
+        else:
+            current = F.linear(_fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])),
+                               self.down_proj[expert_idx])
+        if norm:
+            current = self.post_expert_norm(current)
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, current.to(final.dtype))
+    return final
+
+
+def _routed_linear(self, state, hidden_states, top_k_index, top_k_weights):
+    return _routed(self, state, hidden_states, top_k_index, top_k_weights)
+
+
+def _routed_matmul(self, state, hidden_states, top_k_index, top_k_weights):
+    return _routed(self, state, hidden_states, top_k_index, top_k_weights, matmul=True)
+
+
+def _routed_linear_norm(self, state, hidden_states, top_k_index, top_k_weights):
+    return _routed(self, state, hidden_states, top_k_index, top_k_weights, norm=True)
+
+
+def _llama4_forward(self, state, hidden_states):
+    hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+    return torch.bmm(_fused_gate(state, gate_up), self.down_proj).view(-1, self.hidden_size)
+
+
+def _longcat_forward(self, state, hidden_states, top_k_index, top_k_weights):
+    final = torch.zeros_like(hidden_states)
+    if top_k_index.numel() == 0:
+        return final
+    mask = F.one_hot(top_k_index, num_classes=self.total_experts).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero(as_tuple=False)
+    for expert_idx_tensor in hit:
+        expert_idx = int(expert_idx_tensor.item())
+        selection_idx, token_idx = torch.where(mask[expert_idx].squeeze(0))
+        if token_idx.numel() == 0:
+            continue
+        current = hidden_states[token_idx]
+        if expert_idx >= self.num_routed_experts or self.gate_up_proj is None:
+            current = self.identity_expert(current)
+        else:
+            current = F.linear(_fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])),
+                               self.down_proj[expert_idx])
+        current = current * top_k_weights[token_idx, selection_idx, None]
+        final.index_add_(0, token_idx, current.to(hidden_states.dtype))
+    return final
+
+
+def _dbrx_forward(self, state, x, expert_w1, expert_v1, expert_w2):
+    return _ops.gated(x.matmul(expert_w1.T), x.matmul(expert_v1.T), state.name).matmul(expert_w2)
+
+
+def _shared_forward(self, state, hidden_states, gammas):
+    input_shape = hidden_states.shape
+    hidden_states = hidden_states.reshape(1, -1, input_shape[-1]).expand(self.n_shared_experts, -1, -1)
+    gammas = gammas.reshape(-1, self.n_shared_experts, 1).transpose(0, 1)
+    gate = torch.bmm(hidden_states, self.gate_proj.transpose(1, 2))
+    up = torch.bmm(hidden_states, self.up_proj.transpose(1, 2))
+    down = torch.bmm(_ops.gated(gate, up, state.name) * gammas, self.down_proj.transpose(1, 2))
+    return down.float().sum(dim=0).to(hidden_states.dtype).view(input_shape)
+
+
+_ROUTED = ("hidden_states", "top_k_index", "top_k_weights")
+# form -> (the replacement forward, its parameters after self, whether the class has transformers' experts
+# implementation switch (@use_experts_implementation: then only its "eager" runs the replacement)); "gate": none
+_FORMS = {
+    "linear": (_routed_linear, _ROUTED, True),
+    "matmul": (_routed_matmul, _ROUTED, True),
+    "linear_norm": (_routed_linear_norm, _ROUTED, True),
+    "gate": None,
+    "llama4": (_llama4_forward, ("hidden_states",), False),
+    "longcat": (_longcat_forward, _ROUTED, False),
+    "dbrx": (_dbrx_forward, ("x", "expert_w1", "expert_v1", "expert_w2"), False),
+    "shared": (_shared_forward, ("hidden_states", "gammas"), False),
+}
+
+
+def _bind(names: tuple, args: tuple, kwargs: dict):
+    """args and kwargs as a positional list over `names` (all of them, each once), else None."""
+    if len(args) + len(kwargs) != len(names) or len(args) > len(names):
+        return None
+    out = list(args)
+    for n in names[len(args):]:
+        if n not in kwargs:
+            return None
+        out.append(kwargs[n])
+    return out
+
+
+def _eager(module) -> bool:
+    """Whether a @use_experts_implementation module runs its own (eager) forward now: config._experts_implementation
+    is "eager" or None (any other runs transformers' grouped_mm, batched_mm, ..., which call _apply_gate)."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", "") in ("eager", None)
+
+
+class _BoundGate:
+    """The patched _apply_gate of an experts module (set on the instance; picklable, like _BoundForward): what
+    transformers' experts implementations (grouped_mm, batched_mm, deepgemm) and the class's own forward call on the
+    [S, 2I] projection. Runs ffn_ext's op on it in place while _gate_state allows, else the class's _apply_gate."""
+
+    def __init__(self, module, gate: _Gate):
+        self.__self__, self.gate = module, gate
+
+    def __call__(self, gate_up):
+        module = self.__self__
+        state = _gate_state(module, self.gate)
+        if state is not None and isinstance(gate_up, torch.Tensor):
+            return _fused_gate(state, gate_up)
+        return type(module)._apply_gate(module, gate_up)
+
+
 class _BoundForward:
     """The patched forward, bound to its MLP like a method, but picklable: a types.MethodType pickles as
     getattr(mlp, '_gated_forward') and so made torch.save(model) write checkpoints that torch.load could not read.
@@ -181,12 +488,13 @@ class _BoundForward:
     A call with one tensor, positional or named `arg` (the original forward's parameter), runs the fused form with
     the activation's table entry while the activation may be bypassed (_act_now); every other call runs the
     original forward: `prev`, the forward the instance had when patched (a wrapper such as accelerate's hook, which
-    must run), else the class's."""
+    must run), else the class's. `gate`: None for the MLPs of _KNOWN (and extra_classes), whose activation attribute
+    is recorded on the module (_ACT); the clamped MLPs' _Gate, whose _gate_state the fused form runs with."""
 
-    arg, prev = "x", None  # class defaults: patched models pickled before these existed still load
+    arg, prev, gate = "x", None, None  # class defaults: patched models pickled before these existed still load
 
-    def __init__(self, module, func, arg, prev):
-        self.__self__, self.__func__, self.arg, self.prev = module, func, arg, prev
+    def __init__(self, module, func, arg, prev, gate=None):
+        self.__self__, self.__func__, self.arg, self.prev, self.gate = module, func, arg, prev, gate
 
     def __call__(self, *args, **kwargs):
         mlp, prev = self.__self__, self.prev
@@ -195,10 +503,37 @@ class _BoundForward:
         if len(args) + len(kwargs) == 1:
             x = args[0] if args else kwargs.get(self.arg)
             if isinstance(x, torch.Tensor):
-                act = _act_now(mlp)
-                if act is not None:
-                    return self.__func__(mlp, x, act)
+                state = _act_now(mlp) if self.gate is None else _gate_state(mlp, self.gate)
+                if state is not None:
+                    return self.__func__(mlp, x, state)
         return type(mlp).forward(mlp, *args, **kwargs)
+
+
+class _BoundExperts(_BoundForward):
+    """The patched forward of an experts module whose own forward inlines its gating (_FORMS): runs the replacement
+    (`func`: the same code, with ffn_ext's op for the gating) where the class would run that forward (always, or for
+    @use_experts_implementation classes while their implementation is "eager") and _gate_state allows. Every other
+    call goes to the original forward: `prev` (an instance forward wrapper) if there was one, else the class's (its
+    grouped_mm and batched_mm call the patched _apply_gate); so does a call that does not bind to the forward's
+    parameters (`names`)."""
+
+    names, dispatch = (), False
+
+    def __init__(self, module, func, names, prev, gate, dispatch):
+        super().__init__(module, func, names[0], prev, gate)
+        self.names, self.dispatch = names, dispatch
+
+    def __call__(self, *args, **kwargs):
+        module, prev = self.__self__, self.prev
+        if prev is not None:
+            return prev(*args, **kwargs)
+        if not self.dispatch or _eager(module):
+            bound = _bind(self.names, args, kwargs)
+            if bound is not None:
+                state = _gate_state(module, self.gate)
+                if state is not None:
+                    return self.__func__(module, state, *bound)
+        return type(module).forward(module, *args, **kwargs)
 
 
 def _kind(module):
@@ -224,6 +559,67 @@ def _vouched(cls, extra: tuple) -> bool:
     return False
 
 
+def _defining(cls, attr):
+    """The first class of cls's MRO that defines `attr`, or None."""
+    return next((c for c in cls.__mro__ if attr in vars(c)), None)
+
+
+def _clamped_entry(cls):
+    """The _Gate of a clamped MLP class: its forward is that of a transformers class of _KNOWN_CLAMPED; else None."""
+    c = _defining(cls, "forward")
+    if c is not None and c.__name__ in _KNOWN_CLAMPED and c.__module__.startswith("transformers."):
+        return _KNOWN_CLAMPED[c.__name__]
+    return None
+
+
+def _experts_entry(cls):
+    """(_Gate, form) of an experts class: its forward, and its _apply_gate if it has one, are those of a
+    transformers class of _EXPERTS (a subclass that overrides either is not known); else None."""
+    c = _defining(cls, "forward")
+    if c is None or c.__name__ not in _EXPERTS or not c.__module__.startswith("transformers."):
+        return None
+    if _defining(cls, "_apply_gate") not in (None, c):
+        return None
+    return _EXPERTS[c.__name__]
+
+
+def _3d(params: dict, name: str) -> bool:
+    t = params.get(name)
+    return t is not None and t.dim() == 3
+
+
+def _is_experts(module) -> bool:
+    """Whether `module` holds gated MoE experts (patched, or named in the warning): a class of _EXPERTS; an experts
+    class of transformers' @use_experts_implementation, by its has_gate (non-gated experts, act(up), are no more
+    this patch's business than non-gated MLPs); any module with an _apply_gate; one with a 3-D gate_up_proj
+    parameter, or 3-D gate_proj and up_proj."""
+    cls = type(module)
+    if _experts_entry(cls) is not None:
+        return True
+    has_gate = module.__dict__.get("has_gate")
+    if isinstance(has_gate, bool):
+        return has_gate
+    if callable(getattr(cls, "_apply_gate", None)):
+        return True
+    p = module._parameters
+    return _3d(p, "gate_up_proj") or (_3d(p, "gate_proj") and _3d(p, "up_proj"))
+
+
+def _gate_agrees(module, gate: _Gate) -> bool:
+    """The experts' self-check: the module's own gating code (_own_gate: its class's _apply_gate or the inline form)
+    and ffn_ext's op give the same on a random [4, 32] projection (float32 on the CPU, whatever the module's device
+    and dtype: the gating has no parameters; a private generator), scaled to twice the clamp limit so that the
+    clamps act. Not run (True) while hooks on the activation would see it run."""
+    state = _gate_state(module, gate)
+    if state is None:
+        return True
+    scale = 2 * min(state.limit, 1e4) if isinstance(state, _Clamp) else 4.0
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)) * scale
+    with torch.no_grad():
+        ref, out = _own_gate(module, gate, x).float(), _fused_gate(state, x).float()
+    return ref.shape == out.shape and bool((out - ref).norm() <= 1e-4 * ref.norm())
+
+
 def _check_shapes(name, module, kind):
     d = module.down_proj
     if kind == "gated":
@@ -237,10 +633,12 @@ def _check_shapes(name, module, kind):
                          "projections with inconsistent shapes; not a gated MLP ffn_ext can run")
 
 
-def _agrees(module, func, act) -> bool:
-    """The self-check: whether func (the fused forward) with table activation `act` computes what the class's
-    forward does on two random rows (the module's device and dtype, no_grad, a private generator: the global RNG
-    is untouched). True without running anything when running would be neither cheap nor free of side effects:
+def _agrees(module, func, act, limit=None) -> bool:
+    """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp)
+    computes what the class's forward does on two random rows (the module's device and dtype, no_grad, a private
+    generator: the global RNG is untouched; with a clamp `limit`, scaled so that the first projection's largest
+    output is 3 * limit and the clamps act). True without running anything when running would be neither cheap nor
+    free of side effects:
     parameters on meta (offloaded) or not plain floating nn.Parameters of one dtype and device (quantized,
     sharded), a Linear that is not a plain nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global
     hooks). Also True when the result is not finite (weights not initialised): nothing can be told from it."""
@@ -254,6 +652,11 @@ def _agrees(module, func, act) -> bool:
     x = torch.randn(2, module.down_proj.out_features, generator=torch.Generator().manual_seed(0), device="cpu")
     x = x.to(w.device, w.dtype)
     with torch.no_grad():
+        if limit is not None:
+            mods = module._modules
+            peak = float(mods["gate_proj" if "gate_proj" in mods else "gate_up_proj"](x).abs().max())
+            if math.isfinite(peak) and peak > 0:
+                x = x * (3 * min(limit, 1e4) / peak)
         ref, out = type(module).forward(module, x).float(), func(module, x, act).float()
     tol = 2e-2 if w.element_size() <= 2 else 1e-4  # relative, in norm; half types: ffn_ext rounds h once, ATen twice
     return not bool(ref.isfinite().all()) or bool((out - ref).norm() <= tol * ref.norm())
@@ -269,7 +672,8 @@ def _input_name(forward) -> str:
 
 def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
-    (SwiGLU, GeGLU with the exact or the tanh GELU; see the module docstring) to use ffn_ext; returns how many were
+    (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP and every known MoE experts
+    module whose gating ffn_ext computes (see the module docstring) to use ffn_ext; returns how many modules were
     patched now (already patched ones are not counted again).
 
     extra_classes: your own MLP classes (nn.Linear gate_proj/up_proj/down_proj or gate_up_proj/down_proj, an
@@ -277,31 +681,60 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
     ACT2FN["gelu"], ACT2FN["gelu_pytorch_tanh"], ...) whose forward computes exactly
     down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form with gate first. Modules with these
     submodules that are not known to compute that, whose activation is not one of the table's or that fail the
-    self-check are left unpatched with one RuntimeWarning naming their classes (and the activation); with
-    strict=True that is a ValueError and nothing is patched."""
+    self-check, and gated MoE experts modules ffn_ext does not accelerate, are left unpatched with one RuntimeWarning
+    naming their classes (and why); with strict=True that is a ValueError and nothing is patched. extra_classes
+    does not apply to experts modules."""
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
-    todo, skipped = [], {}  # skipped: reason -> class name -> module names
+    todo, skipped = [], {}  # todo: (module, mark, forward, _apply_gate, _ACT); skipped: reason -> class -> names
     for name, module in model.named_modules():
-        found = _kind(module)
-        if found is None or getattr(module, _MARK, None):
+        if getattr(module, _MARK, None):
             continue
-        kind, act_name = found
-        act, func = getattr(module, act_name, None), _gated_forward if kind == "gated" else _packed_forward
         prev = module.__dict__.get("forward")  # a forward wrapper set on the instance (e.g. accelerate's hook)
-        entry = _table_activation(act)
-        if entry is None:
-            reason = _unsupported(act)
-        elif not _vouched(type(module), extra):
-            reason = _UNKNOWN
+        if _is_experts(module):
+            entry = _experts_entry(type(module))
+            if entry is None:
+                reason = _UNKNOWN_EXPERTS
+            else:
+                gate, form = entry
+                reason = _gate_problem(module, gate) or (None if _gate_agrees(module, gate) else _DISAGREES_GATE)
+            if reason is None:
+                spec = _FORMS[form]  # None: the class's forward calls _apply_gate
+                fwd = spec and _BoundExperts(module, spec[0], spec[1], prev, gate, spec[2])
+                gate_fn = _BoundGate(module, gate) if callable(getattr(type(module), "_apply_gate", None)) else None
+                todo.append((module, "experts" if fwd else "experts_gate", fwd, gate_fn,
+                             (gate.act, gate.act and _attr(module, gate.act))))
         else:
-            _check_shapes(name, module, kind)
-            reason = None if prev is not None or _agrees(module, func, entry) else _DISAGREES
+            found = _kind(module)
+            if found is None:
+                continue
+            kind, act_name = found
+            clamp = _clamped_entry(type(module))
+            if clamp is not None:
+                func = _clamped_forward if kind == "gated" else _clamped_packed_forward
+                act_name, act = clamp.act, clamp.act and _attr(module, clamp.act)
+                reason = _gate_problem(module, clamp)
+                if reason is None:
+                    _check_shapes(name, module, kind)
+                    state = _gate_state(module, clamp)
+                    if not (prev is not None or state is None or _agrees(module, func, state, state.limit)):
+                        reason = _DISAGREES
+            else:
+                act, func = getattr(module, act_name, None), _gated_forward if kind == "gated" else _packed_forward
+                entry = _table_activation(act)
+                if entry is None:
+                    reason = _unsupported(act)
+                elif not _vouched(type(module), extra):
+                    reason = _UNKNOWN
+                else:
+                    _check_shapes(name, module, kind)
+                    reason = None if prev is not None or _agrees(module, func, entry) else _DISAGREES
+            if reason is None:
+                todo.append((module, kind, _BoundForward(module, func, _input_name(module.forward), prev, clamp),
+                             None, (act_name, act)))
         if reason:
             skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
-        else:
-            todo.append((module, kind, func, prev, (act_name, act)))
     if skipped:
         parts = []
         for reason, by_class in skipped.items():
@@ -312,9 +745,12 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
         if strict:
             raise ValueError(msg + " (strict=True: nothing patched)")
         warnings.warn(msg + " (left unpatched)", RuntimeWarning, stacklevel=2)
-    for module, kind, func, prev, act in todo:
-        module.forward = _BoundForward(module, func, _input_name(module.forward), prev)
-        setattr(module, _MARK, kind)
+    for module, mark, fwd, gate_fn, act in todo:
+        if fwd is not None:
+            module.forward = fwd
+        if gate_fn is not None:
+            module._apply_gate = gate_fn
+        setattr(module, _MARK, mark)
         setattr(module, _ACT, act)
     return len(todo)
 
@@ -325,22 +761,26 @@ def unpatch_model(model: nn.Module) -> int:
     as `_old_forward`), that is where it is restored. Returns how many MLPs were restored."""
     count = 0
     for name, module in model.named_modules():
-        if not getattr(module, _MARK, None):
+        mark = getattr(module, _MARK, None)
+        if not mark:
             continue
         d = module.__dict__
-        attr = next((a for a in ("forward", "_old_forward") if isinstance(d.get(a), _BoundForward)), None)
-        if attr is None:
-            warnings.warn(f"ffn_ext.hf.unpatch_model: {name or 'model'} ({type(module).__name__}): its patched "
-                          "forward was wrapped by something other than accelerate's hook and cannot be taken out; "
-                          "remove that wrapper first. Left patched.", RuntimeWarning, stacklevel=2)
-            continue
-        prev = d[attr].prev
-        if prev is not None:
-            d[attr] = prev
-        elif attr == "forward":
-            del d["forward"]
-        else:
-            d[attr] = type(module).forward.__get__(module)
+        if mark != "experts_gate":  # its forward was patched
+            attr = next((a for a in ("forward", "_old_forward") if isinstance(d.get(a), _BoundForward)), None)
+            if attr is None:
+                warnings.warn(f"ffn_ext.hf.unpatch_model: {name or 'model'} ({type(module).__name__}): its patched "
+                              "forward was wrapped by something other than accelerate's hook and cannot be taken "
+                              "out; remove that wrapper first. Left patched.", RuntimeWarning, stacklevel=2)
+                continue
+            prev = d[attr].prev
+            if prev is not None:
+                d[attr] = prev
+            elif attr == "forward":
+                del d["forward"]
+            else:
+                d[attr] = type(module).forward.__get__(module)
+        if isinstance(d.get("_apply_gate"), _BoundGate):
+            del d["_apply_gate"]
         del d[_MARK], d[_ACT]
         count += 1
     return count

@@ -411,11 +411,10 @@ def test_self_check_refuses_a_listed_class_that_is_not_plain_swiglu():
 
 
 # Modules of transformers 5.24 with gate_proj/up_proj/down_proj (or gate_up_proj/down_proj) nn.Linear children and a
-# SiLU whose forward does more than SwiGLU: class -> its modeling module (the difference in the comment)
+# SiLU whose forward does more than SwiGLU: class -> its modeling module (the difference in the comment). The clamped
+# ones (DeepseekV4MLP, Glm5NextTextMLP: ffn_ext.swiglu_clamped) are patched: tests/test_hf_moe.py
 LOOKALIKES = {
     "FalconH1MLP": "falcon_h1",  # gate_multiplier, down_multiplier
-    "DeepseekV4MLP": "deepseek_v4",  # gate and up clamped to `limit`
-    "Glm5NextTextMLP": "glm5_next",  # the same with swiglu_limit
     "InklingMLP": "inkling",  # global_scale
     "DoryMLP": "dory",  # suv scales and ffn_sub_norm
     "SeedOssMLP": "seed_oss",  # residual dropout in training
