@@ -7,13 +7,20 @@
     python benchmarks/bench_ops.py --smoke --out /tmp/x          # tiny CI check of the pipeline
 
 Ops, from the op table (ffn_ext/table.py): per activation (gelu = exact erf, gelu_tanh, silu) its unary op, its
-gated op (geglu, geglu_tanh, swiglu) and the packed form (<gated>_packed); directions fwd, bwd, fwd+bwd; dtypes
-fp32, fp16, bf16. Peers: ATen eager (the table's ATen form: F.gelu, F.gelu(approximate="tanh"), F.silu, times up),
-torch.compile of it, and Liger-Kernel's gated kernels where liger_kernel is installed (LigerSiLUMulFunction for
-swiglu, LigerGELUMulFunction for geglu_tanh: Liger's GeGLU is the tanh form). "Size" is the number of elements N
-of the op's output (a packed op reads a [.., 2M] input: 2N elements). Bytes moved are counted per op (see
-BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N elements measured in the same
-run. Writes ops.md, ops.json and plots into the output directory.
+gated op (geglu, geglu_tanh, swiglu) and the packed form (<gated>_packed); then swiglu_packed in the interleaved
+layout ([g0, u0, g1, u1, ...]: swiglu_packed_interleaved) and the clamped SwiGLU with GPT-OSS's parameters (limit 7,
+alpha 1.702, up + 1) separate (swiglu_clamped), packed (swiglu_clamped_packed) and packed interleaved
+(swiglu_clamped_packed_interleaved, GPT-OSS's form), on inputs scaled so that the clamps act; directions fwd, bwd,
+fwd+bwd; dtypes fp32, fp16, bf16. Peers: ATen eager (the table's ATen form: F.gelu, F.gelu(approximate="tanh"),
+F.silu, times up; the clamped SwiGLU as transformers' GptOssExperts._apply_gate writes it), torch.compile of it,
+Liger-Kernel's gated kernels where liger_kernel is installed (LigerSiLUMulFunction for swiglu, LigerGELUMulFunction
+for geglu_tanh: Liger's GeGLU is the tanh form; concat layout only), vLLM's forward-only swigluoai_and_mul
+(interleaved clamped op) and TransformerEngine's ClampedSwiGLU (packed clamped ops) where installed; a note says
+which peers were skipped and why. MoE cases: the packed op of a MoE model's experts on tokens x top-k rows of
+[rows, 2I] (GPT-OSS-20B: I = 2880, top-4, clamped interleaved; Qwen3-30B-A3B: I = 768, top-8, swiglu_packed).
+"Size" is the number of elements N of the op's output (a packed op reads a [.., 2M] input: 2N elements). Bytes
+moved are counted per op (see BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N
+elements measured in the same run. Writes ops.md, ops.json and plots into the output directory.
 """
 from __future__ import annotations
 
@@ -29,19 +36,26 @@ import torch  # noqa: E402
 
 import ffn_ext  # noqa: E402
 
-# The ops, from the op table (common.table_ops): per activation its unary op, its gated op and the packed form of
-# the gated op; the backward ops run through autograd (directions bwd and fwd+bwd).
-KINDS = common.table_ops()  # op -> (kind, Activation), kind "unary" | "gated" | "packed"
-OPS = tuple(KINDS)  # gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_packed, geglu_tanh_packed, swiglu_packed
+# The ops (common.bench_ops): the op table's (per activation its unary op, its gated op and the packed form of the
+# gated op), then the interleaved layout of swiglu_packed, then the clamped SwiGLU (GPT-OSS's parameters) separate,
+# packed and packed interleaved; the backward ops run through autograd (directions bwd and fwd+bwd).
+BOPS = common.bench_ops()  # op -> common.BenchOp (kind "unary" | "gated" | "packed", activation, params, layout)
+KINDS = {op: (b.kind, b.act) for op, b in BOPS.items()}
+OPS = tuple(BOPS)  # gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_packed, geglu_tanh_packed, swiglu_packed,
+# swiglu_packed_interleaved, swiglu_clamped, swiglu_clamped_packed, swiglu_clamped_packed_interleaved
+CLAMPED = tuple(op for op, b in BOPS.items() if "limit" in b.params)
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("ffn_ext", "eager", "compile", "liger")
-IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "ATen eager", "compile": "torch.compile", "liger": "Liger"}
+IMPLS = ("ffn_ext", "eager", "compile", "liger", "vllm", "te")
+IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "ATen eager", "compile": "torch.compile", "liger": "Liger",
+              "vllm": "vLLM", "te": "TE"}
+FORWARD_ONLY = {"vllm"}  # peers without a backward: timed forward only
 
 # Elements moved per output element N, by a kernel that reads each input once and writes each output once:
 #   unary  (gelu, gelu_tanh, silu)        fwd: read x, write y = 2N;           bwd: read grad, x, write dx = 3N
-#   gated  (geglu, geglu_tanh, swiglu)    fwd: read g, u, write h = 3N;        bwd: read grad, g, u, write dg, du = 5N
-#   packed (<gated>_packed)               fwd: read gate_up (2N), write h = 3N; bwd: read grad (N), gate_up (2N),
-#                                         write dgate_up (2N) = 5N
+#   gated  (geglu, geglu_tanh, swiglu,    fwd: read g, u, write h = 3N;        bwd: read grad, g, u, write dg, du = 5N
+#           swiglu_clamped)
+#   packed (<gated>_packed, either        fwd: read gate_up (2N), write h = 3N; bwd: read grad (N), gate_up (2N),
+#           layout)                       write dgate_up (2N) = 5N
 #   fwd+bwd: the sum.  Implementations that move more (ATen eager) are still credited with these bytes only, so
 #   GB/s is "effective" bandwidth and comparable across implementations.
 _BYTES = {"unary": {"fwd": 2, "bwd": 3}, "gated": {"fwd": 3, "bwd": 5}, "packed": {"fwd": 3, "bwd": 5}}
@@ -50,6 +64,16 @@ for _v in BYTES_PER_ELEMENT.values():
     _v["fwd+bwd"] = _v["fwd"] + _v["bwd"]
 
 DECODE = ("16x4864", (16, 4864))
+# MoE experts: the activation of the routed experts runs on tokens x top-k rows of the [rows, 2I] gate_up
+# projection (transformers 5.x *Experts, grouped_mm). (model, top-k, I, op): GPT-OSS-20B (top-4 of 32 experts,
+# I = 2880, the clamped SwiGLU, interleaved) and Qwen3-30B-A3B (top-8 of 128, I = 768, SwiGLU, concat).
+MOE = (("GPT-OSS-20B", 4, 2880, "swiglu_clamped_packed_interleaved"),
+       ("Qwen3-30B-A3B", 8, 768, "swiglu_packed"))
+
+
+def moe_sizes(tokens: int) -> list:
+    """[(size name, (rows, I), op, model)] of the MoE cases at `tokens` routed tokens."""
+    return [(f"MoE {tokens}x{k}x{i}", (tokens * k, i), op, model) for model, k, i, op in MOE]
 
 
 def pow2_size(k: int):
@@ -58,28 +82,29 @@ def pow2_size(k: int):
     return (f"2^{k}", (n // cols, cols))
 
 
-def sizes_for(mode: str, dev: torch.device) -> dict:
-    """{dtype: [(name, (rows, cols))]} and the (dtype, size-name) pairs that also run torch.compile."""
+def sizes_for(mode: str, dev: torch.device) -> tuple:
+    """{dtype: [(name, (rows, cols))]}, the (dtype, size-name) pairs that also run torch.compile (None: all), and
+    the MoE cases (dtype, tokens): each MoE op at its model's shape (moe_sizes)."""
     if mode == "smoke":
         sz = [("4x256", (4, 256)), ("64x512", (64, 512))]
-        return {"fp32": sz}, None
+        return {"fp32": sz}, None, ("fp32", 2)
     if dev.type == "cuda":
         if mode == "full":
             allsz = [DECODE] + [pow2_size(k) for k in range(12, 29, 2)]
-            return {d: allsz for d in ("fp32", "fp16", "bf16")}, None
-        return {"bf16": [DECODE, pow2_size(20), pow2_size(24), pow2_size(28)],
-                "fp16": [DECODE, pow2_size(24)],
-                "fp32": [DECODE, pow2_size(24)]}, None
+            return {d: allsz for d in ("fp32", "fp16", "bf16")}, None, ("bf16", 4096)
+        return ({"bf16": [DECODE, pow2_size(20), pow2_size(24), pow2_size(28)],
+                 "fp16": [DECODE, pow2_size(24)],
+                 "fp32": [DECODE, pow2_size(24)]}, None, ("bf16", 4096))
     # CPU: wall-clock, small sizes; torch.compile (C++ codegen, slow to compile on few cores) at a few sizes only
     if mode == "full":
         allsz = [DECODE] + [pow2_size(k) for k in (12, 16, 20, 22)]
-        return {d: allsz for d in ("fp32", "bf16", "fp16")}, None
+        return {d: allsz for d in ("fp32", "bf16", "fp16")}, None, ("fp32", 64)
     return ({"fp32": [DECODE, pow2_size(16), pow2_size(20)], "bf16": [DECODE, pow2_size(20)]},
-            {("fp32", "2^16")})
+            {("fp32", "2^16")}, ("fp32", 64))
 
 
 # ---------------------------------------------------------------- implementations
-EAGER = {op: common.eager_fn(op) for op in OPS}  # the table's ATen form: act(x), act(g) * u, chunk then act(g) * u
+EAGER = {op: common.eager_fn(op) for op in OPS}  # act(x), act(g) * u, split then act(g) * u, GPT-OSS's _apply_gate
 FFN = {op: common.ffn_ext_fn(op) for op in OPS}  # the public API: ffn_ext.gelu(x, approximate="tanh"), ...
 
 
@@ -93,26 +118,70 @@ def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
         if fn is None:
             notes.append(f"Liger skipped for {act_name}: {why}")
             continue
-        for op, (kind, act) in KINDS.items():
-            if act.name == act_name and kind != "unary":
-                liger[op] = fn if kind == "gated" else common.chunked(fn)
+        for op, b in BOPS.items():  # plain gated ops; packed on chunk halves (Liger has no interleaved layout)
+            if b.act.name == act_name and b.kind != "unary" and not b.params and b.layout == "concat":
+                liger[op] = fn if b.kind == "gated" else common.chunked(fn)
     if liger and dev.type != "cuda":
         notes.append("Liger skipped: its kernels are Triton (CUDA only)")
     elif liger:
         impls["liger"] = liger
+    # clamped SwiGLU peers: vLLM's forward-only swigluoai_and_mul (interleaved, up + 1 built in) and
+    # TransformerEngine's ClampedSwiGLU (forward and backward; concat, interleaved through its de-interleaving copy)
+    vllm, why = common.vllm_swigluoai()
+    if vllm is None:
+        notes.append(f"vLLM swigluoai_and_mul (forward only) skipped: {why}")
+    elif dev.type != "cuda":
+        notes.append("vLLM swigluoai_and_mul skipped: CUDA only")
+    else:
+        impls["vllm"] = {op: (lambda gu, p=BOPS[op].params: vllm(gu, p["limit"], p["alpha"]))
+                         for op in CLAMPED if BOPS[op].kind == "packed" and BOPS[op].layout == "interleaved"
+                         and BOPS[op].params["up_offset"] == 1.0}
+    make_te, why = common.te_clamped_swiglu()
+    if make_te is None:
+        notes.append(f"TransformerEngine ClampedSwiGLU skipped: {why}")
+    elif dev.type != "cuda":
+        notes.append("TransformerEngine ClampedSwiGLU skipped: CUDA only")
+    else:
+        te = {}
+        for op in CLAMPED:
+            b = BOPS[op]
+            if b.kind != "packed":
+                continue
+            try:
+                te[op] = make_te(b.params["limit"], b.params["alpha"], b.params["up_offset"], b.layout)
+            except Exception as e:  # noqa: BLE001  (e.g. a TE without glu_interleave_size)
+                notes.append(f"TransformerEngine ClampedSwiGLU skipped for {op}: {type(e).__name__}: {e}")
+        if te:
+            impls["te"] = te
+            if any(BOPS[op].layout == "interleaved" for op in te):
+                notes.append("TE on the interleaved layout: ClampedSwiGLU(glu_interleave_size=1), which "
+                             "de-interleaves with a copy forward and backward")
     return impls
 
 
 def make_inputs(op: str, shape, dtype, dev, requires_grad: bool, gen: torch.Generator):
     rows, cols = shape
-    kind = KINDS[op][0]
-    in_shape = (rows, 2 * cols) if kind == "packed" else (rows, cols)
-    n_in = 2 if kind == "gated" else 1
+    b = BOPS[op]
+    in_shape = (rows, 2 * cols) if b.kind == "packed" else (rows, cols)
+    n_in = 2 if b.kind == "gated" else 1
 
     def rnd(s):
-        return torch.randn(s, generator=gen, device=dev, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+        t = torch.randn(s, generator=gen, device=dev, dtype=torch.float32)
+        if b.scale != 1.0:
+            t *= b.scale  # the clamped ops: values beyond the limit
+        return t.to(dtype).requires_grad_(requires_grad)
 
     return tuple(rnd(in_shape) for _ in range(n_in))
+
+
+def clamp_activity(dev: torch.device) -> str:
+    """What share of the clamped ops' inputs the clamps act on (2**20 fp32 samples of make_inputs' distribution)."""
+    b = BOPS[CLAMPED[0]]
+    x = torch.randn(1 << 20, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * b.scale
+    lim = b.params["limit"]
+    return (f"clamped ops ({', '.join(CLAMPED)}; {', '.join(f'{k}={v}' for k, v in b.params.items())}): "
+            f"inputs randn x {b.scale:g}, so {100 * (x > lim).float().mean().item():.1f}% of gate is above the "
+            f"limit and {100 * (x.abs() > lim).float().mean().item():.1f}% of up outside [-limit, limit]")
 
 
 def input_bytes(op: str, numel: int, es: int, direction: str) -> int:
@@ -141,8 +210,9 @@ def runner(fn, direction: str):
 # ---------------------------------------------------------------- measuring
 def agreement(impls: dict, ops, dev: torch.device, gen: torch.Generator) -> list[str]:
     """Every implementation's forward and gradients against ATen eager's on one small fp32 input set (a peer wired
-    to the wrong function must not be timed as if it were this op); one line per disagreement. torch.compile is
-    left out (it is eager's code, compiled: checking it would compile every op once more)."""
+    to the wrong function must not be timed as if it were this op); one line per disagreement. Forward-only peers
+    (vLLM) are checked on the forward. torch.compile is left out (it is eager's code, compiled: checking it would
+    compile every op once more). The clamped ops' inputs reach beyond the limit (make_inputs)."""
     errors = []
     for op in ops:
         ins = make_inputs(op, (3, 40), torch.float32, dev, True, gen)
@@ -153,15 +223,20 @@ def agreement(impls: dict, ops, dev: torch.device, gen: torch.Generator) -> list
             if impl in ("eager", "compile") or op not in table:
                 continue
             try:
-                y = table[op](*ins)
-                got = (y, *torch.autograd.grad(y, ins, grad))
+                if impl in FORWARD_ONLY:
+                    with torch.no_grad():
+                        got = (table[op](*ins),)
+                else:
+                    y = table[op](*ins)
+                    got = (y, *torch.autograd.grad(y, ins, grad))
                 err = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
             except Exception as e:  # noqa: BLE001
                 errors.append(f"{impl} {op}: fails on a small fp32 input: {type(e).__name__}: {str(e)[:300]}")
                 continue
             if not err <= 1e-4:
                 errors.append(f"{impl} {op}: differs from ATen eager (max error / max |ref| {err:.3g} over the "
-                              "output and the input gradients, fp32 3x40)")
+                              + ("output" if impl in FORWARD_ONLY else "output and the input gradients")
+                              + ", fp32 3x40)")
     return errors
 
 
@@ -221,13 +296,15 @@ def run(args) -> dict:
             notes.append("smoke run on CPU: 1 torch thread")
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
-    plan, compile_only = sizes_for(mode, dev)
+    plan, compile_only, (moe_dtype, moe_tokens) = sizes_for(mode, dev)
     if args.dtypes:
         keep = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         bad = [d for d in keep if d not in common.DTYPES]
         if bad:
             raise SystemExit(f"--dtypes: unknown {bad}; choose from {list(common.DTYPES)}")
         plan = {d: plan.get(d) or next(iter(plan.values())) for d in keep}
+    if moe_dtype not in plan:
+        moe_dtype = next(iter(plan))
     if args.ops:
         ops = [o.strip() for o in args.ops.split(",") if o.strip()]
         bad = [o for o in ops if o not in OPS]
@@ -243,18 +320,32 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     errors = agreement(impls, ops, dev, gen)
+    if any(op in CLAMPED for op in ops):
+        notes.append(clamp_activity(dev))
+    moe = {sname: model for sname, _, op, model in moe_sizes(moe_tokens) if op in ops}
+    if moe:
+        notes.append(f"MoE cases ({moe_dtype}, size 'MoE TxKxI'): the routed experts' activation on T tokens x "
+                     "top-K rows of [rows, 2I] -> [rows, I]: " + "; ".join(
+                         f"{model} ({op}): {moe_tokens} x top-{k}, I = {i}"
+                         for model, k, i, op in MOE if op in ops))
+
+    def add_cases(dname, sname, shape, case_ops):
+        for op in case_ops:
+            for direction in DIRECTIONS:
+                for impl, table in impls.items():
+                    if op not in table or (impl in FORWARD_ONLY and direction != "fwd"):
+                        continue
+                    if impl == "compile" and compile_only is not None and (dname, sname) not in compile_only:
+                        continue
+                    cases.append((dname, sname, shape, op, direction, impl))
 
     cases = []
     for dname, sizes in plan.items():
         for sname, shape in sizes:
-            for op in ops:
-                for direction in DIRECTIONS:
-                    for impl, table in impls.items():
-                        if op not in table:
-                            continue
-                        if impl == "compile" and compile_only is not None and (dname, sname) not in compile_only:
-                            continue
-                        cases.append((dname, sname, shape, op, direction, impl))
+            add_cases(dname, sname, shape, ops)
+    for sname, shape, op, _ in moe_sizes(moe_tokens):
+        if op in ops:
+            add_cases(moe_dtype, sname, shape, [op])
     results, copies = [], []
     bar = common.progress(len(cases), f"bench_ops [{dev.type}, {mode}]", disable=args.no_progress)
     t_start = time.time()
@@ -282,7 +373,8 @@ def run(args) -> dict:
         gbps = bytes_moved / (r["median_ms"] * 1e-3) / 1e9
         results.append({"op": op, "direction": direction, "dtype": dname, "size": sname, "shape": list(shape),
                         "numel": numel, "impl": impl, "bytes_moved": bytes_moved, "gbps": gbps,
-                        "copy_gbps": copy_gbps, "frac_copy": gbps / copy_gbps, **r})
+                        "copy_gbps": copy_gbps, "frac_copy": gbps / copy_gbps, **r,
+                        **({"moe": moe[sname]} if sname in moe else {})})
         bar.update()
     bar.close()
     add_ratios(results)
@@ -309,9 +401,10 @@ def add_ratios(results: list) -> None:
 # ---------------------------------------------------------------- targets
 def _pick(results, op, direction, impl, size=None, peer=None):
     """The bf16 row at 2**28 (the targets' condition), else the closest available: bf16 first, largest size
-    (among the rows that have a time of `peer`, if given)."""
+    (among the rows that have a time of `peer`, if given; MoE-shaped rows are not candidates)."""
     rows = [r for r in results if r["op"] == op and r["direction"] == direction and r["impl"] == impl
-            and (size is None or r["size"] == size) and (peer is None or peer in r["speedup_vs"])]
+            and (size is None or r["size"] == size) and (peer is None or peer in r["speedup_vs"])
+            and not r.get("moe")]
     if not rows:
         return None
     rows.sort(key=lambda r: (r["dtype"] == "bf16", r["numel"]))
@@ -334,11 +427,15 @@ def targets(results: list, dev: torch.device) -> list:
             out.append(common.make_target(
                 f"{op} {direction}: ffn_ext >= 92% of copy bandwidth (H200 bf16 2^28)",
                 r and r["frac_copy"] * 100, 92.0, True, "%", r and where(r), bool(r) and cond(r)))
-    for peer, thr in (("eager", 1.7), ("compile", 1.0), ("liger", 1.1)):
-        r = _pick(results, "swiglu", "fwd+bwd", "ffn_ext", peer=peer)
+    speedups = [("swiglu", peer, thr) for peer, thr in (("eager", 1.7), ("compile", 1.0), ("liger", 1.1))]
+    # the clamped SwiGLU (issue 15): ATen eager runs GPT-OSS's expression, about seven passes forward
+    speedups += [(op, peer, thr) for op in CLAMPED if any(r["op"] == op for r in results)
+                 for peer, thr in (("eager", 3.0), ("compile", 1.0))]
+    for op, peer, thr in speedups:
+        r = _pick(results, op, "fwd+bwd", "ffn_ext", peer=peer)
         v = r and r["speedup_vs"].get(peer)
         out.append(common.make_target(
-            f"swiglu fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)", v, thr, True, "x",
+            f"{op} fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)", v, thr, True, "x",
             (r and where(r)) if v is not None else f"{IMPL_LABEL[peer]} not measured", bool(r) and cond(r)))
     for op in measured:
         r = _pick(results, op, "fwd", "ffn_ext", size=DECODE[0])
@@ -357,8 +454,12 @@ def markdown(payload: dict) -> str:
              f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
              f" commit {meta['git_commit']}, ffn_ext: {meta['ffn_ext_kind']}; timing: {meta['timing']}", ""]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
-    headers = ["op", "dir", "dtype", "size", "impl", "time µs", "GB/s", "% copy", "× eager", "× compile",
-               "× Liger", "peak MiB", "saved MiB (extra)"]
+    # the peers' speedup columns: eager, compile and Liger always, vLLM and TE where measured
+    peers = [p for p in IMPLS[1:] if p in ("eager", "compile", "liger")
+             or any(r["impl"] == p for r in payload["results"])]
+    headers = (["op", "dir", "dtype", "size", "impl", "time µs", "GB/s", "% copy"]
+               + [f"× {IMPL_LABEL[p].replace('ATen ', '').replace('torch.', '')}" for p in peers]
+               + ["peak MiB", "saved MiB (extra)"])
     rows = []
     for r in payload["results"]:
         sv = r["speedup_vs"]
@@ -368,8 +469,8 @@ def markdown(payload: dict) -> str:
             "n/a (CPU)" if "saved_bytes" in r else "")
         rows.append([r["op"], r["direction"], r["dtype"], r["size"], IMPL_LABEL[r["impl"]],
                      common.fmt(r["median_ms"] * 1e3, ".4g"), common.fmt(r["gbps"], ".4g"),
-                     common.fmt(100 * r["frac_copy"], ".3g"), common.fmt(sv.get("eager"), ".3g"),
-                     common.fmt(sv.get("compile"), ".3g"), common.fmt(sv.get("liger"), ".3g"), peak, saved])
+                     common.fmt(100 * r["frac_copy"], ".3g")] + [common.fmt(sv.get(p), ".3g") for p in peers]
+                    + [peak, saved])
     lines += [common.markdown_table(headers, rows), ""]
     lines += ["Copy baseline (`dst.copy_(src)`, 2 x N x element size bytes):", ""]
     lines += [common.markdown_table(["dtype", "size", "time µs", "GB/s"],

@@ -273,6 +273,67 @@ def table_ops() -> dict:
     return out
 
 
+# GPT-OSS's routed experts (transformers' GptOssExperts._apply_gate): alpha 1.702, limit 7, (up + 1). The benchmarks
+# run a gated op that has parameters with the values here (else with the table's example values).
+GPT_OSS = {"limit": 7.0, "alpha": 1.702, "up_offset": 1.0}
+BENCH_PARAMS = {"swiglu_clamped": GPT_OSS}
+# Inputs of the clamped ops are randn * CLAMP_SCALE, so that the clamps are active (at limit 7: about 4% of gate
+# above the limit, 8% of up outside [-7, 7]). It does not change the speed of a branch-free kernel; it keeps the
+# comparison honest (no implementation may skip the clamp's cases).
+CLAMP_SCALE = 4.0
+# The plain gated ops that also run in the interleaved layout ([g0, u0, g1, u1, ...]); every gated op with
+# parameters (swiglu_clamped) runs in both layouts.
+INTERLEAVED_PLAIN = ("swiglu",)
+
+
+class BenchOp:
+    """One op the benchmarks time: a forward op of the table, in a layout, with parameters.
+
+    name: the row's op (the table's op name; "_interleaved" appended for the interleaved layout of a packed op);
+    kind: "unary" | "gated" | "packed" (inputs and bytes moved); act: the Activation; gated: the table's Gated (None
+    for unary); params: the gated op's keyword parameters; layout: "concat" | "interleaved" (packed); scale: inputs
+    are randn * scale."""
+
+    def __init__(self, name, kind, act, gated=None, params=None, layout="concat", scale=1.0):
+        self.name, self.kind, self.act, self.gated = name, kind, act, gated
+        self.params, self.layout, self.scale = dict(params or {}), layout, scale
+
+    def __repr__(self) -> str:
+        return f"BenchOp({self.name!r})"
+
+
+def bench_ops() -> dict:
+    """{name: BenchOp}: first the op table's 9 (table_ops(), in its order), then the interleaved layout of
+    swiglu_packed (swiglu_packed_interleaved), then each gated op with parameters (swiglu_clamped, with GPT-OSS's
+    parameters) separate, packed (concat) and packed interleaved: swiglu_clamped, swiglu_clamped_packed,
+    swiglu_clamped_packed_interleaved."""
+    from ffn_ext.table import GATED, GATED_BY_NAME
+
+    out = {}
+    for op, (kind, act) in table_ops().items():
+        out[op] = BenchOp(op, kind, act, None if kind == "unary" else GATED_BY_NAME[act.gated])
+    for name in INTERLEAVED_PLAIN:
+        g = GATED_BY_NAME[name]
+        out[name + "_packed_interleaved"] = BenchOp(name + "_packed_interleaved", "packed", g.act, g,
+                                                    layout="interleaved")
+    for g in GATED:
+        if not g.params:
+            continue
+        params = BENCH_PARAMS.get(g.name, g.example)
+        scale = CLAMP_SCALE if "limit" in params else 1.0
+        out[g.name] = BenchOp(g.name, "gated", g.act, g, params, scale=scale)
+        for layout, suffix in (("concat", ""), ("interleaved", "_interleaved")):
+            out[g.name + "_packed" + suffix] = BenchOp(g.name + "_packed" + suffix, "packed", g.act, g, params,
+                                                       layout=layout, scale=scale)
+    return out
+
+
+def split(gate_up, layout: str):
+    """gate, up of a packed [..., 2M] tensor as a model writes it: gate_up.chunk(2, -1) (concat), or
+    gate_up[..., ::2], gate_up[..., 1::2] (interleaved: GPT-OSS)."""
+    return gate_up.chunk(2, dim=-1) if layout == "concat" else (gate_up[..., ::2], gate_up[..., 1::2])
+
+
 def chunked(fn):
     """fn(g, u) as a function of gate_up: g, u = gate_up.chunk(2, -1)."""
     def packed(gu):
@@ -281,41 +342,73 @@ def chunked(fn):
     return packed
 
 
-def eager_fn(op: str):
-    """op with ATen ops, as a model writes it: act(x); act(g) * u; g, u = gu.chunk(2, -1), act(g) * u. act is the
-    table's ATen form (F.gelu, F.gelu(x, approximate="tanh"), F.silu)."""
-    kind, act = table_ops()[op]
-    f = act.aten
-    if kind == "unary":
-        return f
+def gpt_oss_apply_gate(gate, up, limit, alpha, up_offset):
+    """transformers' GptOssExperts._apply_gate after its split, line by line (up_offset is its `+ 1`): 7 ATen
+    kernels forward (clamp, clamp, mul, sigmoid, mul, add, mul), autograd's backward."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + up_offset) * glu
 
-    def gated(g, u):
-        return f(g) * u
-    return gated if kind == "gated" else chunked(gated)
+
+def eager_fn(op: str):
+    """op with ATen ops, as a model writes it: act(x); act(g) * u; the clamped SwiGLU as transformers' GPT-OSS
+    experts write it (gpt_oss_apply_gate); packed ops split as in split(). act is the table's ATen form (F.gelu,
+    F.gelu(x, approximate="tanh"), F.silu)."""
+    b = bench_ops()[op]
+    f = b.act.aten
+    if b.kind == "unary":
+        return f
+    if b.gated.name == "swiglu_clamped":
+        p = b.params
+
+        def gated(g, u):
+            return gpt_oss_apply_gate(g, u, p["limit"], p["alpha"], p["up_offset"])
+    elif b.params:
+        def gated(g, u):
+            return b.gated.forward(g, u, **b.params)
+    else:
+        def gated(g, u):
+            return f(g) * u
+    if b.kind == "gated":
+        return gated
+    if b.layout == "concat" and not b.params:
+        return chunked(gated)
+
+    def packed(gu):
+        return gated(*split(gu, b.layout))
+    return packed
 
 
 def ffn_ext_fn(op: str):
     """The public API's function for op: ffn_ext.<op> where the API has one that computes op with its defaults
     (gelu, silu, swiglu, swiglu_packed, geglu, geglu_packed), else the API's keyword form: ffn_ext.gelu(x,
-    approximate="tanh"), ffn_ext.gated(g, u, activation="gelu_tanh"), ffn_ext.gated_packed(gu, activation=...)."""
+    approximate="tanh"), ffn_ext.gated(g, u, activation="gelu_tanh"), ffn_ext.gated_packed(gu, activation=...),
+    ffn_ext.swiglu_packed(gu, layout="interleaved"), ffn_ext.swiglu_clamped(g, u, limit=7.0, alpha=1.702,
+    up_offset=1.0), ffn_ext.swiglu_clamped_packed(gu, limit=..., layout=...)."""
     import functools
 
     import ffn_ext
 
-    kind, act = table_ops()[op]
-    fn = getattr(ffn_ext, op, None)
-    if callable(fn):
-        return fn
-    if kind == "unary":
-        return functools.partial(getattr(ffn_ext, act.api[0]), **act.api[1])
-    return functools.partial(ffn_ext.gated if kind == "gated" else ffn_ext.gated_packed, activation=act.name)
+    b = bench_ops()[op]
+    if b.kind == "unary":
+        fn = getattr(ffn_ext, op, None)
+        return fn if callable(fn) else functools.partial(getattr(ffn_ext, b.act.api[0]), **b.act.api[1])
+    name = b.gated.name + ("_packed" if b.kind == "packed" else "")
+    fn = getattr(ffn_ext, name, None)
+    kw = dict(b.params)
+    if not callable(fn):
+        fn, kw = (ffn_ext.gated if b.kind == "gated" else ffn_ext.gated_packed), {"activation": b.act.name}
+    if b.kind == "packed" and b.layout != "concat":
+        kw["layout"] = b.layout
+    return functools.partial(fn, **kw) if kw else fn
 
 
 def ffn_ext_label(op: str) -> str:
     """How the public API call of op reads: ffn_ext.swiglu, ffn_ext.gelu(approximate='tanh'), ..."""
     fn = ffn_ext_fn(op)
     if not hasattr(fn, "keywords"):
-        return f"ffn_ext.{op}"
+        return f"ffn_ext.{fn.__name__}"
     kw = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
     return f"ffn_ext.{fn.func.__name__}({kw})"
 
@@ -327,6 +420,12 @@ LIGER_GATED = {"silu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
                "gelu_tanh": ("liger_kernel.ops.geglu", "LigerGELUMulFunction")}
 
 
+def _why_not(e: Exception, package: str, what: str) -> str:
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == package:
+        return f"{package} not installed"
+    return f"{what} not importable ({type(e).__name__}: {str(e)[:200]})"
+
+
 def liger_gated() -> dict:
     """{activation: (Function.apply, None)} where liger_kernel is importable, else {activation: (None, reason)}."""
     import importlib
@@ -336,11 +435,51 @@ def liger_gated() -> dict:
         try:
             out[act] = (getattr(importlib.import_module(module), name).apply, None)
         except Exception as e:  # noqa: BLE001  (ImportError, or triton missing inside it)
-            reason = ("liger_kernel not installed" if isinstance(e, ModuleNotFoundError)
-                      and (e.name or "").split(".")[0] == "liger_kernel" else
-                      f"{module}.{name} not importable ({type(e).__name__}: {e})")
-            out[act] = (None, reason)
+            out[act] = (None, _why_not(e, "liger_kernel", f"{module}.{name}"))
     return out
+
+
+def vllm_swigluoai() -> tuple:
+    """(fn, None) with fn(gate_up, limit, alpha) -> vLLM's forward-only GPT-OSS activation: torch.ops._C.
+    swigluoai_and_mul(out, gate_up, alpha, limit), interleaved layout, (up + 1) built in; (None, reason) where vLLM
+    is not installed (or its library does not load)."""
+    try:
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
+
+        op = torch.ops._C.swigluoai_and_mul
+    except Exception as e:  # noqa: BLE001
+        return None, _why_not(e, "vllm", "vllm._C / torch.ops._C.swigluoai_and_mul")
+
+    def swigluoai(gate_up, limit, alpha):
+        out = torch.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), dtype=gate_up.dtype, device=gate_up.device)
+        op(out, gate_up, alpha, limit)
+        return out
+    return swigluoai, None
+
+
+def te_clamped_swiglu() -> tuple:
+    """(make, None) with make(limit, alpha, up_offset, layout) -> TransformerEngine's ClampedSwiGLU
+    (transformer_engine.pytorch.ops.ClampedSwiGLU, forward and backward) on a [..., 2M] gate_up: concat layout
+    natively; interleaved with glu_interleave_size=1 (TE then de-interleaves with a copy, forward and backward: what
+    a TE user pays for GPT-OSS's layout); (None, reason) where TransformerEngine is not installed."""
+    try:
+        import transformer_engine.pytorch as te
+
+        cls = te.ops.ClampedSwiGLU
+    except Exception as e:  # noqa: BLE001
+        return None, _why_not(e, "transformer_engine", "transformer_engine.pytorch.ops.ClampedSwiGLU")
+
+    def make(limit, alpha, up_offset, layout):
+        kw = {"limit": limit, "alpha": alpha}
+        if layout == "interleaved":
+            kw["glu_interleave_size"] = 1
+        try:  # TransformerEngine 2.x before glu_linear_offset: (up + 1) built in
+            return cls(**kw, glu_linear_offset=up_offset)
+        except TypeError:
+            if up_offset != 1.0:
+                raise
+            return cls(**kw)
+    return make, None
 
 
 def setup_compile() -> None:

@@ -3,9 +3,11 @@
 #   OUT=/some/dir bash benchmarks/device_check.sh
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
-# op and dtype. Every op list comes from the op table (ffn_ext/table.py): the 18 ops of gelu, gelu_tanh and silu
-# (geglu, geglu_tanh, swiglu, packed forms), 48 rows_kernels per architecture. (The SASS checks run in CI on the
-# sm_80/sm_90 build: tests/test_sass.py; the sass stage here reports the device build's counts and spills.)
+# op and dtype. Every op list comes from the op table (ffn_ext/table.py): the 22 ops of gelu, gelu_tanh and silu
+# (geglu, geglu_tanh, swiglu, swiglu_clamped, packed forms), 88 rows_kernels per architecture with the interleaved
+# layout's (48 before the clamped SwiGLU: the build and the CUDA tests are not yet timed with them). (The SASS
+# checks run in CI on the sm_80/sm_90 build: tests/test_sass.py; the sass stage here reports the device build's
+# counts and spills.)
 # Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
@@ -52,26 +54,31 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 stage build 100 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
 # The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use),
-# for all 48 kernels (GeluTanh ones included), then registers and any spills. About 8 s on a 2-core CPU.
+# for all 48 kernels (GeluTanh ones included), then registers and any spills. About 8 s on a 2-core CPU; 88 kernels
+# with the clamped SwiGLU and the interleaved layout: 10 s of CPU time on a 2-core CPU (2026-12-01).
 stage sass 20 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included.
 FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 
 # Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/. Every op of the
-# table, 9 (gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu and the packed three), against ATen eager, torch.compile
-# and Liger (swiglu and geglu_tanh, when liger_kernel is installed): 45 s measured with 4 ops (24 s in the timing
-# loop); 9 ops, Liger on 4: about 75-85 s expected.
-stage bench_ops 110 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
+# table, 9 (gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu and the packed three), then swiglu_packed interleaved and
+# the clamped SwiGLU (GPT-OSS's parameters) separate, packed and packed interleaved: 13 ops at 16x4864, 2^20, 2^24 and
+# 2^28, plus two MoE shapes (GPT-OSS-20B 4096 tokens x top-4 x 2880, clamped interleaved; Qwen3-30B-A3B 4096 x top-8
+# x 768, swiglu_packed), against ATen eager, torch.compile, Liger (swiglu and geglu_tanh, when liger_kernel is
+# installed), vLLM's swigluoai_and_mul and TransformerEngine's ClampedSwiGLU (when installed). 45 s measured with 4
+# ops (24 s in the timing loop, most of it torch.compile's 24 compiles, 4 s in timed calls): about 534 cases and 78
+# compiles now, 100-110 s expected. 135 s: 15 s from memcheck, 5 s each from ncu and bench_ffn.
+stage bench_ops 135 $PY benchmarks/bench_ops.py --quick --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench"
 
 # Host time per call at the decode size, layer by layer (Python API, torch.ops, ATen's binding): where the
 # microseconds go when a call costs more host time than GPU time.
 stage host 20 $PY benchmarks/host_overhead.py --device cuda --out "$LOGS/bench"
 
 # Nsight Compute on one call of each kernel (ours and ATen's), bf16 2**26: memory- or issue-bound? 21 kernels
-# (11 before: 12 s measured).
+# and the clamped SwiGLU's interleaved forward and backward (11 before: 12 s measured, about 5 s of it starting up).
 if command -v ncu >/dev/null || ! wanted ncu; then
-  stage ncu 35 ncu --clock-control none --section SpeedOfLight \
+  stage ncu 30 ncu --clock-control none --section SpeedOfLight \
     --metrics smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
     -k 'regex:rows_kernel|vectorized_elementwise|unrolled_elementwise' $PY benchmarks/ncu_cases.py
 else
@@ -79,22 +86,22 @@ else
 fi
 
 # compute-sanitizer over every op of the table, dtype and layout (small shapes): 2640 op calls, 2.2x the
-# 1224 that took 5 s under memcheck. racecheck covers shared memory, which these kernels do not use; it runs because
-# it is cheap and would catch a future change that does.
+# 1224 that took 5-7 s under memcheck (35 s: 15 s went to bench_ops). racecheck covers shared memory, which these
+# kernels do not use; it runs because it is cheap and would catch a future change that does.
 if command -v compute-sanitizer >/dev/null || ! wanted memcheck; then
-  stage memcheck 50 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage memcheck 35 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 else
   note "compute-sanitizer not found: memcheck/racecheck NOT run"; failed=$((failed + 1))
 fi
 # SwiGLU at Qwen2.5-0.5B and Llama-7B widths, tanh GeGLU at Gemma-2-2B's (ffn_ext.GeGLUFFN when the package has
-# it): 3 models x 3 implementations (10.6 s in the timing loop with 2 models).
-stage bench_ffn 45 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
+# it): 3 models x 3 implementations (10.6 s in the timing loop and 27 s in all with 2 models).
+stage bench_ffn 40 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
 if command -v compute-sanitizer >/dev/null || ! wanted racecheck; then
   stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 
 note "failed stages: $failed"
 save
-echo "----- tail of the op benchmark -----"; tail -n 45 "$LOGS/bench_ops.log" 2>/dev/null
+echo "----- tail of the op benchmark (its targets) -----"; tail -n 56 "$LOGS/bench_ops.log" 2>/dev/null
 echo "----- summary -----"; cat "$LOGS/summary.txt"
 exit $failed

@@ -6,7 +6,9 @@ whether a kernel is bound by memory or by instruction issue. Not a benchmark: ru
     ncu --clock-control none --section SpeedOfLight \\
         --metrics smsp__issue_active.avg.pct_of_peak_sustained_active python benchmarks/ncu_cases.py
 
-The packed backward runs the gated backward's kernel (another layout), so it is left out.
+The packed backward runs the gated backward's kernel (another layout), so it is left out; except for GPT-OSS's
+form, the clamped SwiGLU on the interleaved layout (common.bench_ops' swiglu_clamped_packed_interleaved), whose
+forward and backward run last: the new kernels of issue 15, on inputs scaled so that the clamps act.
 """
 import sys
 from pathlib import Path
@@ -33,6 +35,13 @@ for op, (kind, act) in common.table_ops().items():
                   (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(x, g, u))]
     else:
         cases.append((f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(gu)))
+# GPT-OSS's experts: the clamped SwiGLU (limit 7, alpha 1.702, up + 1) on the interleaved [g0, u0, g1, u1, ...] layout
+gpt_oss = common.bench_ops()["swiglu_clamped_packed_interleaved"]
+gu_c = gu * gpt_oss.scale
+kw = dict(gpt_oss.params, layout=gpt_oss.layout)
+cases += [("ffn_ext swiglu_clamped_packed interleaved", lambda: ops.swiglu_clamped_packed(gu_c, **kw)),
+          ("ffn_ext swiglu_clamped_packed_backward interleaved",
+           lambda: ops.swiglu_clamped_packed_backward(g.view(1 << 13, 1 << 13), gu_c, **kw))]
 for name, fn in cases:
     torch.cuda.nvtx.range_push(name)
     fn()

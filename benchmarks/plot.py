@@ -4,7 +4,8 @@
     python benchmarks/plot.py benchmarks/results/<dir>        # re-plot ops.json / ffn.json found there
 
 ops: one figure per op, bandwidth (GB/s) vs size, a panel per (dtype, direction), the measured copy bandwidth
-drawn as the ceiling; one figure per dtype with the speedup over ATen eager vs size.
+drawn as the ceiling (MoE-shaped cases as unconnected stars at their size); one figure per dtype with the speedup
+over ATen eager vs size.
 ffn: time of forward+backward and saved activation memory per implementation and model (SwiGLU, GeGLU).
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 
 IMPL_STYLE = {"ffn_ext": ("ffn_ext", "tab:red", "o"), "eager": ("ATen eager", "tab:blue", "s"),
-              "compile": ("torch.compile", "tab:green", "^"), "liger": ("Liger", "tab:purple", "D")}
+              "compile": ("torch.compile", "tab:green", "^"), "liger": ("Liger", "tab:purple", "D"),
+              "vllm": ("vLLM", "tab:orange", "v"), "te": ("TransformerEngine", "tab:brown", "P")}
 
 
 def _plt():
@@ -61,7 +63,8 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(len(dtypes), len(dirs), figsize=(4.2 * len(dirs), 3.2 * len(dtypes)),
                                  squeeze=False, sharex=True)
         for i, dt in enumerate(dtypes):
-            cp = sorted((c for c in copies if c["dtype"] == dt), key=lambda c: c["numel"])
+            cp = sorted((c for c in copies if c["dtype"] == dt and not c["size"].startswith("MoE")),
+                        key=lambda c: c["numel"])
             for j, d in enumerate(dirs):
                 ax = axes[i][j]
                 if cp:
@@ -69,9 +72,14 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
                             label="copy (ceiling)")
                 for impl, (lab, col, mk) in IMPL_STYLE.items():
                     pts = sorted(((r["numel"], r["gbps"]) for r in res if r["op"] == op and r["dtype"] == dt
-                                  and r["direction"] == d and r["impl"] == impl))
+                                  and r["direction"] == d and r["impl"] == impl and not r.get("moe")))
                     if pts:
                         ax.plot(*zip(*pts), color=col, marker=mk, ms=4, label=lab)
+                    moe = [r for r in res if r["op"] == op and r["dtype"] == dt and r["direction"] == d
+                           and r["impl"] == impl and r.get("moe")]
+                    if moe:
+                        ax.plot([r["numel"] for r in moe], [r["gbps"] for r in moe], color=col, marker="*", ms=9,
+                                ls="none", label=f"{lab}, {moe[0]['moe']} MoE")
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"{op} {d} {dt}", fontsize=9)
                 ax.grid(alpha=0.3)
@@ -94,7 +102,7 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
                 for d, ls, mk in (("fwd", "-", "o"), ("bwd", "--", "s"), ("fwd+bwd", ":", "^")):
                     pts = sorted((r["numel"], r["speedup_vs"]["eager"]) for r in res
                                  if r["op"] == op and r["dtype"] == dt and r["direction"] == d
-                                 and r["impl"] == impl and "eager" in r["speedup_vs"])
+                                 and r["impl"] == impl and "eager" in r["speedup_vs"] and not r.get("moe"))
                     if pts:
                         ax.plot(*zip(*pts), color=col, ls=ls, marker=mk, ms=4, label=f"{lab} {d}")
             ax.axhline(1.0, color="k", lw=0.8)

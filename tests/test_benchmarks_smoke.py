@@ -1,7 +1,8 @@
 """Smoke test of the benchmark suite: `--smoke` runs of benchmarks/bench_ops.py, bench_ffn.py and host_overhead.py
 in a subprocess write the markdown table, the JSON with sane numbers, and (when matplotlib is installed) the
 plots, for every op of the op table (ffn_ext/table.py: the new gelu_tanh and geglu ops next to gelu, silu and
-swiglu); benchmarks/device_check.sh is well formed, runs its GPU-free stage, and its GPU stages reach every op."""
+swiglu; bench_ops.py also the interleaved layout, the clamped SwiGLU and two MoE shapes); benchmarks/device_check.sh
+is well formed, runs its GPU-free stage, and its GPU stages reach every op."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # the forward ops the benchmarks time: per activation its unary op, its gated op and the packed gated op
 TABLE_OPS = [a.name for a in ACTIVATIONS] + [a.gated for a in ACTIVATIONS] + [a.gated + "_packed" for a in ACTIVATIONS]
 NEW_OPS = {"gelu_tanh", "geglu", "geglu_tanh", "geglu_packed", "geglu_tanh_packed"}
+# bench_ops.py also times the interleaved layout and the clamped SwiGLU (GPT-OSS's parameters), after the table's ops,
+# and two MoE shapes: (op, size, shape, model) at the smoke run's 2 tokens
+BENCH_OPS = TABLE_OPS + ["swiglu_packed_interleaved", "swiglu_clamped", "swiglu_clamped_packed",
+                         "swiglu_clamped_packed_interleaved"]
+MOE = {("swiglu_clamped_packed_interleaved", "MoE 2x4x2880", (8, 2880), "GPT-OSS-20B"),
+       ("swiglu_packed", "MoE 2x8x768", (16, 768), "Qwen3-30B-A3B")}
 
 
 def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.CompletedProcess:
@@ -54,12 +61,20 @@ def test_bench_ops_smoke(tmp_path):
         assert key in meta, key
     assert meta["mode"] == "smoke" and meta["device_type"] == "cpu"
     assert not data["errors"], data["errors"]
-    res = data["results"]
-    # every op of the table x direction x {ffn_ext, eager} at both smoke sizes
+    res = [r for r in data["results"] if "moe" not in r]
+    # every op of the table (and the clamped/interleaved ones) x direction x {ffn_ext, eager} at both smoke sizes
     seen = {(r["op"], r["direction"], r["impl"], r["size"]) for r in res}
-    assert {r["op"] for r in res} == set(TABLE_OPS) >= NEW_OPS, sorted({r["op"] for r in res})
-    assert len(seen) == len(TABLE_OPS) * 3 * 2 * 2, sorted(seen)
-    assert [r["op"] for r in res][:: 3 * 2][: len(TABLE_OPS)] == TABLE_OPS  # the table's order
+    assert {r["op"] for r in res} == set(BENCH_OPS) and set(TABLE_OPS) >= NEW_OPS, sorted({r["op"] for r in res})
+    assert len(seen) == len(BENCH_OPS) * 3 * 2 * 2, sorted(seen)
+    assert [r["op"] for r in res][:: 3 * 2][: len(BENCH_OPS)] == BENCH_OPS  # the table's order, then the new ones
+    moe = [r for r in data["results"] if "moe" in r]
+    assert {(r["op"], r["size"], tuple(r["shape"]), r["moe"]) for r in moe} == MOE, moe
+    assert len(moe) == len(MOE) * 3 * 2
+    assert any(n.startswith("clamped ops") for n in data["notes"]), data["notes"]
+    # the clamped SwiGLU's peers: vLLM and TransformerEngine are CUDA only; the notes say why each was skipped
+    assert any("vLLM" in n and "skipped" in n for n in data["notes"]), data["notes"]
+    assert any("TransformerEngine" in n and "skipped" in n for n in data["notes"]), data["notes"]
+    res = data["results"]
     for r in res:
         assert _positive(r["median_ms"]) and _positive(r["gbps"]) and _positive(r["frac_copy"]), r
         assert r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
@@ -71,15 +86,20 @@ def test_bench_ops_smoke(tmp_path):
             assert r["peak_extra_bytes"] is None  # CPU: not measured
     for c in data["copy"]:
         assert _positive(c["gbps"])
-    # ffn_ext's gated ops save only their inputs; eager also saves act(gate) (N fp32 elements)
+    # ffn_ext's gated ops save only their inputs; eager also saves act(gate) (N fp32 elements), and more for the
+    # clamped SwiGLU (GPT-OSS's expression keeps its intermediates)
     for r in res:
         if r["op"] in {a.gated for a in ACTIVATIONS} and r["direction"] == "fwd+bwd":
             expect = 0 if r["impl"] == "ffn_ext" else r["numel"] * 4
             assert r["saved_extra_bytes"] == expect, r
+        if r["op"].startswith("swiglu_clamped") and r["direction"] == "fwd+bwd":
+            assert (r["saved_extra_bytes"] == 0) if r["impl"] == "ffn_ext" else (r["saved_extra_bytes"] > 0), r
     assert len(data["targets"]) >= 10 and all("met" in t for t in data["targets"])
+    assert any(t["target"].startswith("swiglu_clamped_packed_interleaved fwd+bwd: ffn_ext >= 3.0x ATen eager")
+               for t in data["targets"])
     if _has_matplotlib():
         pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-        assert {f"ops_bandwidth_{op}.png" for op in TABLE_OPS} | {"ops_speedup_fp32.png"} == set(pngs), pngs
+        assert {f"ops_bandwidth_{op}.png" for op in BENCH_OPS} | {"ops_speedup_fp32.png"} == set(pngs), pngs
         assert all((tmp_path / p).stat().st_size > 1000 for p in pngs)
 
 
