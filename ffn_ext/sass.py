@@ -8,13 +8,22 @@ and tests/test_sass.py; pure Python, not imported by ``import ffn_ext``.
 What it reads. ``cuobjdump`` (triton ships one, triton/backends/nvidia/bin, in the CUDA build of torch; else
 $CUDA_HOME/bin or PATH) dumps the SASS (``--dump-sass``) and the resource usage (``--dump-resource-usage``) of a
 binary; parse_sass and parse_resources turn them into {(sm, mangled name): ...}. Every CUDA kernel of ffn_ext is
-an instantiation ``ffn_ext::cuda::rows_kernel<T, math::<Shape><Act>, VEC>``: T the storage type, Shape one of
-UnaryFwd, UnaryBwd, GatedFwd, GatedBwd (csrc/ffn_math.h), Act the activation's functor and VEC = 16 bytes /
-sizeof(T). kernel_of decodes a mangled name into a Kernel; KERNELS, derived from ffn_ext.table, says which
-kernels the op table makes (the packed ops run the gated kernels with another layout, so they add none) and what
-each one computes: per activation of the table, its C++ functor is the CamelCase of its name ("gelu_tanh" ->
-GeluTanh, csrc/ops_table.h), its unary ops run UnaryFwd / UnaryBwd, its gated ops GatedFwd / GatedBwd, and the
-number of inputs and outputs of a kernel are those of its op (OpSpec.args, OpSpec.n_outputs).
+an instantiation ``ffn_ext::cuda::rows_kernel<T, F, VEC>`` (csrc/rows.h, csrc/row_ops.h): T the storage type,
+VEC = 16 bytes / sizeof(T), and F a functor of csrc/ffn_math.h: UnaryFwd<Act> or UnaryBwd<Act> over an
+activation, GatedFwd<Gate> or GatedBwd<Gate> over a gate (Glu<Act>: act(gate) * up; or a gate of its own with
+runtime parameters, SwigluClamped), or one of those inside Interleaved<F, kPairIn, kPairOut>: the packed ops'
+layout "interleaved", whose inputs kPairIn, kPairIn + 1 (outputs kPairOut, kPairOut + 1; -1: none) are one
+operand of pairs [g0, u0, g1, u1, ...]. kernel_of decodes a mangled name into a Kernel (a small Itanium-ABI
+reader: nested names, template arguments, integer literals). KERNELS, derived from ffn_ext.table, says which
+functors the op table makes and what each one computes, in the table's order: per activation its C++ functor is
+the CamelCase of its name ("gelu_tanh" -> GeluTanh, csrc/ops_table.h), run by its unary ops as UnaryFwd /
+UnaryBwd; per gated op (table.GATED) its gate is Glu<CamelCase(act)> when the op is act(gate) * up (Gated.aten
+None: swiglu -> Glu<Silu>), else the CamelCase of the op's name (swiglu_clamped -> SwigluClamped), run as
+GatedFwd / GatedBwd by the gated op and its packed op with layout "concat" (two operands at the halves of each
+row: the same kernel); the packed ops with layout "interleaved" run Interleaved<GatedFwd<Gate>, 0, -1> and
+Interleaved<GatedBwd<Gate>, 1, 0> (gate_up is the pair of inputs gate, up; the packed backward's output the pair
+dgate, dup). A kernel's inputs and outputs per element are those of its gated or unary op (OpSpec.args,
+OpSpec.n_outputs), a pair counting as its two.
 
 The vector path. A memory-bound elementwise kernel is fast only while the SMs can issue its instructions faster
 than memory moves its bytes. vector_path follows, in a rows_kernel's SASS, the path that almost every thread of a
@@ -23,10 +32,12 @@ operand 16-byte aligned, all kUnroll vectors in range, one row (rows.h's kFull b
 branch the path jumps if the code jumped over holds a scalar global load or store (LDG/STG of one element: the
 head, an element-wise fallback, the general body) and the target can still lead to kUnroll 128-bit loads per
 input and stores per output; otherwise it falls through (into the vector access the branch guards, or into
-math). The row loop's back edge is not taken. budget counts the instructions on that path (NOPs excluded) and
-divides by the elements a thread handles (kUnroll * VEC) and the bytes each element moves. It also counts the
-floating-point instructions issued before the path's last load: 0 means every load of the thread is in flight
-before its math starts, which is what keeps enough bytes in flight per multiprocessor.
+math). An interleaved pair operand is two 16-byte accesses per VEC elements (VEC whole pairs, split or merged
+in registers), so it too makes kUnroll 128-bit accesses per member of the pair. The row loop's back edge is not
+taken. budget counts the instructions on that path (NOPs excluded) and divides by the elements a thread handles
+(kUnroll * VEC) and the bytes each element moves (one T per input and output, a pair operand's two included). It
+also counts the floating-point instructions issued before the path's last load: 0 means every load of the thread
+is in flight before its math starts, which is what keeps enough bytes in flight per multiprocessor.
 
 Calibration. On the tree of commit cec8a58, this count matches Nsight Compute's smsp__inst_executed on the H200
 (benchmarks/results/2026-11-30_h200/ncu.log, bf16, 2**26 elements) to within 2%: gelu 34.9 and 34.9 per element,
@@ -52,11 +63,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .table import ACTIVATIONS, OPS
+from .table import OPS, Gated, OpSpec
 
 __all__ = ["K_UNROLL", "DTYPES", "DTYPE_SIZE", "H200_INSTR_PER_BYTE", "Kernel", "KernelSpec", "KERNELS",
-           "act_struct", "expected_kernels", "kernel_of", "cuobjdump", "native_library", "dump", "parse_sass",
-           "parse_resources", "vector_path", "budget", "table", "spill_report", "main"]
+           "act_struct", "gate_struct", "expected_kernels", "kernel_of", "cuobjdump", "native_library", "dump",
+           "parse_sass", "parse_resources", "vector_path", "budget", "table", "spill_report", "main"]
 
 K_UNROLL = 4  # csrc/rows.h kUnroll: 16-byte vectors per operand and thread in the body
 # the storage type as the Itanium ABI mangles it -> (torch dtype name, bytes)
@@ -79,13 +90,21 @@ FP_MATH = re.compile(r"(?:FFMA|FMUL|FADD|MUFU|DFMA|DMUL|DADD|HFMA2(?!\.MMA)|HMUL
 class Kernel:
     """One rows_kernel instantiation, decoded from its mangled name."""
     shape: str  # UnaryFwd | UnaryBwd | GatedFwd | GatedBwd (whatever the name says: kernel_of does not check)
-    act: str | None  # the activation functor, e.g. "GeluTanh"; None for a shape without one
+    act: str | None  # the shape's template argument: an activation ("GeluTanh") for Unary*, a gate for Gated*
+    #                  ("Glu<Silu>", "SwigluClamped"); None for a plain functor without one
     dtype: str  # float64 | float32 | float16 | bfloat16
     vec: int  # elements per 16-byte vector
+    pair_in: int = -1  # math::Interleaved<Shape<...>, pair_in, pair_out>: inputs pair_in, pair_in + 1 (outputs
+    pair_out: int = -1  # pair_out, pair_out + 1) interleaved in one operand; -1 and -1: not Interleaved
+
+    @property
+    def interleaved(self) -> bool:
+        return self.pair_in >= 0 or self.pair_out >= 0
 
     @property
     def functor(self) -> str:
-        return self.shape if self.act is None else f"{self.shape}<{self.act}>"
+        f = self.shape if self.act is None else f"{self.shape}<{self.act}>"
+        return f"Interleaved<{f}, {self.pair_in}, {self.pair_out}>" if self.interleaved else f
 
     def __str__(self) -> str:
         return f"rows_kernel<{self.dtype}, {self.functor}, VEC={self.vec}>"
@@ -94,9 +113,9 @@ class Kernel:
 @dataclass(frozen=True)
 class KernelSpec:
     """What the op table says a kernel computes."""
-    op: str  # the op it runs (the packed op of a gated kernel runs it too: `also`)
-    ni: int  # inputs per element
-    no: int  # outputs per element
+    op: str  # the op it runs (a concat packed op runs its gated op's kernel too: `also`)
+    ni: int  # inputs per element (the functor's NI: an interleaved pair counts as its two inputs)
+    no: int  # outputs per element (NO, likewise)
     also: tuple = ()  # other ops that launch this kernel
 
 
@@ -106,67 +125,152 @@ def act_struct(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
+def gate_struct(gated: Gated) -> str:
+    """The C++ gate functor of a gated op of the table (csrc/ops_table.h FFN_EXT_GATED): Glu<Act> for act(gate) * up
+    over an activation (Gated.aten None: "swiglu" -> "Glu<Silu>"), else the CamelCase of the op's own name
+    ("swiglu_clamped" -> "SwigluClamped"). tests/test_sass.py checks the rule against the binary."""
+    return f"Glu<{act_struct(gated.act.name)}>" if gated.aten is None else act_struct(gated.name)
+
+
+def _pairs(packed: OpSpec, gated: OpSpec) -> tuple[int, int]:
+    """(kPairIn, kPairOut) of a packed op's interleaved kernel: its operand gate_up is the gated op's inputs gate,
+    up (at the index of gate); its output, if it stands for the gated op's two (dgate, dup), is the pair 0."""
+    pair_in = gated.args.index("gate")
+    assert gated.args[pair_in + 1] == "up" and packed.args[pair_in] == "gate_up", (packed, gated)
+    return pair_in, 0 if gated.n_outputs == packed.n_outputs + 1 else -1
+
+
 _SHAPES = {("unary", False): "UnaryFwd", ("unary", True): "UnaryBwd",
            ("gated", False): "GatedFwd", ("gated", True): "GatedBwd"}
 
 
-def _kernels() -> dict[tuple[str, str], KernelSpec]:
-    specs: dict[tuple[str, str], KernelSpec] = {}
-    packed: dict[tuple[str, str], tuple] = {}
+def _kernels() -> dict[str, KernelSpec]:
+    specs: dict[str, KernelSpec] = {}
+    also: dict[str, tuple] = {}
     for spec in OPS.values():
-        kind = "gated" if spec.kind == "packed" else spec.kind  # a packed op: the gated kernel, packed layout
-        key = (_SHAPES[(kind, spec.backward)], act_struct(spec.act.name))
-        if spec.kind == "packed":
-            packed[key] = packed.get(key, ()) + (spec.name,)
-        else:
-            specs[key] = KernelSpec(spec.name, len(spec.args), spec.n_outputs)
-    return {key: KernelSpec(s.op, s.ni, s.no, packed.get(key, ())) for key, s in specs.items()}
+        if spec.kind == "unary":
+            specs[Kernel(_SHAPES[("unary", spec.backward)], act_struct(spec.act.name), "", 0).functor] = KernelSpec(
+                spec.name, len(spec.args), spec.n_outputs)
+            continue
+        gated = OPS[spec.gated.name + ("_backward" if spec.backward else "")]  # the (unpacked) gated op
+        plain = Kernel(_SHAPES[("gated", spec.backward)], gate_struct(spec.gated), "", 0)
+        if spec.kind == "gated":
+            specs[plain.functor] = KernelSpec(spec.name, len(spec.args), spec.n_outputs)
+        else:  # packed: layout "concat" runs the gated kernel, "interleaved" its Interleaved form
+            also[plain.functor] = also.get(plain.functor, ()) + (spec.name,)
+            pair_in, pair_out = _pairs(spec, gated)
+            k = Kernel(plain.shape, plain.act, "", 0, pair_in, pair_out)
+            specs[k.functor] = KernelSpec(spec.name, len(gated.args), gated.n_outputs)
+    return {f: KernelSpec(s.op, s.ni, s.no, also.get(f, ())) for f, s in specs.items()}
 
 
-# {(shape, act struct): KernelSpec}: every rows_kernel functor the op table makes
-KERNELS: dict[tuple[str, str], KernelSpec] = _kernels()
+# {functor: KernelSpec}, in the op table's order: every rows_kernel functor the op table makes, e.g.
+# "UnaryFwd<Silu>", "GatedBwd<Glu<GeluTanh>>", "Interleaved<GatedFwd<SwigluClamped>, 0, -1>"
+KERNELS: dict[str, KernelSpec] = _kernels()
 
 
-def expected_kernels() -> set[tuple[str, str, str]]:
-    """{(shape, act, dtype)}: the rows_kernel instantiations the table predicts for one architecture."""
-    return {(shape, act, dt) for shape, act in KERNELS for dt in DTYPE_SIZE}
+def expected_kernels() -> set[tuple[str, str]]:
+    """{(functor, dtype)}: the rows_kernel instantiations the table predicts for one architecture."""
+    return {(functor, dt) for functor in KERNELS for dt in DTYPE_SIZE}
 
 
-_KERNEL_HEAD = re.compile(r"_ZN7ffn_ext4cuda11rows_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)NS_4math")
+_KERNEL_HEAD = re.compile(r"_ZN7ffn_ext4cuda11rows_kernelI(N3c108BFloat16E|N3c104HalfE|f|d)(?=NS_4math)")
 
 
-def _source_name(s: str, i: int) -> tuple[str, int] | None:
-    m = re.compile(r"\d+").match(s, i)
-    if m is None:
-        return None
-    n, j = int(m.group()), m.end()
-    return (s[j:j + n], j + n) if len(s) >= j + n else None
+class _Mangled:
+    """Just enough of the Itanium C++ ABI to read a rows_kernel's functor: nested names (N...E) whose prefix is a
+    namespace, possibly a substitution (S_, S2_, ...), source names (<length><id>), template arguments (I...E)
+    of types (nested names, f, d) and integer literals (Li<n>E, Lin<n>E for -n). A type is (name, [args]); an
+    integer is an int; anything else raises ValueError."""
+
+    def __init__(self, s: str, i: int):
+        self.s, self.i = s, i
+
+    def eat(self, token: str) -> bool:
+        if self.s.startswith(token, self.i):
+            self.i += len(token)
+            return True
+        return False
+
+    def source_name(self) -> str:
+        m = re.compile(r"\d+").match(self.s, self.i)
+        if m is None or len(self.s) < m.end() + int(m.group()):
+            raise ValueError(f"no source name at {self.i}")
+        self.i = m.end() + int(m.group())
+        return self.s[m.end():self.i]
+
+    def template_args(self) -> list:
+        args = []
+        while not self.eat("E"):
+            if self.eat("L"):  # a literal: Li<value>E, the value n<digits> if negative
+                m = re.compile(r"i(n?)(\d+)E").match(self.s, self.i)
+                if m is None:
+                    raise ValueError(f"unknown literal at {self.i}")
+                self.i = m.end()
+                args.append(-int(m.group(2)) if m.group(1) else int(m.group(2)))
+            else:
+                args.append(self.type())
+        return args
+
+    def type(self) -> tuple[str, list]:
+        if self.i >= len(self.s):
+            raise ValueError("truncated")
+        if self.s[self.i] in "fd":
+            self.i += 1
+            return ("float" if self.s[self.i - 1] == "f" else "double", [])
+        if not self.eat("N"):
+            raise ValueError(f"unknown type at {self.i}")
+        m = re.compile(r"S[0-9A-Z]*_").match(self.s, self.i)  # the namespace prefix, substituted
+        if m:
+            self.i = m.end()
+        name, args = None, []
+        while not self.eat("E"):
+            if args:
+                raise ValueError(f"a name after template arguments at {self.i}")
+            if self.eat("I"):
+                if name is None:
+                    raise ValueError(f"template arguments without a name at {self.i}")
+                args = self.template_args()
+            else:
+                name = self.source_name()
+        if name is None:
+            raise ValueError(f"empty nested name at {self.i}")
+        return name, args
+
+
+def _spell(t) -> str:
+    """A decoded type as C++ spells it, without namespaces: Glu<Silu>."""
+    if isinstance(t, int):
+        return str(t)
+    name, args = t
+    return f"{name}<{', '.join(map(_spell, args))}>" if args else name
 
 
 def kernel_of(mangled: str) -> Kernel | None:
-    """Decodes ``_ZN7ffn_ext4cuda11rows_kernelI<T>NS_4math<n><Shape>IN<S?_><m><Act>EEELi<VEC>E...`` (a template
-    shape over an activation, e.g. math::UnaryFwd<math::GeluTanh>) or ``...NS_4math<n><Functor>ELi<VEC>E...`` (a
-    plain functor); None for anything else."""
+    """Decodes ``_ZN7ffn_ext4cuda11rows_kernelI<T>NS_4math<functor>Li<VEC>EEEv...``, the functor a type of
+    ffn_ext::math: a shape over its argument (math::UnaryFwd<math::GeluTanh>, math::GatedFwd<math::Glu<math::Silu>>,
+    math::GatedBwd<math::SwigluClamped>), that inside math::Interleaved<shape, kPairIn, kPairOut>, or a plain functor
+    (math::SwigluBwd, the names before the op table); None for anything else."""
     m = _KERNEL_HEAD.match(mangled)
     if not m:
         return None
-    got = _source_name(mangled, m.end())
-    if got is None:
+    p = _Mangled(mangled, m.end())
+    try:
+        functor = p.type()
+        rest = re.compile(r"Li(\d+)EEE").match(mangled, p.i)  # VEC, then closes rows_kernel's arguments and name
+    except ValueError:
         return None
-    shape, i = got
-    act = None
-    if mangled.startswith("I", i):  # template arguments: one activation, a nested name math::<Act>
-        t = re.compile(r"IN(?:S[0-9A-Z]*_)+").match(mangled, i)
-        if t is None:
-            return None
-        got = _source_name(mangled, t.end())
-        if got is None or not mangled.startswith("EE", got[1]):
-            return None
-        act, i = got[0], got[1] + 2  # closes math::<Act>, then the template argument list
-    rest = re.compile(r"ELi(\d+)E").match(mangled, i)  # closes math::<Shape>, then VEC
     if rest is None:
         return None
-    return Kernel(shape, act, DTYPES[m.group(1)][0], int(rest.group(1)))
+    pairs = (-1, -1)
+    name, args = functor
+    if name == "Interleaved":
+        if len(args) != 3 or not isinstance(args[0], tuple) or not all(isinstance(a, int) for a in args[1:]):
+            return None
+        (name, args), pairs = args[0], tuple(args[1:])
+    if len(args) > 1 or any(isinstance(a, int) for a in args):
+        return None
+    return Kernel(name, _spell(args[0]) if args else None, DTYPES[m.group(1)][0], int(rest.group(1)), *pairs)
 
 
 # ---------------------------------------------------------------- reading a binary
@@ -319,16 +423,16 @@ def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, p
 
 
 def _order(kernel: Kernel) -> tuple:
-    """Unary kernels first, then gated; within each, the table's order of activations, forward before backward."""
-    acts = [act_struct(a.name) for a in ACTIVATIONS]
-    shapes = ["UnaryFwd", "UnaryBwd", "GatedFwd", "GatedBwd"]
-    return (kernel.shape.startswith("Gated"), acts.index(kernel.act) if kernel.act in acts else len(acts),
-            shapes.index(kernel.shape) if kernel.shape in shapes else len(shapes),
+    """The table's order (KERNELS: unary ops per activation, then gated ops, each forward, backward, packed
+    forward and packed backward), then dtype."""
+    functors = list(KERNELS)
+    return (functors.index(kernel.functor) if kernel.functor in functors else len(functors), kernel.functor,
             list(DTYPE_SIZE).index(kernel.dtype))
 
 
 def budget(sass: str | dict, arch: int) -> list[dict]:
-    """One row per rows_kernel of `arch` (SASS text, or parse_sass's result): op, kernel, dtype, instructions per
+    """One row per rows_kernel of `arch` (SASS text, or parse_sass's result): op (and layout: "interleaved" for
+    a packed op's Interleaved kernel, else ""), kernel, dtype, instructions per
     element and per byte, the 128-bit loads/stores on the path (and how many there should be), the
     floating-point instructions the path issues before its last load (0: every load is in flight before the math
     starts) and the H200 bound (fraction of copy bandwidth). A kernel the op table does not predict raises
@@ -339,21 +443,21 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
         k = kernel_of(name)
         if sm != arch or k is None:
             continue
-        spec = KERNELS.get((k.shape, k.act))
+        spec = KERNELS.get(k.functor)
         if spec is None:
-            raise KeyError(f"sm_{sm} {k}: not a kernel of the op table (ffn_ext.table; known: "
-                           f"{sorted(f'{a}<{b}>' for a, b in KERNELS)})")
+            raise KeyError(f"sm_{sm} {k}: not a kernel of the op table (ffn_ext.table; known: {list(KERNELS)})")
         size = DTYPE_SIZE[k.dtype]
         path: list[int] = []
         per_thread, loads, stores = vector_path(ins, K_UNROLL * spec.ni, K_UNROLL * spec.no, path)
         ops = [PREDICATE.sub("", ins[i][1]) for i in path]
         last_load = max(n for n, op in enumerate(ops) if VECTOR_MEM.match(op) and op.startswith("LDG"))
         math_first = sum(FP_MATH.match(op) is not None for op in ops[:last_load])
-        per_elem = per_thread / (K_UNROLL * k.vec)
+        per_elem = per_thread / (K_UNROLL * k.vec)  # an element: one of each input and output (of a pair: both)
         per_byte = per_elem / ((spec.ni + spec.no) * size)
         # float64 arithmetic issues at half rate on an H200 (and its exp/erf are long): no bound from issue alone
         bound = None if k.dtype == "float64" else min(1.0, H200_INSTR_PER_BYTE / per_byte)
-        rows.append(dict(op=spec.op, also=spec.also, kernel=k.functor, dtype=k.dtype, instr_per_thread=per_thread,
+        rows.append(dict(op=spec.op, also=spec.also, layout="interleaved" if k.interleaved else "",
+                         kernel=k.functor, dtype=k.dtype, instr_per_thread=per_thread,
                          instr_per_elem=per_elem, instr_per_byte=per_byte, loads=loads, stores=stores,
                          want_loads=K_UNROLL * spec.ni, want_stores=K_UNROLL * spec.no,
                          math_before_last_load=math_first, h200_bound=bound, _key=_order(k)))
@@ -370,7 +474,8 @@ def table(rows: list[dict], arch: int) -> str:
     for r in rows:
         b = r["h200_bound"]
         bound = "- (fp64 pipe: half rate)" if b is None else ">= 1 (memory-bound)" if b >= 1 else f"{b:.0%}"
-        lines.append(f"| {r['op']} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
+        op = f"{r['op']} ({r['layout']})" if r["layout"] else r["op"]
+        lines.append(f"| {op} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
                      f"{r['instr_per_byte']:.2f} | {bound} | {r['loads']} / {r['stores']} | "
                      f"{r['math_before_last_load']} |")
     return "\n".join(lines)

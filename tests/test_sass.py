@@ -4,13 +4,15 @@
 $CUDA_HOME/bin or PATH) dumps the SASS of the built extension (the loaded ffn_ext native library, or the file named
 by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every architecture:
   * the binary holds exactly the rows_kernel instantiations that ffn_ext.table predicts (ffn_ext.sass.KERNELS:
-    4 shapes UnaryFwd/UnaryBwd/GatedFwd/GatedBwd x the table's activations x 4 dtypes, VEC = 16 bytes / sizeof(T))
-    and no other kernel, so an activation added to one table and not the other fails here;
+    UnaryFwd/UnaryBwd per activation, GatedFwd/GatedBwd per gated op over its gate functor (Glu<Act>, or its own:
+    SwigluClamped), and each packed op's Interleaved<GatedFwd<G>, 0, -1> / Interleaved<GatedBwd<G>, 1, 0>; x 4
+    dtypes, VEC = 16 bytes / sizeof(T)) and no other kernel, so an op added to one table and not the other fails;
   * the vector body uses 128-bit global loads (LDG...128) and stores (STG...128), at least one per operand;
   * no local memory traffic (LDL/STL) and no stack (register spills would show up as both);
   * the vector path (ffn_ext.sass.vector_path) moves kUnroll 16-byte packs per operand, issues all its loads
-    before any floating-point math, and on sm_90 the 16-bit and float32 kernels need few enough instructions per
-    byte to run at 92% of an H200's copy bandwidth;
+    (an interleaved pair operand: two per VEC elements), issues all its loads before any floating-point math, and
+    on sm_90 the float32 kernels need few enough instructions per byte to run at 92% of an H200's copy bandwidth,
+    the 16-bit ones to be memory-bound (at most H200_INSTR_PER_BYTE);
 and the binary holds exactly the SASS and PTX the architecture list asked for (TORCH_CUDA_ARCH_LIST, else
 default_cuda_archs of csrc/build.json), which must also be what the build reports (build_info()['cuda_archs']).
 Skips when the extension has no CUDA kernels or no cuobjdump is found.
@@ -27,12 +29,12 @@ import pytest
 
 import ffn_ext
 from ffn_ext import sass as S
-from ffn_ext.table import ACTIVATIONS, OPS
+from ffn_ext.table import ACTIVATIONS, GATED, GATED_BY_NAME, OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_ENV = "FFN_EXT_SASS_LIB"
 
-EXPECTED_KERNELS = S.expected_kernels()  # {(shape, act, dtype)}: 4 shapes x activations x 4 dtypes per arch
+EXPECTED_KERNELS = S.expected_kernels()  # {(functor, dtype)}: (2 x activations + 4 x gated ops) x 4 dtypes per arch
 
 
 # ---------------------------------------------------------------- locating the binary
@@ -84,34 +86,52 @@ def _archs_in(funcs) -> set[int]:
 # ---------------------------------------------------------------- tests
 def test_kernel_list_follows_the_table():
     """ffn_ext.sass.KERNELS is the op table read as kernels: per activation its C++ functor (CamelCase of the
-    name, as csrc/ops_table.h spells it), four shapes, and the packed ops on the gated kernels."""
+    name, as csrc/ops_table.h spells it) in UnaryFwd / UnaryBwd; per gated op its gate functor (Glu<Act> for
+    act(gate) * up, else the CamelCase of the op's name) in GatedFwd / GatedBwd, which the concat packed ops run
+    too, and in Interleaved<GatedFwd<G>, 0, -1> / Interleaved<GatedBwd<G>, 1, 0> for the interleaved layout."""
     assert S.act_struct("gelu") == "Gelu" and S.act_struct("gelu_tanh") == "GeluTanh" and S.act_struct("silu") == "Silu"
-    assert set(S.KERNELS) == {(shape, S.act_struct(a.name)) for a in ACTIVATIONS
-                              for shape in ("UnaryFwd", "UnaryBwd", "GatedFwd", "GatedBwd")}
+    assert S.gate_struct(GATED_BY_NAME["swiglu"]) == "Glu<Silu>"
+    assert S.gate_struct(GATED_BY_NAME["geglu_tanh"]) == "Glu<GeluTanh>"
+    assert S.gate_struct(GATED_BY_NAME["swiglu_clamped"]) == "SwigluClamped"
+    want = {f"{shape}<{S.act_struct(a.name)}>" for a in ACTIVATIONS for shape in ("UnaryFwd", "UnaryBwd")}
+    for g in GATED:
+        gate = S.gate_struct(g)
+        want |= {f"GatedFwd<{gate}>", f"GatedBwd<{gate}>", f"Interleaved<GatedFwd<{gate}>, 0, -1>",
+                 f"Interleaved<GatedBwd<{gate}>, 1, 0>"}
+    assert set(S.KERNELS) == want
     ops_run = [op for k in S.KERNELS.values() for op in (k.op, *k.also)]
-    assert sorted(ops_run) == sorted(OPS), "every op of the table runs exactly one kernel"
-    assert S.KERNELS[("GatedBwd", "GeluTanh")] == S.KernelSpec("geglu_tanh_backward", 3, 2,
-                                                              ("geglu_tanh_packed_backward",))
-    assert S.KERNELS[("UnaryFwd", "Silu")] == S.KernelSpec("silu", 1, 1)
-    assert len(EXPECTED_KERNELS) == 4 * len(ACTIVATIONS) * 4
+    packed = [name for name, spec in OPS.items() if spec.kind == "packed"]
+    assert sorted(ops_run) == sorted([*OPS, *packed]), ("every unary and gated op runs one kernel, every packed op "
+                                                        "two (concat: its gated op's; interleaved: its own)")
+    assert S.KERNELS["GatedBwd<Glu<GeluTanh>>"] == S.KernelSpec("geglu_tanh_backward", 3, 2,
+                                                               ("geglu_tanh_packed_backward",))
+    assert S.KERNELS["UnaryFwd<Silu>"] == S.KernelSpec("silu", 1, 1)
+    assert S.KERNELS["GatedFwd<SwigluClamped>"] == S.KernelSpec("swiglu_clamped", 2, 1, ("swiglu_clamped_packed",))
+    # an interleaved kernel moves its gated op's elements (the pair operand: two per element)
+    assert S.KERNELS["Interleaved<GatedFwd<Glu<Silu>>, 0, -1>"] == S.KernelSpec("swiglu_packed", 2, 1)
+    assert S.KERNELS["Interleaved<GatedBwd<SwigluClamped>, 1, 0>"] == S.KernelSpec(
+        "swiglu_clamped_packed_backward", 3, 2)
+    assert list(S.KERNELS)[:2] == ["UnaryFwd<Gelu>", "UnaryBwd<Gelu>"]  # the table's order
+    assert len(EXPECTED_KERNELS) == (2 * len(ACTIVATIONS) + 4 * len(GATED)) * 4
 
 
 def test_kernel_inventory(sass):
-    """Exactly the rows_kernel instantiations the table predicts (4 shapes x activations x 4 dtypes, VEC = 16
-    bytes / sizeof(T)) per arch, and no other kernel."""
+    """Exactly the rows_kernel instantiations the table predicts (KERNELS x 4 dtypes, VEC = 16 bytes / sizeof(T))
+    per arch, and no other kernel."""
     lines = []
     for arch in sorted(_archs_in(sass)):
         names = [n for a, n in sass if a == arch]
         parsed = {n: S.kernel_of(n) for n in names}
         unknown = [n for n, p in parsed.items() if p is None]
-        assert not unknown, (f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel<T, math::Shape<Act>, VEC>: "
-                             f"{unknown}")
-        found = {(k.shape, k.act, k.dtype) for k in parsed.values()}
+        assert not unknown, (f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel<T, math::Shape<Arg>, VEC> or "
+                             f"<T, math::Interleaved<math::Shape<Arg>, int, int>, VEC>: {unknown}")
+        found = {(k.functor, k.dtype) for k in parsed.values()}
         assert len(found) == len(names), f"sm_{arch}: duplicate instantiations: {sorted(names)}"
         assert found == EXPECTED_KERNELS, (
             f"sm_{arch}: the binary and ffn_ext.table disagree: in the binary only "
             f"{sorted(found - EXPECTED_KERNELS)}, predicted only {sorted(EXPECTED_KERNELS - found)} (is the C++ "
-            "functor of each activation the CamelCase of its table name? csrc/ops_table.h, ffn_ext/table.py)")
+            "functor of each activation the CamelCase of its table name, and each gated op's gate Glu<Act> or the "
+            "CamelCase of its name? csrc/ops_table.h, ffn_ext/table.py, ffn_ext.sass.gate_struct)")
         for k in parsed.values():
             size = k.vec * S.DTYPE_SIZE[k.dtype]
             assert size == 16, f"sm_{arch}: {k} uses {size}-byte packs"
@@ -142,14 +162,14 @@ def test_default_arch_list_is_ampere_and_hopper():
     assert {"8.0", "9.0+PTX"} <= items, default
 
 
-@pytest.mark.parametrize("functor", sorted(f"{shape}<{act}>" for shape, act in S.KERNELS))
+@pytest.mark.parametrize("functor", list(S.KERNELS))
 def test_vector_loads_and_stores_no_local_memory(sass, functor):
     checked = 0
     for (arch, name), insts in sorted(sass.items()):
         k = S.kernel_of(name)
         if k is None or k.functor != functor:
             continue
-        spec = S.KERNELS[(k.shape, k.act)]
+        spec = S.KERNELS[k.functor]
         where = f"sm_{arch} {k}"
         ops = [op for _, op in insts]
         loads = [i for i in ops if S.LOAD_128.search(i)]
@@ -179,10 +199,12 @@ def test_no_stack_or_local_memory_in_resource_usage(sass):
 
 def test_vector_path_fits_the_issue_budget(sass):
     """The path nearly every thread of a large tensor takes (ffn_ext.sass.vector_path): kUnroll 128-bit loads
-    per input and stores per output, all issued before the first floating-point instruction, and, on sm_90, few
+    per input and stores per output (an interleaved pair operand counts as its two inputs or outputs: two 16-byte
+    accesses per VEC elements), all issued before the first floating-point instruction, and, on sm_90, few
     enough instructions per byte moved that an H200 can issue them at 92% of copy bandwidth (the target of the
-    CUDA kernels issue). The bound is calibrated against Nsight Compute on the 2026-11-30 H200 run, where
-    exact-erf GELU needed 8.7 instructions per byte and ran at 74%.
+    CUDA kernels issue); the 16-bit kernels, at most H200_INSTR_PER_BYTE: memory-bound, not issue-bound. The
+    bound is calibrated against Nsight Compute on the 2026-11-30 H200 run, where exact-erf GELU needed 8.7
+    instructions per byte and ran at 74%.
     float64 is exempt: its arithmetic issues at half rate, so instruction count alone does not bound it."""
     limit = S.H200_INSTR_PER_BYTE / 0.92
     checked = 0
@@ -201,6 +223,10 @@ def test_vector_path_fits_the_issue_budget(sass):
                 assert r["instr_per_byte"] <= limit, (
                     f"{where}: {r['instr_per_elem']:.1f} instructions per element, {r['instr_per_byte']:.2f} per "
                     f"byte moved: above {limit:.2f}, an H200 could not issue them at 92% of copy bandwidth")
+                if S.DTYPE_SIZE[r["dtype"]] == 2:
+                    assert r["instr_per_byte"] <= S.H200_INSTR_PER_BYTE, (
+                        f"{where}: {r['instr_per_byte']:.2f} instructions per byte moved, above the H200 issue "
+                        f"ceiling of {S.H200_INSTR_PER_BYTE}: a 16-bit kernel would be issue-bound")
                 checked += 1
     if 90 in _archs_in(sass):
         assert checked == len(S.KERNELS) * 3  # every kernel x 3 dtypes
@@ -281,18 +307,39 @@ code version = [1,8]
     ops = [op for _, op in insts]
     assert S.LOAD_128.search(ops[0]) and S.STORE_128.search(ops[2]) and S.LOCAL_MEM.search(ops[1])
     assert not S.LOAD_128.search("LDG.E.64 R4, [R2.64]") and not S.LOCAL_MEM.search("LDG.E R4, [R2.64]")
-    # the names in the binary: math::<Shape><math::<Act>>, the namespace substitution depends on the dtype
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math8GatedBwdINS4_8GeluTanhEEELi8EEEvNS_4rows"
-                    "10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
-    assert k == S.Kernel("GatedBwd", "GeluTanh", "bfloat16", 8) and k.functor == "GatedBwd<GeluTanh>"
+    # the names in the binary: math::<Shape><math::<Arg>>, the namespace substitution depends on the dtype
     assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIdNS_4math8UnaryBwdINS2_4GeluEEELi2EEEvNS_4rows10RowProblemIX"
                        "srT0_2NIEXsrS8_2NOEEES8_") == S.Kernel("UnaryBwd", "Gelu", "float64", 2)
+    # gated kernels: a gate functor, Glu<Act> or one of its own, and the interleaved form with its int arguments
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c104HalfENS_4math8GatedFwdINS4_3GluINS4_4SiluEEEEELi8EEEvNS_4rows"
+                    "10RowProblemIXsrT0_2NIEXsrSC_2NOEEESC_")
+    assert k == S.Kernel("GatedFwd", "Glu<Silu>", "float16", 8) and k.functor == "GatedFwd<Glu<Silu>>"
+    assert (k.functor, k.dtype) in EXPECTED_KERNELS and not k.interleaved
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedBwdINS2_13SwigluClampedEEELi4EEEvNS_4rows10RowProblem"
+                    "IXsrT0_2NIEXsrS8_2NOEEES8_")
+    assert k == S.Kernel("GatedBwd", "SwigluClamped", "float32", 4)
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math11InterleavedINS4_8GatedFwdINS4_3GluINS4_8"
+                    "GeluTanhEEEEELi0ELin1EEELi8EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSE_2NOEEESE_")
+    assert k == S.Kernel("GatedFwd", "Glu<GeluTanh>", "bfloat16", 8, 0, -1) and k.interleaved
+    assert k.functor == "Interleaved<GatedFwd<Glu<GeluTanh>>, 0, -1>" and (k.functor, k.dtype) in EXPECTED_KERNELS
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIdNS_4math11InterleavedINS2_8GatedBwdINS2_13SwigluClampedEEELi1ELi0E"
+                    "EELi2EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
+    assert k == S.Kernel("GatedBwd", "SwigluClamped", "float64", 2, 1, 0)
+    assert str(k) == "rows_kernel<float64, Interleaved<GatedBwd<SwigluClamped>, 1, 0>, VEC=2>"
     # a plain functor (the names before the op table) still decodes, and the inventory test would reject it
     old = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_"
                       "2NIEXsrS7_2NOEEES7_")
-    assert old == S.Kernel("SwigluBwd", None, "bfloat16", 8) and (old.shape, old.act, old.dtype) not in EXPECTED_KERNELS
+    assert old == S.Kernel("SwigluBwd", None, "bfloat16", 8) and (old.functor, old.dtype) not in EXPECTED_KERNELS
+    # so does an activation where a gate belongs (the names before Glu): decoded as it is, not predicted
+    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math8GatedBwdINS4_8GeluTanhEEELi8EEEvNS_4rows"
+                    "10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
+    assert k.functor == "GatedBwd<GeluTanh>" and (k.functor, k.dtype) not in EXPECTED_KERNELS
     assert S.kernel_of("_ZN7ffn_ext4cuda11other_kernelIfEEvv") is None
     assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4Si") is None  # truncated
+    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math11InterleavedINS2_8GatedFwdINS2_3GluINS2_4SiluEEEEELi0"
+                       "EEELi4EEEvv") is None  # Interleaved without its two ints
+    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedFwdINS2_3GluINS2_4SiluEEEEELi4EEEvv").act == \
+        "Glu<Silu>"
     res = S.parse_resources("""
 Resource usage:
  Common:
