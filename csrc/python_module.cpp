@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <tuple>
 #include <type_traits>
 
 #include "ffn_ext.h"
@@ -19,7 +20,7 @@ namespace {
 
 // ---- fast entry points of the functional API ----
 // ffn_ext.gelu(x) and the other public functions (ffn_ext/ops.py) try these first. Each is a METH_FASTCALL
-// function that takes plain tensors and calls the op through a typed dispatcher handle, as ATen's generated
+// function that takes plain tensors (then the op's scalar arguments) and calls the op through a typed dispatcher handle, as ATen's generated
 // Python bindings do; torch.ops.ffn_ext.<op> makes a boxed call parsed against the schema, which costs more host
 // time (benchmarks/host_overhead.py times both), and at decode sizes host time is what a call's latency is. Past
 // the dispatcher everything is the same call: autograd, __torch_dispatch__ modes, fake tensors, errors, warnings.
@@ -29,79 +30,99 @@ namespace {
 // ops' C++ autograd cannot serve (a torch.func transform, a forward-mode dual tensor: ops.py takes ATen's ops).
 using TRef = const at::Tensor&;
 
-// Kind: 1 unary (x), 2 gated (gate, up), 3 packed (gate_up; layout "concat", the default the API's fast path
-// serves).
-template <const char* Op, int Kind>
+// A trailing scalar argument of a fast entry (a gated op's parameter, a packed op's layout), converted from Python
+// as the schema would: float from a Python float or int (not bool), str from a str; false if it is not one.
+bool from_py(PyObject* o, double& v) {
+  if (PyFloat_CheckExact(o)) {
+    v = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  if (!PyLong_CheckExact(o)) return false;
+  v = PyLong_AsDouble(o);
+  return !(v == -1.0 && PyErr_Occurred());
+}
+bool from_py(PyObject* o, c10::string_view& v) {
+  if (!PyUnicode_Check(o)) return false;
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(o, &n);
+  if (p == nullptr) return false;
+  v = c10::string_view(p, static_cast<size_t>(n));
+  return true;
+}
+
+// The fast entry of op Op: NT tensors, then the op's scalar arguments of types Extra (all positional, in schema
+// order: ops.py passes every one).
+template <const char* Op, int NT, class... Extra>
 PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  constexpr int N = Kind == 2 ? 2 : 1;
-  if (nargs != N || at::impl::torch_function_mode_enabled()) Py_RETURN_NOTIMPLEMENTED;
+  constexpr Py_ssize_t kArgs = NT + static_cast<Py_ssize_t>(sizeof...(Extra));
+  if (nargs != kArgs || at::impl::torch_function_mode_enabled()) Py_RETURN_NOTIMPLEMENTED;
   // torch.func transforms include this key in the thread's dispatch keys while their layer stack is not empty
   if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode)) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  for (int i = 0; i < N; ++i) {
+  for (int i = 0; i < NT; ++i) {
     if (!THPVariable_CheckExact(args[i]) || THPVariable_Unpack(args[i])._fw_grad(0).defined()) {
       Py_RETURN_NOTIMPLEMENTED;
     }
+  }
+  std::tuple<Extra...> extra;
+  const bool parsed = std::apply([&](auto&... e) {
+    Py_ssize_t k = NT;
+    return (from_py(args[k++], e) && ...);
+  }, extra);
+  if (!parsed) {
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;  // torch.ops parses it and raises the schema's error
   }
   const at::Tensor& a = THPVariable_Unpack(args[0]);
   const auto dev = a.device().type();
   if (dev != c10::DeviceType::CUDA && dev != c10::DeviceType::CPU && dev != c10::DeviceType::Meta) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  using Sig = std::conditional_t<Kind == 1, at::Tensor(TRef),
-                                 std::conditional_t<Kind == 2, at::Tensor(TRef, TRef), at::Tensor(TRef, c10::string_view)>>;
+  using Sig = std::conditional_t<NT == 1, at::Tensor(TRef, Extra...), at::Tensor(TRef, TRef, Extra...)>;
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(Op, "").typed<Sig>();
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
-    if constexpr (Kind == 1) {
-      out = op.call(a);
-    } else if constexpr (Kind == 2) {
-      out = op.call(a, THPVariable_Unpack(args[1]));
+    if constexpr (NT == 1) {
+      out = std::apply([&](const auto&... e) { return op.call(a, e...); }, extra);
     } else {
-      out = op.call(a, c10::string_view("concat"));
+      out = std::apply([&](const auto&... e) { return op.call(a, THPVariable_Unpack(args[1]), e...); }, extra);
     }
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
-// _fast_<op> for every forward op of the table (ops_table.h) without keyword parameters: unary and gated ops and
-// the packed gated ops. Gated ops with parameters (swiglu_clamped) and calls with a non-default layout go through
-// torch.ops (ops.py).
+// _fast_<op> for every forward op of the table (ops_table.h): unary ops (x), gated ops (gate, up, params...) and
+// packed gated ops (gate_up, params..., layout); a parameter set's C++ types are FFN_EXT_P_TYPES_<P>.
+#define FFN_EXT_P_TYPES_NONE
+#define FFN_EXT_P_TYPES_CLAMP , double, double, double
 #define FFN_EXT_FAST_ACT(name, ...) constexpr char k_##name[] = "ffn_ext::" #name;
-#define FFN_EXT_FAST_GATED(name, Gate, P) FFN_EXT_FAST_GATED_##P(name)
-#define FFN_EXT_FAST_GATED_CLAMP(name)
-#define FFN_EXT_FAST_GATED_NONE(name)             \
+#define FFN_EXT_FAST_GATED(name, Gate, P)         \
   constexpr char k_##name[] = "ffn_ext::" #name;  \
   constexpr char k_##name##_packed[] = "ffn_ext::" #name "_packed";
 FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_ACT)
 FFN_EXT_GATED(FFN_EXT_FAST_GATED)
 #undef FFN_EXT_FAST_ACT
 #undef FFN_EXT_FAST_GATED
-#undef FFN_EXT_FAST_GATED_NONE
-#undef FFN_EXT_FAST_GATED_CLAMP
 
 constexpr const char* kFastDoc =
     "Fast entry point of the functional API (returns NotImplemented where torch.ops must serve the call).";
-template <const char* Op, int Kind>
+template <const char* Op, int NT, class... Extra>
 PyMethodDef fast_def(const char* name) {
-  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<Op, Kind>)), METH_FASTCALL,
-          kFastDoc};
+  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_call<Op, NT, Extra...>)),
+          METH_FASTCALL, kFastDoc};
 }
 PyMethodDef fast_methods[] = {
 #define FFN_EXT_FAST_DEF_ACT(name, ...) fast_def<k_##name, 1>("_fast_" #name),
-#define FFN_EXT_FAST_DEF_GATED(name, Gate, P) FFN_EXT_FAST_DEF_GATED_##P(name)
-#define FFN_EXT_FAST_DEF_GATED_CLAMP(name)
-#define FFN_EXT_FAST_DEF_GATED_NONE(name) \
-  fast_def<k_##name, 2>("_fast_" #name), fast_def<k_##name##_packed, 3>("_fast_" #name "_packed"),
+#define FFN_EXT_FAST_DEF_GATED(name, Gate, P)                 \
+  fast_def<k_##name, 2 FFN_EXT_P_TYPES_##P>("_fast_" #name), \
+      fast_def<k_##name##_packed, 1 FFN_EXT_P_TYPES_##P, c10::string_view>("_fast_" #name "_packed"),
     FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_DEF_ACT) FFN_EXT_GATED(FFN_EXT_FAST_DEF_GATED)
 #undef FFN_EXT_FAST_DEF_ACT
 #undef FFN_EXT_FAST_DEF_GATED
-#undef FFN_EXT_FAST_DEF_GATED_NONE
-#undef FFN_EXT_FAST_DEF_GATED_CLAMP
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

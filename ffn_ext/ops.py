@@ -110,6 +110,8 @@ def _native_for(t: torch.Tensor) -> bool:
 
 
 _overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
+# op name -> its keyword-only scalar arguments, in schema order: the gated op's parameters, then a packed op's layout
+_KEYWORDS = {n: tuple(p.name for p in s.params) + (("layout",) if s.kind == "packed" else ()) for n, s in OPS.items()}
 _fast: dict = {}  # op name -> the native library's fast entry point (csrc/python_module.cpp), set by _adopt
 _is_compiling = torch.compiler.is_compiling
 
@@ -123,34 +125,44 @@ def _transformed(args: tuple) -> bool:
     return _compat.functorch_active() or _compat.has_tangent(args)
 
 
-def _call(name: str, args: tuple, kwargs: dict | None = None):
-    """The op on args (and keyword arguments: a gated op's parameters, a packed op's layout), by the cheapest path
-    that serves them:
-    1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no keyword arguments, no
-       __torch_function__ mode, not under torch.compile. It calls the op through the dispatcher as ATen's own
-       bindings do: on a CPU core ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors;
-       benchmarks/host_overhead.py). It returns NotImplemented for everything else;
+def _call(name: str, args: tuple, extra: tuple = ()):
+    """The op on tensors `args` and its scalar arguments `extra` (a gated op's parameters, then a packed op's
+    layout: every one, in schema order, _KEYWORDS[name]), by the cheapest path that serves them:
+    1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no __torch_function__ mode, not
+       under torch.compile. It calls the op through the dispatcher as ATen's own bindings do: on a CPU core
+       ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors; benchmarks/host_overhead.py). It returns
+       NotImplemented for everything else;
     2. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device (tensor subclasses, torch function
        modes, and what torch.compile traces);
     3. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
        library, torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path."""
     try:
-        if not kwargs:
-            fast = _fast.get(name)
-            if fast is not None and not _is_compiling():
-                out = fast(*args)
-                if out is not NotImplemented:
-                    return out
+        fast = _fast.get(name)
+        if fast is not None and not _is_compiling():
+            out = fast(*args, *extra)
+            if out is not NotImplemented:
+                return out
         if _native_for(args[0]) and not _transformed(args):
             overload = _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
-            return overload(*args, **kwargs) if kwargs else overload(*args)
+            return overload(*args, **dict(zip(_KEYWORDS[name], extra))) if extra else overload(*args)
     except Exception:
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
+        _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
         raise
-    return _fallback(name, args, kwargs)
+    return _fallback(name, args, dict(zip(_KEYWORDS[name], extra)))
+
+
+def _check_extra(name: str, kwargs: dict) -> None:
+    """The checks the native ops make of a gated op's parameters and a packed op's layout, same messages."""
+    spec, op = OPS[name], f"ffn_ext.{name}"
+    if spec.gated is not None and spec.params:
+        check_params(op, spec.gated, {p.name: kwargs.get(p.name, p.default) for p in spec.params})
+    layout = kwargs.get("layout", "concat")
+    if spec.kind == "packed" and layout not in LAYOUTS:
+        raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
 
 
 def _fallback(name: str, args: tuple, kwargs: dict | None = None):
@@ -165,10 +177,7 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
     missing = [k for k, v in params.items() if v is None]
     if missing:
         raise TypeError(f"{op}: missing required keyword argument(s) {missing}")
-    if spec.gated is not None:
-        check_params(op, spec.gated, params)
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
+    _check_extra(name, dict(params, **({"layout": layout} if layout is not None else {})))
     _check_kinds(op, spec.args, args)
     r = 1 if spec.backward else 0  # the argument the others are checked against: x, gate or gate_up
     ref_name, ref = spec.args[r], args[r]
@@ -239,15 +248,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _call("swiglu", (gate, up))
 
 
-def _layout(layout: str):
-    """A packed op's keyword arguments for `layout` (none for the default, so the fast entry point serves it)."""
-    return None if layout == "concat" else {"layout": layout}
-
-
 def swiglu_packed(gate_up: torch.Tensor, *, layout: str = "concat") -> torch.Tensor:
     """silu(gate) * up from one [..., 2M] tensor -> [..., M], read in place. layout="concat": gate, up =
     gate_up.chunk(2, -1); "interleaved": gate, up = gate_up[..., ::2], gate_up[..., 1::2] (GPT-OSS)."""
-    return _call("swiglu_packed", (gate_up,), _layout(layout))
+    return _call("swiglu_packed", (gate_up,), (layout,))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -259,23 +263,22 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> to
 def geglu_packed(gate_up: torch.Tensor, approximate: str = "none", *, layout: str = "concat") -> torch.Tensor:
     """gelu(gate, approximate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed) -> [..., M]."""
     act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
-    return _call(act.gated + "_packed", (gate_up,), _layout(layout))
+    return _call(act.gated + "_packed", (gate_up,), (layout,))
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float = 1.0,
                    up_offset: float = 0.0) -> torch.Tensor:
     """(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit), fused:
     GPT-OSS's experts (alpha=1.702, up_offset=1.0, limit=7.0) and DeepSeek-V4 (alpha=1.0, up_offset=0.0,
-    limit=config.swiglu_limit). limit must be > 0 (ValueError). Gradients are torch.clamp's: they pass where the
-    input is within the bounds (the bounds included) and are 0 beyond."""
-    return _call("swiglu_clamped", (gate, up), {"limit": limit, "alpha": alpha, "up_offset": up_offset})
+    limit=config.swiglu_limit). limit must be > 0 (ValueError; inf: no clamp). Gradients are those of that
+    expression under torch's autograd (torch.clamp's: passed inside the bounds, 0 beyond)."""
+    return _call("swiglu_clamped", (gate, up), (limit, alpha, up_offset))
 
 
 def swiglu_clamped_packed(gate_up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0,
                           layout: str = "concat") -> torch.Tensor:
     """swiglu_clamped of one [..., 2M] tensor in `layout` (as for swiglu_packed; GPT-OSS: "interleaved")."""
-    return _call("swiglu_clamped_packed", (gate_up,),
-                 {"limit": limit, "alpha": alpha, "up_offset": up_offset, "layout": layout})
+    return _call("swiglu_clamped_packed", (gate_up,), (limit, alpha, up_offset, layout))
 
 
 def _act(activation: str):
@@ -294,7 +297,7 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
 def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str = "concat") -> torch.Tensor:
     """act(gate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed), for any activation of the
     table by its name."""
-    return _call(_act(activation).gated + "_packed", (gate_up,), _layout(layout))
+    return _call(_act(activation).gated + "_packed", (gate_up,), (layout,))
 
 
 # ---------------------------------------------------------------- build information

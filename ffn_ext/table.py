@@ -185,10 +185,10 @@ def gated_terms(g: Gated, gate, up, grad=None, **params):
 # ---- clamped SwiGLU: (clamp(up, -L, L) + up_offset) * x sigmoid(alpha x), x = clamp(gate, max=L) (GPT-OSS,
 # DeepSeek-V4). x sigmoid(alpha x) = silu(alpha x) / alpha and its derivative is silu'(alpha x).
 def _check_clamp(op, limit, alpha, up_offset):
-    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+    if not isinstance(limit, (int, float)) or not limit > 0:
         raise ValueError(f"{op}: `limit` must be > 0, got {limit!r}")
     for name, v in (("alpha", alpha), ("up_offset", up_offset)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"{op}: `{name}` must be finite, got {v!r}")
 
 
