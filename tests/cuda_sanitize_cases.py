@@ -1,5 +1,6 @@
-"""Every ffn_ext op (forward and backward, every activation of the op table ffn_ext/table.py) on CUDA, every dtype,
-a few shapes and layouts: a plain script for compute-sanitizer (no pytest, runs in seconds):
+"""Every ffn_ext op (forward and backward, every activation and gated op of the op table ffn_ext/table.py, gated
+ops with parameters at their example values, packed ops in both layouts) on CUDA, every dtype, a few shapes and
+layouts: a plain script for compute-sanitizer (no pytest, runs in seconds):
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tests/cuda_sanitize_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/cuda_sanitize_cases.py
@@ -14,7 +15,7 @@ import sys
 import torch
 
 import ffn_ext
-from ffn_ext.table import ACTIVATIONS
+from ffn_ext.table import ACTIVATIONS, GATED, LAYOUTS
 
 OPS = torch.ops.ffn_ext
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -63,34 +64,45 @@ def main():
                 gc = grad.cpu()
                 up = torch.randn(rows, cols, generator=gen).to(dtype).cuda()
                 uc = up.cpu()
-                for act in ACTIVATIONS:  # the op table: each activation's six ops
+                for act in ACTIVATIONS:  # the op table: each activation's two ops
                     unary, unary_bw = getattr(OPS, act.name), getattr(OPS, act.name + "_backward")
-                    gated, gated_bw = getattr(OPS, act.gated), getattr(OPS, act.gated + "_backward")
                     check(f"{act.name} {tag}", unary(x), unary(xc.double()), dtype)
                     check(f"{act.name}_backward {tag}", unary_bw(grad, x), unary_bw(gc.double(), xc.double()), dtype)
-                    check(f"{act.gated} {tag}", gated(x, up), gated(xc.double(), uc.double()), dtype)
-                    dg, du = gated_bw(grad, x, up)
-                    rg, ru = gated_bw(gc.double(), xc.double(), uc.double())
-                    check(f"{act.gated}_backward.dgate {tag}", dg, rg, dtype)
-                    check(f"{act.gated}_backward.dup {tag}", du, ru, dtype)
-                    calls += 4
+                    calls += 2
+                for g in GATED:  # and each gated op's four, at the example parameters, packed in both layouts
+                    p = g.example
+                    gated, gated_bw = getattr(OPS, g.name), getattr(OPS, g.name + "_backward")
+                    check(f"{g.name} {tag}", gated(x, up, **p), gated(xc.double(), uc.double(), **p), dtype)
+                    dg, du = gated_bw(grad, x, up, **p)
+                    rg, ru = gated_bw(gc.double(), xc.double(), uc.double(), **p)
+                    check(f"{g.name}_backward.dgate {tag}", dg, rg, dtype)
+                    check(f"{g.name}_backward.dup {tag}", du, ru, dtype)
+                    calls += 2
                     if cols % 2 == 0:  # packed ops: x is [rows, 2M]
                         m = cols // 2
                         gm = grad[:, :m]  # a strided grad
-                        packed = getattr(OPS, act.gated + "_packed")
-                        packed_bw = getattr(OPS, act.gated + "_packed_backward")
-                        check(f"{act.gated}_packed {tag}", packed(x), packed(xc.double()), dtype)
-                        check(f"{act.gated}_packed_backward {tag}", packed_bw(gm, x),
-                              packed_bw(gm.cpu().double(), xc.double()), dtype)
-                        calls += 2
+                        packed = getattr(OPS, g.name + "_packed")
+                        packed_bw = getattr(OPS, g.name + "_packed_backward")
+                        for layout in LAYOUTS:
+                            lt = f"{tag} {layout}"
+                            check(f"{g.name}_packed {lt}", packed(x, **p, layout=layout),
+                                  packed(xc.double(), **p, layout=layout), dtype)
+                            check(f"{g.name}_packed_backward {lt}", packed_bw(gm, x, **p, layout=layout),
+                                  packed_bw(gm.cpu().double(), xc.double(), **p, layout=layout), dtype)
+                            calls += 2
         # autograd through the public API (the backward ops run from autograd's engine thread)
         for act in ACTIVATIONS:
-            gu = torch.randn(6, 2 * 45, generator=gen).to(dtype).cuda().requires_grad_(True)
-            ffn_ext.gated_packed(gu, activation=act.name).sum().backward()
+            for layout in LAYOUTS:
+                gu = torch.randn(6, 2 * 45, generator=gen).to(dtype).cuda().requires_grad_(True)
+                ffn_ext.gated_packed(gu, activation=act.name, layout=layout).sum().backward()
+                calls += 2
             x = torch.randn(6, 45, generator=gen).to(dtype).cuda().requires_grad_(True)
             function, options = act.api
             getattr(ffn_ext, function)(x, **options).sum().backward()
-            calls += 4
+            calls += 2
+        gu = torch.randn(6, 2 * 45, generator=gen).to(dtype).cuda().mul(4).requires_grad_(True)
+        ffn_ext.swiglu_clamped_packed(gu, limit=7.0, alpha=1.702, up_offset=1.0, layout="interleaved").sum().backward()
+        calls += 2
     torch.cuda.synchronize()
     print(f"cuda_sanitize_cases: OK, {calls} op calls on {torch.cuda.get_device_name()} "
           f"(cuda kernels: {ffn_ext.has_cuda_kernels()})")
