@@ -21,7 +21,11 @@ module's act_fn or activation_fn) one of the activations of ffn_ext's table (ffn
 (transformers classes are recognised by class name in transformers.activations and the ACT2FN name they stand for,
 which the table's ``hf_names`` must list; tests/test_hf.py checks each against transformers' ACT2FN numerically).
 Not patched, named in the warning: any other activation, e.g. transformers' QuickGELUActivation ("quick_gelu",
-x sigmoid(1.702 x), not a GELU ffn_ext implements), ClippedGELUActivation ("gelu_10", a clamped GELU), ReLU.
+x sigmoid(1.702 x), not a GELU ffn_ext implements), ClippedGELUActivation ("gelu_10", a clamped GELU), ReLU. Nor
+gatings that clamp the activation's output, clamp(act_fn(gate), max=limit) * clamp(up, -limit, limit), which no
+ffn_ext op computes (``_CLAMP_AFTER``: Step-3.7's Step3p7MLP and Step3p7Experts, and any class that sets
+transformers' _fp8_experts_clamp_after_activation = True): named with that reason, also when listed in
+extra_classes.
 
 Which modules: those of the transformers classes known to have exactly that forward (``_KNOWN``: Llama, Qwen2/3,
 Mistral, DeepSeek-V3, OLMo, Granite, ... with SiLU; Gemma, Gemma2, Gemma3, Gemma4 text, VaultGemma,
@@ -40,19 +44,21 @@ down_proj of (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g 
 (and alpha) read from the module at each call; the patched forward runs the projections as modules around
 ffn_ext.swiglu_clamped (packed: swiglu_clamped_packed). Their activation, where they have one, must be a SiLU.
 
-MoE experts (``_EXPERTS``, 69 transformers classes): the modules holding a layer's routed experts as 3-D parameters
-(gate_up_proj [E, 2I, H], down_proj), whose gating of the [S, 2I] projection is one ffn_ext op: act_fn(gate) * up
-with act_fn of the table (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, ...: gated_packed), or clamped (swiglu_clamped_packed:
-GPT-OSS's interleaved halves with alpha 1.702 and up + 1; DeepSeek-V4's, GLM-5-Next's, ...). transformers'
-@use_experts_implementation classes reach the gating through ``_apply_gate`` under grouped_mm, batched_mm and
-deepgemm, and through their own forward under "eager" (config._experts_implementation): the instance's _apply_gate
-is replaced (_BoundGate) and, where the class's forward inlines the gating (``act_fn(gate) * up`` on a chunk), the
-instance's forward too (_BoundExperts: the same loop with the fused gating while the implementation is "eager", the
-class's forward otherwise); classes without that switch (Llama 4, LongCat, DBRX, Inkling's shared experts) get a
-replaced forward. Gated experts modules (has_gate, an _apply_gate, or 3-D gate parameters) that are not in the list
-(or whose activation or limit ffn_ext cannot take) are named in the warning, as are MLPs; experts that are not gated
-(act(up), NemotronH) are not, like non-gated MLPs. The experts' self-check runs the class's gating code and the op on
-a random projection (float32 on the CPU: the gating has no parameters), scaled past the clamp limit.
+MoE experts (``_EXPERTS``, 70 transformers classes): the modules holding a layer's routed experts as 3-D parameters
+(gate_up_proj [E, 2I, H], down_proj; JetMoeMoE: in JetMoeParallelExperts submodules), whose gating of the [S, 2I]
+projection is one ffn_ext op: act_fn(gate) * up with act_fn of the table (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
+JetMoE, ...: gated_packed), or clamped (swiglu_clamped_packed: GPT-OSS's interleaved halves with alpha 1.702 and
+up + 1; DeepSeek-V4's, GLM-5-Next's, ...). transformers' @use_experts_implementation classes reach the gating through
+``_apply_gate`` under grouped_mm, batched_mm and deepgemm, and through their own forward under "eager"
+(config._experts_implementation): the instance's _apply_gate is replaced (_BoundGate) and, where the class's forward
+inlines the gating (``act_fn(gate) * up`` on a chunk), the instance's forward too (_BoundExperts: the same loop with
+the fused gating while the implementation is "eager", the class's forward otherwise); classes without that switch
+(Llama 4, LongCat, DBRX, Inkling's shared experts, JetMoE's MoE layer, whose forward routes and gates: not
+JetMoeMoA, its attention experts, which have no gating) get a replaced forward. Gated experts modules (a subclass of
+a class of the list, has_gate, an _apply_gate, or 3-D gate parameters) that are not in the list (or whose activation
+or limit ffn_ext cannot take) are named in the warning, as are MLPs; experts that are not gated (act(up), NemotronH)
+are not, like non-gated MLPs. The experts' self-check runs the class's gating code and the op on a random projection
+(float32 on the CPU: the gating has no parameters), scaled past the clamp limit.
 
 The patch replaces the MLP instance's ``forward`` (no class swap, no weight copy): the parameters stay the same
 objects, state_dict / save_pretrained are unchanged, deepcopy and pickling keep the patch. Called with one tensor
@@ -157,7 +163,9 @@ _KNOWN_CLAMPED = {
 #                .chunk(2, -1); act_fn(gate) * up; transformers' default _apply_gate (the same gating) serves its other
 #                implementations: both are patched (matmul: x @ gate_up_proj[e], is_transposed; linear_norm: with the
 #                post_expert_norm)
-#   llama4, longcat, dbrx, shared   classes without an experts implementation switch: forward is patched
+#   llama4, longcat, dbrx, shared, jetmoe   classes without an experts implementation switch: forward is patched
+#                (jetmoe: JetMoE's MoE layer, router and experts in one, its experts' [S, 2I] projection from
+#                JetMoeParallelExperts submodules)
 # tests/test_hf_moe.py checks each against transformers' source, and that no class of these forms is missing.
 _GPT_OSS = _Gate(act=None, limit="limit", alpha="alpha", up_offset=1.0)
 _EXPERTS = {
@@ -187,10 +195,19 @@ _EXPERTS = {
     "LongcatFlashExperts": (_PLAIN, "longcat"),
     "DbrxExpertGLU": (_Gate(act="activation_fn"), "dbrx"),
     "InklingSharedExperts": (_PLAIN, "shared"),
+    "JetMoeMoE": (_Gate(act="activation"), "jetmoe"),  # not JetMoeMoA (attention experts: no gating)
 }
 
 _UNKNOWN_EXPERTS = ("MoE experts modules whose gating ffn_ext does not compute or that are not known to it (their "
                     "routed experts run as they are, unaccelerated)")
+_CLAMPS_AFTER = ("gated MLPs and experts that clamp the activation's output, down(clamp(act_fn(gate), max=limit) * "
+                 "clamp(up, -limit, limit)) (Step-3.7; transformers' _fp8_experts_clamp_after_activation): ffn_ext's "
+                 "clamped SwiGLU clamps the gate before the activation, silu(clamp(gate, max=limit)), and no ffn_ext "
+                 "op clamps after it (they run as they are, unaccelerated)")
+# transformers 5.24 classes with the gated MLP modules' children (or experts' _apply_gate) whose gating clamps
+# the activation's output (_CLAMPS_AFTER; tests/test_hf_moe.py checks the source and that none is missing); also
+# any class that sets transformers' _fp8_experts_clamp_after_activation = True itself
+_CLAMP_AFTER = frozenset({"Step3p7MLP", "Step3p7Experts"})
 _DISAGREES_GATE = ("their gating gave a different result from ffn_ext's op on a random input (self-check), so it "
                    "must run as it is")
 
@@ -431,6 +448,20 @@ def _shared_forward(self, state, hidden_states, gammas):
     return down.float().sum(dim=0).to(hidden_states.dtype).view(input_shape)
 
 
+def _jetmoe_forward(self, state, layer_input):
+    bsz, length, emb_size = layer_input.size()
+    layer_input = layer_input.reshape(-1, emb_size)
+    _, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)
+    expert_inputs = layer_input[batch_index]
+    hidden_states = _fused_gate(state, self.input_linear(expert_inputs, expert_size))
+    expert_outputs = self.output_linear(hidden_states, expert_size)
+    expert_outputs = expert_outputs * batch_gates[:, None]
+    zeros = torch.zeros((bsz * length, self.input_size), dtype=expert_outputs.dtype, device=expert_outputs.device)
+    layer_output = zeros.index_add(0, batch_index, expert_outputs)
+    layer_output = layer_output.view(bsz, length, self.input_size)
+    return layer_output + self.bias
+
+
 _ROUTED = ("hidden_states", "top_k_index", "top_k_weights")
 # form -> (the replacement forward, its parameters after self, whether the class has transformers' experts
 # implementation switch (@use_experts_implementation: then only its "eager" runs the replacement)); "gate": none
@@ -443,6 +474,7 @@ _FORMS = {
     "longcat": (_longcat_forward, _ROUTED, False),
     "dbrx": (_dbrx_forward, ("x", "expert_w1", "expert_v1", "expert_w2"), False),
     "shared": (_shared_forward, ("hidden_states", "gammas"), False),
+    "jetmoe": (_jetmoe_forward, ("layer_input",), False),
 }
 
 
@@ -583,18 +615,27 @@ def _experts_entry(cls):
     return _EXPERTS[c.__name__]
 
 
+def _clamps_after(cls) -> bool:
+    """Whether cls's gating clamps the activation's output (_CLAMPS_AFTER): the class defining its _apply_gate (else
+    its forward) is a transformers class of _CLAMP_AFTER, or sets _fp8_experts_clamp_after_activation = True."""
+    c = _defining(cls, "_apply_gate") or _defining(cls, "forward")
+    return c is not None and ((c.__name__ in _CLAMP_AFTER and c.__module__.startswith("transformers."))
+                              or vars(c).get("_fp8_experts_clamp_after_activation") is True)
+
+
 def _3d(params: dict, name: str) -> bool:
     t = params.get(name)
     return t is not None and t.dim() == 3
 
 
 def _is_experts(module) -> bool:
-    """Whether `module` holds gated MoE experts (patched, or named in the warning): a class of _EXPERTS; an experts
-    class of transformers' @use_experts_implementation, by its has_gate (non-gated experts, act(up), are no more
-    this patch's business than non-gated MLPs); any module with an _apply_gate; one with a 3-D gate_up_proj
-    parameter, or 3-D gate_proj and up_proj."""
+    """Whether `module` holds gated MoE experts (patched, or named in the warning): a class of _EXPERTS or a subclass
+    of one (its own forward or _apply_gate: not known); an experts class of transformers'
+    @use_experts_implementation, by its has_gate (non-gated experts, act(up), are no more this patch's business
+    than non-gated MLPs); any module with an _apply_gate; one with a 3-D gate_up_proj parameter, or 3-D gate_proj
+    and up_proj."""
     cls = type(module)
-    if _experts_entry(cls) is not None:
+    if any(c.__name__ in _EXPERTS and c.__module__.startswith("transformers.") for c in cls.__mro__):
         return True
     has_gate = module.__dict__.get("has_gate")
     if isinstance(has_gate, bool):
@@ -683,7 +724,7 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
     submodules that are not known to compute that, whose activation is not one of the table's or that fail the
     self-check, and gated MoE experts modules ffn_ext does not accelerate, are left unpatched with one RuntimeWarning
     naming their classes (and why); with strict=True that is a ValueError and nothing is patched. extra_classes
-    does not apply to experts modules."""
+    does not apply to experts modules, nor to gatings known to clamp the activation's output (_CLAMP_AFTER)."""
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
@@ -695,7 +736,7 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
         if _is_experts(module):
             entry = _experts_entry(type(module))
             if entry is None:
-                reason = _UNKNOWN_EXPERTS
+                reason = _CLAMPS_AFTER if _clamps_after(type(module)) else _UNKNOWN_EXPERTS
             else:
                 gate, form = entry
                 reason = _gate_problem(module, gate) or (None if _gate_agrees(module, gate) else _DISAGREES_GATE)
@@ -711,7 +752,9 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
                 continue
             kind, act_name = found
             clamp = _clamped_entry(type(module))
-            if clamp is not None:
+            if _clamps_after(type(module)):  # whatever extra_classes says: its forward is known
+                reason = _CLAMPS_AFTER
+            elif clamp is not None:
                 func = _clamped_forward if kind == "gated" else _clamped_packed_forward
                 act_name, act = clamp.act, clamp.act and _attr(module, clamp.act)
                 reason = _gate_problem(module, clamp)

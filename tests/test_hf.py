@@ -412,7 +412,8 @@ def test_self_check_refuses_a_listed_class_that_is_not_plain_swiglu():
 
 # Modules of transformers 5.24 with gate_proj/up_proj/down_proj (or gate_up_proj/down_proj) nn.Linear children and a
 # SiLU whose forward does more than SwiGLU: class -> its modeling module (the difference in the comment). The clamped
-# ones (DeepseekV4MLP, Glm5NextTextMLP: ffn_ext.swiglu_clamped) are patched: tests/test_hf_moe.py
+# ones (DeepseekV4MLP, Glm5NextTextMLP: ffn_ext.swiglu_clamped) are patched, and those that clamp the activation's
+# output (Step3p7MLP: ffn_ext.hf._CLAMP_AFTER) named with that reason: tests/test_hf_moe.py
 LOOKALIKES = {
     "FalconH1MLP": "falcon_h1",  # gate_multiplier, down_multiplier
     "InklingMLP": "inkling",  # global_scale
@@ -533,7 +534,7 @@ def test_known_classes_compute_plain_gated_mlp():
     wrong = {name: files for name, files in found.items() if not set(files.values()) <= forms}
     assert not wrong, wrong
     assert not plain - ffn_ext.hf._KNOWN, f"plain gated MLPs missing from _KNOWN: {sorted(plain - ffn_ext.hf._KNOWN)}"
-    assert not set(LOOKALIKES) & ffn_ext.hf._KNOWN
+    assert not (set(LOOKALIKES) | ffn_ext.hf._CLAMP_AFTER) & ffn_ext.hf._KNOWN
     bad = {}
     for name, files in acts.items():
         for file, (used, assigned) in files.items():

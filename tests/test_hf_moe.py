@@ -168,6 +168,57 @@ def test_moe_models_patch_every_expert_module_and_match(kind, impl, monkeypatch)
     assert ffn_ext.hf.unpatch_model(model) == len(todo)
 
 
+# JetMoE: each layer's MoE (JetMoeMoE: router, experts and their gating in one forward, the [S, 2I] projection from a
+# JetMoeParallelExperts submodule); its attention experts (JetMoeMoA) have no gating. Not @use_experts_implementation
+JETMOE = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8, intermediate_size=16,
+              num_local_experts=4, num_experts_per_tok=2, vocab_size=97, max_position_embeddings=64, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, initializer_range=0.2, output_router_logits=True)
+
+
+def test_jetmoe_moe_layers_are_patched_and_match(monkeypatch):
+    """Tiny JetMoE in fp32: both JetMoeMoE layers are patched (forward replaced), nothing else (JetMoeMoA, the
+    attention experts, untouched); the gating runs on gated_packed, once per layer and forward, on input_linear's
+    [S, 2I] output itself (in place, no copy or chunk); logits, the router's aux loss, all parameter gradients and
+    greedy generate() equal the unpatched model's; unpatch restores the class's forward."""
+    torch.manual_seed(0)
+    model = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(**JETMOE)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ in ("JetMoeMoE", "JetMoeMoA"):
+                m.bias.normal_()
+    ref = copy.deepcopy(model)
+    moe = [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]
+    moa = [m for m in model.modules() if type(m).__name__ == "JetMoeMoA"]
+    assert len(moe) == len(moa) == 2 and [m for _, m in _patchable(model)] == moe
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(model, strict=True) == 2
+    assert all(isinstance(vars(m)["forward"], hf._BoundExperts) and getattr(m, hf._MARK) == "experts" for m in moe)
+    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) for m in model.modules() if m not in moe)
+
+    spy = Spy(monkeypatch)
+    projections = []
+    for m in moe:
+        m.input_linear.register_forward_hook(lambda mod, i, o: projections.append(o))
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    out, out0 = model(ids), ref(ids)
+    assert [c[0] for c in spy.calls] == ["gated_packed"] * 2
+    assert all(c[1][0] is p and c[1][0].shape == (2 * 9 * 2, 2 * 16) for c, p in zip(spy.calls, projections))
+    torch.testing.assert_close(out.logits, out0.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.aux_loss, out0.aux_loss, atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(out.logits)
+    ((out.logits * w).sum() + out.aux_loss).backward()
+    ((out0.logits * w).sum() + out0.aux_loss).backward()
+    _grads_equal(model, ref)
+
+    prompt = ids[:1, :5]
+    gen = model.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
+    gen0 = ref.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert gen.shape == (1, 8) and torch.equal(gen, gen0)
+    assert ffn_ext.hf.unpatch_model(model) == 2
+    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) for m in model.modules())
+
+
 # ---------------------------------------------------------------- the other forms, module by module
 CONFIG = dict(hidden_size=16, intermediate_size=8, moe_intermediate_size=8, expert_ffn_hidden_size=8,
               ffn_hidden_size=8, dense_intermediate_size=8, moe_hidden_size=16, num_local_experts=4, num_experts=4,
@@ -286,15 +337,23 @@ def test_unpatched_experts_are_named_in_one_warning_and_strict_raises():
 
 def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
     """Each reason to leave experts alone, in one warning: a gating ffn_ext lacks (Step3p7's clamp after the
-    activation), a subclass with its own _apply_gate (not known), a clamped gating with a GELU, a limit that is
-    not a number > 0, and a class whose _apply_gate disagrees with the op on a random input (self-check)."""
+    activation), subclasses of known classes with their own _apply_gate or forward (not known), an activation
+    ffn_ext lacks (JetMoE's MoE layer with ReLU), a clamped gating with a GELU, a limit that is not a number > 0,
+    and a class whose _apply_gate disagrees with the op on a random input (self-check)."""
     step = _module("Step3p7Experts", "step3p7")
 
     class MyGate(_class("Glm5NextTextExperts", "glm5_next")):
         def _apply_gate(self, gate_up):
             return super()._apply_gate(gate_up) * 2
 
+    jet_config = types.SimpleNamespace(**{**CONFIG, "activation_function": "relu", "num_experts_per_tok": 2})
+
+    class MyJet(_class("JetMoeMoE", "jetmoe")):
+        def forward(self, layer_input):
+            return super().forward(layer_input) * 2
+
     mine = MyGate(types.SimpleNamespace(**CONFIG))
+    jet_relu, jet_sub = _class("JetMoeMoE", "jetmoe")(jet_config), MyJet(jet_config)
     gelu = _class("DeepseekV4Experts", "deepseek_v4")(types.SimpleNamespace(**{**CONFIG, "hidden_act": "gelu"}))
     no_limit = _module("HYV4Experts", "hy_v4")
     no_limit.swiglu_limit = None
@@ -302,7 +361,8 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
     cls = type(odd)
     orig = cls._apply_gate
     monkeypatch.setattr(cls, "_apply_gate", lambda self, gate_up: orig(self, gate_up) + 1)
-    net = nn.ModuleDict(dict(step=step, mine=mine, gelu=gelu, no_limit=no_limit, odd=odd))
+    net = nn.ModuleDict(dict(step=step, mine=mine, jet_sub=jet_sub, jet_relu=jet_relu, gelu=gelu, no_limit=no_limit,
+                             odd=odd))
     with pytest.raises(ValueError, match="strict=True: nothing patched"):
         ffn_ext.patch_hf_model(net, strict=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -310,11 +370,61 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
         assert ffn_ext.patch_hf_model(net) == 0
     assert len(caught) == 1
     msg = str(caught[0].message)
-    for part in (r"MoE experts modules whose gating ffn_ext does not compute.*Step3p7Experts at 'step', MyGate at "
-                 r"'mine'", r"clamped gating with activation GELUActivation \(gelu\).*DeepseekV4Experts at 'gelu'",
+    for part in (r"clamp the activation's output.*no ffn_ext op clamps after it.*Step3p7Experts at 'step'",
+                 r"MoE experts modules whose gating ffn_ext does not compute.*MyGate at 'mine', MyJet at 'jet_sub'",
+                 r"activation ReLU is not one ffn_ext implements.*JetMoeMoE at 'jet_relu'",
+                 r"clamped gating with activation GELUActivation \(gelu\).*DeepseekV4Experts at 'gelu'",
                  r"clamp limit swiglu_limit = None is not a number > 0.*HYV4Experts at 'no_limit'",
                  r"self-check.*MiniMaxM3VLExperts at 'odd'"):
         assert re.search(part, msg), (part, msg)
+
+
+def test_gatings_that_clamp_after_the_activation_are_named_with_what_they_compute():
+    """Step-3.7's MLPs (shared expert and dense layers, nn.Linear gate_proj / up_proj / down_proj like a SwiGLU) and
+    experts clamp the activation's output, clamp(silu(gate), max=limit) * clamp(up, -limit, limit), which no ffn_ext
+    op computes; so does any experts class that sets transformers' _fp8_experts_clamp_after_activation. All are
+    named in the one warning with that reason, also when listed in extra_classes (the forward is known), and
+    refused with strict=True; they compute what they did."""
+    config = types.SimpleNamespace(**CONFIG, share_expert_dim=8, swiglu_limits_shared=[1.0, 0.0])
+    mlp_cls = _class("Step3p7MLP", "step3p7")
+
+    class Flagged(nn.Module):
+        _fp8_experts_clamp_after_activation = True
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 16))
+            self.down_proj = nn.Parameter(torch.randn(4, 16, 8))
+
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.tanh(gate).clamp(max=0.5) * up
+
+    torch.manual_seed(0)
+    net = nn.ModuleDict(dict(mlp=mlp_cls(config, 0), unclamped=mlp_cls(config, 1),  # limit 0.0: inf, "no clamp"
+                             experts=_class("Step3p7Experts", "step3p7")(config, swiglu_limit=1.0), flagged=Flagged()))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn_like(p))
+    assert net["mlp"].limit == 1.0 and net["unclamped"].limit == float("inf")
+    x, ids, w = _inputs("routed")
+
+    def run():
+        return net["mlp"](x), net["unclamped"](x), net["experts"](x, ids, w)
+
+    ref = run()
+    with pytest.raises(ValueError, match=r"clamp the activation's output.*Step3p7MLP.*strict=True"):
+        ffn_ext.patch_hf_model(net, strict=True, extra_classes=[mlp_cls])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ffn_ext.patch_hf_model(net, extra_classes=[mlp_cls]) == 0
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    assert re.search(r"clamp\(act_fn\(gate\), max=limit\).*clamps the gate before the activation.*: Step3p7MLP at "
+                     r"'mlp' and 1 more, Step3p7Experts at 'experts', Flagged at 'flagged' \(left unpatched\)$",
+                     str(caught[0].message)), str(caught[0].message)
+    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
+    for y, y0 in zip(run(), ref):
+        torch.testing.assert_close(y, y0, rtol=0, atol=0)
 
 
 def test_non_gated_experts_are_not_this_patchs_business():
@@ -558,10 +668,25 @@ activated = self.act_fn(gate) * up * gammas
 down = torch.bmm(activated, self.down_proj.transpose(1, 2))
 out = down.float().sum(dim=0).to(hidden_states.dtype)
 return out.view(input_shape)"""},
+    "jetmoe": {"""bsz, length, emb_size = layer_input.size()
+layer_input = layer_input.reshape(-1, emb_size)
+_, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)
+expert_inputs = layer_input[batch_index]
+hidden_states = self.input_linear(expert_inputs, expert_size)
+chunked_hidden_states = hidden_states.chunk(2, dim=-1)
+hidden_states = self.activation(chunked_hidden_states[0]) * chunked_hidden_states[1]
+expert_outputs = self.output_linear(hidden_states, expert_size)
+expert_outputs = expert_outputs * batch_gates[:, None]
+zeros = torch.zeros((bsz * length, self.input_size), dtype=expert_outputs.dtype, device=expert_outputs.device)
+layer_output = zeros.index_add(0, batch_index, expert_outputs)
+layer_output = layer_output.view(bsz, length, self.input_size)
+layer_output = layer_output + self.bias
+return layer_output"""},
 }
-# each body of FORMS, CLAMPED and GATES has one of these (routed loops, llama4, dbrx, shared, clamps)
-FORM_KEYS = ("[token_idx", "self.gate_up_proj)", "expert_w1", "gammas", "clamp(min=-self.")
-FORM_ACT = {"dbrx": "activation_fn"}  # the activation attribute of an inline form, where it is not act_fn
+# each body of FORMS, CLAMPED and GATES has one of these (routed loops, llama4, dbrx, shared, jetmoe, clamps)
+FORM_KEYS = ("[token_idx", "self.gate_up_proj)", "expert_w1", "gammas", "self.input_linear(expert_inputs",
+             "clamp(min=-self.")
+FORM_ACT = {"dbrx": "activation_fn", "jetmoe": "activation"}  # an inline form's activation attribute, if not act_fn
 # clamped MLP forwards (input renamed x) -> the _Gate; the first three gated, the last packed
 CLAMPED = {
     """gate = self.gate_proj(x).clamp(max=self.limit)
@@ -588,6 +713,70 @@ MOE_SOURCE = {
     "use_experts_implementation": "experts_forward = experts_interface.get_interface(self.config."
                                   "_experts_implementation, original_forward)",
 }
+
+
+# gatings that clamp the activation's output (hf._CLAMP_AFTER: named, never patched): Step3p7MLP's forward (input
+# renamed x) and Step3p7Experts' _apply_gate; what _clamps_after_activation must find (and not in CLAMPED or GATES)
+CLAMPS_AFTER = (
+    """gate = self.act_fn(self.gate_proj(x)).clamp(max=self.limit)
+up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+return self.down_proj(gate * up)""",
+    """gate, up = gate_up.chunk(2, dim=-1)
+gate = self.act_fn(gate).clamp(max=self.limit)
+up = up.clamp(min=-self.limit, max=self.limit)
+return gate * up""",
+)
+_ACT_CALL = re.compile(r"self\.\w*act\w*|(F|nn\.functional|torch\.nn\.functional|torch)\.(silu|gelu|sigmoid|relu)")
+
+
+def _statements(body):
+    """The statements of body and of the blocks nested in them (not in nested functions), in source order."""
+    for stmt in body:
+        yield stmt
+        if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for field in ("body", "handlers", "orelse", "finalbody"):
+                inner = getattr(stmt, field, None)
+                if isinstance(inner, list):
+                    yield from _statements(inner)
+
+
+def _own_expressions(stmt) -> list:
+    """What stmt itself evaluates: a compound statement's header, not its blocks."""
+    if isinstance(stmt, (ast.If, ast.While)):
+        return [stmt.test]
+    if isinstance(stmt, ast.For):
+        return [stmt.iter]
+    if isinstance(stmt, ast.With):
+        return [i.context_expr for i in stmt.items]
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Try, ast.ExceptHandler)):
+        return []
+    return [stmt]
+
+
+def _clamps_after_activation(fn: ast.FunctionDef) -> bool:
+    """Whether fn clamps an activation's output: .clamp / .clip / torch.clamp of a call of self.<...act...> or of
+    F.silu-like functions, or of a variable last assigned one (statement by statement, in source order)."""
+    acts = set()
+
+    def activated(node):
+        if isinstance(node, ast.Call) and _ACT_CALL.fullmatch(ast.unparse(node.func)):
+            return True
+        return isinstance(node, ast.Name) and node.id in acts
+
+    for stmt in _statements(fn.body):
+        for node in (n for e in _own_expressions(stmt) for n in ast.walk(e)):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Attribute) and f.attr in ("clamp", "clamp_", "clip", "clip_") and \
+                        activated(f.value):
+                    return True
+                if ast.unparse(f) in ("torch.clamp", "torch.clip") and node.args and activated(node.args[0]):
+                    return True
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            acts = acts | names if activated(stmt.value) else acts - names
+    return False
 
 
 def _init_assignments(cls: ast.ClassDef) -> dict:
@@ -621,9 +810,15 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     what _BoundExperts binds) and, in __init__, its activation attribute set once to ACT2FN[...] and its limit and
     alpha attributes set; every class of hf._KNOWN_CLAMPED has the clamped forward of its _Gate with nn.Linear
     projections. And no class of these forms is missing from the lists; transformers' default _apply_gate and its
-    grouped_mm / batched_mm still compute and call what the patch relies on."""
+    grouped_mm / batched_mm still compute and call what the patch relies on. hf._CLAMP_AFTER is exactly the gated
+    MLP and experts classes (gate_proj and up_proj, or gate_up_proj, or an _apply_gate) whose forward or
+    _apply_gate clamps an activation's output."""
     for text in [*CLAMPED, *(b for bodies in FORMS.values() for b in bodies)]:
         assert any(k in text for k in FORM_KEYS), text
+    detects = lambda text: _clamps_after_activation(ast.parse("def f(self, x, gate_up):\n" + textwrap.indent(
+        text, "    ")).body[0])  # noqa: E731
+    assert all(map(detects, CLAMPS_AFTER)) and not any(map(detects, [*CLAMPED, *filter(None, GATES)]))
+    clamp_after = set()
     gates = {(_norm(k) if k else None): v for k, v in GATES.items()}
     forms = {form: {_norm(b) for b in bodies} for form, bodies in FORMS.items()}
     clamped = {_norm(k): v for k, v in CLAMPED.items()}
@@ -631,12 +826,20 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     root = pathlib.Path(transformers.__file__).parent
     for path in sorted(root.glob("models/*/modeling_*.py")):
         src = path.read_text()
-        if not any(k in src for k in FORM_KEYS):  # parsing every modeling file would take seconds
+        clamps = ("clamp" in src or "clip" in src) and any(k in src for k in ("gate_proj", "gate_up_proj",
+                                                                               "_apply_gate"))
+        if not clamps and not any(k in src for k in FORM_KEYS):  # parsing every modeling file would take seconds
             continue
         for node in ast.parse(src).body:
             if not isinstance(node, ast.ClassDef):
                 continue
             fwd = _method(node, "forward")
+            own = (fwd, _method(node, "_apply_gate"))
+            if clamps and any(f is not None and _clamps_after_activation(f) for f in own):
+                assigned = _init_assignments(node)
+                if _method(node, "_apply_gate") or {"gate_proj", "up_proj"} <= assigned.keys() or \
+                        "gate_up_proj" in assigned:
+                    clamp_after.add(node.name)
             if fwd is None:
                 continue
             body = _src(fwd.body)
@@ -686,6 +889,7 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     missing = {n: q for n, q in qualifying.items() if n not in hf._EXPERTS and n not in hf._KNOWN_CLAMPED}
     assert not missing, f"classes of a form ffn_ext patches, missing from hf._EXPERTS / _KNOWN_CLAMPED: {missing}"
     assert set(found) == set(hf._EXPERTS) | set(hf._KNOWN_CLAMPED), set(hf._EXPERTS) ^ set(found)
+    assert clamp_after == hf._CLAMP_AFTER, f"gatings that clamp the activation's output: {sorted(clamp_after)}"
 
     moe = ast.parse((root / "integrations" / "moe.py").read_text())
     funcs = {n.name: n for n in moe.body if isinstance(n, ast.FunctionDef)}
