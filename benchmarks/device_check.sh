@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# The device check: everything that needs a GPU, in one call (stage limits add up to under 10 minutes).
-#   OUT=/some/dir bash benchmarks/device_check.sh
+# The device check: everything that needs a GPU. Since the clamped SwiGLU and the interleaved layout (88 kernels per
+# architecture, about 1600 CUDA tests, 3968 sanitizer calls) it no longer fits one 10-minute call; run it as two
+# calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
+#   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 520 s
+#   OUT=/some/dir STAGES="bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 310 s
+# With less device time than both need, measure first: STAGES="build bench_ops memcheck bench_ffn" (400 s).
+#   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
 # op and dtype. Every op list comes from the op table (ffn_ext/table.py): the 22 ops of gelu, gelu_tanh and silu
@@ -50,16 +55,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOGS/summary.txt"
 
 # 48 kernels per architecture since the op table (24 before): nvcc on kernels.cu for sm_90 took 1.35x as long on a
-# 2-core CPU (77 s against 57 s), and the whole build took 50 s on the H200 machine with 24: 100 s.
-stage build 100 $PY -m pip install -v --no-build-isolation --no-deps -e .
+# 2-core CPU (77 s against 57 s), and the whole build took 50 s on the H200 machine with 24. 88 kernels now (one
+# translation unit, one architecture here, so nvcc's --threads does not help): 180 s, not yet timed.
+stage build 180 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
 # The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use),
 # for all 48 kernels (GeluTanh ones included), then registers and any spills. About 8 s on a 2-core CPU; 88 kernels
-# with the clamped SwiGLU and the interleaved layout: 10 s of CPU time on a 2-core CPU (2026-12-01).
-stage sass 20 $PY benchmarks/sass_budget.py
+# with the clamped SwiGLU and the interleaved layout: 10 s of CPU time on a 2-core CPU (2026-12-01), up to 27 s of
+# wall time on a loaded one: 40 s.
+stage sass 40 $PY benchmarks/sass_budget.py
 
-# All CUDA tests, the large (>2**31 elements) ones included.
-FFN_EXT_RUN_LARGE=1 stage cuda_tests 180 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
+# All CUDA tests, the large (>2**31 elements) ones included: 525 took 97 s; about 1600 now (2026-12-01), 300 s.
+FFN_EXT_RUN_LARGE=1 stage cuda_tests 300 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 
 # Benchmarks, GPU quick mode, bf16 (the dtype of the targets): tables, JSON, plots under bench/. Every op of the
 # table, 9 (gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu and the packed three), then swiglu_packed interleaved and
@@ -85,11 +92,11 @@ else
   note "ncu not found: kernel profile NOT run"
 fi
 
-# compute-sanitizer over every op of the table, dtype and layout (small shapes): 2640 op calls, 2.2x the
-# 1224 that took 5-7 s under memcheck (35 s: 15 s went to bench_ops). racecheck covers shared memory, which these
+# compute-sanitizer over every op of the table, dtype and layout (small shapes, packed ops in both layouts): 3968
+# op calls, 3.2x the 1224 that took 5-7 s under memcheck: 45 s. racecheck covers shared memory, which these
 # kernels do not use; it runs because it is cheap and would catch a future change that does.
 if command -v compute-sanitizer >/dev/null || ! wanted memcheck; then
-  stage memcheck 35 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage memcheck 45 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 else
   note "compute-sanitizer not found: memcheck/racecheck NOT run"; failed=$((failed + 1))
 fi
@@ -97,7 +104,7 @@ fi
 # it): 3 models x 3 implementations (10.6 s in the timing loop and 27 s in all with 2 models).
 stage bench_ffn 40 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
 if command -v compute-sanitizer >/dev/null || ! wanted racecheck; then
-  stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
+  stage racecheck 40 compute-sanitizer --tool racecheck --error-exitcode 1 $PY tests/cuda_sanitize_cases.py
 fi
 
 note "failed stages: $failed"
