@@ -4,9 +4,10 @@ experts run on ffn_ext, in place.
     model = AutoModelForCausalLM.from_pretrained(...)
     n = ffn_ext.hf.patch_model(model)      # == ffn_ext.patch_hf_model(model); returns the number patched
 
-What is patched: the MLPs that compute exactly down_proj(act(gate_proj(x)) * up_proj(x)), or the packed Phi-3 form
-down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1), with nn.Linear projections and `act` (the
-module's act_fn or activation_fn) one of the activations of ffn_ext's table (ffn_ext/table.py):
+What is patched: the MLPs that compute exactly down_proj(act(gate_proj(x)) * up_proj(x)), or the packed form
+out(act(gate) * up) with gate, up = proj(x).chunk(2, -1) (Phi-3's gate_up_proj / down_proj; Granite MoE's shared
+experts' input_linear / output_linear: ``_PACKED_NAMES``), with nn.Linear projections and `act` (the module's act_fn
+or activation_fn; Granite's activation) one of the activations of ffn_ext's table (ffn_ext/table.py):
 
     silu       nn.SiLU, ffn_ext.SiLU, F.silu, ffn_ext.silu; transformers' SiLUActivation (ACT2FN "silu"; "swish"
                is nn.SiLU)
@@ -29,8 +30,9 @@ extra_classes.
 
 Which modules: those of the transformers classes known to have exactly that forward (``_KNOWN``: Llama, Qwen2/3,
 Mistral, DeepSeek-V3, OLMo, Granite, ... with SiLU; Gemma, Gemma2, Gemma3, Gemma4 text, VaultGemma,
-RecurrentGemma, ... with the tanh GELU of their configs; Phi-3 packed; all checked against transformers' source by
-tests/test_hf.py, which also checks that the list has every class of that form), and of the classes passed as
+RecurrentGemma, ... with the tanh GELU of their configs; Phi-3 packed; GraniteMoeSharedMLP, GraniteMoeSWAMLP and
+GraniteMoeHybridMLP packed under their own names; all checked against transformers' source by tests/test_hf.py, which
+also checks that the list has every class of those forms, whatever its attribute names), and of the classes passed as
 ``extra_classes`` (your own MLPs of that form; subclasses that do not override forward count too). Modules that
 only look like one (the same submodules, but extra multipliers, clamps, norms, dropout or adapters in forward) or
 whose activation is not one of the above are left alone with one RuntimeWarning naming their classes (and the
@@ -97,11 +99,11 @@ _MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, ma
 _ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
 
 # transformers classes whose forward is exactly down_proj(act(gate_proj(x)) * up_proj(x)) (gated), or
-# down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1) (packed: the last line), with `act` the
-# attribute act_fn or activation_fn that __init__ sets to ACT2FN[...] or nn.SiLU(), as of transformers 5.24; the
-# activation itself is identified at patch time (_table_activation). tests/test_hf.py::
-# test_known_classes_compute_plain_gated_mlp checks each against the source, and that no class of that form is
-# missing.
+# down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1) (packed: the last two lines; the last one
+# under the names of _PACKED_NAMES), with `act` the attribute act_fn or activation_fn (_PACKED_NAMES: its own) that
+# __init__ sets to ACT2FN[...] or nn.SiLU(), as of transformers 5.24; the activation itself is identified at patch
+# time (_table_activation). tests/test_hf.py::test_known_classes_compute_plain_gated_mlp checks each against the
+# source, and that no class of those forms, under any attribute names, is missing.
 _KNOWN = frozenset("""
     AXK1MLP AXK2MLP AfmoeMLP Aimv2MLP AriaSharedExpertsMLP BailingHybridMLP BambaMLP BltMLP ChameleonMLP Cohere2MLP
     Cohere2MoeMLP CohereCompassMLP CohereMLP CsmMLP CwmMLP DINOv3ViTGatedMLP DeepseekOcr2TextMLP
@@ -125,7 +127,21 @@ _KNOWN = frozenset("""
     VideomtSwiGLUFFN VoxtralRealtimeMLP VoxtralRealtimeTextMLP YoutuMLP ZambaMLP
     DiaMLP Dots3NoteAudioMLP EsmFold2SwiGLU Glm4MLP Glm4vTextMLP GlmImageTextMLP GlmMLP GlmOcrTextMLP Phi3MLP
     Phi4MultimodalMLP
+    GraniteMoeHybridMLP GraniteMoeSWAMLP GraniteMoeSharedMLP
 """.split())
+
+# Packed MLPs of _KNOWN whose attributes are not Phi-3's gate_up_proj / down_proj / activation_fn (or act_fn):
+# class -> (the nn.Linear to [..., 2I], gate half first; the nn.Linear back; the activation). Modules with nn.Linear
+# children of one of these pairs of names are MLP-shaped (_kind): patched when known, else named in the warning.
+_PACKED_NAMES = {
+    "GraniteMoeSharedMLP": ("input_linear", "output_linear", "activation"),  # the shared experts of Granite MoE
+    "GraniteMoeSWAMLP": ("input_linear", "output_linear", "activation"),
+    "GraniteMoeHybridMLP": ("input_linear", "output_linear", "activation"),  # Granite 4.0
+}
+# (projection to [..., 2I], projection back, activation attributes in the order looked for): Phi-3's, then the others
+_PACKED_FORMS = (("gate_up_proj", "down_proj", ("activation_fn", "act_fn")),) + tuple(dict.fromkeys(
+    (proj, out, (act,)) for proj, out, act in _PACKED_NAMES.values()))
+_GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 # why a module that looks like a gated MLP was left unpatched (the keys of patch_model's warning)
 _UNKNOWN = ("not known to compute exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (their forward may add "
@@ -272,9 +288,9 @@ def _gated_forward(self, x, act):
     return d(_ops.gated(g(x), u(x), act.name))
 
 
-def _packed_forward(self, x, act):
+def _packed_forward(self, x, act, proj="gate_up_proj", out="down_proj"):
     mods = self._modules
-    gu, d = mods["gate_up_proj"], mods["down_proj"]
+    gu, d = mods[proj], mods[out]
     if fusable((gu, d)):
         return gated_mlp_packed(x, *linear_args(gu, d), activation=act.name)
     return d(_ops.gated_packed(gu(x), act.name))
@@ -364,9 +380,9 @@ def _clamped_forward(self, x, c):
     return d(_ops.swiglu_clamped(g(x), u(x), limit=c.limit, alpha=c.alpha, up_offset=c.up_offset))
 
 
-def _clamped_packed_forward(self, x, c):
+def _clamped_packed_forward(self, x, c, proj="gate_up_proj", out="down_proj"):
     mods = self._modules
-    return mods["down_proj"](_fused_gate(c, mods["gate_up_proj"](x)))
+    return mods[out](_fused_gate(c, mods[proj](x)))
 
 
 # The replacement forwards of experts classes that inline their gating (_EXPERTS' forms): the class's own code with
@@ -521,12 +537,14 @@ class _BoundForward:
     the activation's table entry while the activation may be bypassed (_act_now); every other call runs the
     original forward: `prev`, the forward the instance had when patched (a wrapper such as accelerate's hook, which
     must run), else the class's. `gate`: None for the MLPs of _KNOWN (and extra_classes), whose activation attribute
-    is recorded on the module (_ACT); the clamped MLPs' _Gate, whose _gate_state the fused form runs with."""
+    is recorded on the module (_ACT); the clamped MLPs' _Gate, whose _gate_state the fused form runs with. `names`:
+    the packed MLPs' projection attributes (to [..., 2I], back), passed on to `func`; () for the gated form."""
 
-    arg, prev, gate = "x", None, None  # class defaults: patched models pickled before these existed still load
+    arg, prev, gate, names = "x", None, None, ()  # class defaults: patched models pickled before these existed load
 
-    def __init__(self, module, func, arg, prev, gate=None):
+    def __init__(self, module, func, arg, prev, gate=None, names=()):
         self.__self__, self.__func__, self.arg, self.prev, self.gate = module, func, arg, prev, gate
+        self.names = names
 
     def __call__(self, *args, **kwargs):
         mlp, prev = self.__self__, self.prev
@@ -537,7 +555,7 @@ class _BoundForward:
             if isinstance(x, torch.Tensor):
                 state = _act_now(mlp) if self.gate is None else _gate_state(mlp, self.gate)
                 if state is not None:
-                    return self.__func__(mlp, x, state)
+                    return self.__func__(mlp, x, state, *self.names)
         return type(mlp).forward(mlp, *args, **kwargs)
 
 
@@ -569,15 +587,22 @@ class _BoundExperts(_BoundForward):
 
 
 def _kind(module):
-    """('gated'|'packed', name of the activation attribute) for an MLP-shaped module, else None."""
-    children = dict(module.named_children())
-    if all(isinstance(children.get(n), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        kind, names = "gated", ("act_fn", "activation_fn")
-    elif all(isinstance(children.get(n), nn.Linear) for n in ("gate_up_proj", "down_proj")):
-        kind, names = "packed", ("activation_fn", "act_fn")
+    """(kind, name of the activation attribute, projection names) for an MLP-shaped module, else None: 'gated' with
+    nn.Linear children gate_proj, up_proj, down_proj (names: ()), or 'packed' with nn.Linear children of a pair of
+    _PACKED_FORMS (names: that pair, the projection to [..., 2I] first)."""
+    mods = dict(module.named_children())
+
+    def linear(*names):
+        return all(isinstance(mods.get(n), nn.Linear) for n in names)
+
+    if linear(*_GATED_NAMES):
+        kind, names, acts = "gated", (), ("act_fn", "activation_fn")
     else:
-        return None
-    return kind, next((n for n in names if hasattr(module, n)), names[0])
+        form = next((f for f in _PACKED_FORMS if linear(f[0], f[1])), None)
+        if form is None:
+            return None
+        kind, names, acts = "packed", form[:2], form[2]
+    return kind, next((n for n in acts if hasattr(module, n)), acts[0]), names
 
 
 def _vouched(cls, extra: tuple) -> bool:
@@ -661,28 +686,28 @@ def _gate_agrees(module, gate: _Gate) -> bool:
     return ref.shape == out.shape and bool((out - ref).norm() <= 1e-4 * ref.norm())
 
 
-def _check_shapes(name, module, kind):
-    d = module.down_proj
+def _check_shapes(name, module, kind, names=()):
+    mods = module._modules
     if kind == "gated":
-        g, u = module.gate_proj, module.up_proj
+        g, u, d = (mods[n] for n in _GATED_NAMES)
         ok = g.in_features == u.in_features == d.out_features and g.out_features == u.out_features == d.in_features
     else:
-        gu = module.gate_up_proj
+        gu, d = mods[names[0]], mods[names[1]]
         ok = gu.in_features == d.out_features and gu.out_features == 2 * d.in_features
     if not ok:
         raise ValueError(f"ffn_ext.hf.patch_model: {name or 'model'} ({type(module).__name__}) has MLP-named "
                          "projections with inconsistent shapes; not a gated MLP ffn_ext can run")
 
 
-def _agrees(module, func, act, limit=None) -> bool:
-    """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp)
-    computes what the class's forward does on two random rows (the module's device and dtype, no_grad, a private
-    generator: the global RNG is untouched; with a clamp `limit`, scaled so that the first projection's largest
-    output is 3 * limit and the clamps act). True without running anything when running would be neither cheap nor
-    free of side effects:
-    parameters on meta (offloaded) or not plain floating nn.Parameters of one dtype and device (quantized,
-    sharded), a Linear that is not a plain nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global
-    hooks). Also True when the result is not finite (weights not initialised): nothing can be told from it."""
+def _agrees(module, func, act, names=(), limit=None) -> bool:
+    """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp) and
+    projection names `names` (packed: _kind's; gated: ()) computes what the class's forward does on two random rows
+    (the module's device and dtype, no_grad, a private generator: the global RNG is untouched; with a clamp `limit`,
+    scaled so that the first projection's largest output is 3 * limit and the clamps act). True without running
+    anything when running would be neither cheap nor free of side effects: parameters on meta (offloaded) or not
+    plain floating nn.Parameters of one dtype and device (quantized, sharded), a Linear that is not a plain
+    nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global hooks). Also True when the result is not
+    finite (weights not initialised): nothing can be told from it."""
     params, subs = list(module.parameters()), tuple(module.modules())[1:]
     if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
         return True
@@ -690,15 +715,15 @@ def _agrees(module, func, act, limit=None) -> bool:
     if not w.is_floating_point() or any(type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype
                                         or p.device != w.device for p in params):
         return True
-    x = torch.randn(2, module.down_proj.out_features, generator=torch.Generator().manual_seed(0), device="cpu")
+    mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])
+    x = torch.randn(2, mods[last].out_features, generator=torch.Generator().manual_seed(0), device="cpu")
     x = x.to(w.device, w.dtype)
     with torch.no_grad():
         if limit is not None:
-            mods = module._modules
-            peak = float(mods["gate_proj" if "gate_proj" in mods else "gate_up_proj"](x).abs().max())
+            peak = float(mods[first](x).abs().max())
             if math.isfinite(peak) and peak > 0:
                 x = x * (3 * min(limit, 1e4) / peak)
-        ref, out = type(module).forward(module, x).float(), func(module, x, act).float()
+        ref, out = type(module).forward(module, x).float(), func(module, x, act, *names).float()
     tol = 2e-2 if w.element_size() <= 2 else 1e-4  # relative, in norm; half types: ffn_ext rounds h once, ATen twice
     return not bool(ref.isfinite().all()) or bool((out - ref).norm() <= tol * ref.norm())
 
@@ -719,12 +744,13 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
 
     extra_classes: your own MLP classes (nn.Linear gate_proj/up_proj/down_proj or gate_up_proj/down_proj, an
     act_fn or activation_fn of the table: nn.SiLU, nn.GELU(approximate=...), transformers' ACT2FN["silu"],
-    ACT2FN["gelu"], ACT2FN["gelu_pytorch_tanh"], ...) whose forward computes exactly
-    down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form with gate first. Modules with these
-    submodules that are not known to compute that, whose activation is not one of the table's or that fail the
-    self-check, and gated MoE experts modules ffn_ext does not accelerate, are left unpatched with one RuntimeWarning
-    naming their classes (and why); with strict=True that is a ValueError and nothing is patched. extra_classes
-    does not apply to experts modules, nor to gatings known to clamp the activation's output (_CLAMP_AFTER)."""
+    ACT2FN["gelu"], ACT2FN["gelu_pytorch_tanh"], ...; or input_linear/output_linear and activation, as Granite MoE's
+    shared experts) whose forward computes exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form
+    with gate first. Modules with these submodules that are not known to compute that, whose activation is not one
+    of the table's or that fail the self-check, and gated MoE experts modules ffn_ext does not accelerate, are left
+    unpatched with one RuntimeWarning naming their classes (and why); with strict=True that is a ValueError and
+    nothing is patched. extra_classes does not apply to experts modules, nor to gatings known to clamp the
+    activation's output (_CLAMP_AFTER)."""
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
@@ -750,7 +776,7 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
             found = _kind(module)
             if found is None:
                 continue
-            kind, act_name = found
+            kind, act_name, names = found
             clamp = _clamped_entry(type(module))
             if _clamps_after(type(module)):  # whatever extra_classes says: its forward is known
                 reason = _CLAMPS_AFTER
@@ -759,9 +785,9 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
                 act_name, act = clamp.act, clamp.act and _attr(module, clamp.act)
                 reason = _gate_problem(module, clamp)
                 if reason is None:
-                    _check_shapes(name, module, kind)
+                    _check_shapes(name, module, kind, names)
                     state = _gate_state(module, clamp)
-                    if not (prev is not None or state is None or _agrees(module, func, state, state.limit)):
+                    if not (prev is not None or state is None or _agrees(module, func, state, names, state.limit)):
                         reason = _DISAGREES
             else:
                 act, func = getattr(module, act_name, None), _gated_forward if kind == "gated" else _packed_forward
@@ -771,11 +797,11 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
                 elif not _vouched(type(module), extra):
                     reason = _UNKNOWN
                 else:
-                    _check_shapes(name, module, kind)
-                    reason = None if prev is not None or _agrees(module, func, entry) else _DISAGREES
+                    _check_shapes(name, module, kind, names)
+                    reason = None if prev is not None or _agrees(module, func, entry, names) else _DISAGREES
             if reason is None:
-                todo.append((module, kind, _BoundForward(module, func, _input_name(module.forward), prev, clamp),
-                             None, (act_name, act)))
+                todo.append((module, kind, _BoundForward(module, func, _input_name(module.forward), prev, clamp,
+                                                         names), None, (act_name, act)))
         if reason:
             skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
     if skipped:

@@ -4,6 +4,7 @@ Skips when transformers is not importable (it is a test/extra dependency: pip in
 import ast
 import copy
 import importlib
+import io
 import pathlib
 import re
 import textwrap
@@ -94,8 +95,6 @@ def test_patch_is_idempotent_and_reversible_and_survives_deepcopy():
 def test_patched_model_pickles(kind):
     """torch.save(model) of a patched model loads back patched, with the same outputs (the patched forward
     once pickled as getattr(mlp, '_gated_forward'), which torch.load could not resolve)."""
-    import io
-
     model = _tiny(kind)
     assert ffn_ext.patch_hf_model(model) == 2
     buf = io.BytesIO()
@@ -172,6 +171,116 @@ def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
     out0 = ref.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert out.shape == (1, 9) and torch.equal(out, out0)
     assert ffn_ext.hf.unpatch_model(model) == len(mlps)
+
+
+# Granite MoE models' shared experts: GraniteMoeSharedMLP, GraniteMoeSWAMLP and GraniteMoeHybridMLP, the packed form
+# under the names input_linear / output_linear / activation (ffn_ext.hf._PACKED_NAMES), next to each layer's routed
+# experts (GraniteMoe*Experts: tests/test_hf_moe.py). GraniteMoeHybrid: a Mamba layer, then an attention layer.
+GRANITE_TINY = dict(hidden_size=32, intermediate_size=16, shared_intermediate_size=24, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GRANITES = {
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "GraniteMoeSharedMLP", {}),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAMLP",
+                       {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridMLP",
+                         {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+                          "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16}),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRANITES))
+def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch):
+    """Tiny random GraniteMoeShared, GraniteMoeSWA and GraniteMoeHybrid in fp32: every layer's shared-expert MLP
+    (output_linear(activation(h[..., :I]) * h[..., I:]), h = input_linear(x)) is patched, with the routed experts, in
+    strict mode and without a warning; each runs ffn_ext.mlp.gated_mlp_packed (silu, once per MLP and forward) and
+    its lean autograd; with the shared MLPs' weights 20x (SiLU well past its linear range), logits, all parameter
+    gradients and greedy generate() equal the unpatched model's; torch.save / torch.load keep the patch (with the
+    projection names); unpatch restores the class's forward."""
+    cfg_name, model_name, mlp_name, kw = GRANITES[kind]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {model_name}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**GRANITE_TINY, **kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".shared_mlp." in name:
+                p.mul_(20)
+    ref = copy.deepcopy(model)
+    mlps = [m for m in model.modules() if type(m).__name__ == mlp_name]
+    experts = [m for m in model.modules() if ffn_ext.hf._is_experts(m)]
+    assert len(mlps) == len(experts) == 2
+    assert all(ffn_ext.hf._kind(m) == ("packed", "activation", ("input_linear", "output_linear")) for m in mlps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(model, strict=True) == len(mlps) + len(experts)
+    assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward)
+               and getattr(m, ffn_ext.hf._MARK) == "packed" for m in mlps)
+
+    calls, packed = [], ffn_ext.hf.gated_mlp_packed
+
+    def spy(x, *args, **kwargs):
+        calls.append(kwargs["activation"])
+        return packed(x, *args, **kwargs)
+
+    monkeypatch.setattr(ffn_ext.hf, "gated_mlp_packed", spy)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits, logits0 = model(ids).logits, ref(ids).logits
+    assert calls == ["silu"] * len(mlps)
+    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(logits)
+    (logits * w).sum().backward()
+    (logits0 * w).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        p0 = ref_params[name]
+        assert (p.grad is None) == (p0.grad is None), name
+        if p.grad is not None:
+            scale = max(1.0, float(p0.grad.abs().max()))
+            torch.testing.assert_close(p.grad, p0.grad, atol=2e-6 * scale, rtol=1e-4, msg=name)
+    x = torch.randn(3, 32, requires_grad=True)
+    assert all("_GatedMLPPacked" in type(m(x).grad_fn).__name__ for m in mlps)
+
+    prompt = ids[:1, :5]
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    out0 = ref.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert out.shape == (1, 9) and torch.equal(out, out0)
+    buf = io.BytesIO()  # pickled with its projection names: loads back patched, the same
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [vars(m)["forward"].names for m in loaded.modules() if type(m).__name__ == mlp_name] == [
+        ("input_linear", "output_linear")] * len(mlps)
+    torch.testing.assert_close(loaded(ids).logits, logits0, atol=1e-5, rtol=1e-5)
+    assert ffn_ext.hf.unpatch_model(model) == len(mlps) + len(experts)
+    assert not any("forward" in vars(m) for m in mlps)
+
+
+def test_granite_shared_mlp_subclasses_and_lookalikes():
+    """Modules with input_linear / output_linear nn.Linear children are MLP-shaped whatever their class: a subclass of
+    GraniteMoeSharedMLP that keeps its forward is patched; one that overrides it (here a scale) is named in the
+    warning, and listed in extra_classes it is refused by the self-check; the model computes what it did."""
+    from transformers.models.granitemoeshared.modeling_granitemoeshared import GraniteMoeSharedMLP
+
+    class Keeps(GraniteMoeSharedMLP):
+        pass
+
+    class Scales(GraniteMoeSharedMLP):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 0.5
+
+    config = types.SimpleNamespace(hidden_size=16, shared_intermediate_size=24, hidden_act="silu")
+    torch.manual_seed(7)
+    net = nn.Sequential(Keeps(config), Scales(config))
+    x = torch.randn(2, 3, 16)
+    ref = net(x)
+    with pytest.warns(RuntimeWarning, match=r"not known to compute.*Scales at '1' \(left unpatched\)"):
+        assert ffn_ext.patch_hf_model(net) == 1
+    assert getattr(net[0], ffn_ext.hf._MARK) == "packed" and "forward" not in vars(net[1])
+    with pytest.warns(RuntimeWarning, match=r"self-check.*Scales at '1'"):
+        assert ffn_ext.patch_hf_model(net, extra_classes=[Scales]) == 0
+    torch.testing.assert_close(net(x), ref, atol=1e-6, rtol=1e-5)
+    assert "_GatedMLPPacked" in type(net[0](x.requires_grad_()).grad_fn).__name__
 
 
 @pytest.mark.parametrize("hidden_act, cls", [("quick_gelu", "QuickGELUActivation"),
@@ -460,17 +569,26 @@ def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
         torch.testing.assert_close(run(), ref, rtol=0, atol=0)
 
 
-# The forms of a plain gated MLP that _KNOWN's forwards take (their parameter renamed x); the last one is packed,
-# gate first. Which activation act_fn / activation_fn is, patch_model reads from the module (it is whatever
-# ACT2FN[config.hidden_act] gives: SiLU for Llama, the tanh GELU for Gemma, ...).
-PLAIN_GATED = [
-    "return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))",
-    "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))\nreturn down_proj",
-    "down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)\nreturn self.down_proj(down_proj)",
-    "gate = self.act_fn(self.gate_proj(x))\nreturn self.down_proj(gate * self.up_proj(x))",
-    "up_states = self.gate_up_proj(x)\ngate, up_states = up_states.chunk(2, dim=-1)\n"
-    "up_states = up_states * self.activation_fn(gate)\nreturn self.down_proj(up_states)",
+# The forms of a plain gated MLP that _KNOWN's forwards take (their parameter renamed x), with their attributes as
+# placeholders: gated {gate} {up} {down} {act}; packed (PACKED_FORMS) {proj} (to [..., 2I], gate half first), {out},
+# {act}. A forward matches a form whatever its attribute and local variable names (_canonical), so a class of one of
+# these forms under new names is found too. Which activation act / act_fn / activation_fn is, patch_model reads from
+# the module (it is whatever ACT2FN[config.hidden_act] gives: SiLU for Llama, the tanh GELU for Gemma, ...).
+GATED_FORMS = [
+    "return self.{down}(self.{act}(self.{gate}(x)) * self.{up}(x))",
+    "down_proj = self.{down}(self.{act}(self.{gate}(x)) * self.{up}(x))\nreturn down_proj",
+    "down_proj = self.{act}(self.{gate}(x)) * self.{up}(x)\nreturn self.{down}(down_proj)",
+    "gate = self.{act}(self.{gate}(x))\nreturn self.{down}(gate * self.{up}(x))",
 ]
+PACKED_FORMS = [
+    "up_states = self.{proj}(x)\ngate, up_states = up_states.chunk(2, dim=-1)\n"
+    "up_states = up_states * self.{act}(gate)\nreturn self.{out}(up_states)",  # Phi-3
+    "x = self.{proj}(x)\nchunked_hidden_states = x.chunk(2, dim=-1)\n"
+    "x = self.{act}(chunked_hidden_states[0]) * chunked_hidden_states[1]\nx = self.{out}(x)\nreturn x",  # Granite MoE
+]
+# a file whose source matches none of these has no forward of those forms (each form has one of them: checked below);
+# the test parses only the others, whatever their attribute names (parsing every modeling file takes 3x as long)
+_FORM_TEXT = re.compile(r"\*\s*self\.\w+\(\s*\w+\s*\)|\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
 _ACT_ATTRS = ("act_fn", "activation_fn")
 
 
@@ -486,14 +604,65 @@ def _body(forward: ast.FunctionDef) -> str | None:
                      if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
 
 
+def _canonical(body: str) -> tuple:
+    """(body with self's attributes renamed a0, a1, ... and its local variables (but x) v0, v1, ..., in the order
+    they are first met, the attribute names in that order)."""
+    tree = ast.parse(body)
+    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} - {"x"}
+    attrs, names = [], {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            if n.attr not in attrs:
+                attrs.append(n.attr)
+            n.attr = f"a{attrs.index(n.attr)}"
+        elif isinstance(n, ast.Name) and n.id in local:
+            n.id = names.setdefault(n.id, f"v{len(names)}")
+    return ast.unparse(tree), tuple(attrs)
+
+
+def _forms() -> dict:
+    """canonical source -> (kind, its placeholders in the order _canonical met them) of GATED_FORMS, PACKED_FORMS."""
+    out = {}
+    for kind, forms in (("gated", GATED_FORMS), ("packed", PACKED_FORMS)):
+        for form in forms:
+            assert _FORM_TEXT.search(form.replace("{", "").replace("}", "")), form
+            src = form.format(gate="gate", up="up", down="down", act="act", proj="proj", out="out")
+            canonical, roles = _canonical(src)
+            assert canonical not in out, form
+            out[canonical] = (kind, roles)
+    return out
+
+
+def _form_of(body: str | None, forms: dict):
+    """(kind, {placeholder: attribute}) of the form a forward's body takes, else None."""
+    if body is None:
+        return None
+    canonical, attrs = _canonical(body)
+    if canonical not in forms:
+        return None
+    kind, roles = forms[canonical]
+    return kind, dict(zip(roles, attrs))
+
+
+def _expected_names(name: str, kind: str, attrs: dict):
+    """The attributes patch_model runs a known class name with: (the projections, the activation attributes it looks
+    for, in that order)."""
+    if kind == "gated":
+        return ffn_ext.hf._GATED_NAMES, ("act_fn", "activation_fn")
+    proj, out, act = ffn_ext.hf._PACKED_NAMES.get(name, ("gate_up_proj", "down_proj", None))
+    acts = next(f[2] for f in ffn_ext.hf._PACKED_FORMS if f[:2] == (proj, out))
+    assert act is None or acts == (act,), (name, act, acts)
+    return (proj, out), acts
+
+
 def _self_attrs(tree, names) -> set:
     return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names
             and isinstance(n.value, ast.Name) and n.value.id == "self"}
 
 
-def _activation_assignments(cls: ast.ClassDef) -> dict | None:
-    """{attribute: source of the value} for the act_fn / activation_fn assignments in cls.__init__ (None: no
-    __init__ in the class)."""
+def _activation_assignments(cls: ast.ClassDef, names) -> dict | None:
+    """{attribute: source of the value} for the assignments to the attributes `names` (the activation's) in
+    cls.__init__ (None: no __init__ in the class)."""
     init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
     if init is None:
         return None
@@ -501,37 +670,54 @@ def _activation_assignments(cls: ast.ClassDef) -> dict | None:
     for node in ast.walk(init):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Attribute) and t.attr in _ACT_ATTRS and ast.unparse(t.value) == "self":
+                if isinstance(t, ast.Attribute) and t.attr in names and ast.unparse(t.value) == "self":
                     out.setdefault(t.attr, []).append(ast.unparse(node.value))
     return out
 
 
 def test_known_classes_compute_plain_gated_mlp():
     """Read from transformers' source with ast (nothing imported): every class in ffn_ext.hf._KNOWN that the
-    installed transformers defines has a forward of one of the plain gated forms, and no class of those forms is
-    missing from _KNOWN. The activation the forward applies is the attribute patch_model inspects: __init__ sets
-    that one attribute (not the other name, which patch_model would look at first), once, to ACT2FN[...] or
-    nn.SiLU(), an activation object whose function patch_model identifies at patch time (the ACT2FN tests above)."""
-    forms = {_body(ast.parse("def forward(self, x):\n" + textwrap.indent(f, "    ")).body[0]) for f in PLAIN_GATED}
+    installed transformers defines has a forward of one of the plain gated forms, with the attribute names
+    patch_model uses for it (gate_proj, up_proj, down_proj; packed: gate_up_proj, down_proj, or the class's
+    _PACKED_NAMES), and no class of those forms, under any attribute names, is missing from _KNOWN (a new one under
+    new packed names needs its _PACKED_NAMES entry too). The activation the forward applies is the attribute
+    patch_model inspects: __init__ sets that one attribute (not another name, which patch_model would look at first),
+    once, to ACT2FN[...] or nn.SiLU(), an activation object whose function patch_model identifies at patch time (the
+    ACT2FN tests above)."""
+    forms = _forms()
     found, plain, acts = {}, set(), {}
     for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
         src = path.read_text()
-        if "gate_proj" not in src and "gate_up_proj" not in src:
+        if not _FORM_TEXT.search(src):
             continue
         for node in ast.parse(src).body:
             if not isinstance(node, ast.ClassDef):
                 continue
             for fwd in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
-                body = _body(fwd)
-                if body in forms:
+                form = _form_of(_body(fwd), forms)
+                if form is not None:
                     plain.add(node.name)
                 if node.name in ffn_ext.hf._KNOWN:
-                    found.setdefault(node.name, {})[path.name] = body
-                    acts.setdefault(node.name, {})[path.name] = (_self_attrs(fwd, _ACT_ATTRS),
-                                                                 _activation_assignments(node))
+                    found.setdefault(node.name, {})[path.name] = form
+                    if form is not None:
+                        names = _expected_names(node.name, *form)[1]
+                        acts.setdefault(node.name, {})[path.name] = (_self_attrs(fwd, names),
+                                                                     _activation_assignments(node, names))
     assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen2MoeMLP", "Phi3MLP"} <= found.keys()
     assert {"GemmaMLP", "Gemma2MLP", "Gemma3MLP", "Gemma4TextMLP", "VaultGemmaMLP"} <= found.keys()
-    wrong = {name: files for name, files in found.items() if not set(files.values()) <= forms}
+    unlisted = ffn_ext.hf._PACKED_NAMES.keys() - (found.keys() & ffn_ext.hf._KNOWN)
+    assert not unlisted, f"_PACKED_NAMES classes not in _KNOWN or not defined by transformers: {sorted(unlisted)}"
+    wrong = {}
+    for name, files in found.items():
+        for file, form in files.items():
+            if form is None:
+                wrong.setdefault(name, {})[file] = "not of a plain gated form"
+                continue
+            kind, attrs = form
+            projections = _expected_names(name, kind, attrs)[0]
+            used = tuple(attrs[r] for r in (("gate", "up", "down") if kind == "gated" else ("proj", "out")))
+            if used != projections:
+                wrong.setdefault(name, {})[file] = f"{kind} with {used}, patch_model would use {projections}"
     assert not wrong, wrong
     assert not plain - ffn_ext.hf._KNOWN, f"plain gated MLPs missing from _KNOWN: {sorted(plain - ffn_ext.hf._KNOWN)}"
     assert not (set(LOOKALIKES) | ffn_ext.hf._CLAMP_AFTER) & ffn_ext.hf._KNOWN
@@ -543,6 +729,27 @@ def test_known_classes_compute_plain_gated_mlp():
             if not ok:
                 bad.setdefault(name, {})[file] = (used, assigned)
     assert not bad, bad
+
+
+def test_the_form_check_finds_plain_gated_mlps_under_new_names():
+    """The check above matches forms, not names: a forward of a plain gated or packed form under attribute and local
+    names no class uses is of that form (with its attributes in their roles); the same with a swapped order, an
+    extra multiplier or the halves taken the other way round is not."""
+    forms = _forms()
+
+    def form(src):
+        fwd = ast.parse("def forward(self, h):\n" + textwrap.indent(src, "    ")).body[0]
+        return _form_of(_body(fwd), forms)
+
+    assert form("h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[0]) * a[1]\nh = self.w_out(h)\n"
+                "return h") == ("packed", {"proj": "w_in", "act": "nonlin", "out": "w_out"})
+    assert form("return self.w2(self.act(self.w1(h)) * self.w3(h))") == (
+        "gated", {"down": "w2", "act": "act", "gate": "w1", "up": "w3"})
+    assert form("u = self.fc1(h)\ng, u = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)")[0] == "packed"
+    for other in ("h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[1]) * a[0]\nh = self.w_out(h)\nreturn h",
+                  "return self.w2(self.act(self.w1(h)) * self.w3(h)) * self.scale",
+                  "u = self.fc1(h)\nu, g = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)"):
+        assert form(other) is None, other
 
 
 @pytest.mark.parametrize("kind, name", [("llama", "x"), ("phi3", "hidden_states"), ("qwen2_5_vl", "hidden_state")])
