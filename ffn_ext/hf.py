@@ -26,13 +26,20 @@ x sigmoid(1.702 x), not a GELU ffn_ext implements), ClippedGELUActivation ("gelu
 gatings that clamp the activation's output, clamp(act_fn(gate), max=limit) * clamp(up, -limit, limit), which no
 ffn_ext op computes (``_CLAMP_AFTER``: Step-3.7's Step3p7MLP and Step3p7Experts, and any class that sets
 transformers' _fp8_experts_clamp_after_activation = True): named with that reason, also when listed in
-extra_classes.
+extra_classes. Nor the packed MLPs of ``_NAMED``, named with what they compute that ffn_ext does not, also when
+listed in extra_classes: ModernBERT's ModernBertMLP and ModernBertDecoderMLP, Wo(drop(act(h[..., :I]) * h[..., I:]))
+with h = Wi(x) (a dropout between the gating and the projection back, which ffn_ext's fused MLP lacks; not patched
+even where the dropout is inactive), and Moonshine's MoonshineDecoderMLP and MoonshineStreamingDecoderMLP,
+fc2(h[..., :I] * act(h[..., I:])) with h = fc1(x) (the up half first; ffn_ext's packed ops take the gate half first).
+Their pairs of names (Wi / Wo, fc1 / fc2: ``_SHAPED_FORMS``) make a module MLP-shaped only with a packed MLP's
+shapes (to [..., 2I] and back), so plain MLPs act(fc1(x)) (CLIP, ViT, Moonshine's encoder, ...) are not named.
 
 Which modules: those of the transformers classes known to have exactly that forward (``_KNOWN``: Llama, Qwen2/3,
 Mistral, DeepSeek-V3, OLMo, Granite, ... with SiLU; Gemma, Gemma2, Gemma3, Gemma4 text, VaultGemma,
 RecurrentGemma, ... with the tanh GELU of their configs; Phi-3 packed; GraniteMoeSharedMLP, GraniteMoeSWAMLP and
 GraniteMoeHybridMLP packed under their own names; all checked against transformers' source by tests/test_hf.py, which
-also checks that the list has every class of those forms, whatever its attribute names), and of the classes passed as
+also checks that the list has every class of those forms, whatever its attribute names, and the same for _NAMED's
+forms), and of the classes passed as
 ``extra_classes`` (your own MLPs of that form; subclasses that do not override forward count too). Modules that
 only look like one (the same submodules, but extra multipliers, clamps, norms, dropout or adapters in forward) or
 whose activation is not one of the above are left alone with one RuntimeWarning naming their classes (and the
@@ -138,9 +145,30 @@ _PACKED_NAMES = {
     "GraniteMoeSWAMLP": ("input_linear", "output_linear", "activation"),
     "GraniteMoeHybridMLP": ("input_linear", "output_linear", "activation"),  # Granite 4.0
 }
+# Packed MLPs of transformers 5.24 that compute what no ffn_ext op does, named in the warning with the reason (whatever
+# extra_classes says: their forward is known; subclasses that keep it too): class -> (the nn.Linear to [..., 2I], the
+# nn.Linear back, the activation, why). tests/test_hf.py::test_named_packed_lookalikes_have_their_form checks each
+# against the source, and that no class of these forms, under any attribute names, is missing.
+_DROPOUT_BETWEEN = ("packed gated MLPs with dropout between the gating and the projection back, "
+                    "Wo(drop(act(h[..., :I]) * h[..., I:])), h = Wi(x) (ModernBERT, ModernBERT decoder): ffn_ext's "
+                    "fused MLP has no dropout, so they are not patched, even where the dropout is inactive (they run "
+                    "as they are, unaccelerated)")
+_UP_FIRST = ("packed gated MLPs whose projection gives the up half first, fc2(h[..., :I] * act(h[..., I:])), h = "
+             "fc1(x) (Moonshine's decoder MLPs): ffn_ext's packed ops take the gate half first (they run as they "
+             "are, unaccelerated)")
+_NAMED = {
+    "ModernBertMLP": ("Wi", "Wo", "act", _DROPOUT_BETWEEN),
+    "ModernBertDecoderMLP": ("Wi", "Wo", "act", _DROPOUT_BETWEEN),
+    "MoonshineDecoderMLP": ("fc1", "fc2", "activation_fn", _UP_FIRST),
+    "MoonshineStreamingDecoderMLP": ("fc1", "fc2", "activation_fn", _UP_FIRST),
+}
 # (projection to [..., 2I], projection back, activation attributes in the order looked for): Phi-3's, then the others
 _PACKED_FORMS = (("gate_up_proj", "down_proj", ("activation_fn", "act_fn")),) + tuple(dict.fromkeys(
     (proj, out, (act,)) for proj, out, act in _PACKED_NAMES.values()))
+# the pairs of _NAMED: MLP-shaped only with a packed MLP's shapes (fc1 / fc2 also name plain MLPs, act(fc1(x)):
+# CLIP, ViT, Whisper, Moonshine's encoder, ..., which have no gating and are none of this patch's business)
+_SHAPED_FORMS = tuple(dict.fromkeys((proj, out, (act,)) for proj, out, act, _ in _NAMED.values()
+                                    if (proj, out) not in {f[:2] for f in _PACKED_FORMS}))
 _GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 # why a module that looks like a gated MLP was left unpatched (the keys of patch_model's warning)
@@ -589,7 +617,8 @@ class _BoundExperts(_BoundForward):
 def _kind(module):
     """(kind, name of the activation attribute, projection names) for an MLP-shaped module, else None: 'gated' with
     nn.Linear children gate_proj, up_proj, down_proj (names: ()), or 'packed' with nn.Linear children of a pair of
-    _PACKED_FORMS (names: that pair, the projection to [..., 2I] first)."""
+    _PACKED_FORMS, or of _SHAPED_FORMS with a packed MLP's shapes (names: that pair, the projection to [..., 2I]
+    first)."""
     mods = dict(module.named_children())
 
     def linear(*names):
@@ -598,11 +627,26 @@ def _kind(module):
     if linear(*_GATED_NAMES):
         kind, names, acts = "gated", (), ("act_fn", "activation_fn")
     else:
-        form = next((f for f in _PACKED_FORMS if linear(f[0], f[1])), None)
+        form = next((f for f in _PACKED_FORMS if linear(f[0], f[1])), None) or next(
+            (f for f in _SHAPED_FORMS if linear(f[0], f[1]) and _packed_shapes(mods[f[0]], mods[f[1]])), None)
         if form is None:
             return None
         kind, names, acts = "packed", form[:2], form[2]
     return kind, next((n for n in acts if hasattr(module, n)), acts[0]), names
+
+
+def _packed_shapes(proj: nn.Linear, out: nn.Linear) -> bool:
+    """Whether proj (to [..., 2I]) and out (back) have a packed gated MLP's shapes."""
+    return proj.in_features == out.out_features and proj.out_features == 2 * out.in_features
+
+
+def _named_reason(cls):
+    """Why an MLP of class cls is named, not patched (_NAMED): its forward is that of a transformers class of
+    _NAMED; else None."""
+    c = _defining(cls, "forward")
+    if c is not None and c.__name__ in _NAMED and c.__module__.startswith("transformers."):
+        return _NAMED[c.__name__][3]
+    return None
 
 
 def _vouched(cls, extra: tuple) -> bool:
@@ -692,8 +736,7 @@ def _check_shapes(name, module, kind, names=()):
         g, u, d = (mods[n] for n in _GATED_NAMES)
         ok = g.in_features == u.in_features == d.out_features and g.out_features == u.out_features == d.in_features
     else:
-        gu, d = mods[names[0]], mods[names[1]]
-        ok = gu.in_features == d.out_features and gu.out_features == 2 * d.in_features
+        ok = _packed_shapes(mods[names[0]], mods[names[1]])
     if not ok:
         raise ValueError(f"ffn_ext.hf.patch_model: {name or 'model'} ({type(module).__name__}) has MLP-named "
                          "projections with inconsistent shapes; not a gated MLP ffn_ext can run")
@@ -745,12 +788,14 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
     extra_classes: your own MLP classes (nn.Linear gate_proj/up_proj/down_proj or gate_up_proj/down_proj, an
     act_fn or activation_fn of the table: nn.SiLU, nn.GELU(approximate=...), transformers' ACT2FN["silu"],
     ACT2FN["gelu"], ACT2FN["gelu_pytorch_tanh"], ...; or input_linear/output_linear and activation, as Granite MoE's
-    shared experts) whose forward computes exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form
-    with gate first. Modules with these submodules that are not known to compute that, whose activation is not one
-    of the table's or that fail the self-check, and gated MoE experts modules ffn_ext does not accelerate, are left
+    shared experts; or, with a packed MLP's shapes, Wi/Wo and act or fc1/fc2 and activation_fn) whose forward
+    computes exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form with gate first. Modules
+    with these submodules that are not known to compute that, whose activation is not one of the table's or that
+    fail the self-check, and gated MoE experts modules ffn_ext does not accelerate, are left
     unpatched with one RuntimeWarning naming their classes (and why); with strict=True that is a ValueError and
     nothing is patched. extra_classes does not apply to experts modules, nor to gatings known to clamp the
-    activation's output (_CLAMP_AFTER)."""
+    activation's output (_CLAMP_AFTER), nor to the packed MLPs of _NAMED (dropout before the projection back, the
+    up half first)."""
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
@@ -778,8 +823,11 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
                 continue
             kind, act_name, names = found
             clamp = _clamped_entry(type(module))
+            named = _named_reason(type(module))
             if _clamps_after(type(module)):  # whatever extra_classes says: its forward is known
                 reason = _CLAMPS_AFTER
+            elif named is not None:  # the same
+                reason = named
             elif clamp is not None:
                 func = _clamped_forward if kind == "gated" else _clamped_packed_forward
                 act_name, act = clamp.act, clamp.act and _attr(module, clamp.act)

@@ -3,6 +3,7 @@
 Skips when transformers is not importable (it is a test/extra dependency: pip install transformers)."""
 import ast
 import copy
+import functools
 import importlib
 import io
 import pathlib
@@ -586,6 +587,14 @@ PACKED_FORMS = [
     "x = self.{proj}(x)\nchunked_hidden_states = x.chunk(2, dim=-1)\n"
     "x = self.{act}(chunked_hidden_states[0]) * chunked_hidden_states[1]\nx = self.{out}(x)\nreturn x",  # Granite MoE
 ]
+# Packed MLPs that compute what no ffn_ext op does (ffn_ext.hf._NAMED): the name of the reason in ffn_ext.hf -> forms,
+# with {drop} a dropout module. Each class of these forms is named in patch_model's warning with that reason.
+NAMED_FORMS = {
+    "_DROPOUT_BETWEEN": ["gate, up = self.{proj}(x).chunk(2, dim=-1)\n"
+                         "return self.{out}(self.{drop}(self.{act}(gate) * up))"],  # ModernBERT
+    "_UP_FIRST": ["x = self.{proj}(x)\nx, gate = x.chunk(2, dim=-1)\nx = self.{act}(gate) * x\nx = self.{out}(x)\n"
+                  "return x"],  # Moonshine's decoder: the up half first
+}
 # a file whose source matches none of these has no forward of those forms (each form has one of them: checked below);
 # the test parses only the others, whatever their attribute names (parsing every modeling file takes 3x as long)
 _FORM_TEXT = re.compile(r"\*\s*self\.\w+\(\s*\w+\s*\)|\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
@@ -620,13 +629,14 @@ def _canonical(body: str) -> tuple:
     return ast.unparse(tree), tuple(attrs)
 
 
-def _forms() -> dict:
-    """canonical source -> (kind, its placeholders in the order _canonical met them) of GATED_FORMS, PACKED_FORMS."""
+def _forms(groups=(("gated", GATED_FORMS), ("packed", PACKED_FORMS))) -> dict:
+    """canonical source -> (kind, its placeholders in the order _canonical met them) of the forms of `groups` ((kind,
+    forms) pairs; by default GATED_FORMS, PACKED_FORMS)."""
     out = {}
-    for kind, forms in (("gated", GATED_FORMS), ("packed", PACKED_FORMS)):
+    for kind, forms in groups:
         for form in forms:
             assert _FORM_TEXT.search(form.replace("{", "").replace("}", "")), form
-            src = form.format(gate="gate", up="up", down="down", act="act", proj="proj", out="out")
+            src = form.format(gate="gate", up="up", down="down", act="act", proj="proj", out="out", drop="drop")
             canonical, roles = _canonical(src)
             assert canonical not in out, form
             out[canonical] = (kind, roles)
@@ -675,6 +685,22 @@ def _activation_assignments(cls: ast.ClassDef, names) -> dict | None:
     return out
 
 
+@functools.cache
+def _transformers_forwards() -> tuple:
+    """(file name, class node, forward node, _body of the forward) for each forward of a class defined at the top level
+    of transformers' modeling files whose source matches _FORM_TEXT (parsed once for the tests that read them)."""
+    out = []
+    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
+        src = path.read_text()
+        if not _FORM_TEXT.search(src):
+            continue
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.ClassDef):
+                out.extend((path.name, node, fwd, _body(fwd)) for fwd in node.body
+                           if isinstance(fwd, ast.FunctionDef) and fwd.name == "forward")
+    return tuple(out)
+
+
 def test_known_classes_compute_plain_gated_mlp():
     """Read from transformers' source with ast (nothing imported): every class in ffn_ext.hf._KNOWN that the
     installed transformers defines has a forward of one of the plain gated forms, with the attribute names
@@ -686,23 +712,15 @@ def test_known_classes_compute_plain_gated_mlp():
     ACT2FN tests above)."""
     forms = _forms()
     found, plain, acts = {}, set(), {}
-    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
-        src = path.read_text()
-        if not _FORM_TEXT.search(src):
-            continue
-        for node in ast.parse(src).body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            for fwd in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
-                form = _form_of(_body(fwd), forms)
-                if form is not None:
-                    plain.add(node.name)
-                if node.name in ffn_ext.hf._KNOWN:
-                    found.setdefault(node.name, {})[path.name] = form
-                    if form is not None:
-                        names = _expected_names(node.name, *form)[1]
-                        acts.setdefault(node.name, {})[path.name] = (_self_attrs(fwd, names),
-                                                                     _activation_assignments(node, names))
+    for file, node, fwd, body in _transformers_forwards():
+        form = _form_of(body, forms)
+        if form is not None:
+            plain.add(node.name)
+        if node.name in ffn_ext.hf._KNOWN:
+            found.setdefault(node.name, {})[file] = form
+            if form is not None:
+                names = _expected_names(node.name, *form)[1]
+                acts.setdefault(node.name, {})[file] = (_self_attrs(fwd, names), _activation_assignments(node, names))
     assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen2MoeMLP", "Phi3MLP"} <= found.keys()
     assert {"GemmaMLP", "Gemma2MLP", "Gemma3MLP", "Gemma4TextMLP", "VaultGemmaMLP"} <= found.keys()
     unlisted = ffn_ext.hf._PACKED_NAMES.keys() - (found.keys() & ffn_ext.hf._KNOWN)
@@ -720,7 +738,7 @@ def test_known_classes_compute_plain_gated_mlp():
                 wrong.setdefault(name, {})[file] = f"{kind} with {used}, patch_model would use {projections}"
     assert not wrong, wrong
     assert not plain - ffn_ext.hf._KNOWN, f"plain gated MLPs missing from _KNOWN: {sorted(plain - ffn_ext.hf._KNOWN)}"
-    assert not (set(LOOKALIKES) | ffn_ext.hf._CLAMP_AFTER) & ffn_ext.hf._KNOWN
+    assert not (set(LOOKALIKES) | ffn_ext.hf._CLAMP_AFTER | ffn_ext.hf._NAMED.keys()) & ffn_ext.hf._KNOWN
     bad = {}
     for name, files in acts.items():
         for file, (used, assigned) in files.items():
@@ -746,10 +764,135 @@ def test_the_form_check_finds_plain_gated_mlps_under_new_names():
     assert form("return self.w2(self.act(self.w1(h)) * self.w3(h))") == (
         "gated", {"down": "w2", "act": "act", "gate": "w1", "up": "w3"})
     assert form("u = self.fc1(h)\ng, u = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)")[0] == "packed"
+    named = _forms(tuple(NAMED_FORMS.items()))
+    assert _form_of(_body(ast.parse("def forward(self, h):\n    a, b = self.p(h).chunk(2, dim=-1)\n"
+                                     "    return self.q(self.d(self.f(a) * b))").body[0]), named) == (
+        "_DROPOUT_BETWEEN", {"proj": "p", "out": "q", "drop": "d", "act": "f"})
+    assert _form_of(_body(ast.parse("def forward(self, h):\n    h = self.p(h)\n    h, g = h.chunk(2, dim=-1)\n"
+                                     "    h = self.f(g) * h\n    h = self.q(h)\n    return h").body[0]), named) == (
+        "_UP_FIRST", {"proj": "p", "act": "f", "out": "q"})
     for other in ("h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[1]) * a[0]\nh = self.w_out(h)\nreturn h",
                   "return self.w2(self.act(self.w1(h)) * self.w3(h)) * self.scale",
                   "u = self.fc1(h)\nu, g = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)"):
         assert form(other) is None, other
+
+
+def test_named_packed_lookalikes_have_their_form():
+    """Read from transformers' source with ast: every class of ffn_ext.hf._NAMED has a forward of the form of its
+    reason (NAMED_FORMS: dropout between the gating and the projection back; the up half first) with the projection
+    and activation attributes _NAMED lists (which patch_model's _kind finds: _SHAPED_FORMS), and no class of those
+    forms, under any attribute names, is missing from _NAMED."""
+    forms = _forms(tuple(NAMED_FORMS.items()))
+    named, found = ffn_ext.hf._NAMED, {}
+    for file, node, fwd, body in _transformers_forwards():
+        form = _form_of(body, forms)
+        if form is not None or node.name in named:
+            found.setdefault(node.name, {})[file] = form
+    assert named.keys() <= found.keys(), f"_NAMED classes transformers does not define: {named.keys() - found.keys()}"
+    missing = sorted(found.keys() - named.keys())
+    assert not missing, f"packed MLPs of a NAMED_FORMS form missing from ffn_ext.hf._NAMED: {missing}"
+    wrong = {}
+    for name, files in found.items():
+        proj, out, act, reason = named[name]
+        for file, form in files.items():
+            if form is None or getattr(ffn_ext.hf, form[0]) != reason or (
+                    (form[1]["proj"], form[1]["out"], form[1]["act"]) != (proj, out, act)):
+                wrong.setdefault(name, {})[file] = form
+    assert not wrong, wrong
+    shaped = {f[:2]: f[2] for f in ffn_ext.hf._PACKED_FORMS + ffn_ext.hf._SHAPED_FORMS}
+    assert all(act in shaped[proj, out] for proj, out, act, _ in named.values())
+    assert {"ModernBertMLP", "MoonshineDecoderMLP"} <= named.keys()
+
+
+# ffn_ext.hf._NAMED: class -> its modeling module
+NAMED_MODULES = {"ModernBertMLP": "modernbert", "ModernBertDecoderMLP": "modernbert_decoder",
+                 "MoonshineDecoderMLP": "moonshine", "MoonshineStreamingDecoderMLP": "moonshine_streaming"}
+NAMED_CONFIG = types.SimpleNamespace(hidden_size=16, intermediate_size=24, mlp_bias=True, hidden_activation="gelu",
+                                     mlp_dropout=0.1)
+
+
+@pytest.mark.parametrize("name", list(NAMED_MODULES))
+def test_named_packed_lookalikes_are_named_with_their_reason(name):
+    """ModernBERT's MLPs (dropout between the gating and Wo) and Moonshine's decoder MLPs (the up half first), with an
+    activation of the table (GELU, SiLU) and in eval mode: named in the warning with their reason, also when listed in
+    extra_classes and in a subclass that keeps the forward; strict=True refuses; the output is what it was. A
+    subclass whose forward is the plain packed form (gate first, no dropout) under those names is MLP-shaped: named
+    as not known, and patched (self-check passed) when listed."""
+    assert NAMED_MODULES.keys() == ffn_ext.hf._NAMED.keys()
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{NAMED_MODULES[name]}.modeling_"
+                                              f"{NAMED_MODULES[name]}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
+    proj, out, act, reason = ffn_ext.hf._NAMED[name]
+
+    class Keeps(cls):
+        pass
+
+    class GateFirst(cls):
+        def forward(self, x):
+            gate, up = getattr(self, proj)(x).chunk(2, dim=-1)
+            return getattr(self, out)(getattr(self, act)(gate) * up)
+
+    def make(c):
+        return c(NAMED_CONFIG, "silu") if name.startswith("Moonshine") else c(NAMED_CONFIG)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(make(cls), make(Keeps), make(GateFirst)).eval()
+    assert ffn_ext.hf._table_activation(getattr(net[0], act)) is not None
+    assert all(ffn_ext.hf._kind(m) == ("packed", act, (proj, out)) for m in net)
+    x = torch.randn(2, 3, 16)
+    ref = [m(x) for m in net]
+    for extra in ((), (cls, Keeps)):
+        with pytest.warns(RuntimeWarning) as rec:
+            assert ffn_ext.patch_hf_model(net, extra_classes=extra) == 0
+        (msg,) = [str(w.message) for w in rec if w.category is RuntimeWarning]
+        assert msg == (f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf._UNKNOWN}: "
+                       "GateFirst at '2' (left unpatched)"), msg
+        with pytest.raises(ValueError, match=re.escape(f"{reason}: {name} at '0'")):
+            ffn_ext.patch_hf_model(net, strict=True, extra_classes=extra)
+        assert all(torch.equal(m(x), r) for m, r in zip(net, ref))
+        assert not any("forward" in vars(m) for m in net[:2])
+    with pytest.warns(RuntimeWarning, match=re.escape(reason)):
+        assert ffn_ext.patch_hf_model(net, extra_classes=[GateFirst]) == 1
+    assert getattr(net[2], ffn_ext.hf._MARK) == "packed" and vars(net[2])["forward"].names == (proj, out)
+    y = net[2](x.requires_grad_())
+    assert "_GatedMLPPacked" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, ref[2], atol=1e-5, rtol=1e-5)
+
+
+def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not():
+    """Tiny random ModernBERT and Moonshine: their gated MLPs are named (with the count), Moonshine's encoder MLPs
+    (act(fc1(x)), fc1 / fc2 as CLIP's) are not MLP-shaped; strict=True refuses; logits are unchanged."""
+    torch.manual_seed(0)
+    bert = transformers.ModernBertModel(transformers.ModernBertConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, vocab_size=97, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).eval()
+    moon = transformers.MoonshineForConditionalGeneration(transformers.MoonshineConfig(
+        hidden_size=32, intermediate_size=48, encoder_num_hidden_layers=1, decoder_num_hidden_layers=2,
+        encoder_num_attention_heads=2, decoder_num_attention_heads=2, vocab_size=97, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1)).eval()
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    audio = torch.randn(1, 2000, generator=torch.Generator().manual_seed(2))
+
+    def run(model):
+        if model is bert:
+            return model(ids).last_hidden_state
+        return model(input_values=audio, decoder_input_ids=ids).logits
+
+    enc = [m for m in moon.modules() if type(m).__name__ == "MoonshineEncoderMLP"]
+    assert enc and all(ffn_ext.hf._kind(m) is None for m in enc)
+    for model, reason, where in ((bert, ffn_ext.hf._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
+                                 (moon, ffn_ext.hf._UP_FIRST,
+                                  "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more")):
+        ref = run(model)
+        with pytest.warns(RuntimeWarning) as rec:
+            assert ffn_ext.patch_hf_model(model) == 0
+        msgs = [str(w.message) for w in rec if w.category is RuntimeWarning]
+        assert msgs == [f"ffn_ext.hf.patch_model: {reason}: {where} (left unpatched)"], msgs
+        with pytest.raises(ValueError, match=re.escape(where)):
+            ffn_ext.patch_hf_model(model, strict=True)
+        torch.testing.assert_close(run(model), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind, name", [("llama", "x"), ("phi3", "hidden_states"), ("qwen2_5_vl", "hidden_state")])
