@@ -1,23 +1,40 @@
 """The ffn_ext ops as the tests see them: op lists, inputs, the float64 reference and tolerances, all derived from
-the op table (ffn_ext/table.py), so an activation added there is tested by every test file without editing it.
+the op table (ffn_ext/table.py), so an activation or a gated op added there is tested by every test file without
+editing it.
 
 Import it from a test file as ``from optable import ...`` (tests/ is on sys.path: pytest puts the directory of
 the rootdir conftest there, and ``python tests/<script>.py`` runs with tests/ first on the path). conftest.py holds
 only pytest's hooks, fixtures and markers.
 
-  SPECS, OPS, FORWARD_OPS, BACKWARD_OPS, UNARY_OPS, GATED_OPS, PACKED_OPS     op names from the table
-  N_INPUTS, N_OUTPUTS, ARG_NAMES, ACTIVATIONS, ACT_NAMES                        per op / per activation
-  op(name), spec(name), is_packed(name), activation_arg(name)                  torch.ops packet, OpSpec, ...
-  call(name), NATIVE, needs_native                the op, or its ATen fallback without the native library
-  api_call(name)                                  the public API callable of forward op `name` (gelu approximate=...)
-  terms(name, inputs)                             an op (not packed) as products: which act value, times what
-  unpack(name, inputs) / repack(name, outs)       a packed op as its gated op on the two halves and back
-  reference(name, *inputs, inf_limits=False)      float64 result (ATen semantics, or the limits at +-inf)
-  aten_result(name, *inputs)                      ATen's composite in the inputs' own dtype (the CPU kernels)
-  error_scale(name, *inputs)                      size of the terms the kernels' formulas cancel (act.cancel)
-  tolerance(dtype), assert_close_to, assert_matches_reference
-  make_layout, make_chunk_pair, make_inputs, input_shapes, LAYOUTS, FLOAT_DTYPES, CPU_DTYPES
-  DEVICES, RecordOps, poison_cuda_cache, as_tuple
+Gated ops with keyword parameters (the table's Gated.params, e.g. swiglu_clamped's limit, alpha, up_offset) are
+called with their example values (spec.example) unless `params` says otherwise; packed ops take a `packing`, the
+op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ...]; PACKINGS), default "concat".
+(LAYOUTS are memory layouts of one tensor: strides, offsets; make_layout.)
+
+  SPECS, OPS, FORWARD_OPS, BACKWARD_OPS, UNARY_OPS, GATED_OPS, PACKED_OPS   op names from the table
+  PARAM_OPS, HOST_OPS          the ops with keyword parameters; the ops ffn_ext._C._host_math runs (not packed)
+  GATED, GATED_IDS, PACKINGS   the table's Gated entries and their names; the packed ops' gate_up layouts
+  N_INPUTS, N_OUTPUTS, ARG_NAMES, ACTIVATIONS, ACT_NAMES                      per op / per activation
+  op(name), spec(name), is_packed(name), activation_arg(name), ops_of(kind, backward, act, gated)
+  params_of(name, params)      the parameters an op is called with (default: the table's examples)
+  applied_params(name, params, dtype)   ... as torch applies them to a dtype (a clamp bound rounded to it)
+  op_kwargs(name, packing, params)   an op call's keyword arguments (parameters, layout=packing)
+  host_params(name, params)    the test paths' params list ([limit, alpha, up_offset], or [])
+  call(name, packing, params), NATIVE, needs_native
+                               the op with its keyword arguments, or its ATen fallback without the native library
+  api_call(name, packing, params)    the public API callable of forward op `name` (gelu(approximate=),
+                               gated(activation=), gated_packed(layout=), swiglu_clamped(limit=, ...), ...)
+  terms(name, inputs, params)  an op (not packed) as products: which act value, times what, where (mask)
+  unpack(name, inputs, packing) / repack(name, outs, packing)
+                               a packed op as its gated op on the two halves of gate_up and back
+  reference(name, *inputs, inf_limits=False, packing=, params=)   float64 result (ATen semantics, or the limits)
+  aten_result(name, *inputs, packing=, params=)   ATen's composite in the inputs' own dtype (the CPU kernels)
+  error_scale(name, *inputs, packing=, params=)   size of the terms the kernels' formulas cancel (act.cancel, and
+                               the rounding of a computed activation argument)
+  limit_terms(name, inputs, params)  per output: fp64 value with the limits at +-inf, spread, |factors|
+  tolerance(dtype), assert_close_to, assert_matches_reference(..., packing=, params=)
+  make_layout, make_chunk_pair, make_inputs(..., packing=, params=, at_bounds=), input_shapes, LAYOUTS,
+  FLOAT_DTYPES, CPU_DTYPES, DEVICES, RecordOps, poison_cuda_cache, as_tuple
 """
 from __future__ import annotations
 
@@ -28,7 +45,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
-from ffn_ext.table import ACTIVATIONS, BY_NAME, OPS as SPECS
+from ffn_ext import table as _table
+from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, OPS as SPECS
 
 try:  # the plain scripts (cuda_sanitize_cases.py) import this module without pytest
     import pytest
@@ -36,12 +54,13 @@ except ImportError:  # pragma: no cover
     pytest = None
 
 __all__ = [
-    "ACTIVATIONS", "ACT_NAMES", "BY_NAME", "SPECS", "OPS", "FORWARD_OPS", "BACKWARD_OPS", "UNARY_OPS", "GATED_OPS",
-    "PACKED_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES", "FLOAT_DTYPES", "CPU_DTYPES", "DEVICES", "LAYOUTS",
-    "NATIVE", "needs_native", "op", "call", "spec", "is_packed", "activation_arg", "api_call", "ops_of", "terms",
-    "unpack", "repack", "reference", "aten_result", "error_scale", "tolerance", "assert_close_to",
-    "assert_matches_reference", "make_layout", "make_chunk_pair", "make_inputs", "input_shapes", "as_tuple",
-    "RecordOps", "poison_cuda_cache",
+    "ACTIVATIONS", "ACT_NAMES", "BY_NAME", "GATED", "GATED_IDS", "SPECS", "OPS", "FORWARD_OPS", "BACKWARD_OPS",
+    "UNARY_OPS", "GATED_OPS", "PACKED_OPS", "PARAM_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES",
+    "FLOAT_DTYPES", "CPU_DTYPES", "DEVICES", "LAYOUTS", "PACKINGS", "NATIVE", "needs_native", "op", "call", "spec",
+    "is_packed", "activation_arg", "api_call", "ops_of", "params_of", "applied_params", "op_kwargs", "host_params",
+    "terms", "limit_terms", "unpack", "repack", "reference", "aten_result", "error_scale", "tolerance",
+    "assert_close_to", "assert_matches_reference", "make_layout", "make_chunk_pair", "make_inputs", "input_shapes",
+    "as_tuple", "RecordOps", "poison_cuda_cache",
 ]
 
 # ---------------------------------------------------------------- ops, from the table
@@ -51,11 +70,14 @@ BACKWARD_OPS = tuple(n for n, s in SPECS.items() if s.backward)
 UNARY_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "unary")  # forward ops only, as GATED/PACKED_OPS
 GATED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "gated")
 PACKED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "packed")
+PARAM_OPS = tuple(n for n, s in SPECS.items() if s.params)  # ops with keyword parameters, forward and backward
 HOST_OPS = tuple(n for n in OPS if SPECS[n].kind != "packed")  # what ffn_ext._C._host_math runs
 ACT_NAMES = tuple(a.name for a in ACTIVATIONS)
+GATED_IDS = tuple(g.name for g in GATED)  # the gated ops of the table (GATED: their entries)
 N_INPUTS = {n: len(s.args) for n, s in SPECS.items()}
 N_OUTPUTS = {n: s.n_outputs for n, s in SPECS.items()}
 ARG_NAMES = {n: s.args for n, s in SPECS.items()}  # as in the schemas and the error messages
+PACKINGS = tuple(_table.LAYOUTS)  # the packed ops' gate_up layouts (their `layout` argument): concat, interleaved
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
@@ -71,28 +93,68 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native library (
 
 
 def op(name: str):
-    """torch.ops.ffn_ext.<name>."""
+    """torch.ops.ffn_ext.<name> (the packet: a gated op with parameters needs them as keyword arguments)."""
     return getattr(torch.ops.ffn_ext, name)
 
 
-def call(name: str):
-    """op(name) when the native library is loaded, else op `name`'s ATen fallback (ffn_ext.ops._fallback: the same
-    checks and ATen composites), so that value tests also run on the fallback path (FFN_EXT_NO_C=1)."""
-    if NATIVE:
-        return op(name)
-    return lambda *args: ffn_ext.ops._fallback(name, args)
-
-
 def spec(name: str):
-    """The table's OpSpec of op `name` (act, kind, backward, args, n_outputs)."""
+    """The table's OpSpec of op `name` (act, kind, backward, args, n_outputs, gated, params)."""
     return SPECS[name]
 
 
-def ops_of(kind: str | None = None, backward: bool | None = None, act=None) -> tuple:
-    """The op names of the table with the given kind ("unary", "gated", "packed"), direction and activation."""
+def params_of(name: str, params: dict | None = None) -> dict:
+    """The parameters op `name` is called with: `params`, or the table's example values (spec.example; {} for the
+    ops without parameters)."""
+    return dict(SPECS[name].example if params is None else params)
+
+
+def op_kwargs(name: str, packing: str | None = None, params: dict | None = None) -> dict:
+    """The keyword arguments of a call of op `name`: its parameters (params_of) and, for a packed op given a
+    `packing`, layout=packing (None: the op's default, "concat", by leaving it out)."""
+    kw = params_of(name, params)
+    if packing is not None:
+        assert SPECS[name].kind == "packed", f"{name}: only the packed ops take a layout"
+        kw["layout"] = packing
+    return kw
+
+
+def applied_params(name: str, params: dict | None, dtype: torch.dtype) -> dict:
+    """The parameters as torch applies them to inputs of `dtype`: a clamp bound (`limit`) rounded to the dtype, as
+    torch.clamp rounds its scalar bounds (so GPT-OSS's expression in bfloat16 with limit 2.3 clamps at, and stops
+    the gradient of, 2.296875). The float64 reference uses these, so that it clamps where torch does for any limit,
+    not only for limits the dtype holds exactly (2.5, 7.0)."""
+    p = params_of(name, params)
+    if "limit" in p and dtype != torch.float64:
+        p["limit"] = float(torch.tensor(p["limit"], dtype=torch.float64).to(dtype))
+    return p
+
+
+def host_params(name: str, params: dict | None = None) -> list:
+    """The `params` list of ffn_ext._C._host_math / _emulate_cuda: the op's parameters in schema order ([limit,
+    alpha, up_offset] for swiglu_clamped; [] for the ops without parameters)."""
+    p = params_of(name, params)
+    return [float(p.get(q.name, q.default)) for q in SPECS[name].params]
+
+
+def call(name: str, packing: str | None = None, params: dict | None = None):
+    """op(name) with its keyword arguments (op_kwargs: the example parameters, layout=packing) when the native
+    library is loaded, else op `name`'s ATen fallback (ffn_ext.ops._fallback: the same checks and ATen composites)
+    with them, so that value tests also run on the fallback path (FFN_EXT_NO_C=1)."""
+    kw = op_kwargs(name, packing, params)
+    if NATIVE:
+        o = op(name)
+        return functools.partial(o, **kw) if kw else o
+    return lambda *args: ffn_ext.ops._fallback(name, args, kw)
+
+
+def ops_of(kind: str | None = None, backward: bool | None = None, act=None, gated=None) -> tuple:
+    """The op names of the table with the given kind ("unary", "gated", "packed"), direction, activation and gated
+    op (a Gated entry or its name)."""
+    g = getattr(gated, "name", gated)
     return tuple(n for n, s in SPECS.items() if (kind is None or s.kind == kind)
                  and (backward is None or s.backward == backward)
-                 and (act is None or s.act.name == getattr(act, "name", act)))
+                 and (act is None or s.act.name == getattr(act, "name", act))
+                 and (g is None or (s.gated is not None and s.gated.name == g)))
 
 
 def as_tuple(x):
@@ -105,25 +167,32 @@ def is_packed(name: str) -> bool:
 
 
 def activation_arg(name: str) -> int:
-    """Index of the argument the activation applies to: x, gate or gate_up (whose first half is the gate)."""
+    """Index of the argument the activation applies to: x, gate or gate_up (which holds the gate)."""
     return 1 if SPECS[name].backward else 0
 
 
-def api_call(name: str):
+def api_call(name: str, packing: str | None = None, params: dict | None = None):
     """The public API callable that runs forward op `name`: ffn_ext.gelu(x, approximate="tanh") for gelu_tanh,
-    ffn_ext.gated(gate, up, activation=...) for the gated ops, ffn_ext.gated_packed(...) for the packed ones."""
+    ffn_ext.gated(gate, up, activation=...) for the gated ops over an activation, ffn_ext.gated_packed(...,
+    layout=packing) for their packed ones, and a gated op with parameters by its own name with them
+    (ffn_ext.swiglu_clamped(gate, up, limit=, alpha=, up_offset=), ffn_ext.swiglu_clamped_packed(..., layout=))."""
     s = SPECS[name]
     assert not s.backward, f"{name}: backward ops have no public API"
     if s.kind == "unary":
         function, options = s.act.api
         return functools.partial(getattr(ffn_ext, function), **options)
+    kw = op_kwargs(name, packing, params)
+    if s.params:
+        return functools.partial(getattr(ffn_ext, name), **kw)
     fn = ffn_ext.gated if s.kind == "gated" else ffn_ext.gated_packed
-    return functools.partial(fn, activation=s.act.name)
+    return functools.partial(fn, activation=s.act.name, **kw)
 
 
-def input_shapes(name: str, shape) -> tuple:
+def input_shapes(name: str, shape, packing: str | None = None) -> tuple:
     """Input shapes of op `name` whose (first) output has shape `shape`. Packed ops: gate_up is [..., 2M] for an
-    output [..., M]; their `grad` has the forward output's shape [..., M]."""
+    output [..., M], in either packing (accepted for symmetry: the shapes do not depend on it); their `grad` has
+    the forward output's shape [..., M]."""
+    assert packing is None or packing in PACKINGS, packing
     shape = tuple(shape)
     if is_packed(name):
         packed = shape[:-1] + (2 * shape[-1],)
@@ -132,39 +201,44 @@ def input_shapes(name: str, shape) -> tuple:
 
 
 # ---------------------------------------------------------------- the ops as formulas
-def terms(name: str, inputs):
-    """Op `name` (not packed) written as products, one per output: (which, x, factors) where the output is
-    prod(factors) * act(x) for which == "f" and prod(factors) * act'(x) for which == "d" (factors multiply
-    left to right, first of all: grad * up before the derivative, as the kernels do)."""
+def terms(name: str, inputs, params: dict | None = None):
+    """Op `name` (not packed) written as products, one per output: (which, x, factors, mask) where the output is
+    prod(factors) * act(x) for which == "f" and prod(factors) * act'(x) for which == "d" where `mask` (a bool
+    tensor, or None: everywhere) holds, and 0 elsewhere (a select: also where the product is NaN). Factors multiply
+    left to right, first of all (grad * up before the derivative, as the kernels do). Gated ops come from the
+    table's gated_terms (with parameters: x may be computed from the inputs, e.g. alpha * clamp(gate))."""
     s = SPECS[name]
     assert s.kind != "packed", f"{name}: unpack() a packed op first"
     if s.kind == "unary":
         if s.backward:
             grad, x = inputs
-            return [("d", x, (grad,))]
-        return [("f", inputs[0], ())]
+            return [("d", x, (grad,), None)]
+        return [("f", inputs[0], (), None)]
+    p = params_of(name, params)
     if s.backward:
         grad, gate, up = inputs
-        return [("d", gate, (grad, up)), ("f", gate, (grad,))]
+        return list(_table.gated_terms(s.gated, gate, up, grad, **p))
     gate, up = inputs
-    return [("f", gate, (up,))]
+    return list(_table.gated_terms(s.gated, gate, up, **p))
 
 
-def unpack(name: str, inputs):
-    """A packed op's inputs as its gated op's: (gated op name, inputs with gate, up = gate_up.chunk(2, -1))."""
+def unpack(name: str, inputs, packing: str = "concat"):
+    """A packed op's inputs as its gated op's: (gated op name, inputs with gate, up = the two halves of gate_up in
+    `packing`: chunk(2, -1) for "concat", [..., 0::2] and [..., 1::2] for "interleaved")."""
     s = SPECS[name]
     assert s.kind == "packed", name
-    gated = s.act.gated + ("_backward" if s.backward else "")
+    gated = s.gated.name + ("_backward" if s.backward else "")
     if s.backward:
         grad, gate_up = inputs
-        return gated, (grad, *gate_up.chunk(2, dim=-1))
-    return gated, tuple(inputs[0].chunk(2, dim=-1))
+        return gated, (grad, *_table.split_packed(gate_up, packing))
+    return gated, tuple(_table.split_packed(inputs[0], packing))
 
 
-def repack(name: str, outs):
-    """The gated op's outputs as packed op `name`'s: the backward's (dgate, dup) concatenated to [..., 2M]."""
+def repack(name: str, outs, packing: str = "concat"):
+    """The gated op's outputs as packed op `name`'s: the backward's (dgate, dup) joined to [..., 2M] in
+    `packing`."""
     outs = as_tuple(outs)
-    return (torch.cat(outs, dim=-1),) if SPECS[name].backward else outs
+    return (_table.join_packed(*outs, packing),) if SPECS[name].backward else outs
 
 
 def _prod(factors):
@@ -174,61 +248,103 @@ def _prod(factors):
     return out
 
 
-def _evaluate(name, inputs, f, backward):
-    """Op `name` from an activation `f(x)` and `backward(m, x)` = m * act'(x); a tensor or a tuple, like the op."""
+def _select(mask, t):
+    return t if mask is None else torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _untuple(outs):
+    outs = tuple(outs)
+    return outs if len(outs) > 1 else outs[0]
+
+
+def _aten(name, inputs, packing, params):
+    """Op `name` with the table's ATen composites (act.aten, act.aten_backward; a gated op's Gated.forward /
+    backward), in the inputs' dtype."""
+    s = SPECS[name]
+    if s.kind == "packed":
+        gated, ins = unpack(name, inputs, packing)
+        return _untuple(repack(name, _aten(gated, ins, packing, params), packing))
+    if s.kind == "unary":
+        return s.act.aten_backward(*inputs) if s.backward else s.act.aten(*inputs)
+    p = params_of(name, params)
+    return _untuple(as_tuple(s.gated.backward(*inputs, **p) if s.backward else s.gated.forward(*inputs, **p)))
+
+
+def _with_limits(name, inputs, packing, params):
+    """Op `name` from its terms and the table's act.ref (the limits at +-inf), masks applied."""
     if is_packed(name):
-        gated, ins = unpack(name, inputs)
-        outs = repack(name, _evaluate(gated, ins, f, backward))
-    else:
-        outs = []
-        for which, x, factors in terms(name, inputs):
-            m = _prod(factors)
-            if which == "f":
-                outs.append(f(x) if m is None else f(x) * m)
-            else:
-                outs.append(backward(torch.ones_like(x) if m is None else m, x))
-    return tuple(outs) if len(outs) > 1 else outs[0]
+        gated, ins = unpack(name, inputs, packing)
+        return _untuple(repack(name, _with_limits(gated, ins, packing, params), packing))
+    return _untuple(v for v, _, _ in limit_terms(name, inputs, params))
 
 
-def reference(name: str, *inputs: torch.Tensor, inf_limits: bool = False):
-    """The result of torch.ops.ffn_ext.<name>(*inputs) in float64 from the same input values (upcast exactly), on
-    the inputs' device. A tensor, or a tuple for the gated backward ops, like the op.
+def _second_derivative(act, x):
+    """act''(x) in float64 (autograd through the table's act.ref; 0 where it is not finite)."""
+    with torch.enable_grad():
+        xg = x.detach().clone().requires_grad_(True)
+        (d2,) = torch.autograd.grad(act.ref(xg)[1].sum(), xg)
+    return torch.nan_to_num(d2, nan=0.0, posinf=0.0, neginf=0.0)
 
-    inf_limits=False: ATen's semantics (the table's act.aten / act.aten_backward in float64; e.g. NaN for
-    silu(-inf)), what the CPU kernels return.
-    inf_limits=True: the mathematical limits the CUDA kernels implement (the table's act.ref: act(-inf) = -0,
-    act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1; NaN propagates)."""
+
+def limit_terms(name: str, inputs, params: dict | None = None):
+    """Op `name` (not packed) on float64 inputs, per output: (value, spread, size), where value is the result with
+    the mathematical limits the CUDA kernels implement (the table's act.ref), spread the size of what the kernels'
+    formulas cancel (act.cancel, times |factors|) and size = |prod(factors)|, the factor the activation's value or
+    derivative is multiplied by; masks applied (0 where the op selects 0).
+
+    Where the activation's argument x is computed from the inputs (not one of them: a gated op with parameters,
+    x = alpha * clamp(gate)), the kernels round it, so ulps of |x| propagate: the spread also holds |x act'(x)| for
+    a value and |x act''(x)| for a derivative (times |factors|)."""
     act = SPECS[name].act
+    out = []
+    for which, x, factors, mask in terms(name, inputs, params):
+        k = 0 if which == "f" else 1
+        v, s = act.ref(x)[k], act.cancel(x)[k]
+        if not any(x is t for t in inputs):
+            slope = act.ref(x)[1] if k == 0 else _second_derivative(act, x)
+            s = s + torch.nan_to_num((x * slope).abs(), nan=0.0, posinf=0.0)
+        m = _prod(factors)
+        size = torch.ones_like(x) if m is None else m.abs()
+        out.append((_select(mask, v if m is None else m * v), _select(mask, s * size), _select(mask, size)))
+    return out
+
+
+def reference(name: str, *inputs: torch.Tensor, inf_limits: bool = False, packing: str = "concat",
+              params: dict | None = None):
+    """The result of op `name` on `inputs` (called with op_kwargs(name, packing, params)) in float64 from the same
+    input values (upcast exactly), on the inputs' device. A tensor, or a tuple for the gated backward ops, like the
+    op.
+
+    inf_limits=False: ATen's semantics (the table's act.aten / act.aten_backward, a gated op's Gated.forward /
+    backward, in float64; e.g. NaN for silu(-inf)), what the CPU kernels return.
+    inf_limits=True: the mathematical limits the CUDA kernels implement (the table's act.ref: act(-inf) = -0,
+    act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1; NaN propagates; the terms' masks select 0).
+    A clamp bound applies as torch applies it to the inputs' dtype (applied_params)."""
     d = [t.detach().double() for t in inputs]
+    params = applied_params(name, params, inputs[-1].dtype)
     if inf_limits:
-        return _evaluate(name, d, lambda x: act.ref(x)[0], lambda m, x: m * act.ref(x)[1])
-    return _evaluate(name, d, act.aten, act.aten_backward)
+        return _with_limits(name, d, packing, params)
+    return _aten(name, d, packing, params)
 
 
-def aten_result(name: str, *inputs: torch.Tensor):
+def aten_result(name: str, *inputs: torch.Tensor, packing: str = "concat", params: dict | None = None):
     """Op `name` with the table's ATen composites in the inputs' own dtype and device (what the CPU kernels
     compute, intermediates rounded to the dtype)."""
-    act = SPECS[name].act
-    return _evaluate(name, [t.detach() for t in inputs], act.aten, act.aten_backward)
+    return _aten(name, [t.detach() for t in inputs], packing, params)
 
 
-def error_scale(name: str, *inputs: torch.Tensor):
+def error_scale(name: str, *inputs: torch.Tensor, packing: str = "concat", params: dict | None = None):
     """Per output of op `name` (a tuple of float64 tensors): S, the size of the terms the kernels' formulas cancel
-    (the table's act.cancel, times the factors the activation value is multiplied by: |up|, |grad|, ...). Rounding
-    errors of a few ulps of the compute type are relative to |result| + S, not to |result| alone: e.g. the exact
-    GELU's 1 + erf(x / sqrt 2) cancels for x < 0, so geglu's error in float32 is ulps of |gate| |up|."""
-    act = SPECS[name].act
+    (limit_terms' spread: the table's act.cancel times the factors the activation value is multiplied by, |up|,
+    |grad|, ..., and the rounding of a computed activation argument). Rounding errors of a few ulps of the compute
+    type are relative to |result| + S, not to |result| alone: e.g. the exact GELU's 1 + erf(x / sqrt 2) cancels
+    for x < 0, so geglu's error in float32 is ulps of |gate| |up|."""
     d = [t.detach().double() for t in inputs]
+    params = applied_params(name, params, inputs[-1].dtype)
     if is_packed(name):
-        gated, d = unpack(name, d)
-        return repack(name, error_scale(gated, *d))
-    out = []
-    for which, x, factors in terms(name, d):
-        s = act.cancel(x)[0 if which == "f" else 1]
-        for f in factors:
-            s = s * f.abs()
-        out.append(s)
-    return tuple(out)
+        gated, d = unpack(name, d, packing)
+        return repack(name, error_scale(gated, *d, params=params), packing)
+    return tuple(s for _, s, _ in limit_terms(name, d, params))
 
 
 # ---------------------------------------------------------------- tolerances
@@ -297,20 +413,22 @@ def _loop_variants(inputs):
 
 
 def assert_matches_reference(name: str, inputs, out, msg: str = "", inf_limits: bool = False, scale=1.0,
-                             aten=None):
-    """Checks op `name`'s result `out` (tensor or tuple) for `inputs`: shape, dtype, device, contiguity, and values
-    against reference() within tolerance(dtype) * scale, relative to |reference| + error_scale().
+                             aten=None, packing: str = "concat", params: dict | None = None):
+    """Checks op `name`'s result `out` (tensor or tuple) for `inputs` (called with op_kwargs(name, packing,
+    params)): shape, dtype, device, contiguity, and values against reference() within tolerance(dtype) * scale,
+    relative to |reference| + error_scale().
     aten (default: inputs on the CPU, no inf_limits): also accept, element by element, ATen's own result in the
     dtype (aten_result, on the inputs as given, on contiguous copies and on copies with a step, as ATen's
     vectorized and scalar loops differ in the last bits): the CPU kernels are ATen's composites, whose accuracy is
     ATen's (e.g. the float32 backward of F.gelu(approximate="tanh") loses ~1e-6 absolute to the 1 - tanh^2 it
     cancels)."""
-    outs, refs = as_tuple(out), as_tuple(reference(name, *inputs, inf_limits=inf_limits))
+    kw = dict(packing=packing, params=params)
+    outs, refs = as_tuple(out), as_tuple(reference(name, *inputs, inf_limits=inf_limits, **kw))
     assert len(outs) == N_OUTPUTS[name], f"{name}: expected {N_OUTPUTS[name]} outputs, got {len(outs)}"
-    spreads = error_scale(name, *inputs)
+    spreads = error_scale(name, *inputs, **kw)
     if aten is None:
         aten = inputs[0].device.type == "cpu" and not inf_limits
-    alts = (list(zip(*(as_tuple(aten_result(name, *ins)) for ins in _loop_variants(inputs)))) if aten
+    alts = (list(zip(*(as_tuple(aten_result(name, *ins, **kw)) for ins in _loop_variants(inputs)))) if aten
             else (None,) * len(outs))
     dtype = inputs[0].dtype
     for k, (o, r, s, a) in enumerate(zip(outs, refs, spreads, alts)):
@@ -389,27 +507,59 @@ def make_chunk_pair(shape, dtype=torch.float32, device="cpu", offset=0, scale=3.
 
 
 def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="contiguous", grad_layout=None,
-                scale=3.0):
+                scale=3.0, packing: str = "concat", params: dict | None = None, at_bounds: bool = True):
     """Random inputs for op `name` whose output has shape `shape`. Every input gets `layout`, except `grad`
     (backward ops), which gets grad_layout (default: `layout`). layout="chunk": the gated ops (and their
     backward) take gate, up = t.chunk(2, -1); the packed ops take gate_up as the upper half of a [..., 4M] chunk;
-    unary ops take a "chunk_hi" view."""
+    unary ops take a "chunk_hi" view.
+
+    at_bounds (ops with a `limit` parameter, a clamp bound: swiglu_clamped): the first two columns of gate and up
+    (of gate_up's halves in `packing`, for the packed ops) hold the bounds themselves, gate = +limit, -limit and
+    up = -limit, +limit (params_of(name, params)'s limit; where the input's elements are distinct: not in the
+    stride-0 layouts), so that every test meets the clamps' gradient convention at the bound."""
     shape = tuple(shape)
     grad_layout = layout if grad_layout is None else grad_layout
+    s = SPECS[name]
     if layout == "chunk":
-        s = SPECS[name]
         if s.kind == "gated":
             pair = make_chunk_pair(shape, dtype, device, scale=scale)
-            if not s.backward:
-                return pair
-            g_layout = "chunk_hi" if grad_layout == "chunk" else grad_layout
-            return (make_layout(shape, dtype, device, g_layout, scale=scale),) + pair
+            ins = pair if not s.backward else \
+                (make_layout(shape, dtype, device, "chunk_hi" if grad_layout == "chunk" else grad_layout,
+                             scale=scale),) + pair
+            return _put_bounds(name, ins, packing, params) if at_bounds else ins
         layout = "chunk_hi"
         grad_layout = "chunk_hi" if grad_layout == "chunk" else grad_layout
     shapes = input_shapes(name, shape)
     names = ARG_NAMES[name]
-    return tuple(make_layout(s, dtype, device, grad_layout if n == "grad" else layout, scale=scale)
-                 for s, n in zip(shapes, names))
+    ins = tuple(make_layout(sh, dtype, device, grad_layout if n == "grad" else layout, scale=scale)
+                for sh, n in zip(shapes, names))
+    return _put_bounds(name, ins, packing, params) if at_bounds else ins
+
+
+def _writable(t):
+    return t.dim() > 0 and t.numel() > 0 and all(st != 0 for st, n in zip(t.stride(), t.shape) if n > 1)
+
+
+def _put_bounds(name, inputs, packing, params):
+    """make_inputs' at_bounds: gate[..., :2] = (+limit, -limit), up[..., :2] = (-limit, +limit), in place."""
+    s = SPECS[name]
+    if not any(p.name == "limit" for p in s.params):
+        return inputs
+    limit = params_of(name, params)["limit"]
+    if not math.isfinite(limit):
+        return inputs
+    if s.kind == "packed":
+        gate_up = inputs[-1]
+        if not _writable(gate_up) or gate_up.shape[-1] < 2:
+            return inputs
+        pair = _table.split_packed(gate_up, packing)
+    else:
+        pair = inputs[-2:]
+    for t, values in zip(pair, ((limit, -limit), (-limit, limit))):
+        if _writable(t):
+            for j, v in enumerate(values[: t.shape[-1]]):
+                t[..., j] = v
+    return inputs
 
 
 # ---------------------------------------------------------------- recording the ops a call dispatches

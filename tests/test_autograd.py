@@ -1,7 +1,10 @@
 """Autograd of the public API: gradcheck / gradgradcheck in float64 (double backward goes through the backward
 ops' own autograd), partial requires_grad, chunk-view inputs, and fp32/bf16 gradients vs ATen autograd, for every
-activation of the table (tests/optable.py): its unary op (ffn_ext.gelu(x, approximate=...), ffn_ext.silu), its
-gated op (ffn_ext.gated(gate, up, activation=...)) and its packed op (ffn_ext.gated_packed)."""
+activation and gated op of the table (tests/optable.py): the unary ops (ffn_ext.gelu(x, approximate=...),
+ffn_ext.silu), the gated ops (ffn_ext.gated(gate, up, activation=...), ffn_ext.swiglu_clamped(..., limit=, ...)
+with the table's example parameters) and their packed ops (ffn_ext.gated_packed, swiglu_clamped_packed) in both
+layouts (concat, interleaved). ATen's autograd of the table's ATen expression (for swiglu_clamped: GPT-OSS's,
+torch.clamp's gradient at the bounds included) is the reference."""
 from __future__ import annotations
 
 import pytest
@@ -9,20 +12,29 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import ffn_ext
+from ffn_ext.table import split_packed
 from optable import (
     ACTIVATIONS,
     BACKWARD_OPS,
     DEVICES,
     FORWARD_OPS,
+    GATED,
+    GATED_IDS,
     N_INPUTS,
+    NATIVE,
+    PACKINGS,
     RecordOps,
     api_call,
+    as_tuple,
     assert_close_to,
+    aten_result,
+    call,
     input_shapes,
+    is_packed,
     make_chunk_pair,
     make_inputs,
     make_layout,
-    op,
+    params_of,
     spec,
     tolerance,
 )
@@ -31,28 +43,36 @@ from optable import (
 SCALE = 2.0
 ACT_IDS = [a.name for a in ACTIVATIONS]
 per_activation = pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+per_gated = pytest.mark.parametrize("g", GATED, ids=GATED_IDS)  # every gated op, with or without parameters
+per_packing = pytest.mark.parametrize("packing", PACKINGS)
 
 
 def unary(act):
     return api_call(act.name)
 
 
-def gated(act):
-    return api_call(act.gated)
+def gated(g):
+    return api_call(g.name)
 
 
-def packed(act):
-    return api_call(act.gated + "_packed")
+def packed(g, packing="concat"):
+    return api_call(g.name + "_packed", packing)
 
 
-def aten_fn(name):
-    """Forward op `name` written with ATen ops (the table's act.aten), differentiable by ATen's autograd."""
+def _packings(name):
+    return PACKINGS if is_packed(name) else (None,)
+
+
+def aten_fn(name, packing=None):
+    """Forward op `name` written with ATen ops (the table's act.aten; a gated op's Gated.forward with the example
+    parameters, on gate_up's halves in `packing` for a packed op), differentiable by ATen's autograd."""
     s = spec(name)
     if s.kind == "unary":
         return s.act.aten
+    p = params_of(name)
     if s.kind == "gated":
-        return lambda g, u: s.act.aten(g) * u
-    return lambda gu: s.act.aten(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1]
+        return lambda g, u: s.gated.forward(g, u, **p)
+    return lambda gu: s.gated.forward(*split_packed(gu, packing or "concat"), **p)
 
 
 def _leaf(shape, device, layout="contiguous", requires_grad=True):
@@ -74,37 +94,55 @@ def test_unary_gradcheck_gradgradcheck(act, layout, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
-@per_activation
-def test_gated_gradcheck_gradgradcheck(act, needs, device):
+@per_gated
+def test_gated_gradcheck_gradgradcheck(g, needs, device):
     gate = _leaf((4, 7), device, requires_grad=needs[0])
     up = _leaf((4, 7), device, "transposed", requires_grad=needs[1])
-    _check(gated(act), (gate, up))
+    _check(gated(g), (gate, up))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m", [1, 5])
-@per_activation
-def test_gated_chunk_views_gradcheck_gradgradcheck(act, m, device):
+@per_gated
+def test_gated_chunk_views_gradcheck_gradgradcheck(g, m, device):
     # gate, up = t.chunk(2, -1) inside the function: gradients flow back into one packed leaf through views.
     t = _leaf((3, 2 * m), device)
-    _check(lambda t: gated(act)(*t.chunk(2, dim=-1)), (t,))
+    _check(lambda t: gated(g)(*t.chunk(2, dim=-1)), (t,))
     # the same views as non-leaf inputs of the op, with a separate leaf for each half
     gate, up = make_chunk_pair((3, m), torch.float64, device, scale=SCALE)
-    _check(gated(act), (gate.detach().requires_grad_(), up.detach().requires_grad_()))
+    _check(gated(g), (gate.detach().requires_grad_(), up.detach().requires_grad_()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["contiguous", "offset", "chunk_hi"])
 @pytest.mark.parametrize("m", [1, 3, 8])
-@per_activation
-def test_packed_gradcheck_gradgradcheck(act, m, layout, device):
-    _check(packed(act), (_leaf((2, 2 * m), device, layout),))
+@per_packing
+@per_gated
+def test_packed_gradcheck_gradgradcheck(g, packing, m, layout, device):
+    _check(packed(g, packing), (_leaf((2, 2 * m), device, layout),))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@per_activation
-def test_packed_3d(act, device):
-    _check(packed(act), (_leaf((2, 3, 6), device),))
+@per_packing
+@per_gated
+def test_packed_3d(g, packing, device):
+    _check(packed(g, packing), (_leaf((2, 3, 6), device),))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@per_packing
+@per_gated
+def test_packed_interleaved_views_gradcheck(g, packing, device):
+    # gate, up = gate_up[..., ::2], [..., 1::2] (interleaved) or chunk (concat) views through the gated op: the same
+    # gradients as the packed op's, which writes (dgate, dup) back in that layout.
+    t = _leaf((3, 10), device)
+    _check(lambda t: gated(g)(*split_packed(t, packing)), (t,), double=False)
+    out = packed(g, packing)(t)
+    want = gated(g)(*split_packed(t, packing))
+    w = torch.randn_like(want)
+    (got_grad,) = torch.autograd.grad(out, t, w)
+    (want_grad,) = torch.autograd.grad(want, t, w)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -113,9 +151,10 @@ def test_backward_op_partial_grads(name, device):
     # The backward ops directly (first-order gradcheck), first with only the first input requiring grad, then
     # with only the last.
     shapes = input_shapes(name, (2, 5))
-    for needs in (0, N_INPUTS[name] - 1):
-        ins = tuple(_leaf(s, device, requires_grad=(k == needs)) for k, s in enumerate(shapes))
-        _check(op(name), ins, double=False)
+    for packing in _packings(name):
+        for needs in (0, N_INPUTS[name] - 1):
+            ins = tuple(_leaf(s, device, requires_grad=(k == needs)) for k, s in enumerate(shapes))
+            _check(call(name, packing), ins, double=False)
 
 
 def test_gradcheck_detects_a_wrong_gradient():
@@ -147,8 +186,14 @@ def _ref_grads(fn_ref, inputs, grad_out, dtype=torch.float64):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", FORWARD_OPS)
 def test_backward_low_precision_vs_aten_autograd(name, dtype, device):
-    fn, fn_ref = api_call(name), aten_fn(name)
-    inputs = [t.requires_grad_() for t in make_inputs(name, (5, 17), dtype, device)]
+    for packing in _packings(name):
+        _low_precision_vs_aten_autograd(name, dtype, device, packing)
+
+
+def _low_precision_vs_aten_autograd(name, dtype, device, packing):
+    # (inputs at a clamp's bounds: make_inputs; ATen's autograd gives torch.clamp's gradient there)
+    fn, fn_ref = api_call(name, packing), aten_fn(name, packing)
+    inputs = [t.requires_grad_() for t in make_inputs(name, (5, 17), dtype, device, packing=packing or "concat")]
     out = fn(*inputs)
     assert out.dtype == dtype
     grad_out = make_layout(out.shape, dtype, device)
@@ -158,43 +203,61 @@ def test_backward_low_precision_vs_aten_autograd(name, dtype, device):
     # the same dtype through ATen autograd (rounds intermediates): agrees within twice the tolerance
     ins2 = [t.detach().requires_grad_() for t in inputs]
     want_same = torch.autograd.grad(fn_ref(*ins2), ins2, grad_out)
-    for g, w64, w32, ws in zip(grads, want64, want32, want_same):
+    # on the CPU the backward op is the table's ATen composite in the dtype (several ATen ops for a gated op with
+    # parameters, swiglu_clamped: each rounds to the dtype, as GPT-OSS's expression does in eager): accepted
+    # element by element, as in optable.assert_matches_reference
+    composite = None
+    if device == "cpu":
+        bwd = name + "_backward"
+        composite = [w.double() for w in as_tuple(aten_result(bwd, grad_out, *[t.detach() for t in inputs],
+                                                              packing=packing or "concat"))]
+        if is_packed(name):
+            composite = [composite[0]]
+    for k, (g, w64, w32, ws) in enumerate(zip(grads, want64, want32, want_same)):
         assert g.dtype == dtype and g.shape == w64.shape
         # ATen's formulas' own error in float (the 1 - tanh^2 its tanh GELU backward cancels, the exact GELU's
         # 1 + erf for negative x, times |grad up|) is allowed on top: the CPU kernels are ATen's composites
         spread = (w32.double() - w64).abs() / tolerance(dtype)["rtol"]
-        assert_close_to(g, w64, dtype, f"{name} grad vs fp64 autograd", spread=spread)
-        assert_close_to(g, ws.double(), dtype, f"{name} grad vs {dtype} ATen autograd", scale=3.0, spread=spread)
+        # (without the native library the public API runs ATen's autograd of the expression in the dtype: ws)
+        alt = None if composite is None else [composite[k]] + ([] if NATIVE else [ws.double()])
+        assert_close_to(g, w64, dtype, f"{name} {packing} grad vs fp64 autograd", spread=spread, alt=alt)
+        assert_close_to(g, ws.double(), dtype, f"{name} {packing} grad vs {dtype} ATen autograd", scale=3.0,
+                        spread=spread, alt=alt)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@per_activation
-def test_backward_uses_ffn_ext_backward_ops(act, device):
-    # Backward runs the ffn_ext *_backward ops (not an ATen re-derivation); double backward is differentiable.
+@per_gated
+def test_backward_uses_ffn_ext_backward_ops(g, device):
+    # Backward runs the ffn_ext *_backward ops (not an ATen re-derivation), the packed one in its layout.
+    act = g.act
     x = make_layout((4, 6), torch.float32, device).requires_grad_()
     t = make_layout((4, 12), torch.float32, device).requires_grad_()
     gate, up = t.chunk(2, -1)
-    loss = unary(act)(x).sum() + gated(act)(gate, up).sum() + packed(act)(t).sum()
+    loss = unary(act)(x).sum() + gated(g)(gate, up).sum() + sum(packed(g, p)(t).sum() for p in PACKINGS)
     with RecordOps() as rec:
         loss.backward()
-    for name in (act.name + "_backward", act.gated + "_backward", act.gated + "_packed_backward"):
+    for name in (act.name + "_backward", g.name + "_backward", g.name + "_packed_backward"):
         assert f"ffn_ext.{name}.default" in rec.ops, f"backward did not call ffn_ext.{name}: {rec.ops}"
+    assert rec.ops.count(f"ffn_ext.{g.name}_packed_backward.default") == len(PACKINGS), rec.ops
     assert x.grad is not None and t.grad is not None
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", FORWARD_OPS)
 def test_double_backward_matches_aten(name, device):
-    # Hessian-vector products (float64) vs ATen's double backward, with respect to every input.
-    fn, fn_ref = api_call(name), aten_fn(name)
-    xs = [t.requires_grad_() for t in make_inputs(name, (3, 8), torch.float64, device)]
-    vs = [make_layout(t.shape, torch.float64, device) for t in xs]
-    res = []
-    for f in (fn, fn_ref):
-        gs = torch.autograd.grad(f(*xs).square().sum(), xs, create_graph=True)
-        res.append(torch.autograd.grad(gs, xs, vs))
-    for h, h_ref in zip(*res):
-        torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-12)
+    # Hessian-vector products (float64) vs ATen's double backward, with respect to every input (inputs at a
+    # clamp's bounds included: make_inputs).
+    for packing in _packings(name):
+        fn, fn_ref = api_call(name, packing), aten_fn(name, packing)
+        xs = make_inputs(name, (3, 8), torch.float64, device, packing=packing or "concat")
+        xs = [t.requires_grad_() for t in xs]
+        vs = [make_layout(t.shape, torch.float64, device) for t in xs]
+        res = []
+        for f in (fn, fn_ref):
+            gs = torch.autograd.grad(f(*xs).square().sum(), xs, create_graph=True)
+            res.append(torch.autograd.grad(gs, xs, vs))
+        for h, h_ref in zip(*res):
+            torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-12, msg=lambda m: f"{packing}: {m}")
 
 
 # ---------------------------------------------------------------- the inference path of the Autograd kernels
@@ -204,8 +267,9 @@ def test_no_grad_path_records_no_graph_and_matches(device):
     autograd directly (csrc/autograd.cpp, records_grad): same values, no grad_fn; with requires_grad the graph
     is recorded as before."""
     # forward ops through the public API, backward ops through torch.ops; chunk views as inputs
-    calls = [(api_call(n) if not spec(n).backward else op(n), make_inputs(n, (6, 5), torch.float64, device, "chunk"))
-             for n in FORWARD_OPS + BACKWARD_OPS]
+    calls = [(api_call(n, p) if not spec(n).backward else call(n, p),
+              make_inputs(n, (6, 5), torch.float64, device, "chunk", packing=p or "concat"))
+             for n in FORWARD_OPS + BACKWARD_OPS for p in _packings(n)]
     for fn, args in calls:
         want = fn(*[a.detach().requires_grad_(True) for a in args])  # same layouts (views stay views)
         with torch.no_grad():
@@ -234,4 +298,4 @@ def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
             args[k] = fwAD.make_dual(args[k], torch.randn_like(args[k]))
             with torch.no_grad() if no_grad else torch.enable_grad():
                 with pytest.raises(RuntimeError, match="jvp is not implemented"):
-                    op(name)(*args)
+                    call(name)(*args)

@@ -1,5 +1,8 @@
 """torch.compile(fullgraph=True) and torch.export of a small MLP that uses every forward op of the table
-(tests/optable.py) between Linears, and so (through autograd) every backward op.
+(tests/optable.py) between Linears, and so (through autograd) every backward op: the gated ops with parameters
+(swiglu_clamped) with the table's example values, and the packed ops in both layouts (each gated op's packed form
+in one of them, alternating, so that layout="interleaved" and the parameters are in the graphs as keyword
+arguments).
 
 fullgraph=True turns any graph break into an error, so passing means the ops trace as single graph nodes (their
 fake kernels run under dynamo/AOTAutograd). Compile tests are few: each costs seconds on 2 cores."""
@@ -9,28 +12,35 @@ import pytest
 import torch
 import torch.nn as nn
 
-from optable import ACTIVATIONS, BACKWARD_OPS, DEVICES, FORWARD_OPS, api_call
+from optable import (ACTIVATIONS, BACKWARD_OPS, DEVICES, FORWARD_OPS, GATED, PACKINGS, api_call, is_packed, op_kwargs,
+                     spec)
+
+# each gated op's packed form runs in one layout: swiglu concat, geglu interleaved, ...
+PACKING_OF = {g.name: PACKINGS[i % len(PACKINGS)] for i, g in enumerate(GATED)}
 
 
 class TinyMLP(nn.Module):
-    """x -> Linear -> d, then for every activation of the table: Linear -> act (the public unary API) -> Linear ->
-    [gate|up] -> gated_packed -> Linear -> [gate|up] -> gated(chunk views), then Linear -> d: every forward op, and
-    (through autograd) every backward op."""
+    """x -> Linear -> d, then for every activation of the table: Linear -> act (the public unary API); for every
+    gated op: Linear -> [gate|up] -> its packed op (in PACKING_OF's layout) -> Linear -> [gate|up] -> the gated op
+    on chunk views; then Linear -> d: every forward op, and (through autograd) every backward op. Projections are
+    scaled by 4 so that a clamp (limit 2.5 in the example parameters) is active on some elements."""
 
     def __init__(self, d=16, h=24):
         super().__init__()
         self.inp = nn.Linear(d, h)
-        self.acts = [(api_call(a.name), api_call(a.gated + "_packed"), api_call(a.gated)) for a in ACTIVATIONS]
-        self.layers = nn.ModuleList(
-            nn.ModuleList([nn.Linear(h, h), nn.Linear(h, 2 * h), nn.Linear(h, 2 * h)]) for _ in ACTIVATIONS)
+        self.unary = [api_call(a.name) for a in ACTIVATIONS]
+        self.gated = [(api_call(g.name + "_packed", PACKING_OF[g.name]), api_call(g.name)) for g in GATED]
+        self.unary_layers = nn.ModuleList(nn.Linear(h, h) for _ in ACTIVATIONS)
+        self.gated_layers = nn.ModuleList(nn.ModuleList([nn.Linear(h, 2 * h), nn.Linear(h, 2 * h)]) for _ in GATED)
         self.out = nn.Linear(h, d)
 
     def forward(self, x):
         y = self.inp(x)
-        for (unary, packed, gated), (l0, l1, l2) in zip(self.acts, self.layers):
-            y = unary(l0(y))
-            y = packed(l1(y))
-            gate, up = l2(y).chunk(2, dim=-1)
+        for unary, lin in zip(self.unary, self.unary_layers):
+            y = unary(lin(y))
+        for (packed, gated), (l1, l2) in zip(self.gated, self.gated_layers):
+            y = packed(4 * l1(y))
+            gate, up = (4 * l2(y)).chunk(2, dim=-1)
             y = gated(gate, up)
         return self.out(y)
 
@@ -58,6 +68,27 @@ def _ffn_ops_in(gm) -> set:
             for n in gm.graph.nodes if n.op == "call_function"}
 
 
+def _ffn_kwargs_in(gm) -> dict:
+    """ffn_ext op name -> the keyword arguments of its nodes in the graph (a list, one per node)."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "ffn_ext":
+            out.setdefault(n.target._opname, []).append(dict(n.kwargs))
+    return out
+
+
+def _check_kwargs(kwargs_by_op: dict, names):
+    """Each op's nodes carry the model's keyword arguments: the example parameters and the packed op's layout (a
+    default may be left out of a node)."""
+    for name in names:
+        s = spec(name)
+        want = op_kwargs(name, PACKING_OF[s.gated.name] if is_packed(name) else None)
+        defaults = dict({"layout": "concat"}, **{p.name: p.default for p in s.params})
+        assert kwargs_by_op.get(name), (name, sorted(kwargs_by_op))
+        for kw in kwargs_by_op[name]:
+            assert {k: kw.get(k, defaults[k]) for k in want} == want, (name, kw, want)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_matches_eager(device):
     torch._dynamo.reset()
@@ -81,7 +112,13 @@ def test_compile_dynamic_shapes_and_ops_in_graph(device):
         seen.append(_ffn_ops_in(gm))
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=grab, bw_compiler=grab)
+    kwargs = []
+
+    def grab_kwargs(gm, example_inputs):
+        kwargs.append(_ffn_kwargs_in(gm))
+        return grab(gm, example_inputs)
+
+    backend = aot_autograd(fw_compiler=grab_kwargs, bw_compiler=grab_kwargs)
     model = TinyMLP().to(device)
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=backend)
     _compare(model, compiled, [torch.randn(n, 16, device=device) for n in (3, 7, 12)])
@@ -91,6 +128,8 @@ def test_compile_dynamic_shapes_and_ops_in_graph(device):
     for name in BACKWARD_OPS:
         assert f"ffn_ext.{name}" in bw, f"backward graph lacks ffn_ext.{name}: {sorted(bw)}"
     assert len(seen) == 2, f"dynamic=True recompiled for new batch sizes ({len(seen)} graphs)"
+    _check_kwargs(kwargs[0], FORWARD_OPS)
+    _check_kwargs(kwargs[1], BACKWARD_OPS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -102,6 +141,7 @@ def test_export_graph_has_ffn_ext_ops(device):
     targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
     for name in FORWARD_OPS:
         assert getattr(torch.ops.ffn_ext, name).default in targets, f"exported graph lacks torch.ops.ffn_ext.{name}"
+    _check_kwargs(_ffn_kwargs_in(ep.graph_module), FORWARD_OPS)
     for n in (6, 11):
         x = torch.randn(n, 16, device=device)
         torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
-from optable import OPS as OP_NAMES, as_tuple, op, spec
+from optable import OPS as OP_NAMES, PACKINGS, as_tuple, call, is_packed, spec
 
 OPS = torch.ops.ffn_ext
 HAS_GPU = torch.cuda.is_available() and not ffn_ext.build_info()["native"].startswith("none")
@@ -31,13 +31,15 @@ def _inputs(dtype, rows=33, m=200, seed=0, device="cuda"):
 
 
 def _all_ops(gate_up, grad):
-    """Every op of the table once (x: gate, or up for every other op; gate and up: chunk views of gate_up);
-    returns a flat list of outputs."""
+    """Every op of the table once (x: gate, or up for every other op; gate and up: chunk views of gate_up; a gated
+    op with parameters with its example values), the packed ones in every layout; returns a flat list of
+    outputs."""
     gate, up = gate_up.chunk(2, -1)
     outs = []
     for k, name in enumerate(OP_NAMES):
         args = {"x": gate if k % 2 == 0 else up, "gate": gate, "up": up, "gate_up": gate_up, "grad": grad}
-        outs += as_tuple(op(name)(*[args[a] for a in spec(name).args]))
+        for packing in (PACKINGS if is_packed(name) else (None,)):
+            outs += as_tuple(call(name, packing)(*[args[a] for a in spec(name).args]))
     return outs
 
 

@@ -1,5 +1,7 @@
 """Differential fuzzing (hypothesis) of every ffn_ext op against a float64 reference. The ops are the table's
-(tests/optable.py): each test runs once per activation, over its unary, gated and packed ops.
+(tests/optable.py): the unary tests run once per activation, the gated and packed ones once per gated op (with
+parameters: swiglu_clamped, each parameter drawn from its default and its example value); packed ops draw their
+layout (concat, interleaved).
 
 Random shapes (0 and 1 sizes, odd widths), random layouts (storage offsets, padded rows, chunk views, transposes,
 steps, expanded rows, sliced leading dims), every dtype (float64/32/16, bfloat16), the forward and backward ops
@@ -12,7 +14,7 @@ Non-finite inputs (NaN, +-inf) are mixed in on some cases. Their expected result
 
 Hypothesis is not derandomized: every run draws new cases; a failure prints the falsifying draws (shapes, layouts,
 the torch seed of the values) and a reproduce blob. The number of cases run is printed by the last test of this
-file (about 3,550 per activation on CPU; CI runtime about a minute and a half on 2 cores for three activations).
+file (on CPU about 1,100 per activation and 1,900 per gated op; CI runtime about three minutes on 2 cores).
 """
 import math
 import os
@@ -27,7 +29,9 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import ffn_ext  # noqa: E402
-from optable import ACTIVATIONS, api_call, aten_result, op, ops_of, spec, terms  # noqa: E402
+from ffn_ext.table import split_packed  # noqa: E402
+from optable import (ACTIVATIONS, GATED, GATED_IDS, PACKINGS, api_call, aten_result, call, host_params,  # noqa: E402
+                     ops_of, spec, terms)
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
@@ -54,7 +58,7 @@ _START = time.perf_counter()
 
 
 # ---------------------------------------------------------------- float64 references
-def reference(name, ins, opmath=torch.float64):
+def reference(name, ins, opmath=torch.float64, params=None):
     """float64 results and error scales of op `name` (not packed) on float64 inputs, with the limits at +-inf of
     the table's act.ref. The activation values and derivative factors are rounded to `opmath` (the kernels' compute
     type: float for float/half/bfloat16) before they multiply grad/up, so that where they underflow to 0 in the
@@ -73,28 +77,32 @@ def reference(name, ins, opmath=torch.float64):
         m = (factor.abs() <= 4 * eps * size + tiny) & (factor != 0)
         return m & torch.stack([~torch.isfinite(o) for o in others]).any(0)
 
+    def select(mask, t):  # a term's mask: 0 where it does not hold (a clamp's gradient), whatever t is there
+        return t if mask is None or t is None else torch.where(mask, t, torch.zeros_like(t))
+
     refs, scales, eithers = [], [], []
-    for which, x, factors in terms(name, ins):
+    for which, x, factors, mask in terms(name, ins, params):
         k = 0 if which == "f" else 1
         v, cancel = act.ref(x)[k], act.cancel(x)[k]
         size = x.abs() if which == "f" else 1.0 + x.abs()
         if not factors:
-            refs.append(v)
-            scales.append(size)
+            refs.append(select(mask, v))
+            scales.append(select(mask, size))
             eithers.append(None)
             continue
         m = factors[0]
         for f in factors[1:]:
             m = m * f  # grad * up first, as the kernels multiply
-        refs.append(m * r(v))
-        scales.append(m.abs() * size)
-        eithers.append(either(v, cancel, *factors))
+        refs.append(select(mask, m * r(v)))
+        scales.append(select(mask, m.abs() * size))
+        e = either(v, cancel, *factors)
+        eithers.append(e if mask is None else e & mask)
     return refs, scales, eithers
 
 
-def aten_same_dtype(name, ins):
+def aten_same_dtype(name, ins, params=None):
     """ATen's own results on the same dtype (the CPU path's semantics for non-finite inputs)."""
-    out = aten_result(name, *ins)
+    out = aten_result(name, *ins, params=params)
     return list(out) if isinstance(out, tuple) else [out]
 
 
@@ -223,17 +231,38 @@ def run_unary(data, act, device, count_key):
         outs = {name: [y.detach()], bwd: [x.grad]}
         x = x.detach()
     else:
-        outs = {name: [op(name)(x)], bwd: [op(bwd)(grad, x)]}
+        outs = {name: [call(name)(x)], bwd: [call(bwd)(grad, x)]}
     _compare(outs, {name: [x], bwd: [grad, x]}, dtype, device, specials, contiguous=not via_api)
     CASES[count_key] += 1
 
 
-def run_gated(data, act, device, count_key):
-    name, bwd = act.gated, act.gated + "_backward"
+def draw_params(data, g):
+    """A gated op's parameters: each drawn from its default (where it has one) and its example value ({} for the
+    gated ops without parameters)."""
+    return {p.name: data.draw(st.sampled_from([v for v in (p.default, p.example) if v is not None]), label=p.name)
+            for p in g.params}
+
+
+def at_bounds(data, gate, up, params, gen):
+    """Sometimes (an op with a `limit`, a clamp bound): about a tenth of gate's and up's elements set to +-limit
+    exactly, in place (the layouts stay; not where an input's elements share memory, stride 0), where the clamps'
+    gradients follow torch's convention at the bound."""
+    limit = params.get("limit")
+    if limit is None or not data.draw(st.booleans(), label="at_bounds"):
+        return
+    for t in (gate, up):
+        if t.numel() and all(st_ != 0 for st_, n in zip(t.stride(), t.shape) if n > 1):
+            pick = torch.rand(t.shape, generator=gen).to(t.device)
+            t.masked_fill_(pick < 0.05, limit).masked_fill_((pick >= 0.05) & (pick < 0.1), -limit)
+
+
+def run_gated(data, g, device, count_key):
+    name, bwd = g.name, g.name + "_backward"
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(max_last=80 if device == "cuda" else 40), label="shape")
     specials = data.draw(st.integers(0, 3), label="specials") == 0
     big = data.draw(st.booleans(), label="big")
+    params = draw_params(data, g)
     gen = _gen(_seed(data))
     if data.draw(st.booleans(), label="chunked") and shape:  # gate, up = gate_up.chunk(2, -1): row stride 2M
         lgu = data.draw(st.sampled_from(LAYOUTS), label="layout_gate_up")
@@ -242,60 +271,66 @@ def run_gated(data, act, device, count_key):
         lga, lup = (data.draw(st.sampled_from(LAYOUTS), label=f"layout_{n}") for n in ("gate", "up"))
         gate = make(shape, dtype, lga, gen, device, specials, big)
         up = make(shape, dtype, lup, gen, device, specials)
+    at_bounds(data, gate, up, params, gen)
     grad = make(shape, dtype, data.draw(st.sampled_from(LAYOUTS), label="layout_grad"), gen, device)
     via_api = data.draw(st.integers(0, 3), label="via_api") == 0
     if via_api:
-        g, u = gate.detach().clone().requires_grad_(True), up.detach().clone().requires_grad_(True)
-        h = api_call(name)(g, u)
+        gv, uv = gate.detach().clone().requires_grad_(True), up.detach().clone().requires_grad_(True)
+        h = api_call(name, params=params)(gv, uv)
         h.backward(grad)
-        outs = {name: [h.detach()], bwd: [g.grad, u.grad]}
-        gate, up = g.detach(), u.detach()  # ATen's CPU results can depend on the layout: compare on what ran
+        outs = {name: [h.detach()], bwd: [gv.grad, uv.grad]}
+        gate, up = gv.detach(), uv.detach()  # ATen's CPU results can depend on the layout: compare on what ran
     else:
-        outs = {name: [op(name)(gate, up)], bwd: list(op(bwd)(grad, gate, up))}
+        outs = {name: [call(name, params=params)(gate, up)], bwd: list(call(bwd, params=params)(grad, gate, up))}
     _compare(outs, {name: [gate, up], bwd: [grad, gate, up]}, dtype, device, specials,
-             contiguous=not via_api)  # autograd's .grad takes the leaf's strides
+             contiguous=not via_api, params=params)  # autograd's .grad takes the leaf's strides
     CASES[count_key] += 1
 
 
-def run_packed(data, act, device, count_key):
-    name, gated = act.gated + "_packed", act.gated
+def run_packed(data, g, device, count_key):
+    name, gated = g.name + "_packed", g.name
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(min_dims=1, max_last=80 if device == "cuda" else 40, even_last=True), label="shape")
     specials = data.draw(st.integers(0, 3), label="specials") == 0
     big = data.draw(st.booleans(), label="big")
+    params = draw_params(data, g)
+    packing = data.draw(st.sampled_from(PACKINGS), label="packing")
     gen = _gen(_seed(data))
     lgu, lg = (data.draw(st.sampled_from(LAYOUTS), label=f"layout_{n}") for n in ("gate_up", "grad"))
     gate_up = make(shape, dtype, lgu, gen, device, specials, big)
+    at_bounds(data, *split_packed(gate_up, packing), params, gen)
     m = shape[-1] // 2
     grad = make(shape[:-1] + [m], dtype, lg, gen, device)
     via_api = data.draw(st.integers(0, 3), label="via_api") == 0
     if via_api:
         gu = gate_up.detach().clone().requires_grad_(True)
-        h = api_call(name)(gu)
+        h = api_call(name, packing, params)(gu)
         h.backward(grad)
         h, dgu, gate_up = h.detach(), gu.grad, gu.detach()
     else:
-        h, dgu = op(name)(gate_up), op(name + "_backward")(grad, gate_up)
+        h, dgu = call(name, packing, params)(gate_up), call(name + "_backward", packing, params)(grad, gate_up)
     assert h.shape == tuple(shape[:-1] + [m]) and dgu.shape == gate_up.shape
-    gate, up = gate_up.chunk(2, -1)
-    dgate, dup = dgu.chunk(2, -1)
-    # compare the packed results as the gated op's (the chunks of a contiguous result are fine to compare)
+    gate, up = split_packed(gate_up, packing)
+    dgate, dup = split_packed(dgu, packing)
+    # compare the packed results as the gated op's (the halves of a contiguous result are fine to compare)
     if not via_api:
         assert dgu.is_contiguous()
     outs = {gated: [h], gated + "_backward": [dgate.contiguous(), dup.contiguous()]}
-    _compare(outs, {gated: [gate, up], gated + "_backward": [grad, gate, up]}, dtype, device, specials)
+    _compare(outs, {gated: [gate, up], gated + "_backward": [grad, gate, up]}, dtype, device, specials,
+             params=params)
     CASES[count_key] += 1
 
 
-def _compare(outs, inputs, dtype, device, specials, contiguous=True):
+def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None):
     for name, got in outs.items():
         ins = inputs[name]
         if specials and device == "cpu":  # ATen semantics on the CPU path
             # ATen's non-finite results depend on the loop ATen picks for the layout (vectorized or scalar: NaN or
             # the limit for gelu(+-inf) in float32), elementwise, so each element may match ATen on the same
             # strided inputs, ATen on contiguous copies, or the mathematical limit.
-            refs, scales, _ = reference(name, [t.double() for t in ins], _opmath(dtype))
-            cands = [aten_same_dtype(name, ins), aten_same_dtype(name, [t.contiguous() for t in ins]), refs]
+            refs, scales, _ = reference(name, [t.double() for t in ins], _opmath(dtype), params)
+            cands = [aten_same_dtype(name, ins, params), aten_same_dtype(name, [t.contiguous() for t in ins], params),
+                     refs]
             rtol, atol = TOL[dtype]
             for k, o in enumerate(got):
                 o64 = o.cpu().double()
@@ -308,7 +343,7 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True):
                 assert bool(ok.all()), (f"{name}[{k}] ({dtype}) vs ATen/limits: {int((~ok).sum())} elements differ; "
                                         f"out={o64[~ok][:5].tolist()} aten={cands[0][k].double()[~ok][:5].tolist()}")
             continue
-        refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype))
+        refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype), params)
         for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
             check_close(o, r, s, dtype, f"{name}[{k}] on {device}", contiguous, e)
 
@@ -316,7 +351,7 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True):
 # ---------------------------------------------------------------- the tests
 SETTINGS = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow,
                                                                           HealthCheck.data_too_large])
-# CPU: about 3,550 cases per activation (the sum of these max_examples), ~30 s per activation on 2 cores.
+# CPU: N_UNARY cases per activation, N_GATED + N_PACKED per gated op, ~10 s per 1,000 cases on 2 cores.
 # FFN_EXT_FUZZ_SCALE multiplies every count (e.g. 0.1 for a quick run, 10 for a long one).
 _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
 N_UNARY, N_GATED, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (1100, 950, 950, 550))
@@ -324,6 +359,7 @@ N_CUDA = max(1, int(400 * _SCALE))
 HOST_MATH_SKIP = pytest.mark.skipif(not HOST_MATH, reason="needs the native library (ffn_ext._C._host_math)")
 CUDA_SKIP = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
 per_activation = pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
+per_gated = pytest.mark.parametrize("g", GATED, ids=GATED_IDS)
 
 
 @per_activation
@@ -333,18 +369,18 @@ def test_fuzz_unary_cpu(act, data):
     run_unary(data, act, "cpu", f"unary_cpu[{act.name}]")
 
 
-@per_activation
+@per_gated
 @settings(max_examples=N_GATED, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_gated_cpu(act, data):
-    run_gated(data, act, "cpu", f"gated_cpu[{act.name}]")
+def test_fuzz_gated_cpu(g, data):
+    run_gated(data, g, "cpu", f"gated_cpu[{g.name}]")
 
 
-@per_activation
+@per_gated
 @settings(max_examples=N_PACKED, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_packed_cpu(act, data):
-    run_packed(data, act, "cpu", f"packed_cpu[{act.name}]")
+def test_fuzz_packed_cpu(g, data):
+    run_packed(data, g, "cpu", f"packed_cpu[{g.name}]")
 
 
 @HOST_MATH_SKIP
@@ -357,10 +393,13 @@ def test_fuzz_host_math_limits(act, data):
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     shape = data.draw(shapes(max_last=64), label="shape")
     specials = data.draw(st.booleans(), label="specials")
+    params = draw_params(data, spec(name).gated) if spec(name).gated is not None else {}
     gen = _gen(_seed(data))
     ins = [make(shape, dtype, "contiguous", gen, "cpu", specials, big=(i > 0)) for i in range(len(spec(name).args))]
-    got = ffn_ext.ops._native._host_math(name, ins)
-    refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype))
+    if spec(name).kind == "gated":
+        at_bounds(data, *ins[-2:], params, gen)
+    got = ffn_ext.ops._native._host_math(name, ins, host_params(name, params))
+    refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype), params)
     for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
         check_close(o, r, s, dtype, f"_host_math {name}[{k}]", either=e)
     CASES[f"host_math[{act.name}]"] += 1
@@ -377,20 +416,20 @@ def test_fuzz_unary_cuda(act, data):
 
 @pytest.mark.cuda
 @CUDA_SKIP
-@per_activation
+@per_gated
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_gated_cuda(act, data):
-    run_gated(data, act, "cuda", f"gated_cuda[{act.name}]")
+def test_fuzz_gated_cuda(g, data):
+    run_gated(data, g, "cuda", f"gated_cuda[{g.name}]")
 
 
 @pytest.mark.cuda
 @CUDA_SKIP
-@per_activation
+@per_gated
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
-def test_fuzz_packed_cuda(act, data):
-    run_packed(data, act, "cuda", f"packed_cuda[{act.name}]")
+def test_fuzz_packed_cuda(g, data):
+    run_packed(data, g, "cuda", f"packed_cuda[{g.name}]")
 
 
 def test_fuzz_case_count(capsys):
@@ -400,6 +439,7 @@ def test_fuzz_case_count(capsys):
         print(f"\n[ffn_ext fuzz] {total} cases in {time.perf_counter() - _START:.1f} s: "
               + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items())))
     cpu = sum(v for k, v in CASES.items() if "_cpu[" in k)
-    expected = {f"{kind}_cpu[{a.name}]" for kind in ("unary", "gated", "packed") for a in ACTIVATIONS}
+    expected = {f"unary_cpu[{a.name}]" for a in ACTIVATIONS} | \
+        {f"{kind}_cpu[{g.name}]" for kind in ("gated", "packed") for g in GATED}
     if expected <= set(CASES):  # all CPU fuzz tests ran in this session
-        assert cpu >= 0.95 * len(ACTIVATIONS) * (N_UNARY + N_GATED + N_PACKED), CASES
+        assert cpu >= 0.95 * (len(ACTIVATIONS) * N_UNARY + len(GATED) * (N_GATED + N_PACKED)), CASES

@@ -13,9 +13,11 @@ Tolerance per element:  0.5 * spacing of the storage type at the reference value
                       + TINY(A) * M                                                  (exp underflow in A)
                       + K * smallest subnormal of A                                  (math on subnormals)
 where S is the size of the terms that cancel in the formula the kernels use (the table's act.cancel, e.g. |x| for
-GELU at negative x, whose 1 + erf(x/sqrt(2)) cancels) and M the factor multiplying the activation value (grad,
-up). A kernel that rounded twice (e.g. silu(gate) to bfloat16 before the product) would miss the 0.5-spacing
-bound on a good share of the elements.
+GELU at negative x, whose 1 + erf(x/sqrt(2)) cancels; and for a gated op with parameters, whose activation argument
+is computed, alpha * clamp(gate), the error its rounding carries: optable.limit_terms) and M the factor multiplying
+the activation value (grad, up). A kernel that rounded twice (e.g. silu(gate) to bfloat16 before the product) would
+miss the 0.5-spacing bound on a good share of the elements. Gated ops with parameters run with the table's example
+values (optable.host_params) and get inputs at their clamp bounds.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import pytest
 import torch
 
 import ffn_ext
-from optable import ACTIVATIONS, HOST_OPS, N_INPUTS, N_OUTPUTS, activation_arg, ops_of, spec, terms
+from optable import (ACTIVATIONS, HOST_OPS, N_INPUTS, N_OUTPUTS, activation_arg, call, host_params, limit_terms,
+                     ops_of, params_of, spec)
 
 _C = getattr(ffn_ext.ops._native, "_host_math", None) and ffn_ext.ops._native
 pytestmark = pytest.mark.skipif(_C is None, reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
@@ -54,21 +57,13 @@ def act_value(act, x):
 
 def reference(op, ins):
     """fp64 inputs -> [(fp64 output, cancellation scale S, factor M multiplying the function value)], one per
-    output, from the table's act.ref (value, derivative) and act.cancel (S of the value, of the derivative)."""
-    act = spec(op).act
-    out = []
-    for which, x, factors in terms(op, ins):
-        k = 0 if which == "f" else 1
-        v, s = act.ref(x)[k], act.cancel(x)[k]
-        m = torch.ones_like(x)
-        for f in factors:
-            m = m * f
-        out.append((m * v, m.abs() * s, m.abs()))
-    return out
+    output, from the table's act.ref (value, derivative) and act.cancel (S of the value, of the derivative), with
+    a gated op's masks (optable.limit_terms)."""
+    return limit_terms(op, ins)
 
 
 def host_math(op, ins, dtype):
-    outs = _C._host_math(op, [t.to(dtype) for t in ins])
+    outs = _C._host_math(op, [t.to(dtype) for t in ins], host_params(op))
     assert len(outs) == N_OUTPUTS[op]
     for o in outs:
         assert o.dtype == dtype and o.shape == ins[0].shape
@@ -153,8 +148,26 @@ def grad_like(n, dtype, gen):
     return representable(g, dtype)
 
 
+def at_bounds(op, ins, dtype):
+    """An op with a clamp bound (a `limit` parameter): gate and up get +-limit and its neighbours in the dtype's
+    grid ahead of their random values, in every pairing (the clamps' gradients at and next to the bound)."""
+    limit = params_of(op).get("limit")
+    if limit is None:
+        return ins
+    ins = [t.clone() for t in ins]
+    names = spec(op).args
+    g, u = names.index("gate"), names.index("up")
+    vals = torch.tensor([limit, -limit], dtype=dtype)
+    vals = torch.cat([vals, torch.nextafter(vals, vals * 2), torch.nextafter(vals, torch.zeros_like(vals)),
+                      torch.tensor([0.0, 1.0], dtype=dtype)]).double()
+    a, b = torch.meshgrid(vals, vals, indexing="ij")
+    k = a.numel()
+    ins[g][:k], ins[u][:k] = a.reshape(-1), b.reshape(-1)
+    return ins
+
+
 def make_inputs(op, dtype, gen):
-    """x (or gate) from value_mix, grad from grad_like, up from value_mix clamped to +-1e3."""
+    """x (or gate) from value_mix, grad from grad_like, up from value_mix clamped to +-1e3; at_bounds."""
     x = value_mix(4000, dtype, gen)
     n = x.numel()
     ins = []
@@ -168,7 +181,7 @@ def make_inputs(op, dtype, gen):
             up = torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)]) \
                 if up.numel() < n else up
             ins.append(representable(up.clamp(-1e3, 1e3), dtype))  # keep act(gate) * up inside float16's range
-    return ins
+    return at_bounds(op, ins, dtype)
 
 
 # ---------------------------------------------------------------- tests
@@ -335,12 +348,18 @@ def test_host_math_rejects_bad_calls():
     with pytest.raises(ValueError, match="unknown op"):
         _C._host_math("tanh", [torch.ones(2)])
     for op in OPS:
-        n = N_INPUTS[op]
+        n, prm = N_INPUTS[op], host_params(op)
         with pytest.raises(ValueError, match=f"expected {n} inputs"):
-            _C._host_math(op, [torch.ones(2)] * (n - 1 if n > 1 else 2))
+            _C._host_math(op, [torch.ones(2)] * (n - 1 if n > 1 else 2), prm)
         if n > 1:
             with pytest.raises(ValueError, match="one shape and dtype"):
-                _C._host_math(op, [torch.ones(2)] * (n - 1) + [torch.ones(3)])
+                _C._host_math(op, [torch.ones(2)] * (n - 1) + [torch.ones(3)], prm)
+        # the params list: exactly the op's parameters ([] for the ops without)
+        with pytest.raises(ValueError, match=f"{op} takes (no params|params \\[limit, alpha, up_offset\\])"):
+            _C._host_math(op, [torch.ones(2)] * n, prm + [1.0])
+        if prm:
+            with pytest.raises(ValueError, match=f"{op} takes params"):
+                _C._host_math(op, [torch.ones(2)] * n)
     for packed in ops_of(kind="packed"):  # not host-math ops: their element math is the gated op's
         with pytest.raises(ValueError, match="unknown op"):
             _C._host_math(packed, [torch.ones(2)])
@@ -385,7 +404,7 @@ def test_cuda_kernels_match_reference_and_host_math(op, dtype):
         x = every_16bit_value(dtype)
         sets.append(("every value", [x] if not spec(op).backward else [grad_like(x.numel(), dtype, gen), x]))
     for what, ins in sets:
-        outs = getattr(torch.ops.ffn_ext, op)(*[t.to(dtype).cuda() for t in ins])
+        outs = call(op)(*[t.to(dtype).cuda() for t in ins])
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         tols = check(op, ins, dtype, f"(CUDA, {what})", outs=[o.cpu() for o in outs])
         for k, (dev, host) in enumerate(zip(outs, host_math(op, ins, dtype))):

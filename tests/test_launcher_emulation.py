@@ -1,9 +1,9 @@
 """The CUDA launch of every op of the table (tests/optable.py), emulated on the CPU: runs in CI, where there is no
 GPU.
 
-ffn_ext._C._emulate_cuda(op, inputs, sms) builds the RowProblem the CUDA kernel gets (csrc/row_ops.h, the code
-the CUDA ops use), takes the launch shape csrc/rows.h computes for a GPU with `sms` multiprocessors, and runs
-rows.h's per-thread code for every block and thread of that grid on the host. Outputs are first filled with
+ffn_ext._C._emulate_cuda(op, inputs, sms, params, layout) builds the RowProblem the CUDA kernel gets
+(csrc/row_ops.h, the code the CUDA ops use), takes the launch shape csrc/rows.h computes for a GPU with `sms`
+multiprocessors, and runs rows.h's per-thread code for every block and thread of that grid on the host. Outputs are first filled with
 all-ones bytes (a NaN arithmetic never makes), so an element no thread writes shows. What it cannot check is the
 device-only code: 16-byte loads/stores as instructions, the paired 16-bit conversions, the MUFU approximations
 (tests/test_sass.py and the CUDA tests cover those).
@@ -11,7 +11,11 @@ device-only code: 16-byte loads/stores as instructions, the paired 16-bit conver
 Each result must equal, bit for bit, the host math (_C._host_math: the same functors element by element), over
 layouts that exercise the launcher: lengths around the vector width, head/tail peeling (views starting one
 element past a 16-byte boundary), chunk views with a row stride, packed rows, >65535 rows (the grid-y loop),
-layouts that need a copy, and narrow (decode) and wide launches.
+layouts that need a copy, and narrow (decode) and wide launches. The packed ops run in both gate_up layouts
+(optable.PACKINGS): "interleaved" reads [g0, u0, g1, u1, ...] as 16-byte vectors of whole pairs split in registers,
+only where the pair's vectors are aligned (element stores/loads otherwise), so gate_up is tried at element offsets
+0..7, with odd M (rows alternating alignment) and with row strides; gated ops with parameters run with the table's
+example values (optable.host_params).
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ import pytest
 import torch
 
 import ffn_ext
-from optable import ACTIVATIONS, HOST_OPS, N_INPUTS, PACKED_OPS, activation_arg, is_packed, spec, unpack
+from optable import (GATED, GATED_IDS, HOST_OPS, N_INPUTS, PACKED_OPS, PACKINGS, activation_arg,
+                     assert_matches_reference, host_params, is_packed, repack, spec, unpack)
 
 _C = ffn_ext.ops._native
 pytestmark = pytest.mark.skipif(getattr(_C, "_emulate_cuda", None) is None,
@@ -51,30 +56,28 @@ def _same_bits(got, want, what):
 
 
 def _host(op, *ins):
-    return _C._host_math(op, [t.contiguous() for t in ins])
+    return _C._host_math(op, [t.contiguous() for t in ins], host_params(op))
 
 
-def expected(op, ins):
-    """The host math of op's functor: a packed op is its gated op on gate, up = gate_up.chunk(2, -1), with the
-    backward's (dgate, dup) concatenated."""
+def expected(op, ins, packing="concat"):
+    """The host math of op's functor: a packed op is its gated op on gate, up = the halves of gate_up in
+    `packing`, with the backward's (dgate, dup) joined in that layout."""
     if is_packed(op):
-        gated, gated_ins = unpack(op, ins)
-        outs = _host(gated, *gated_ins)
-        return [torch.cat(outs, -1)] if spec(op).backward else outs
+        gated, gated_ins = unpack(op, ins, packing)
+        return list(repack(op, _host(gated, *gated_ins), packing))
     return _host(op, *ins)
 
 
-def check(op, ins, sms, what):
-    got = _C._emulate_cuda(op, list(ins), sms)
-    want = expected(op, ins)
+def check(op, ins, sms, what, packing="concat"):
+    got = _C._emulate_cuda(op, list(ins), sms, host_params(op), packing)
+    want = expected(op, ins, packing)
     assert len(got) == len(want), what
     for k, (g, w) in enumerate(zip(got, want)):
-        _same_bits(g, w, f"{op}[{k}] {ins[0].dtype} {what} sms={sms}")
+        _same_bits(g, w, f"{op}[{k}] {ins[0].dtype} {what} sms={sms} packing={packing}")
 
 
 SAME_SHAPE = {op: N_INPUTS[op] for op in HOST_OPS}  # the ops whose inputs all have the output's shape
-GATED = [a.gated for a in ACTIVATIONS]
-ACT_IDS = [a.name for a in ACTIVATIONS]
+GATED_OPS = list(GATED_IDS)  # every gated op of the table, with or without parameters
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -92,7 +95,7 @@ def test_contiguous_and_misaligned_lengths(op, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("op", [g + suffix for g in GATED for suffix in ("", "_backward")])
+@pytest.mark.parametrize("op", [g + suffix for g in GATED_OPS for suffix in ("", "_backward")])
 def test_chunk_views_with_a_row_stride(op, dtype):
     """gate, up = x.chunk(2, -1): rows of M elements with row stride 2M, read in place; M odd or even, rows
     starting on and off 16-byte boundaries (the head differs row by row when M is odd)."""
@@ -107,33 +110,68 @@ def test_chunk_views_with_a_row_stride(op, dtype):
             check(op, [_rand([rows, m], dtype, gen), up], 132, f"contiguous gate, chunk up rows={rows} M={m}")
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("op", PACKED_OPS)
-def test_packed_forward_and_backward(op, dtype):
-    """<gated>_packed reads both halves of each [..., 2M] row in place; its backward writes dgate and dup into the
-    two halves of one packed output (row stride 2M for both outputs)."""
+def test_packed_forward_and_backward(op, dtype, packing):
+    """<gated>_packed reads both halves (concat) or the pairs (interleaved) of each [..., 2M] row in place; its
+    backward writes dgate and dup into one packed output in the same layout (row stride 2M for both outputs)."""
     gen = torch.Generator().manual_seed(3)
     for shape in [(1, 2), (3, 18), (2, 5, 34), (16, 9728), (9, 9730), (4, 2 * 4863)]:
         gate_up = _rand(list(shape), dtype, gen)
         grad = _rand(list(shape[:-1]) + [shape[-1] // 2], dtype, gen, 1)
         for sms in (132, 2):
-            check(op, [gate_up], sms, f"shape={shape}")
-            check(op + "_backward", [grad, gate_up], sms, f"shape={shape}")
+            check(op, [gate_up], sms, f"shape={shape}", packing)
+            check(op + "_backward", [grad, gate_up], sms, f"shape={shape}", packing)
         # a packed input that is itself a view with a row stride (every other row of a bigger tensor)
         big = _rand([2 * shape[0], shape[-1]], dtype, gen) if len(shape) == 2 else None
         if big is not None:
-            check(op, [big[::2]], 132, f"strided rows shape={shape}")
-            check(op + "_backward", [grad, big[::2]], 132, f"strided rows shape={shape}")
+            check(op, [big[::2]], 132, f"strided rows shape={shape}", packing)
+            check(op + "_backward", [grad, big[::2]], 132, f"strided rows shape={shape}", packing)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("gated", GATED, ids=GATED_IDS)
+def test_packed_misaligned_offsets_and_odd_m(gated, dtype, packing):
+    """gate_up starting 0..7 elements past a 16-byte boundary (one long row, or rows of odd M whose alignment
+    alternates, or rows with a padded stride), grad and the output at their own offsets: every pair of aligned
+    and misaligned operands, vectorized where aligned and element by element elsewhere, must give the host math
+    bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    op = gated.name + "_packed"
+    for rows, m in [(1, 37), (3, 5), (4, 8), (5, 17), (2, 129)]:
+        for offset in range(8):
+            buf = _rand([rows * 2 * m + offset], dtype, gen)
+            gate_up = buf[offset:].view(rows, 2 * m)
+            grad = _rand([rows, m], dtype, gen, (offset * 3) % 8)
+            what = f"rows={rows} M={m} offset={offset}"
+            check(op, [gate_up], 2, what, packing)
+            check(op + "_backward", [grad, gate_up], 2, what, packing)
+        # and the emulated launch against the fp64 reference with the kernels' limits (which half is gate, which
+        # up, in which layout the backward writes: not only the host math's agreement)
+        for name, ins in ((op, [gate_up]), (op + "_backward", [grad, gate_up])):
+            got = _C._emulate_cuda(name, ins, 132, host_params(name), packing)
+            assert_matches_reference(name, ins, got[0], f"emulated {packing}", inf_limits=True, packing=packing)
+        padded = _rand([rows, 2 * m + 3], dtype, gen, 1)[:, : 2 * m]  # row stride 2M + 3, not a multiple of 16 B
+        check(op, [padded], 132, f"padded rows={rows} M={m}", packing)
+        check(op + "_backward", [_rand([rows, m], dtype, gen), padded], 132, f"padded rows={rows} M={m}", packing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
-def test_more_rows_than_grid_y(act, dtype):
+@pytest.mark.parametrize("gated", GATED, ids=GATED_IDS)
+def test_more_rows_than_grid_y(gated, dtype):
     """More than 65535 rows: grid.y stops at 65535 and each block loops over rows y, y + 65535, ..."""
     gen = torch.Generator().manual_seed(4)
     gate, up = _rand([70_001, 6], dtype, gen).chunk(2, -1)
-    check(act.gated, [gate, up], 132, "70001 chunk rows")
-    check(act.gated + "_packed", [_rand([70_001, 4], dtype, gen)], 132, "70001 packed rows")
+    check(gated.name, [gate, up], 132, "70001 chunk rows")
+    packed = _rand([70_001, 4], dtype, gen)
+    for packing in PACKINGS:
+        check(gated.name + "_packed", [packed], 132, "70001 packed rows", packing)
+        check(gated.name + "_packed", [packed[:, :4]], 132, "70001 packed rows", packing)
+    # rows with a stride: no merging into one long row
+    strided = _rand([70_001, 8], dtype, gen)[:, :4]
+    check(gated.name + "_packed", [strided], 132, "70001 strided packed rows", "interleaved")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=lambda d: str(d).split(".")[-1])
@@ -160,8 +198,10 @@ def test_empty_and_zero_dim():
             check(op, [torch.empty(0, 5, dtype=dtype)] * n, 132, "empty")
             check(op, [_rand([], dtype, gen) for _ in range(n)], 132, "0-dim")
         for op in PACKED_OPS:
-            check(op, [torch.empty(3, 0, dtype=dtype)], 132, "M = 0")
-            check(op + "_backward", [torch.empty(3, 0, dtype=dtype)] * 2, 132, "M = 0")
+            for packing in PACKINGS:
+                check(op, [torch.empty(3, 0, dtype=dtype)], 132, "M = 0", packing)
+                check(op + "_backward", [torch.empty(3, 0, dtype=dtype)] * 2, 132, "M = 0", packing)
+                check(op, [torch.empty(0, 6, dtype=dtype)], 132, "no rows", packing)
 
 
 def test_emulate_cuda_rejects_bad_calls():
@@ -170,6 +210,12 @@ def test_emulate_cuda_rejects_bad_calls():
     for op in list(SAME_SHAPE) + list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:
         n = N_INPUTS[op]
         with pytest.raises(ValueError, match=f"takes {n} inputs"):
-            _C._emulate_cuda(op, [torch.ones(2)] * (n + 1))
+            _C._emulate_cuda(op, [torch.ones(2)] * (n + 1), 132, host_params(op))
+        with pytest.raises(ValueError, match=f"{op} takes (no params|params)"):
+            _C._emulate_cuda(op, [torch.ones(2, 4)] * n, 132, host_params(op) + [1.0])
+    for op in list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:  # the layout, as the ops check it
+        ins = [torch.ones(2, 2)] * (N_INPUTS[op] - 1) + [torch.ones(2, 4)]
+        with pytest.raises(ValueError, match=r"`layout` must be \"concat\" or \"interleaved\", got \"bogus\""):
+            _C._emulate_cuda(op, ins, 132, host_params(op), "bogus")
     with pytest.raises(ValueError, match="sms"):
         _C._emulate_cuda("gelu", [torch.ones(2)], 0)

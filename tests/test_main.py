@@ -44,37 +44,45 @@ def test_main_key_lines(full_run):
     # the parameter table
     assert re.search(r"standard FFN, d_ff = 4D\s+2\s+16384\s+134,217,728", out)
     assert re.search(r"SwiGLU, 8/3 rule to 256 \(LLaMA\)\s+3\s+11008\s+135,266,304", out)
-    # every op of the table (18: six per activation), every dtype, each gated op on chunk views, and the module
-    assert set(demo.OPS) == set(TABLE_OPS) and len(demo.OPS) == 6 * len({s.act.name for s in TABLE_OPS.values()})
+    # every op of the table (two per activation, four per gated op), every dtype, each gated op on chunk views,
+    # each packed op in the interleaved layout, and the module
+    n_acts = len({s.act.name for s in TABLE_OPS.values() if s.kind == "unary"})
+    n_gated = len({s.gated.name for s in TABLE_OPS.values() if s.gated is not None})
+    assert set(demo.OPS) == set(TABLE_OPS) and len(demo.OPS) == 2 * n_acts + 4 * n_gated
     for op in [*demo.OPS, *(f"{s.name} \\(chunk views\\)" for s in TABLE_OPS.values() if s.kind == "gated"
-                            and not s.backward)]:
+                            and not s.backward),
+               *(f"{s.name} \\(interleaved\\)" for s in TABLE_OPS.values() if s.kind == "packed")]:
         for dtype in ("float64", "float32", "bfloat16"):
             assert re.search(rf"^\s+{op}\s+{dtype}\s+\S+\s+\S+\s+\S+\s+\S+\s+ok$", out, re.M), (op, dtype)
     assert re.search(r"SwiGLUFFN fwd\+bwd\s+float32 .* ok$", out, re.M)
     # the timing, labelled with the device
     assert re.search(r"== Timing on " + ("GPU" if GPU else "CPU"), out)
-    for case in ("swiglu fwd", "geglu_tanh fwd", "swiglu bwd", "geglu_tanh bwd", "swiglu_packed fwd", "gelu fwd"):
+    for case in ("swiglu fwd", "geglu_tanh fwd", "swiglu bwd", "geglu_tanh bwd", "swiglu_packed fwd", "gelu fwd",
+                 r"GPT-OSS clamped interl\. fwd", r"GPT-OSS clamped interl\. fwd\+bwd"):
         assert re.search(case + r"\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), case
 
 
 def test_cases_cover_the_table_with_aten_references():
-    """op_cases: one case per op of the table (plus chunk views of the gated ops), each with the reference built
-    from the table's ATen forms; the references agree with autograd through act.aten in float64."""
+    """op_cases: one case per op of the table (plus chunk views of the gated ops and the interleaved layout of the
+    packed ones), each with the reference built from the table's ATen forms; the references agree with autograd
+    through the forward's ATen form in float64."""
     cases = demo.op_cases()
     assert set(TABLE_OPS) <= set(cases)
     assert set(cases) - set(TABLE_OPS) == {f"{s.name} (chunk views)" for s in TABLE_OPS.values()
-                                           if s.kind == "gated" and not s.backward}
+                                           if s.kind == "gated" and not s.backward} | \
+        {f"{s.name} (interleaved)" for s in TABLE_OPS.values() if s.kind == "packed"}
     gen = torch.Generator().manual_seed(0)
     for name, spec in TABLE_OPS.items():
         if not spec.backward:
             continue
-        make, _, ref = cases[name]
-        fwd = cases[spec.forward_name][2]
-        grad, *inputs = make(3, 8, torch.float64, torch.device("cpu"), gen)
-        want = demo._vjp(fwd, grad, *inputs)
-        got = ref(grad, *inputs)
-        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
-            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+        for suffix in ("", " (interleaved)") if spec.kind == "packed" else ("",):
+            make, _, ref = cases[name + suffix]
+            fwd = cases[spec.forward_name + suffix][2]
+            grad, *inputs = make(3, 8, torch.float64, torch.device("cpu"), gen)
+            want = demo._vjp(fwd, grad, *inputs)
+            got = ref(grad, *inputs)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name + suffix)
 
 
 def test_checker_accepts_atens_own_error_only(capsys):

@@ -115,9 +115,9 @@ def test_swiglu_module_rejects_odd_packed_width():
         ffn_ext.SwiGLU()(torch.randn(4, 7))
 
 
-def _gated_module(act):
+def _gated_module(act, **kw):
     """ffn_ext's module for act(gate) * up: SwiGLU(), GeGLU(approximate) by the entry's public name."""
-    return ffn_ext.SwiGLU() if act.api[0] == "silu" else ffn_ext.GeGLU(**act.api[1])
+    return ffn_ext.SwiGLU(**kw) if act.api[0] == "silu" else ffn_ext.GeGLU(**act.api[1], **kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,11 +142,36 @@ def test_gated_modules_two_args_and_packed(act, device):
     _close(gate_up.grad, ref_in.grad)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_modules_interleaved_layout(act, device):
+    """layout="interleaved": the packed argument is [g0, u0, g1, u1, ...] (GPT-OSS), forward and gradient; two
+    arguments are gate and up whatever the layout."""
+    gate_up = _rand(5, 3, 2 * 33, dtype=torch.float64, device=device)
+    ref_in = gate_up.detach().clone().requires_grad_()
+    ref = act.aten(ref_in[..., ::2]) * ref_in[..., 1::2]
+    w = torch.randn_like(ref)
+    (2 * ref * w).sum().backward()
+    total = 0
+    for mod in (_gated_module(act, layout="interleaved"), ffn_ext.Gated(act.name, layout="interleaved")):
+        assert mod.layout == "interleaved" and "layout='interleaved'" in repr(mod)
+        packed = mod(gate_up)
+        _close(packed, ref)
+        _close(mod(gate_up[..., ::2], gate_up[..., 1::2]), ref)
+        total = total + packed
+        assert not torch.allclose(_gated_module(act)(gate_up), ref)  # the default layout is concat
+    (total * w).sum().backward()
+    _close(gate_up.grad, ref_in.grad)
+
+
 def test_gated_module_names_and_errors():
     assert repr(ffn_ext.SwiGLU()) == "SwiGLU()"
     assert repr(ffn_ext.GeGLU()) == "GeGLU(approximate='none')"
     assert repr(ffn_ext.GeGLU(approximate="tanh")) == "GeGLU(approximate='tanh')"
     assert repr(ffn_ext.Gated("gelu_tanh")) == "Gated(activation='gelu_tanh')"
+    assert repr(ffn_ext.Gated("gelu_tanh", layout="concat")) == "Gated(activation='gelu_tanh')"
+    assert repr(ffn_ext.Gated("silu", layout="interleaved")) == "Gated(activation='silu', layout='interleaved')"
+    assert repr(ffn_ext.GeGLU(layout="interleaved")) == "GeGLU(approximate='none', layout='interleaved')"
     assert ffn_ext.GeGLU(approximate="tanh").activation == "gelu_tanh" and ffn_ext.GeGLU().activation == "gelu"
     for bad in ("swiglu", "relu", None):
         with pytest.raises(ValueError, match="Gated: `activation` must be one of"):

@@ -1,35 +1,41 @@
 """torch.library.opcheck on every ffn_ext op of the table (tests/optable.py): schema (no aliasing or mutation),
 fake/Meta kernels match the real kernel's sizes and strides, autograd registration, and AOT dispatch with dynamic
-shapes."""
+shapes. Ops are called with their keyword arguments (optable.op_kwargs: a gated op's example parameters, and for
+the packed ops layout="interleaved" as well as the default)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optable import ACTIVATIONS, DEVICES, OPS, make_inputs, op
+from optable import DEVICES, GATED, OPS, PACKINGS, is_packed, make_inputs, op, op_kwargs
 
 # Each opcheck costs seconds (AOT dispatch with dynamic shapes): one case each way. Without grad: 3-D chunk views
 # with odd M (gate and up at different offsets, strided rows); with grad: contiguous 2-D leaves.
 CASES = {False: ("chunk", (2, 3, 5)), True: ("contiguous", (3, 7))}
 
 
+# (op, packing): every op with its default layout, and the packed ops with layout="interleaved" passed as well
+OP_CASES = [(n, None) for n in OPS] + [(n, p) for n in OPS if is_packed(n) for p in PACKINGS[1:]]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "requires_grad"])
-@pytest.mark.parametrize("name", OPS)
-def test_opcheck(name, requires_grad, device):
+@pytest.mark.parametrize("name, packing", OP_CASES, ids=[n + (f"-{p}" if p else "") for n, p in OP_CASES])
+def test_opcheck(name, packing, requires_grad, device):
     layout, shape = CASES[requires_grad]
-    inputs = make_inputs(name, shape, torch.float32, device, layout)
+    inputs = make_inputs(name, shape, torch.float32, device, layout, packing=packing or "concat")
     if requires_grad:
         inputs = tuple(t.requires_grad_() for t in inputs)
-    torch.library.opcheck(op(name).default, inputs)
+    torch.library.opcheck(op(name).default, inputs, op_kwargs(name, packing))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", [n for a in ACTIVATIONS for n in (a.gated, a.gated + "_packed_backward")])
+@pytest.mark.parametrize("name", [n for g in GATED for n in (g.name, g.name + "_packed_backward")])
 def test_opcheck_partial_requires_grad_and_bf16(name, device):
-    inputs = list(make_inputs(name, (3, 9), torch.bfloat16, device, "chunk"))
+    packing = PACKINGS[-1] if is_packed(name) else None  # interleaved (the default layout is tested above)
+    inputs = list(make_inputs(name, (3, 9), torch.bfloat16, device, "chunk", packing=packing or "concat"))
     inputs[-1] = inputs[-1].detach().clone().requires_grad_()  # only the last input requires grad
-    torch.library.opcheck(op(name).default, tuple(inputs))
+    torch.library.opcheck(op(name).default, tuple(inputs), op_kwargs(name, packing))
 
 
 def test_opcheck_can_fail():

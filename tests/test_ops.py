@@ -1,5 +1,6 @@
 """Every ffn_ext op (forward and backward; the op list is the table's, tests/optable.py) against its float64
-reference, over shapes, layouts and dtypes.
+reference, over shapes, layouts and dtypes; the packed ops in both gate_up layouts (concat, interleaved), the gated
+ops with parameters (swiglu_clamped) with the table's example values and inputs at their clamp bounds.
 
 CPU: the ATen composite kernels. CUDA (marked `cuda`): the extension's own kernels, with the caching allocator
 poisoned with NaN before each case so unwritten output elements show, plus the launcher's edge cases (head/tail
@@ -15,14 +16,18 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
+from ffn_ext.table import join_packed, split_packed
 from optable import (
     ACTIVATIONS,
     BACKWARD_OPS,
     CPU_DTYPES,
     FLOAT_DTYPES,
+    GATED,
+    GATED_IDS,
     HOST_OPS,
     N_INPUTS,
     OPS,
+    PACKINGS,
     RecordOps,
     activation_arg,
     api_call,
@@ -32,15 +37,18 @@ from optable import (
     aten_result,
     call,
     error_scale,
+    host_params,
     is_packed,
     make_chunk_pair,
     make_inputs,
     make_layout,
     needs_native,
-    op,
+    ops_of,
+    params_of,
     poison_cuda_cache,
     reference,
     spec,
+    terms,
     tolerance,
     unpack,
 )
@@ -62,13 +70,19 @@ def _shapes_for(name):
     return [s for s in SHAPES if not (is_packed(name) and len(s) == 0)]
 
 
-def _run_case(name, shape, dtype, device, layout, grad_layout=None, poison=False):
+def _packings(name):
+    """The gate_up layouts op `name` is run in: both for the packed ops, none to choose for the others."""
+    return PACKINGS if is_packed(name) else ("concat",)
+
+
+def _run_case(name, shape, dtype, device, layout, grad_layout=None, poison=False, packing="concat"):
     if poison:
         poison_cuda_cache(device, nbytes=32 << 20, small_blocks=4)
-    inputs = make_inputs(name, shape, dtype, device, layout, grad_layout=grad_layout)
+    inputs = make_inputs(name, shape, dtype, device, layout, grad_layout=grad_layout, packing=packing)
     before = [t.clone() for t in inputs]
-    out = (op(name) if device != "cpu" else call(name))(*inputs)
-    assert_matches_reference(name, inputs, out, msg=f"shape={shape} dtype={dtype} layout={layout} grad={grad_layout}")
+    out = call(name, packing if is_packed(name) else None)(*inputs)
+    assert_matches_reference(name, inputs, out, packing=packing,
+                             msg=f"shape={shape} dtype={dtype} layout={layout} grad={grad_layout} packing={packing}")
     for k, (a, b) in enumerate(zip(inputs, before)):
         assert torch.equal(a, b), f"{name} modified its input {k} (shape={shape} layout={layout})"
     for o in as_tuple(out):  # outputs are fresh tensors, never views of the inputs
@@ -82,32 +96,56 @@ def _run_case(name, shape, dtype, device, layout, grad_layout=None, poison=False
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("name", OPS)
 def test_cpu_matches_fp64_reference(name, dtype, layout):
-    for shape in _shapes_for(name):
-        _run_case(name, shape, dtype, "cpu", layout)
+    for packing in _packings(name):
+        for shape in _shapes_for(name):
+            _run_case(name, shape, dtype, "cpu", layout, packing=packing)
 
 
 @pytest.mark.parametrize("grad_layout", ["contiguous", "transposed", "scalar", "offset"])
 @pytest.mark.parametrize("name", BACKWARD_OPS)
 def test_cpu_backward_grad_layout_differs(name, grad_layout):
-    for shape in [(3, 7), (4, 16), (2, 3, 9)]:
-        for layout in ("chunk", "contiguous", "offset"):
-            _run_case(name, shape, torch.float32, "cpu", layout, grad_layout=grad_layout)
+    for packing in _packings(name):
+        for shape in [(3, 7), (4, 16), (2, 3, 9)]:
+            for layout in ("chunk", "contiguous", "offset"):
+                _run_case(name, shape, torch.float32, "cpu", layout, grad_layout=grad_layout, packing=packing)
 
 
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("name", [n for n in OPS if is_packed(n)])
-def test_cpu_packed_odd_m_matches_chunked_gated(name):
-    # The packed ops equal the gated op / its backward on the two halves (same CPU math, so exactly).
+def test_cpu_packed_odd_m_matches_chunked_gated(name, packing):
+    # The packed ops equal the gated op / its backward on the two halves of gate_up in its layout (same CPU math,
+    # so exactly); the backward writes (dgate, dup) in that layout.
     for m in (1, 3, 7, 33, 1001):
         gate_up = make_layout((5, 2 * m), torch.float32)
         grad = make_layout((5, m), torch.float32)
         ins = (grad, gate_up) if spec(name).backward else (gate_up,)
-        gated, gated_ins = unpack(name, ins)
+        gated, gated_ins = unpack(name, ins, packing)
         want = as_tuple(call(gated)(*gated_ins))
-        out = call(name)(*ins)
+        out = call(name, packing)(*ins)
         if spec(name).backward:
             assert out.shape == (5, 2 * m)
-            want = (torch.cat(want, -1),)
+            dgate, dup = split_packed(out, packing)
+            torch.testing.assert_close(dgate, want[0], rtol=0, atol=0)
+            torch.testing.assert_close(dup, want[1], rtol=0, atol=0)
+            want = (join_packed(*want, packing),)
         torch.testing.assert_close(out, want[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in OPS if is_packed(n)])
+def test_cpu_packings_differ(name):
+    # The layout argument is used: the interleaved result is the concat op's on the permuted gate_up, and not the
+    # concat result itself.
+    gate_up = make_layout((3, 2 * 9), torch.float64)
+    grad = make_layout((3, 9), torch.float64)
+    perm = join_packed(*split_packed(gate_up, "interleaved"), "concat")  # the same gate, up in concat layout
+    ins = (grad,) if spec(name).backward else ()
+    inter = call(name, "interleaved")(*ins, gate_up)
+    concat = call(name, "concat")(*ins, perm)
+    if spec(name).backward:
+        concat = join_packed(*split_packed(concat, "concat"), "interleaved")
+    # (strided halves take ATen's scalar loop, contiguous ones its vectorized one: the last bit may differ)
+    torch.testing.assert_close(inter, concat, rtol=1e-14, atol=1e-300)
+    assert not torch.allclose(inter, call(name)(*ins, gate_up))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -117,12 +155,15 @@ def test_cpu_extreme_finite_values(name, dtype):
     vals = torch.tensor([-1e4, -300.0, -100.0, -88.5, -30.0, -10.0, -1.2785, -0.7517, -1e-3, -1e-30, 1e-30, 1e-3, 0.5,
                          10.0, 30.0, 88.5, 100.0, 300.0, 1e4], dtype=torch.float64)
     n = vals.numel()
-    inputs = make_inputs(name, (2, n), dtype)
-    # x (unary), gate (gated), or the gate half of gate_up (packed): the argument the nonlinearity applies to.
-    target = inputs[activation_arg(name)]
-    target[..., :n].copy_(vals.expand(2, n).to(dtype))
-    out = call(name)(*inputs)
-    assert_matches_reference(name, inputs, out)
+    for packing in _packings(name):
+        inputs = make_inputs(name, (2, n), dtype)
+        # x (unary), gate (gated), or the gate of gate_up in its layout (packed): what the nonlinearity applies to.
+        target = inputs[activation_arg(name)]
+        if is_packed(name):
+            target = split_packed(target, packing)[0]
+        target[..., :n].copy_(vals.expand(2, n).to(dtype))
+        out = call(name, packing if is_packed(name) else None)(*inputs)
+        assert_matches_reference(name, inputs, out, packing=packing, msg=packing)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -135,9 +176,13 @@ def test_cpu_nonfinite_follow_aten(name, dtype):
     ins = [other] * N_INPUTS[name]
     ins[activation_arg(name)] = x
     got, want = as_tuple(call(name)(*ins)), as_tuple(aten_result(name, *ins))
-    for g, w in zip(got, want):
+    masks = [m for _, _, _, m in terms(name, [t.double() for t in ins])]
+    for g, w, m in zip(got, want, masks):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
-        assert torch.isnan(g[2]), "NaN input must give NaN"
+        if m is None or m[2]:
+            assert torch.isnan(g[2]), "NaN input must give NaN"
+        else:  # a select (a clamp's gradient) gives 0 there, as ATen's where
+            assert g[2].item() == 0, "a NaN input where the op selects 0 must give 0"
 
 
 def test_reference_helpers_can_fail():
@@ -160,30 +205,41 @@ def test_reference_helpers_can_fail():
             for j in range(i):
                 assert not torch.allclose(refs[i], refs[j], rtol=1e-6, atol=0), (ACTIVATIONS[i].name, inf_limits)
     # assert_matches_reference (with its error scale and, on the CPU, ATen's own results accepted) rejects every
-    # op's result given for the same op of another activation (in float32 and float64: in bfloat16 the tanh GELU
-    # is within the tolerance of the exact one)
+    # op's result given for the same op of another activation or gated op (in float32 and float64: in bfloat16
+    # the tanh GELU is within the tolerance of the exact one), and a packed op's result in the other layout
     for dtype in (torch.float64, torch.float32):
         for name in OPS:
+            s = spec(name)
             inputs = make_inputs(name, (4, 33), dtype, layout="chunk")
-            for other in ACTIVATIONS:
-                if other is not spec(name).act:
-                    wrong = name.replace(spec(name).act.gated, other.gated) if spec(name).kind != "unary" else \
-                        name.replace(spec(name).act.name, other.name)
-                    assert spec(wrong).act is other and spec(wrong).kind == spec(name).kind, (name, wrong)
-                    with pytest.raises(AssertionError):
-                        assert_matches_reference(name, inputs, call(wrong)(*inputs), f"{wrong} as {name}")
+            others = [n for n in ops_of(kind=s.kind, backward=s.backward) if n != name]
+            assert len(others) == (len(ACTIVATIONS) if s.kind == "unary" else len(GATED)) - 1, (name, others)
+            for wrong in others:
+                with pytest.raises(AssertionError):
+                    assert_matches_reference(name, inputs, call(wrong)(*inputs), f"{wrong} as {name}")
+            if is_packed(name):
+                with pytest.raises(AssertionError):
+                    assert_matches_reference(name, inputs, call(name, "interleaved")(*inputs), "interleaved as concat")
+    # a gated op with parameters: the reference follows the parameters (each one matters)
+    for g in GATED:
+        for p in g.params:
+            name, inputs = g.name, make_inputs(g.name, (4, 33), torch.float64)
+            other = dict(params_of(name), **{p.name: p.example * 0.5 + 0.25})
+            with pytest.raises(AssertionError):
+                assert_matches_reference(name, inputs, call(name, params=other)(*inputs), f"{p.name} changed")
 
 
 @needs_native
 @pytest.mark.parametrize("name", [n for n in OPS if not spec(n).backward])
 def test_public_api_reaches_the_op(name):
-    # api_call(name) (ffn_ext.gelu(x, approximate=...), ffn_ext.gated(..., activation=...), ...) dispatches
-    # exactly torch.ops.ffn_ext.<name>, with its result.
-    inputs = make_inputs(name, (3, 6), torch.float32)
-    with RecordOps() as rec:
-        out = api_call(name)(*inputs)
-    assert rec.ops == [f"ffn_ext.{name}.default"], rec.ops
-    torch.testing.assert_close(out, op(name)(*inputs), rtol=0, atol=0)
+    # api_call(name) (ffn_ext.gelu(x, approximate=...), ffn_ext.gated(..., activation=...),
+    # ffn_ext.swiglu_clamped(..., limit=...), ...) dispatches exactly torch.ops.ffn_ext.<name>, with its result, in
+    # every layout of a packed op.
+    for packing in (PACKINGS if is_packed(name) else (None,)):
+        inputs = make_inputs(name, (3, 6), torch.float32, packing=packing or "concat")
+        with RecordOps() as rec:
+            out = api_call(name, packing)(*inputs)
+        assert rec.ops == [f"ffn_ext.{name}.default"], rec.ops
+        torch.testing.assert_close(out, call(name, packing)(*inputs), rtol=0, atol=0)
 
 
 def test_named_api_functions_are_the_gated_ones():
@@ -199,6 +255,22 @@ def test_named_api_functions_are_the_gated_ones():
     torch.testing.assert_close(ffn_ext.swiglu(gate, up), ffn_ext.gated(gate, up), rtol=0, atol=0)
     torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up), ffn_ext.gated_packed(gate_up), rtol=0, atol=0)
     torch.testing.assert_close(ffn_ext.geglu(gate, up), call("geglu")(gate, up), rtol=0, atol=0)
+    for layout in PACKINGS:  # layout= reaches the op, by every name
+        want = call("swiglu_packed", layout)(gate_up)
+        torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up, layout=layout), want, rtol=0, atol=0)
+        torch.testing.assert_close(ffn_ext.gated_packed(gate_up, layout=layout), want, rtol=0, atol=0)
+        for approximate, act in (("none", "gelu"), ("tanh", "gelu_tanh")):
+            torch.testing.assert_close(ffn_ext.geglu_packed(gate_up, approximate, layout=layout),
+                                       ffn_ext.gated_packed(gate_up, act, layout=layout), rtol=0, atol=0)
+        p = dict(limit=2.0, alpha=1.702, up_offset=1.0)
+        torch.testing.assert_close(ffn_ext.swiglu_clamped_packed(gate_up, layout=layout, **p),
+                                   call("swiglu_clamped_packed", layout, p)(gate_up), rtol=0, atol=0)
+    torch.testing.assert_close(ffn_ext.swiglu_clamped(gate, up, limit=2.0, alpha=0.5, up_offset=-1.0),
+                               call("swiglu_clamped", params=dict(limit=2.0, alpha=0.5, up_offset=-1.0))(gate, up),
+                               rtol=0, atol=0)
+    # the parameters' defaults are the schema's (alpha=1, up_offset=0)
+    torch.testing.assert_close(ffn_ext.swiglu_clamped(gate, up, limit=2.0),
+                               call("swiglu_clamped", params=dict(limit=2.0))(gate, up), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- CUDA: the same matrix, poisoned cache
@@ -207,8 +279,9 @@ def test_named_api_functions_are_the_gated_ones():
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("name", OPS)
 def test_cuda_matches_fp64_reference(name, dtype, layout):
-    for shape in _shapes_for(name):
-        _run_case(name, shape, dtype, "cuda", layout, poison=True)
+    for packing in _packings(name):
+        for shape in _shapes_for(name):
+            _run_case(name, shape, dtype, "cuda", layout, poison=True, packing=packing)
 
 
 @pytest.mark.cuda
@@ -218,7 +291,9 @@ def test_cuda_backward_grad_layout_differs(name, grad_layout):
     for dtype in (torch.float32, torch.bfloat16):
         for shape in [(3, 7), (4, 16), (2, 3, 9), (3, 1001)]:
             for layout in ("chunk", "contiguous", "offset", "padded"):
-                _run_case(name, shape, dtype, "cuda", layout, grad_layout=grad_layout, poison=True)
+                for packing in _packings(name):
+                    _run_case(name, shape, dtype, "cuda", layout, grad_layout=grad_layout, poison=True,
+                              packing=packing)
 
 
 # Columns that exercise head/tail peeling and rows spanning several blocks (256 threads x 4 x 16 B per block).
@@ -231,7 +306,8 @@ LAUNCHER_COLS = (1, 2, 3, 5, 8, 127, 1023, 1024, 1025, 2049, 4095, 4096, 4097, 4
 def test_cuda_launcher_cols(name, dtype):
     for cols in LAUNCHER_COLS:
         for layout in ("contiguous", "padded", "chunk", "offset"):
-            _run_case(name, (3, cols), dtype, "cuda", layout, poison=True)
+            for packing in _packings(name):
+                _run_case(name, (3, cols), dtype, "cuda", layout, poison=True, packing=packing)
 
 
 @pytest.mark.cuda
@@ -242,29 +318,34 @@ def test_cuda_many_rows(name, dtype):
     for rows in (1, 2, 63, 65535, 65536, 70000):
         for cols in (16, 3):
             for layout in ("chunk", "padded", "contiguous"):
-                _run_case(name, (rows, cols), dtype, "cuda", layout, poison=True)
+                for packing in _packings(name):
+                    _run_case(name, (rows, cols), dtype, "cuda", layout, poison=True, packing=packing)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-@pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
-def test_cuda_chunk_views_odd_m_alignments(act, dtype):
+@pytest.mark.parametrize("gated", GATED, ids=GATED_IDS)
+def test_cuda_chunk_views_odd_m_alignments(gated, dtype):
     # gate, up = t.chunk(2, -1) with t shifted by 0..7 elements: gate and up at different 16-byte alignments,
-    # both different from the (fresh, aligned) output's.
-    g = act.gated
+    # both different from the (fresh, aligned) output's. The packed ops' gate_up likewise, in both layouts (an
+    # interleaved pair is read as 16-byte vectors only when aligned; odd M: every other row is not).
+    g = gated.name
     for m in (1, 3, 5, 7, 9, 15, 17, 33, 1001, 4097):
         for offset in range(8):
             poison_cuda_cache(nbytes=32 << 20, small_blocks=4)
             gate, up = make_chunk_pair((6, m), dtype, "cuda", offset=offset)
             grad = make_layout((6, m), dtype, "cuda", "offset" if offset % 2 else "contiguous")
             msg = f"m={m} offset={offset}"
-            assert_matches_reference(g, (gate, up), op(g)(gate, up), msg)
-            assert_matches_reference(g + "_backward", (grad, gate, up), op(g + "_backward")(grad, gate, up), msg)
+            assert_matches_reference(g, (gate, up), call(g)(gate, up), msg)
+            assert_matches_reference(g + "_backward", (grad, gate, up), call(g + "_backward")(grad, gate, up), msg)
             buf = make_layout((6 * 2 * m + offset,), dtype, "cuda")
             gate_up = buf[offset:].view(6, 2 * m)
-            assert_matches_reference(g + "_packed", (gate_up,), op(g + "_packed")(gate_up), msg)
-            assert_matches_reference(g + "_packed_backward", (grad, gate_up),
-                                     op(g + "_packed_backward")(grad, gate_up), msg)
+            for packing in PACKINGS:
+                msg = f"m={m} offset={offset} packing={packing}"
+                assert_matches_reference(g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), msg,
+                                         packing=packing)
+                assert_matches_reference(g + "_packed_backward", (grad, gate_up),
+                                         call(g + "_packed_backward", packing)(grad, gate_up), msg, packing=packing)
 
 
 @pytest.mark.cuda
@@ -279,7 +360,7 @@ def test_cuda_inputs_misaligned_relative_to_output(name, dtype):
             poison_cuda_cache(nbytes=32 << 20, small_blocks=4)
             inputs = tuple(make_layout((n + 8,), dtype, "cuda")[(shift * (k + 1)) % 8:][:n].view(shape)
                            for k in range(n_in))
-            assert_matches_reference(name, inputs, op(name)(*inputs), f"shape={shape} shift={shift}")
+            assert_matches_reference(name, inputs, call(name)(*inputs), f"shape={shape} shift={shift}")
 
 
 @pytest.mark.cuda
@@ -288,17 +369,21 @@ def test_cuda_inputs_misaligned_relative_to_output(name, dtype):
 def test_cuda_matches_aten_cuda(name, dtype):
     # Finite inputs: the fused kernels agree with ATen's CUDA ops (which may round an intermediate: 2x tolerance).
     for shape in [(7, 4864), (33, 17), (2, 3, 1001)]:
-        inputs = make_inputs(name, shape, dtype, "cuda", "contiguous" if spec(name).kind == "unary" else "chunk")
-        got = as_tuple(op(name)(*inputs))
-        want = as_tuple(aten_result(name, *inputs))  # the table's ATen composites on CUDA, same dtype
-        refs, spreads = as_tuple(reference(name, *inputs)), error_scale(name, *inputs)
-        assert len(got) == len(want) == len(refs)
-        rtol = tolerance(dtype)["rtol"]
-        for g, w, r, sp in zip(got, want, refs, spreads):
-            assert torch.isfinite(g).all()
-            # twice the tolerance, plus ATen's own error (e.g. the 1 - tanh^2 of its tanh GELU backward cancels)
-            aten_err = (w.double() - r).abs() / rtol
-            assert_close_to(g, w.double(), dtype, f"{name} {shape} vs ATen CUDA", scale=2.0, spread=sp + aten_err)
+        for packing in _packings(name):
+            kw = dict(packing=packing)
+            inputs = make_inputs(name, shape, dtype, "cuda", "contiguous" if spec(name).kind == "unary" else "chunk",
+                                 **kw)
+            got = as_tuple(call(name, packing if is_packed(name) else None)(*inputs))
+            want = as_tuple(aten_result(name, *inputs, **kw))  # the table's ATen composites on CUDA, same dtype
+            refs, spreads = as_tuple(reference(name, *inputs, **kw)), error_scale(name, *inputs, **kw)
+            assert len(got) == len(want) == len(refs)
+            rtol = tolerance(dtype)["rtol"]
+            for g, w, r, sp in zip(got, want, refs, spreads):
+                assert torch.isfinite(g).all()
+                # twice the tolerance, plus ATen's own error (e.g. the 1 - tanh^2 of its tanh GELU backward cancels)
+                aten_err = (w.double() - r).abs() / rtol
+                assert_close_to(g, w.double(), dtype, f"{name} {shape} {packing} vs ATen CUDA", scale=2.0,
+                                spread=sp + aten_err)
 
 
 SPECIAL = [-math.inf, math.inf, math.nan, -1e4, -100.0, -88.7, -20.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 20.0, 88.7, 100.0,
@@ -339,14 +424,46 @@ def test_cuda_infinity_semantics(act, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("gated", GATED, ids=GATED_IDS)
+def test_cuda_gated_infinity_semantics(gated, dtype):
+    # Every gated op, its backward and its packed forms in both layouts, with the specials in gate, in up, in both
+    # and in grad, against the limits the CUDA kernels implement (the table's act.ref, a clamp's selects). The
+    # finite values pair so that no result leaves float16's range and no activation value or derivative that
+    # underflows in float (gelu(-20)) meets an infinity (0 * inf: NaN, where the fp64 reference has inf).
+    def rnd(n, lo, hi):
+        return (torch.rand(n, dtype=torch.float64) * (hi - lo) + lo).to(dtype).cuda()
+
+    x = torch.tensor(SPECIAL, dtype=torch.float64).to(dtype).cuda()
+    small = torch.tensor([-math.inf, math.inf, math.nan, -5.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 5.0],
+                         dtype=torch.float64).to(dtype).cuda()
+    sg, su = (t.reshape(-1) for t in torch.meshgrid(small, small, indexing="ij"))
+    n, k = x.numel(), sg.numel()
+    gate = torch.cat([x, rnd(n, -4, 4), sg, rnd(n, 0.5, 4)])  # grad = +-inf below: act and act' > 0.5 there
+    up = torch.cat([rnd(n, -4, 4), x, su, rnd(n, -4, 4)])
+    grad = torch.cat([rnd(2 * n + k, -3, 3), x])
+    g = gated.name
+    assert_matches_reference(g, (gate, up), call(g)(gate, up), inf_limits=True)
+    assert_matches_reference(g + "_backward", (grad, gate, up), call(g + "_backward")(grad, gate, up),
+                             inf_limits=True)
+    for packing in PACKINGS:
+        gate_up = join_packed(gate, up, packing).view(1, -1)
+        g1 = grad.view(1, -1)
+        assert_matches_reference(g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), inf_limits=True,
+                                 packing=packing)
+        assert_matches_reference(g + "_packed_backward", (g1, gate_up),
+                                 call(g + "_packed_backward", packing)(g1, gate_up), inf_limits=True, packing=packing)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_cuda_agrees_with_host_math(dtype):
     # ffn_ext._C._host_math runs the kernels' element math on the host: same functors, same single rounding.
     x = torch.cat([torch.tensor(SPECIAL, dtype=torch.float64).to(dtype), make_layout((4096,), dtype)])
     for name in HOST_OPS:  # every op but the packed ones (tests/test_launcher_emulation.py: same functors)
         ins = [make_layout(x.shape, dtype) for _ in range(N_INPUTS[name])]
         ins[activation_arg(name)] = x
-        host = ffn_ext._C._host_math(name, ins)
-        dev = as_tuple(op(name)(*[t.cuda() for t in ins]))
+        host = ffn_ext._C._host_math(name, ins, host_params(name))
+        dev = as_tuple(call(name)(*[t.cuda() for t in ins]))
         for h, d, sp in zip(host, dev, error_scale(name, *ins)):
             # The device's erff/expf may differ from the host libm by an ulp of float (more where the formula
             # cancels: error_scale): allow the tolerance of one storage ulp.

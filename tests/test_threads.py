@@ -1,7 +1,8 @@
 """Thread safety of the Python layer: many threads making their first ffn_ext calls at once, in a fresh process (so
 the first-use paths -- torch.ops attribute lookup, OpOverload caching, autograd registration, the dispatcher's
 kernel lookup -- really run concurrently), give correct results, raise nothing, and warn at most once. Every op of
-the table (ffn_ext.table.ACTIVATIONS: the unary, gated and packed ops and their backward ops) is called.
+the table (ffn_ext.table.ACTIVATIONS and GATED: the unary, gated and packed ops and their backward ops, the packed
+ones in both layouts, the gated ops with parameters with their example values) is called.
 """
 import os
 import subprocess
@@ -51,6 +52,8 @@ _SCRIPT = textwrap.dedent(r"""
                 close(unary(x), act.aten(x), act.name)
                 close(gated(gate, up), act.aten(gate) * up, act.gated)
                 close(packed(x), act.aten(gate) * up, act.gated + "_packed")
+                close(ffn_ext.gated_packed(x, activation=act.name, layout="interleaved"),
+                      act.aten(x[:, ::2]) * x[:, 1::2], act.gated + "_packed interleaved")
                 dg, du = act.aten_backward(gh * up, gate), gh * act.aten(gate)
                 if native:
                     bwd = getattr(ops, act.name + "_backward")
@@ -75,6 +78,24 @@ _SCRIPT = textwrap.dedent(r"""
                 gated(a, b).backward(gh)
                 close(a.grad, dg, f"{act.gated} autograd dgate")
                 close(b.grad, du, f"{act.gated} autograd dup")
+            from ffn_ext.table import GATED, join_packed, split_packed  # the gated ops with parameters
+            for gt in GATED:
+                if not gt.params:
+                    continue
+                p = {q.name: q.example for q in gt.params}
+                close(getattr(ffn_ext, gt.name)(gate, up, **p), gt.forward(gate, up, **p), gt.name)
+                for lay in ("concat", "interleaved"):
+                    gg, uu = split_packed(x, lay)
+                    close(getattr(ffn_ext, gt.name + "_packed")(x, layout=lay, **p), gt.forward(gg, uu, **p),
+                          f"{gt.name}_packed {lay}")
+                    if native:
+                        close(getattr(ops, gt.name + "_packed_backward")(gh, x, layout=lay, **p),
+                              join_packed(*gt.backward(gh, gg, uu, **p), lay), f"{gt.name}_packed_backward {lay}")
+                    a = x.clone().requires_grad_(True)
+                    b = x.clone().requires_grad_(True)
+                    getattr(ffn_ext, gt.name + "_packed")(a, layout=lay, **p).backward(gh)
+                    gt.forward(*split_packed(b, lay), **p).backward(gh)
+                    close(a.grad, b.grad, f"{gt.name}_packed {lay} autograd")
             done.append(i)
         except BaseException as e:  # noqa: BLE001 (reported by the parent)
             errors.append(f"thread {i}: {type(e).__name__}: {e}")

@@ -2,9 +2,9 @@
 
 The ops' autograd is a C++ torch::autograd::Function, which supports neither functorch transforms nor forward-mode
 AD (jvp). Under a transform, or with a dual tensor, the functional API (every forward op of the table:
-ffn_ext.gelu/silu/swiglu/geglu/gated/..., and the modules built on them) takes ATen's ops, which support all of
-them; everywhere else it takes the native op. Results are compared with the same transform applied to the ATen
-reference, on fresh float64 inputs.
+ffn_ext.gelu/silu/swiglu/geglu/gated/swiglu_clamped/..., the packed ones in both layouts, and the modules built on
+them) takes ATen's ops, which support all of them; everywhere else it takes the native op. Results are compared
+with the same transform applied to the ATen reference, on fresh float64 inputs.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import ffn_ext
 from conftest import RecordOps
-from ffn_ext.table import ACTIVATIONS, BY_NAME
+from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, split_packed
+from optable import PACKINGS, api_call, params_of
 
 torch_func = pytest.importorskip("torch.func")
 
@@ -43,6 +44,15 @@ def _table_ops():
                     lambda g, u, a=act: a.aten(g) * u, 2, 5))
         ops.append((act.gated + "_packed", packed or functools.partial(ffn_ext.gated_packed, activation=act.name),
                     functools.partial(_ref_packed, act=act), 1, 6))
+    # the gated ops with parameters (example values), and every packed op in the interleaved layout
+    for g in GATED:
+        p = params_of(g.name)
+        if g.params:
+            ops.append((g.name, api_call(g.name), lambda a, b, g=g, p=p: g.forward(a, b, **p), 2, 5))
+        for packing in PACKINGS:
+            if packing != "concat" or g.params:
+                ops.append((f"{g.name}_packed-{packing}", api_call(g.name + "_packed", packing),
+                            lambda t, g=g, p=p, k=packing: g.forward(*split_packed(t, k), **p), 1, 6))
     return ops
 
 
@@ -51,7 +61,7 @@ IDS = [o[0] for o in OPS]
 
 
 def _inputs(n, last, batch=()):
-    return [torch.randn(*batch, 3, last, dtype=torch.float64) * 2 for _ in range(n)]
+    return [torch.randn(*batch, 3, last, dtype=torch.float64) * 2 for _ in range(n)]  # some beyond a clamp's limit
 
 
 def _close(got, want):
@@ -106,6 +116,10 @@ def test_module_under_vmap_and_grad():
     _close(torch_func.grad(lambda t: ffn_ext.GELU()(t).sum())(x), torch_func.grad(lambda t: F.gelu(t).sum())(x))
     _close(torch_func.grad(lambda t: ffn_ext.GELU(approximate="tanh")(t).sum())(x),
            torch_func.grad(lambda t: tanh.aten(t).sum())(x))
+    clamped = ffn_ext.SwiGLU(limit=2.0, alpha=1.702, up_offset=1.0, layout="interleaved")
+    g, u = x[..., ::2], x[..., 1::2]
+    _close(torch_func.vmap(clamped)(x),
+           (u.clamp(-2.0, 2.0) + 1.0) * g.clamp(max=2.0) * torch.sigmoid(g.clamp(max=2.0) * 1.702))
 
 
 @pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")

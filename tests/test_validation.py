@@ -4,10 +4,14 @@ and in the pure-ATen fallback (ffn_ext.ops._fallback in process, and FFN_EXT_NO_
 lists examples of every kind of error; TABLE_CASES generates the dtype, shape, device and argument-kind errors for
 every op of the table (tests/optable.py).
 
-Error classes (see README, "Input validation"): TypeError for what kind of tensor / dtype, ValueError for shapes,
-RuntimeError for devices. No op takes an out= argument: outputs are always fresh tensors, so aliased outputs
-cannot happen; aliased or overlapping *inputs* are allowed (inputs are only read) and are tested for correctness.
+Error classes (see README, "Input validation"): TypeError for what kind of tensor / dtype, ValueError for shapes
+and for option values (a packed op's `layout`, a gated op's parameters: swiglu_clamped's `limit` > 0, finite
+`alpha` and `up_offset`), RuntimeError for devices. Gated ops with parameters are called with the table's example
+values (optable.op_kwargs), packed ops in both layouts. No op takes an out= argument: outputs are always fresh
+tensors, so aliased outputs cannot happen; aliased or overlapping *inputs* are allowed (inputs are only read) and
+are tested for correctness.
 """
+import math
 import os
 import re
 import subprocess
@@ -22,16 +26,22 @@ import ffn_ext
 from optable import (
     ACTIVATIONS,
     FORWARD_OPS,
+    GATED,
+    GATED_IDS,
     NATIVE,
     OPS as OP_NAMES,
+    PACKINGS,
+    PARAM_OPS,
     activation_arg,
     api_call,
     aten_result,
     call,
     input_shapes,
+    is_packed,
     make_inputs,
     needs_native,
     op,
+    op_kwargs,
     spec,
 )
 
@@ -315,15 +325,17 @@ def test_every_op_rejects(case):
     _, name, args, exc, msg, paths = case
     if not NATIVE:
         paths = paths - {"ops"}
-    calls = {"ops": lambda: op(name)(*args), "fallback": lambda: ffn_ext.ops._fallback(name, args),
-             "api": lambda: api_call(name)(*args)}
-    for path in sorted(paths):
-        with pytest.raises(exc, match=msg):
-            calls[path]()
-    if "ops" in paths and all(a.device.type == "cpu" for a in args):
-        with FakeTensorMode(allow_non_fake_inputs=True):
+    for packing in (PACKINGS if is_packed(name) else (None,)):
+        kw = op_kwargs(name, packing)
+        calls = {"ops": lambda: op(name)(*args, **kw), "fallback": lambda: ffn_ext.ops._fallback(name, args, kw),
+                 "api": lambda: api_call(name, packing)(*args)}
+        for path in sorted(paths):
             with pytest.raises(exc, match=msg):
-                op(name)(*args)
+                calls[path]()
+        if "ops" in paths and all(a.device.type == "cpu" for a in args):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                with pytest.raises(exc, match=msg):
+                    op(name)(*args, **kw)
 
 
 @pytest.mark.parametrize("case", PUBLIC_KIND_CASES, ids=_ids(PUBLIC_KIND_CASES))
@@ -333,7 +345,7 @@ def test_public_api_rejects_tensor_kinds_for_every_op(case):
     _, name, k, make_bad, exc, msg = case
     args = list(make_inputs(name, (3, 4), torch.float32))
     args[k] = make_bad(args[k])
-    for call in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args))):
+    for call in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args), op_kwargs(name))):
         with pytest.raises(exc, match=msg):
             call()
 
@@ -357,15 +369,117 @@ def test_bad_options_raise_value_error_naming_the_option(call, key):
 
 def test_every_option_value_is_accepted():
     """The values the errors above list are the table's: ffn_ext.gelu(approximate=) for each GELU entry,
-    gated(activation=) for every activation."""
+    gated(activation=) for every activation, layout= for every packed op."""
     for act in ACTIVATIONS:
         function, options = act.api
         torch.testing.assert_close(getattr(ffn_ext, function)(X, **options), call(act.name)(X), rtol=0, atol=0)
         torch.testing.assert_close(ffn_ext.gated(X, X, activation=act.name), call(act.gated)(X, X), rtol=0, atol=0)
-        torch.testing.assert_close(ffn_ext.gated_packed(X8, activation=act.name), call(act.gated + "_packed")(X8),
-                                   rtol=0, atol=0)
+        for layout in PACKINGS:
+            torch.testing.assert_close(ffn_ext.gated_packed(X8, activation=act.name, layout=layout),
+                                       call(act.gated + "_packed", layout)(X8), rtol=0, atol=0)
     for approximate in ("none", "tanh"):
         ffn_ext.geglu(X, X, approximate=approximate), ffn_ext.geglu_packed(X8, approximate=approximate)
+    for layout in PACKINGS:
+        ffn_ext.swiglu_packed(X8, layout=layout), ffn_ext.swiglu_clamped_packed(X8, limit=1.0, layout=layout)
+    # limit: any value > 0, inf included (no clamp: swiglu); alpha and up_offset: any finite value, ints too
+    for limit in (1e-30, 1, 7.0, math.inf):
+        ffn_ext.swiglu_clamped(X, X, limit=limit, alpha=-2, up_offset=-0.5)
+    torch.testing.assert_close(ffn_ext.swiglu_clamped(X, X, limit=math.inf), ffn_ext.swiglu(X, X), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- option values: layout, a gated op's parameters
+_LAYOUT_MSG = r'{op}: `layout` must be "concat" or "interleaved", got "{bad}"'
+BAD_LAYOUTS = ["bogus", "Concat", "interleave", ""]
+PACKED_ALL = [n for n in OP_NAMES if is_packed(n)]
+
+
+def _param_cases():
+    """(id, op, kwargs, message regex) for bad values of every parameter of every op with parameters."""
+    cases = []
+    bad = {"limit": [0.0, -1.0, -math.inf, math.nan], "alpha": [math.inf, -math.inf, math.nan],
+           "up_offset": [math.inf, math.nan]}
+    for name in PARAM_OPS:
+        for p in spec(name).params:
+            assert p.name in bad, f"{name}: no bad values listed for parameter {p.name}"
+            what = "> 0" if p.name == "limit" else "finite"
+            for v in bad[p.name]:
+                kw = dict(op_kwargs(name), **{p.name: v})
+                cases.append((f"{name}-{p.name}={v}", name, kw, rf"ffn_ext\.{name}: `{p.name}` must be {what}, got "))
+    return cases
+
+
+PARAM_CASES = _param_cases()
+
+
+def _op_paths(name, args, kw):
+    """Every way to call op `name`: the dispatcher on real and meta tensors and under FakeTensorMode, the ATen
+    fallback, and for forward ops the public API."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake():
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            op(name)(*args, **kw)
+
+    paths = {"fallback": lambda: ffn_ext.ops._fallback(name, args, kw)}
+    if NATIVE:
+        paths.update(ops=lambda: op(name)(*args, **kw), meta=lambda: op(name)(*[a.to("meta") for a in args], **kw),
+                     fake=fake)
+    if not spec(name).backward:
+        public = getattr(ffn_ext, name, None) if spec(name).params else None
+        if public is not None:
+            paths["api"] = lambda: public(*args, **kw)
+        elif "layout" in kw:
+            paths["api"] = lambda: api_call(name, kw["layout"])(*args)
+    return paths
+
+
+@pytest.mark.parametrize("bad", BAD_LAYOUTS)
+@pytest.mark.parametrize("name", PACKED_ALL)
+def test_bad_layout_raises_value_error_naming_layout(name, bad):
+    args = make_inputs(name, (3, 4), torch.float32)
+    kw = op_kwargs(name, bad)
+    for path, fn in _op_paths(name, args, kw).items():
+        with pytest.raises(ValueError, match=_LAYOUT_MSG.format(op=re.escape("ffn_ext." + name), bad=bad)):
+            fn()
+
+
+@pytest.mark.parametrize("case", PARAM_CASES, ids=[c[0] for c in PARAM_CASES])
+def test_bad_parameter_raises_value_error_naming_it(case):
+    _, name, kw, msg = case
+    for packing in (PACKINGS if is_packed(name) else (None,)):
+        k = dict(kw, layout=packing) if packing else kw
+        for path, fn in _op_paths(name, make_inputs(name, (3, 4), torch.float32), k).items():
+            with pytest.raises(ValueError, match=msg):
+                fn()
+
+
+@pytest.mark.parametrize("name", PARAM_OPS)
+def test_required_parameter_missing_raises_type_error(name):
+    args = make_inputs(name, (3, 4), torch.float32)
+    kw = {k: v for k, v in op_kwargs(name).items() if k != "limit"}
+    required = [p.name for p in spec(name).params if p.default is None]
+    assert required == ["limit"], required
+    with pytest.raises(TypeError, match=r"missing required keyword argument\(s\) \['limit'\]"):
+        ffn_ext.ops._fallback(name, args, kw)
+    if not spec(name).backward:
+        with pytest.raises(TypeError, match="limit"):
+            getattr(ffn_ext, name)(*args, **kw)
+    if NATIVE:
+        with pytest.raises((TypeError, RuntimeError), match="limit"):
+            op(name)(*args, **kw)
+
+
+def test_modules_reject_bad_options():
+    for bad in BAD_LAYOUTS:
+        for make in (lambda: ffn_ext.Gated("gelu", layout=bad), lambda: ffn_ext.SwiGLU(layout=bad),
+                     lambda: ffn_ext.GeGLU(layout=bad), lambda: ffn_ext.SwiGLU(limit=7.0, layout=bad)):
+            with pytest.raises(ValueError, match=r"`layout` must be one of \['concat', 'interleaved'\], got "):
+                make()
+    for kw, key in [(dict(limit=0.0), "limit"), (dict(limit=-7.0), "limit"), (dict(limit=math.nan), "limit"),
+                    (dict(limit=7.0, alpha=math.inf), "alpha"), (dict(alpha=math.nan), "alpha"),
+                    (dict(limit=7.0, up_offset=math.inf), "up_offset")]:
+        with pytest.raises(ValueError, match=rf"ffn_ext\.SwiGLU: `{key}` must be"):
+            ffn_ext.SwiGLU(**kw)
 
 
 def _to_meta(v):
@@ -397,26 +511,30 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("shape", [(5, 6), (2, 3, 8), (4,), (0, 6), (3, 0)], ids=str)
 def test_meta_tensors_match_real_outputs(dtype, shape):
     """Meta inputs give outputs with the real outputs' sizes, strides and dtype (fake kernels, torch.compile), for
-    every op; `shape` is the packed ops' gate_up, the others' output is its half."""
+    every op (the packed ops in both layouts); `shape` is the packed ops' gate_up, the others' output is its
+    half."""
     out_shape = shape[:-1] + (shape[-1] // 2,)
     for name in OP_NAMES:
-        args = [rnd(*s, dtype=dtype) for s in input_shapes(name, out_shape)]
-        real = op(name)(*args)
-        meta = op(name)(*[a.to("meta") for a in args])
-        for rr, mm in zip(real if isinstance(real, tuple) else (real,), meta if isinstance(meta, tuple) else (meta,)):
-            assert mm.device.type == "meta", name
-            assert (mm.shape, mm.stride(), mm.dtype) == (rr.shape, rr.stride(), rr.dtype), name
+        for packing in (PACKINGS if is_packed(name) else (None,)):
+            args = [rnd(*s, dtype=dtype) for s in input_shapes(name, out_shape)]
+            real = call(name, packing)(*args)
+            meta = call(name, packing)(*[a.to("meta") for a in args])
+            for rr, mm in zip(real if isinstance(real, tuple) else (real,),
+                              meta if isinstance(meta, tuple) else (meta,)):
+                assert mm.device.type == "meta", name
+                assert (mm.shape, mm.stride(), mm.dtype) == (rr.shape, rr.stride(), rr.dtype), (name, packing)
 
 
 @pytest.mark.parametrize("name", FORWARD_OPS)
 def test_meta_through_public_api_and_autograd(name):
-    args = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True)
-            for s in input_shapes(name, (4, 5))]
-    out = api_call(name)(*args)
-    assert out.shape == (4, 5) and out.device.type == "meta" and out.dtype == torch.bfloat16
-    grads = torch.autograd.grad(out, args, torch.empty(4, 5, device="meta", dtype=torch.bfloat16))
-    for g, a in zip(grads, args):
-        assert g.shape == a.shape and g.dtype == a.dtype and g.device.type == "meta"
+    for packing in (PACKINGS if is_packed(name) else (None,)):
+        args = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True)
+                for s in input_shapes(name, (4, 5))]
+        out = api_call(name, packing)(*args)
+        assert out.shape == (4, 5) and out.device.type == "meta" and out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out, args, torch.empty(4, 5, device="meta", dtype=torch.bfloat16))
+        for g, a in zip(grads, args):
+            assert g.shape == a.shape and g.dtype == a.dtype and g.device.type == "meta"
 
 
 @pytest.mark.parametrize("name", [n for n in OP_NAMES if spec(n).kind != "packed"])
@@ -431,25 +549,27 @@ def test_zero_dim_is_fine_for_elementwise_ops(name):
         torch.testing.assert_close(api_call(name)(*args), want, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("act", ACTIVATIONS, ids=[a.name for a in ACTIVATIONS])
-def test_aliased_and_overlapping_inputs(act):
+@pytest.mark.parametrize("gated", GATED, ids=GATED_IDS)
+def test_aliased_and_overlapping_inputs(gated):
     """Inputs may alias each other (they are only read); outputs are fresh and never alias an input."""
-    base = rnd(6, 9, dtype=torch.float64)
+    base = rnd(6, 9, dtype=torch.float64) * 3
     a, b = base[:, :-1], base[:, 1:]  # overlapping views, shifted by one element
     grad = rnd(6, 8, dtype=torch.float64)
-    g, bwd = act.gated, act.name + "_backward"
+    act, g = gated.act, gated.name
+    bwd = act.name + "_backward"
     calls = [
-        (g, (a, b)), (g, (a, a)),
-        (g + "_backward", (grad, a, a)),  # the same tensor as gate and up
-        (g + "_backward", (a, b, a)),  # grad overlaps gate and is up
-        (bwd, (a, a)),  # grad aliases x
-        (act.name, (rnd(1, 8, dtype=torch.float64).expand(5, 8),)),  # stride-0 rows
-        (g + "_packed", (base[:, :8],)),
-        (g + "_packed_backward", (base[:, :4], base[:, 1:9])),  # grad overlaps gate_up
-    ]
-    for name, args in calls:
-        out = call(name)(*args)
-        want = aten_result(name, *args)
+        (g, (a, b), None), (g, (a, a), None),
+        (g + "_backward", (grad, a, a), None),  # the same tensor as gate and up
+        (g + "_backward", (a, b, a), None),  # grad overlaps gate and is up
+        (bwd, (a, a), None),  # grad aliases x
+        (act.name, (rnd(1, 8, dtype=torch.float64).expand(5, 8),), None),  # stride-0 rows
+    ] + [c for packing in PACKINGS for c in (
+        (g + "_packed", (base[:, :8],), packing),
+        (g + "_packed_backward", (base[:, :4], base[:, 1:9]), packing),  # grad overlaps gate_up
+    )]
+    for name, args, packing in calls:
+        out = call(name, packing)(*args)
+        want = aten_result(name, *args, packing=packing or "concat")
         for o, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(o, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
             # outputs are fresh, contiguous (the native ops') and do not share memory with inputs
@@ -485,9 +605,10 @@ def test_cuda_cpu_device_mismatch_every_op(name):
         if k != r:
             bad = list(args)
             bad[k] = bad[k].cpu()
-            with pytest.raises(RuntimeError, match=rf"{re.escape('ffn_ext.' + name)}: expected `{arg}` to be on the "
-                                                   rf"device of `{spec(name).args[r]}` \(cuda:0\), got cpu"):
-                op(name)(*bad)
+            for packing in (PACKINGS if is_packed(name) else (None,)):
+                with pytest.raises(RuntimeError, match=rf"{re.escape('ffn_ext.' + name)}: expected `{arg}` to be on "
+                                                       rf"the device of `{spec(name).args[r]}` \(cuda:0\), got cpu"):
+                    op(name)(*bad, **op_kwargs(name, packing))
 
 
 @pytest.mark.cuda
@@ -531,6 +652,12 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
         (lambda: ffn_ext.geglu(X, X, approximate="bogus"), ValueError, r"`approximate` must be one of"),
         (lambda: ffn_ext.geglu_packed(X8, approximate="bogus"), ValueError, r"`approximate` must be one of"),
         (lambda: ffn_ext.gated(X, X, activation="bogus"), ValueError, r"`activation` must be one of"),
+        (lambda: ffn_ext.swiglu_packed(X8, layout="bogus"), ValueError, r'ffn_ext\.swiglu_packed: `layout` must be "concat" or "interleaved", got "bogus"'),
+        (lambda: ffn_ext.swiglu_clamped(X, X, limit=0.0), ValueError, r"ffn_ext\.swiglu_clamped: `limit` must be > 0"),
+        (lambda: ffn_ext.swiglu_clamped(X, X, limit=7.0, alpha=float("nan")), ValueError, r"ffn_ext\.swiglu_clamped: `alpha` must be finite"),
+        (lambda: ffn_ext.swiglu_clamped_packed(X8, limit=7.0, up_offset=float("inf")), ValueError, r"ffn_ext\.swiglu_clamped_packed: `up_offset` must be finite"),
+        (lambda: ffn_ext.swiglu_clamped_packed(X8, limit=7.0, layout="Interleaved"), ValueError, r"ffn_ext\.swiglu_clamped_packed: `layout` must be"),
+        (lambda: ffn_ext.swiglu_clamped(X, X.double(), limit=7.0), TypeError, r"ffn_ext\.swiglu_clamped: expected `up` to have the dtype of `gate`"),
     ]
     # every op of the table through the public API: the op's name in the message
     from ffn_ext.table import ACTIVATIONS
@@ -559,6 +686,13 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
     for act in ACTIVATIONS:  # and the ops compute: ATen's composites
         g, u = torch.randn(3, 4), torch.randn(3, 4)
         torch.testing.assert_close(ffn_ext.gated(g, u, activation=act.name), act.aten(g) * u)
+        gu = torch.randn(3, 8)
+        torch.testing.assert_close(ffn_ext.gated_packed(gu, activation=act.name, layout="interleaved"),
+                                   act.aten(gu[:, ::2]) * gu[:, 1::2])
+    g, u = 4 * torch.randn(3, 4), 4 * torch.randn(3, 4)
+    gc = g.clamp(max=2.0)
+    torch.testing.assert_close(ffn_ext.swiglu_clamped(g, u, limit=2.0, alpha=1.702, up_offset=1.0),
+                               (u.clamp(-2.0, 2.0) + 1.0) * gc * torch.sigmoid(gc * 1.702))
     print("fallback-ok", len(cases))
 """)
 
@@ -568,4 +702,4 @@ def test_aten_fallback_validates_the_same():
     env = dict(os.environ, FFN_EXT_NO_C="1")
     r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"fallback-ok {15 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout
+    assert f"fallback-ok {21 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout
