@@ -50,6 +50,12 @@ at::Tensor join_packed(const at::Tensor& a, const at::Tensor& b, Layout layout);
 // must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite; ValueErrors name the parameter.
 inline void check_params(const char*, const math::NoParams&) {}
 void check_params(const char* op, const math::ClampParams& p);
+// A gated op's parameters as its kernels use them on tensors of `dtype`. torch.clamp rounds a Scalar bound to the
+// tensor's dtype (and compares with it there), so swiglu_clamped's limit is rounded to float16 / bfloat16 for
+// 16-bit tensors (for float32 the kernels' float math does it); alpha and up_offset stay as they are, as in ATen's
+// scalar multiply and add, which compute in float.
+inline math::NoParams for_dtype(const math::NoParams& p, at::ScalarType) { return p; }
+math::ClampParams for_dtype(const math::ClampParams& p, at::ScalarType dtype);
 // Where swiglu_clamped's clamps pass the gradient (bool tensors; ffn_math.h's SwigluClamped::pass_g / pass_u).
 at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p);
 at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p);

@@ -111,7 +111,7 @@ struct Ops {
                           const at::Tensor& up) {
     check_params(op, prm);
     auto out = alloc_gated(op, gate, up);
-    run_same_shape<Launcher>(math::GatedFwd<Gate>(Gate(prm)), {gate, up}, std::array<at::Tensor, 1>{out});
+    run_same_shape<Launcher>(math::GatedFwd<Gate>(Gate(for_dtype(prm, gate.scalar_type()))), {gate, up}, std::array<at::Tensor, 1>{out});
     return out;
   }
   template <class Gate>
@@ -120,7 +120,7 @@ struct Ops {
                                                            const at::Tensor& up) {
     check_params(op, prm);
     auto outs = alloc_gated_backward(op, grad, gate, up);
-    run_same_shape<Launcher>(math::GatedBwd<Gate>(Gate(prm)), {grad, gate, up},
+    run_same_shape<Launcher>(math::GatedBwd<Gate>(Gate(for_dtype(prm, gate.scalar_type()))), {grad, gate, up},
                              std::array<at::Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
     return outs;
   }
@@ -145,7 +145,7 @@ struct Ops {
     p.in_stride[0] = p.in_stride[1] = gu.stride;
     p.out[0] = out.data_ptr();
     p.out_stride[0] = m;
-    const math::GatedFwd<Gate> f(Gate{prm});
+    const math::GatedFwd<Gate> f(Gate{for_dtype(prm, gate_up.scalar_type())});
     if (lay == Layout::kConcat) {
       p.in[1] = at_offset(gu.t, m);
       launch<Launcher>(f, out.scalar_type(), p);
@@ -181,7 +181,7 @@ struct Ops {
     p.in_stride[1] = p.in_stride[2] = gu.stride;
     p.out[0] = out.data_ptr();
     p.out_stride[0] = p.out_stride[1] = 2 * m;
-    const math::GatedBwd<Gate> f(Gate{prm});
+    const math::GatedBwd<Gate> f(Gate{for_dtype(prm, gate_up.scalar_type())});
     if (lay == Layout::kConcat) {
       p.in[2] = at_offset(gu.t, m);
       p.out[1] = at_offset(out, m);

@@ -5,7 +5,9 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <string>
@@ -157,6 +159,13 @@ at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p) {
 at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p) {
   return math::kClampGradAtBound ? up.ge(-p.limit).logical_and_(up.le(p.limit))
                                  : up.gt(-p.limit).logical_and_(up.lt(p.limit));
+}
+
+math::ClampParams for_dtype(const math::ClampParams& p, at::ScalarType dtype) {
+  math::ClampParams q = p;
+  if (dtype == at::kHalf) q.limit = static_cast<double>(static_cast<c10::Half>(p.limit));
+  if (dtype == at::kBFloat16) q.limit = static_cast<double>(static_cast<c10::BFloat16>(p.limit));
+  return q;
 }
 
 void check_params(const char* op, const math::ClampParams& p) {

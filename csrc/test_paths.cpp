@@ -58,6 +58,9 @@ template <> math::ClampParams params_from(const std::string& op, const Doubles& 
   return {v[0], v[1], v[2]};
 }
 
+// The storage dtype of a host_math call (its inputs' checked in host_apply), for the kernels' parameters (for_dtype).
+at::ScalarType dtype_of(const std::vector<at::Tensor>& in) { return in.empty() ? at::kFloat : in[0].scalar_type(); }
+
 // The functor of every op of the table whose inputs all have one shape (the packed ops run GatedFwd/GatedBwd too).
 std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::Tensor>& inputs, const Doubles& params) {
   using V = std::vector<at::Tensor>;
@@ -75,11 +78,11 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
 #define FFN_EXT_HOST_GATED(name, Gate, P)                                                        \
   {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
      using G = math::Gate;                                                                      \
-     return host_apply(math::GatedFwd<G>(G(params_from<G::Params>(op, prm))), in);              \
+     return host_apply(math::GatedFwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
    }},                                                                                           \
       {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
          using G = math::Gate;                                                                  \
-         return host_apply(math::GatedBwd<G>(G(params_from<G::Params>(op, prm))), in);          \
+         return host_apply(math::GatedBwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
        }},
       FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
 #undef FFN_EXT_HOST_ACT

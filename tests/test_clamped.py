@@ -191,17 +191,9 @@ def test_ops_follow_the_convention_at_the_bound(dtype):
         assert torch.equal(dgate == 0, want[1] == 0) and torch.equal(dup == 0, want[2] == 0), what
 
 
-_BUG_16BIT_LIMIT = (
-    "BUG (csrc/ffn_math.h SwigluClamped, the CUDA kernels): the kernels clamp and compare with limit as a float "
-    "(A(p.limit)); torch.clamp, GPT-OSS's expression and ffn_ext's CPU op use limit rounded to the 16-bit dtype. "
-    "With limit=2.3, a bfloat16 gate or up equal to bfloat16(2.3) = 2.296875 is at torch's bound (gradient 0 on "
-    "torch >= 2.14) but inside the kernel's 2.2999999523 (gradient passed).")
-
 
 @needs_native
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.xfail(strict=True,
-                                                                                         reason=_BUG_16BIT_LIMIT)),
-                                   torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_kernel_math_limit_the_dtype_does_not_hold(dtype):
     """A limit the dtype cannot hold (2.3): the kernels' gradients stop where torch's clamp autograd stops them, for
     inputs at the limit rounded to the dtype and at its neighbours."""
