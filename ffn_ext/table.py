@@ -155,6 +155,7 @@ class Gated:
     aten: Callable | None = None  # (gate, up, **params) -> out with ATen ops (the fallback); None: act(gate) * up
     aten_backward: Callable | None = None  # (grad, gate, up, **params) -> (dgate, dup); None: Glu's
     terms: Callable | None = None  # see gated_terms
+    check: Callable | None = None  # (op, **params): the ValueErrors the native ops raise for bad parameters
     doc: str = ""
 
     @property
@@ -235,7 +236,7 @@ GATED = tuple(Gated(a.gated, a, doc=f"{a.name}(gate) * up") for a in ACTIVATIONS
         params=(Param("limit", None, 2.5, "clamp bound, > 0: gate <= limit, -limit <= up <= limit"),
                 Param("alpha", 1.0, 1.702, "gate * sigmoid(alpha * gate)"),
                 Param("up_offset", 0.0, 1.0, "added to the clamped up")),
-        aten=_clamped, aten_backward=_clamped_backward, terms=_clamped_terms,
+        aten=_clamped, aten_backward=_clamped_backward, terms=_clamped_terms, check=_check_clamp,
         doc="(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit) "
             "(GPT-OSS: alpha=1.702, up_offset=1, limit=7; DeepSeek-V4: alpha=1, up_offset=0)"),
 )
@@ -245,8 +246,8 @@ LAYOUTS = ("concat", "interleaved")  # the packed ops' gate_up layouts
 
 def check_params(op: str, gated: Gated, params: dict) -> None:
     """The checks the native ops make of a gated op's parameters, with the same messages (ATen fallback)."""
-    if gated.name == "swiglu_clamped":
-        _check_clamp(op, **params)
+    if gated.check is not None:
+        gated.check(op, **params)
 
 
 def split_packed(t, layout: str):
