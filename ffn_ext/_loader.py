@@ -1,0 +1,74 @@
+"""What `import ffn_ext` does about its native library before and after trying ffn_ext._C (called from
+ops._load_installed): ops registered before the import, a _C built for another torch, and the fallback warning's
+advice.
+
+- ffn_ext's ops are one TORCH_LIBRARY(ffn_ext); a second registration of the namespace aborts the process (c10
+  "Only a single TORCH_LIBRARY can be used ..."), not a Python error. So when torch.ops.ffn_ext is already there
+  (libffn_ext_ops.so loaded with torch.ops.load_library, or linked into a C++ host), the package adopts those ops
+  and does not import _C.
+- setup.py leaves _build.RECORD next to _C: the torch version it compiled against. A _C built for another torch
+  is not loaded (its load fails with a linker message, or worse, succeeds against a changed ABI); the warning names
+  both versions and the command that rebuilds.
+- The advice names only what works here: rebuilding in a checkout, ffn_ext.jit.load() when the sources are there.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+from pathlib import Path
+
+import torch
+
+from . import _build
+
+PROBE_OP = "ffn_ext::swiglu"
+
+
+class Registered:
+    """Stands in for the native module when the ops were registered by a library loaded before ffn_ext."""
+
+    source = "ops registered before import (e.g. libffn_ext_ops.so)"
+
+    @staticmethod
+    def build_info() -> dict:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key(PROBE_OP, "CUDA")
+        return {"torch_version_built_against": "unknown (not ffn_ext._C)", "cuda_kernels": "yes" if has else "no",
+                "cuda_version": "", "cuda_archs": ""}
+
+
+def registered_elsewhere() -> Registered | None:
+    """A stand-in module when torch.ops.ffn_ext is already registered in this process, else None."""
+    try:
+        torch._C._dispatch_find_schema_or_throw(PROBE_OP, "")
+    except RuntimeError:
+        return None
+    return Registered()
+
+
+def _built_C() -> list[Path]:
+    return [p for s in importlib.machinery.EXTENSION_SUFFIXES for p in _build.PACKAGE.glob("_C" + s)]
+
+
+def check_installed_C() -> None:
+    """Raises ImportError (before loading anything) when _C is absent or was built for another torch."""
+    if not _built_C():
+        raise ImportError(f"ffn_ext._C is not built: no _C extension module in {_build.PACKAGE}")
+    record = _build.read_record(_build.PACKAGE)
+    here = _build.torch_base_version(torch.__version__)
+    if record and record.get("torch_version") != here:
+        raise ImportError(f"ffn_ext._C was built against torch {record.get('torch_version')}, this is torch "
+                          f"{torch.__version__}; it loads only with the torch it was built against. Rebuild it: "
+                          f"{_build.rebuild_command()}")
+
+
+def remedy() -> str:
+    """What the fallback warning recommends: only what will work from this install."""
+    ways = []
+    if _build.in_checkout():
+        ways.append(f"build the extension with `{_build.rebuild_command()}`")
+    try:
+        _build.source_root()
+        ways.append("call ffn_ext.jit.load() to compile the package's sources for this torch (a C++ compiler, and "
+                    "nvcc for the CUDA kernels; minutes the first time, cached after)")
+    except FileNotFoundError:
+        ways.append(f"reinstall ffn_ext for this torch: {_build.rebuild_command()}")
+    return "To get the fused kernels, " + ", or ".join(ways) + "."
