@@ -8,12 +8,21 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 import torch.nn.modules.module as _module_mod
 
-__all__ = ["functorch_active", "has_tangent", "global_module_hooks", "module_hooks"]
+__all__ = ["functorch_active", "vmap_only", "has_tangent", "global_module_hooks", "module_hooks"]
 
 
 def functorch_active() -> bool:
-    """True inside a torch.func transform (grad, vmap, jacrev, jvp, ...): its interpreter stack is not empty."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    """True inside a torch.func transform (grad, vmap, jacrev, jvp, ...), also while torch.compile traces one."""
+    # the dynamic layer stack's depth, not peek_interpreter_stack() is not None: dynamo traces the peek as not None
+    # outside any transform (torch 2.14), the depth as it is (tests/test_compile_export.py)
+    return torch._C._functorch.get_dynamic_layer_stack_depth() > 0
+
+
+def vmap_only() -> bool:
+    """True inside torch.func transforms that are all vmap (no grad, jvp or functionalize level). Eager only: dynamo
+    cannot trace CInterpreter.key()."""
+    vmap = torch._C._functorch.TransformType.Vmap
+    return all(i.key() == vmap for i in torch._C._functorch.get_interpreter_stack() or ())
 
 
 def has_tangent(args) -> bool:

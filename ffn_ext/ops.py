@@ -34,8 +34,38 @@ def _adopt(module, source: str) -> None:
     with _lock:
         if _native is None:
             _native, _native_source, _native_error = module, source, None
+            _register_vmap_rules()
             _fast.update((name, getattr(module, "_fast_" + name)) for name in _API_OPS
                          if hasattr(module, "_fast_" + name))
+
+
+def _batch_rule(name: str):
+    """The vmap batching rule of op `name`, for every op of the table: the ops are elementwise over the leading
+    dimensions (a packed op pairs elements along the last one only), so batching is free: move each input's batch
+    dimension to the front (an unbatched input is expanded, no copy), which keeps a packed tensor's last dimension
+    last, and call the op once on the whole batch. Outputs are batched at dim 0."""
+    overload = getattr(torch.ops.ffn_ext, name).default
+    n_out = OPS[name].n_outputs
+
+    def rule(info, in_dims, *args, **kwargs):
+        b = info.batch_size
+        args = [t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims)]
+        return overload(*args, **kwargs), (0 if n_out == 1 else (0,) * n_out)
+
+    return rule
+
+
+_vmap_registered = False
+
+
+def _register_vmap_rules() -> None:
+    """Registers the batching rule of every op of the table (forward and backward) once, when the ops exist."""
+    global _vmap_registered
+    if _vmap_registered:
+        return
+    _vmap_registered = True
+    for name in OPS:
+        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
 
 
 def _load_installed() -> None:
@@ -117,12 +147,21 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _transformed(args: tuple) -> bool:
-    """True under a torch.func transform (grad, vmap, jacrev, jvp, ...) or for a forward-mode dual tensor: the
-    ops' autograd is a C++ autograd::Function, which supports neither, so these calls take ATen's ops (which
-    support all of them; no fusion there). False while torch.compile traces (what it traces is the ops)."""
-    if _is_compiling():
-        return False
+    """True under a torch.func transform (grad, vmap, jacrev, jvp, ...) or for a forward-mode dual tensor, also while
+    torch.compile traces (dynamo traces the interpreter stack's peek): what the gated MLPs' lean autograd.Function
+    (ffn_ext.mlp) does not support."""
     return _compat.functorch_active() or _compat.has_tangent(args)
+
+
+def _aten_only(args: tuple) -> bool:
+    """True where the native op cannot serve the call, so it takes ATen's ops (which support everything; no fusion
+    there): a grad, jvp or functionalize transform level (the ops' autograd is a C++ autograd::Function, which
+    functorch refuses) or a forward-mode dual tensor. Under vmap alone the native op serves, through its batching
+    rule (_register_vmap_rules), in eager; while torch.compile traces, any transform takes ATen's ops (dynamo cannot
+    read which transforms are active), which inductor fuses into one kernel whatever the batch."""
+    if _compat.functorch_active():
+        return _is_compiling() or not _compat.vmap_only()
+    return _compat.has_tangent(args)
 
 
 def _call(name: str, args: tuple, extra: tuple = ()):
@@ -143,8 +182,11 @@ def _call(name: str, args: tuple, extra: tuple = ()):
             out = fast(*args, *extra)
             if out is not NotImplemented:
                 return out
-        if _native_for(args[0]) and not _transformed(args):
-            overload = _overloads.get(name)
+        if _native_for(args[0]) and not _aten_only(args):
+            # Under torch.compile the op is looked up, never cached: filling _overloads while traced made dynamo
+            # guard on the cache's contents, so every compiled function recompiled on its second call (issue 16;
+            # tests/test_compile_export.py runs a second call under set_stance("fail_on_recompile")).
+            overload = getattr(torch.ops.ffn_ext, name).default if _is_compiling() else _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
             return overload(*args, **dict(zip(_KEYWORDS[name], extra))) if extra else overload(*args)
@@ -214,7 +256,7 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
 def call_op(name: str, *args, **kwargs):
     """torch.ops.ffn_ext.<name>(*args, **kwargs) for any op of the table (backward ops too) where the native ops
     serve the arguments, else its ATen fallback: what the modules' lean autograd calls."""
-    if _native_for(args[-1]) and not _transformed(args):
+    if _native_for(args[-1]) and not _aten_only(args):
         return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
     return _fallback(name, args, kwargs)
 

@@ -145,3 +145,63 @@ def test_export_graph_has_ffn_ext_ops(device):
     for n in (6, 11):
         x = torch.randn(n, 16, device=device)
         torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- no recompiles; transforms under compile (issue 16)
+def test_no_recompile_after_the_first_call():
+    """A compiled function compiles once: the second call, on fresh inputs, runs under
+    set_stance("fail_on_recompile") (what serving stacks set after warm-up). ops._call used to fill its overload
+    cache while traced, so dynamo guarded on the cache's contents and every compiled function compiled twice; the
+    cache is emptied first, as in a fresh process. Every forward op of the table through the functional API
+    (TinyMLP) and a SwiGLUFFN, forward and backward (aot_eager: the guards are dynamo's, whatever the backend)."""
+    import ffn_ext
+
+    torch._dynamo.reset()
+    ffn_ext.ops._overloads.clear()
+    torch.manual_seed(0)
+    for model, x in ((TinyMLP(), lambda: torch.randn(2, 5, 16)), (ffn_ext.SwiGLUFFN(16, 24), lambda: torch.randn(3, 16))):
+        compiled = torch.compile(model, backend="aot_eager")
+        _compare(model, compiled, [x()])
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _compare(model, compiled, [x()])
+
+
+def _swiglu_ffn_ref(params, x):  # SwiGLUFFN's math in ATen ops (Llama's MLP)
+    g = torch.nn.functional.linear(x, params["gate_proj.weight"])
+    u = torch.nn.functional.linear(x, params["up_proj.weight"])
+    return torch.nn.functional.linear(torch.nn.functional.silu(g) * u, params["down_proj.weight"])
+
+
+def _tiny_loss(model):
+    return lambda params, x: torch.func.functional_call(model, params, (x,)).square().sum()
+
+
+def test_transforms_under_compile_match_aten():
+    """torch.compile(grad(...)), compile(vmap(grad(functional_call(SwiGLUFFN))), fullgraph=True) and jvp under
+    compile give the eager transforms' results, which test_transforms checks against ATen's, here on every forward
+    op of the table (TinyMLP) and against SwiGLUFFN's ATen expression. Under a transform the functional API and
+    the lean autograd take ATen's ops (the C++ autograd::Function refuses functorch), also while traced."""
+    import ffn_ext
+    from torch.func import functional_call, grad, jvp, vmap
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tol = dict(rtol=1e-10, atol=1e-10)
+    model = TinyMLP().double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    loss = _tiny_loss(model)
+    want = grad(loss, argnums=(0, 1))(params, x)
+    got = torch.compile(grad(loss, argnums=(0, 1)), backend="aot_eager", fullgraph=True)(params, x)
+    torch.testing.assert_close(got, want, **tol)
+    t = torch.randn_like(x)
+    f = lambda x, t: jvp(lambda z: model(z), (x,), (t,))  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(x, t), f(x, t), **tol)
+
+    ffn = ffn_ext.SwiGLUFFN(16, 24).double()
+    params = {k: v.detach() for k, v in ffn.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi: functional_call(ffn, p, (xi,)).square().sum()), in_dims=(None, 0))
+    ref = vmap(grad(lambda p, xi: _swiglu_ffn_ref(p, xi).square().sum()), in_dims=(None, 0))
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(torch.compile(per_sample, backend="aot_eager", fullgraph=True)(params, x),
+                               ref(params, x), **tol)

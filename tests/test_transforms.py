@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import ffn_ext
 from conftest import RecordOps
 from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, split_packed
+import optable
 from optable import PACKINGS, api_call, params_of
 
 torch_func = pytest.importorskip("torch.func")
@@ -123,18 +124,53 @@ def test_module_under_vmap_and_grad():
 
 
 @pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
-def test_untransformed_calls_still_run_the_native_op():
-    """Only transformed calls take ATen's ops: a plain call, a dual level with no dual input, and a call on the
-    unwrapped tensors next to a transform all run ffn_ext's op."""
+def test_only_gradient_transforms_leave_the_native_op():
+    """A plain call, a dual level with no dual input and vmap (the ops' batching rule: one call for the batch) run
+    ffn_ext's op; grad and jvp take ATen's ops."""
     x = torch.randn(3, 5, dtype=torch.float64)
     with RecordOps() as rec:
         ffn_ext.gelu(x)
         with fwAD.dual_level():
             ffn_ext.silu(x)
-    assert rec.ops == ["ffn_ext.gelu.default", "ffn_ext.silu.default"], rec.ops
-    with RecordOps() as rec:
         torch_func.vmap(ffn_ext.gelu)(x)
-    assert "ffn_ext.gelu.default" not in rec.ops, rec.ops
+        torch_func.vmap(torch_func.vmap(ffn_ext.swiglu))(x, x)
+    assert [o for o in rec.ops if o.startswith("ffn_ext")] == [
+        "ffn_ext.gelu.default", "ffn_ext.silu.default", "ffn_ext.gelu.default", "ffn_ext.swiglu.default"], rec.ops
+    with RecordOps() as rec:
+        torch_func.grad(lambda t: ffn_ext.gelu(t).sum())(x)
+        torch_func.jvp(ffn_ext.gelu, (x,), (x,))
+        torch_func.grad(lambda t: torch_func.vmap(ffn_ext.gelu)(t).sum())(x)
+    assert not [o for o in rec.ops if o.startswith("ffn_ext")], rec.ops
+
+
+# every op of the table (backward ops too), each packed op in both layouts
+_OP_CASES = [(n, p) for n in optable.OPS for p in (optable.PACKINGS if optable.is_packed(n) else (None,))]
+
+
+@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
+@pytest.mark.parametrize("unbatched_last", [False, True], ids=["all_batched", "last_unbatched"])
+@pytest.mark.parametrize("name,packing", _OP_CASES, ids=[f"{n}-{p}" if p else n for n, p in _OP_CASES])
+def test_vmap_of_every_dispatcher_op_is_one_call(name, packing, unbatched_last):
+    """vmap(torch.ops.ffn_ext.<op>) runs the op's batching rule: no per-sample fallback (which warns), one call of
+    the op for the whole batch, and the per-sample results. The first input is batched at its last physical dim
+    (a packed op's pair dim must stay last), the others at dim 0; optionally the last input is unbatched."""
+    fn, n, b = optable.call(name, packing), optable.N_INPUTS[name], 4
+    samples = [optable.make_inputs(name, (3, 6), torch.float64, packing=packing or "concat") for _ in range(b)]
+    if unbatched_last:
+        if n == 1:
+            pytest.skip("one input")
+        samples = [s[:-1] + samples[0][-1:] for s in samples]
+    batched = [torch.stack([s[k] for s in samples], -1 if k == 0 else 0) for k in range(n)]
+    in_dims = [batched[0].dim() - 1] + [0] * (n - 1)
+    if unbatched_last:
+        batched[-1], in_dims[-1] = samples[0][-1], None
+    with warnings.catch_warnings(), RecordOps() as rec:
+        warnings.simplefilter("error")  # the per-sample fallback warns ("performance drop")
+        got = torch_func.vmap(fn, in_dims=tuple(in_dims))(*batched)
+    assert [o for o in rec.ops if o.startswith("ffn_ext")] == [f"ffn_ext.{name}.default"], rec.ops
+    want = [optable.as_tuple(fn(*s)) for s in samples]
+    for k, g in enumerate(optable.as_tuple(got)):
+        _close(g, torch.stack([w[k] for w in want]))
 
 
 @pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
