@@ -15,7 +15,8 @@ The ops are torch.ops.ffn_ext.* (dispatcher ops: autograd, torch.compile, export
 """
 import torch  # noqa: F401  (load libtorch before the native library)
 
-from . import jit  # noqa: F401
+# ops first: importing it loads the native library (ffn_ext._C, or adopts ops registered before this import; see
+# ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.
 from .ops import (build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels, silu,
                   swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
 from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, swiglu_mlp, swiglu_mlp_packed
@@ -23,6 +24,7 @@ from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, 
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 from . import hf  # noqa: F401
 from .hf import patch_model as patch_hf_model
+from . import jit  # noqa: F401
 
 __version__ = "0.1.0"
 __all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed", "geglu",

@@ -73,16 +73,18 @@ def _load_installed() -> None:
     if os.environ.get(NO_C_ENV, "0") not in ("", "0"):
         _native_error = f"{NO_C_ENV} is set"
         return
+    from . import _loader  # ops registered before this import, _C built for another torch, the advice (issue 18)
+
+    registered = _loader.registered_elsewhere()  # importing _C next to them would abort the process
+    if registered is not None:
+        return _adopt(registered, registered.source)
     try:
+        _loader.check_installed_C()
         from . import _C
     except ImportError as e:
         _native_error = f"ffn_ext._C could not be imported ({e})"
-        warnings.warn(
-            f"{_native_error}; ffn_ext falls back to plain ATen ops (correct, not fused). Build the extension with "
-            "`pip install --no-build-isolation -e .` in the source tree, or call ffn_ext.jit.load().",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(f"{_native_error}; ffn_ext falls back to plain ATen ops (correct, not fused). {_loader.remedy()}",
+                      RuntimeWarning, stacklevel=3)
         return
     _adopt(_C, "ffn_ext._C")
 
