@@ -8,6 +8,7 @@ ffn_ext kernel.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 
@@ -35,6 +36,7 @@ def _adopt(module, source: str) -> None:
         if _native is None:
             _native, _native_source, _native_error = module, source, None
             _register_vmap_rules()
+            _register_dtensor()
             _fast.update((name, getattr(module, "_fast_" + name)) for name in _API_OPS
                          if hasattr(module, "_fast_" + name))
 
@@ -66,6 +68,18 @@ def _register_vmap_rules() -> None:
     _vmap_registered = True
     for name in OPS:
         torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
+
+
+def _register_dtensor() -> bool:
+    """Registers the ops' DTensor sharding strategies (ffn_ext.distributed) when torch.distributed.tensor is loaded
+    and they are not yet; True when it did. Called when the native ops are adopted and when a call fails (a DTensor
+    reaching an op without strategies raises NotImplementedError), so that importing torch.distributed.tensor (1.3 s)
+    is never ffn_ext's cost. torch.ops.ffn_ext.* called directly on DTensors, with torch.distributed.tensor imported
+    after ffn_ext and no functional API call before, needs `import ffn_ext.distributed`."""
+    if "ffn_ext.distributed" in sys.modules or "torch.distributed.tensor" not in sys.modules:
+        return False
+    from . import distributed  # noqa: F401  (registers on import)
+    return True
 
 
 def _load_installed() -> None:
@@ -193,6 +207,8 @@ def _call(name: str, args: tuple, extra: tuple = ()):
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
             return overload(*args, **dict(zip(_KEYWORDS[name], extra))) if extra else overload(*args)
     except Exception:
+        if _register_dtensor():
+            return _call(name, args, extra)
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
         raise

@@ -1,0 +1,113 @@
+"""ffn_ext under torch.distributed: DTensor sharding strategies for every op of the table, a tensor-parallel plan for
+the gated FFNs, and the per-rank packed layout.
+
+    import ffn_ext.distributed   # registers the strategies (ffn_ext.ops does it by itself when
+                                 # torch.distributed.tensor is imported before ffn_ext, or on the first DTensor call)
+    h = ffn_ext.swiglu(gate_dt, up_dt)                     # DTensors in, DTensor out
+    parallelize_module(model, mesh, ffn_ext.distributed.tp_plan(model))   # colwise gate/up, rowwise down
+
+Sharding (registered once from the op table, ffn_ext.table.OPS, forward and backward ops):
+- unary and gated ops (x; gate, up; and their backward ops' grad): Replicate, or Shard(d) for any d, the same on
+  every input and output. Never Partial: the functions are nonlinear, act(a + b) != act(a) + act(b); a Partial
+  input is reduced first.
+- packed ops (gate_up [..., 2M]): Replicate or Shard(d) for any d but the last. A DTensor sharded on its last dim
+  holds a slice of the global [gate | up] (rank 0: gate's first half), not a [gate_shard | up_shard] pair, so that
+  placement is redistributed (to another dim or Replicate) before the op: correct, never computed on the wrong
+  pairs. Placements that disagree between inputs are redistributed to one strategy the same way.
+- the per-rank packed layout: when each rank's local gate_up is its own [gate_shard | up_shard] (a gate_up
+  projection split per rank, as Megatron's / vLLM's MergedColumnParallelLinear: rank r holds rows
+  [gate rows of r; up rows of r] of the weight), the packed op runs on the local shards: ``per_rank_packed``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .table import OPS
+
+__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "GATED_FFN_PLAN"]
+
+_registered = False
+
+
+def strategies(name: str, ndim: int) -> list:
+    """The acceptable shardings of op `name` on inputs of `ndim` dims (the packed ops': gate_up's), for
+    register_sharding: (output placements, input placements) pairs, one per mesh dim, Replicate first."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    spec = OPS[name]
+    n_in, n_out = len(spec.args), spec.n_outputs
+    dims = range(ndim - 1 if spec.kind == "packed" else ndim)
+    return [([p] * n_out, [p] * n_in) for p in [Replicate(), *(Shard(d) for d in dims)]]
+
+
+def register_strategies() -> None:
+    """Registers the sharding strategies of every op of the table with DTensor, once."""
+    global _registered
+    if _registered:
+        return
+    from torch.distributed.tensor.experimental import register_sharding
+
+    for name, spec in OPS.items():
+        r = 1 if spec.kind == "packed" and spec.backward else 0  # the argument whose ndim sets the dims: gate_up
+
+        def rule(*args, _name=name, _r=r, **kwargs):
+            return strategies(_name, args[_r].ndim)
+
+        register_sharding(getattr(torch.ops.ffn_ext, name).default)(rule)
+    _registered = True
+
+
+def per_rank_packed(fn, gate_up, *args, **kwargs):
+    """fn(gate_up, *args, **kwargs) (a packed function: ffn_ext.swiglu_packed, gated_packed, ...) on a DTensor
+    gate_up sharded on its last dim whose every local shard is that rank's own [gate_shard | up_shard] (in fn's
+    layout): each rank runs fn on its shard; the result is a DTensor with the same placements (its last dim
+    sharded, rank r's [..., M/world] slice). Gradients flow back to gate_up's shards. A gate_up projection split
+    per rank gives this layout: rank r's weight shard is torch.cat([w_gate.chunk(world)[r], w_up.chunk(world)[r]]),
+    and F.linear(x, that shard) is the local gate_up."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(gate_up, DTensor):
+        return fn(gate_up, *args, **kwargs)
+    last = gate_up.ndim - 1
+    if not any(isinstance(p, Shard) and p.dim in (last, -1) for p in gate_up.placements):
+        raise ValueError("ffn_ext.distributed.per_rank_packed: gate_up is not sharded on its last dim "
+                         f"(placements {gate_up.placements}); call the packed op directly")
+    out = fn(gate_up.to_local(), *args, **kwargs)
+    return DTensor.from_local(out, gate_up.device_mesh, gate_up.placements, run_check=False)
+
+
+# projection names of ffn_ext's gated FFNs (GatedFFN, SwiGLUFFN, GeGLUFFN) and Llama/Gemma/Qwen-style HF MLPs
+_COLWISE, _ROWWISE = ("gate_proj", "up_proj"), ("down_proj",)
+GATED_FFN_PLAN = {**{n: "colwise" for n in _COLWISE}, **{n: "rowwise" for n in _ROWWISE}}
+
+
+def _is_gated_ffn(mod) -> bool:
+    from . import modules
+
+    if isinstance(mod, modules.GatedFFN):
+        return True
+    return all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
+
+
+def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
+    """The tensor-parallel plan (for torch.distributed.tensor.parallel.parallelize_module) of every gated FFN in
+    `model` (ffn_ext's GatedFFN/SwiGLUFFN/GeGLUFFN, and MLPs with nn.Linear gate_proj, up_proj, down_proj, such as
+    transformers' Llama/Qwen2/Gemma MLPs, patched or not): gate_proj and up_proj ColwiseParallel, down_proj
+    RowwiseParallel, keyed by their fully qualified names. The activation between them runs fused on the local
+    shards (use_local_output=True, the default) or on DTensors Shard(-1) (use_local_output=False: the op's
+    sharding strategy), with the same result; down_proj's output is reduced to a replicated (local) tensor."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for prefix, mod in model.named_modules():
+        if _is_gated_ffn(mod):
+            p = prefix + "." if prefix else ""
+            for n in _COLWISE:
+                plan[p + n] = ColwiseParallel(use_local_output=use_local_output)
+            for n in _ROWWISE:
+                plan[p + n] = RowwiseParallel()
+    return plan
+
+
+if torch.distributed.is_available():
+    register_strategies()

@@ -1,0 +1,219 @@
+"""ffn_ext under torch.distributed, 2 ranks on the gloo backend (CPU), one process group for all the checks (a spawn
+costs seconds): DTensor sharding of every op of the table (forward and backward ops, both packed layouts) against
+the single-process result, the tensor-parallel plan of the gated FFNs, and FSDP2's fully_shard.
+
+Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+try:
+    from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+except ImportError as e:  # torch < 2.6
+    pytest.skip(f"needs DTensor's register_sharding and FSDP2's fully_shard ({e})", allow_module_level=True)
+
+import optable  # noqa: E402
+
+WORLD = 2
+_SEP = "\n----\n"
+TOL = dict(rtol=1e-10, atol=1e-10)  # float64 throughout: a wrong pairing or a missed reduction is O(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- the checks, run on every rank
+def _op_cases():
+    return [(n, p) for n in optable.OPS for p in (optable.PACKINGS if optable.is_packed(n) else (None,))]
+
+
+def _check_registered_on_first_call(mesh):
+    """Without `import ffn_ext.distributed`, the functional API's first call on DTensors registers the strategies
+    (ffn_ext.ops._register_dtensor): torch.distributed.tensor was imported after ffn_ext here."""
+    import sys
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ffn_ext
+
+    if "ffn_ext.distributed" in sys.modules:
+        return ["ffn_ext.distributed was imported before the check (it tests the registration on a first call)"]
+    torch.manual_seed(0)
+    g, u = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    got = ffn_ext.swiglu(distribute_tensor(g, mesh, [Shard(0)]), distribute_tensor(u, mesh, [Shard(0)]))
+    torch.testing.assert_close(got.full_tensor(), ffn_ext.swiglu(g, u), **TOL)
+    return []
+
+
+def _check_ops(mesh):
+    """Every op of the table on DTensors placed Replicate, Shard(0), Shard(-1) (packed: redistributed first) and
+    mixed (inputs on different dims, a Partial input): the op's result (all outputs) equals the single-process one;
+    the forward ops' gradients (autograd through the DTensor op: the backward ops under DTensor) too."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    import ffn_ext.distributed  # noqa: F401  (the strategies)
+
+    failures = []
+    for name, packing in _op_cases():
+        fn = optable.call(name, packing)
+        n = optable.N_INPUTS[name]
+        torch.manual_seed(0)  # the same inputs on every rank
+        full = optable.make_inputs(name, (4, 6), torch.float64, packing=packing or "concat")
+        want = optable.as_tuple(fn(*full))
+        layouts = {"replicate": [Replicate()] * n, "shard0": [Shard(0)] * n, "shard_last": [Shard(-1)] * n,
+                   "mixed": [Shard(i % 2) for i in range(n)]}
+        if n > 1:
+            layouts["partial"] = [Partial()] + [Shard(0)] * (n - 1)
+        backward = not optable.spec(name).backward
+        if backward:
+            leaves = [t.detach().requires_grad_() for t in full]
+            want_grads = torch.autograd.grad(sum((w.square()).sum() for w in optable.as_tuple(fn(*leaves))), leaves)
+        for label, placements in layouts.items():
+            try:
+                ins = []
+                for t, p in zip(full, placements):
+                    if isinstance(p, Partial):  # a Partial(sum) DTensor whose sum is t: t / world on each rank
+                        d = distribute_tensor(t / WORLD, mesh, [Replicate()])
+                        d = type(d).from_local(d.to_local(), mesh, [Partial()], run_check=False)
+                    else:
+                        d = distribute_tensor(t, mesh, [p])
+                    ins.append(d.requires_grad_() if backward else d)
+                got = optable.as_tuple(fn(*ins))
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g.full_tensor(), w, **TOL)
+                    assert not any(isinstance(p, Partial) for p in g.placements), g.placements
+                if backward:
+                    sum(g.full_tensor().square().sum() for g in got).backward()
+                    for x, w in zip(ins, want_grads):
+                        torch.testing.assert_close(x.grad.full_tensor(), w, **TOL)
+            except Exception:
+                failures.append(f"{name}[{packing}] {label}: {traceback.format_exc(limit=-3)}")
+    return failures
+
+
+def _check_per_rank_packed(mesh):
+    """per_rank_packed on a gate_up projection split per rank ([gate_r | up_r] on each rank) equals the
+    single-process swiglu_packed of the whole projection, sharded on the last dim."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    import ffn_ext
+    from ffn_ext.distributed import per_rank_packed
+
+    rank = dist.get_rank()
+    torch.manual_seed(1)
+    x, w_gate, w_up = torch.randn(5, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64), \
+        torch.randn(6, 8, dtype=torch.float64)
+    want = ffn_ext.swiglu(x @ w_gate.T, x @ w_up.T)  # [5, 6]
+    local = x @ torch.cat([w_gate.chunk(WORLD)[rank], w_up.chunk(WORLD)[rank]]).T  # [5, 2 * 3]: [gate_r | up_r]
+    gate_up = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False)
+    torch.testing.assert_close(per_rank_packed(ffn_ext.swiglu_packed, gate_up).full_tensor(), want, **TOL)
+    # the plain op on that DTensor reads the global [gate_0 | up_0 | gate_1 | up_1] as [gate | up]: it is the user's
+    # duty to say the shards are per-rank pairs (per_rank_packed); the plain op computes the global tensor's pairs
+    g = gate_up.full_tensor()
+    torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up).full_tensor(), ffn_ext.swiglu_packed(g), **TOL)
+    return []
+
+
+def _ffn(kind, seed):
+    import ffn_ext
+
+    torch.manual_seed(seed)
+    if kind == "swiglu":
+        return ffn_ext.SwiGLUFFN(8, 12).double()
+    return ffn_ext.GeGLUFFN(8, 12, approximate="tanh").double()
+
+
+def _check_tp_plan(mesh):
+    """tp_plan on SwiGLUFFN and GeGLUFFN (local outputs, and DTensor outputs between the projections: the fused op
+    on DTensors Shard(-1)): output and gradients equal the single-process module's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ffn_ext.distributed import tp_plan
+
+    failures = []
+    for kind in ("swiglu", "geglu"):
+        for local in (True, False):
+            try:
+                ref, tp = _ffn(kind, 2), _ffn(kind, 2)
+                parallelize_module(tp, mesh, tp_plan(tp, use_local_output=local))
+                torch.manual_seed(3)
+                x = torch.randn(2, 5, 8, dtype=torch.float64)
+                y_ref, y = ref(x), tp(x)
+                torch.testing.assert_close(y.full_tensor() if hasattr(y, "full_tensor") else y, y_ref, **TOL)
+                y_ref.square().sum().backward()
+                (y.full_tensor() if hasattr(y, "full_tensor") else y).square().sum().backward()
+                for (k, p_ref), p in zip(ref.named_parameters(), tp.parameters()):
+                    torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+            except Exception:
+                failures.append(f"tp_plan {kind} use_local_output={local}: {traceback.format_exc(limit=-3)}")
+    return failures
+
+
+def _check_fsdp2(mesh):
+    """fully_shard(SwiGLUFFN): one SGD step on each rank's own batch equals the single-process step on the mean of
+    both ranks' losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    ref, model = _ffn("swiglu", 4), _ffn("swiglu", 4)
+    fully_shard(model, mesh=mesh)
+    torch.manual_seed(5)
+    xs = [torch.randn(3, 8, dtype=torch.float64) for _ in range(WORLD)]
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (sum(ref(x).square().sum() for x in xs) / WORLD).backward()
+    opt_ref.step()
+    model(xs[rank]).square().sum().backward()
+    opt.step()
+    for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.full_tensor(), p_ref, **TOL, msg=k)
+    return []
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # 2 ranks on the CI's 2 cores
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    failures = []
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan, _check_fsdp2):
+            try:
+                failures += check(mesh)
+            except Exception:
+                failures.append(f"{check.__name__}: {traceback.format_exc(limit=-3)}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(_SEP.join(failures))
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not optable.NATIVE, reason="the DTensor strategies are the native ops'")
+def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        # fork where there is one: the ranks start in a fraction of a second instead of importing torch and ffn_ext
+        # again (about 15 s of the CI's 2 cores with spawn)
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=True, start_method=method)
+        failures = []
+        for r in range(WORLD):
+            with open(os.path.join(out, f"rank{r}.txt")) as f:
+                failures += [f"rank {r}: {x}" for x in f.read().split(_SEP) if x]
+    assert not failures, _SEP.join(failures)
