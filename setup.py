@@ -70,7 +70,8 @@ install_requires = ["torch>=2.13"]  # an sdist's: the oldest torch CI tests; a w
 
 if needs_torch:
     if importlib.util.find_spec("torch") is None:
-        sys.exit(ISOLATION_MESSAGE.format(what=f"torch is not importable by {sys.executable} (this build's Python)."))
+        sys.exit(ISOLATION_MESSAGE.format(what="torch is not importable in this build environment (with plain `pip "
+                                               "install .` or `python -m build`: pip's isolated one)."))
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 

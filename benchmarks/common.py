@@ -21,8 +21,8 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
-if str(REPO_DIR) not in sys.path:  # run as `python benchmarks/x.py` from anywhere
-    sys.path.insert(0, str(REPO_DIR))
+if str(REPO_DIR) not in sys.path:  # run as `python benchmarks/x.py` from anywhere; last, so that an installed (or
+    sys.path.append(str(REPO_DIR))  # PYTHONPATH's) ffn_ext, the one under test, wins over the checkout's
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MiB = float(1 << 20)

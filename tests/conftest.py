@@ -2,7 +2,11 @@
 table, inputs, the float64 reference, tolerances, DEVICES, RecordOps, ...) are in tests/optable.py:
 ``from optable import ...``.
 
-Markers (declared in pyproject.toml):
+The tests run from the checkout or copied anywhere against an installed ffn_ext (CI's packaging stage does the
+latter): SOURCE_TREE is the checkout (None outside one) and tests that read its files call needs_source_tree();
+subprocesses get package_env(), which puts the package under test, not the current directory's, first on the path.
+
+Markers (registered here, so that a copy of tests/ outside the tree knows them):
   cuda   needs a CUDA GPU. Skips when torch.cuda.is_available() is False; FAILS when a GPU is present but the loaded
          ffn_ext has no CUDA kernels (a wrong build must not pass silently as "skipped").
   large  tensors past 2**31 elements (tens of GiB): skip unless FFN_EXT_RUN_LARGE=1.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +24,42 @@ import torch
 import ffn_ext
 from optable import DEVICES, RecordOps  # noqa: F401  (tests/test_transforms.py imports RecordOps from here)
 
-# ---------------------------------------------------------------- markers: cuda / large
+# ---------------------------------------------------------------- where things are
+_HERE = Path(__file__).resolve().parent.parent
+# The checkout these tests sit in, or None when they were copied out of it (or it lacks the sources).
+SOURCE_TREE = _HERE if (_HERE / "csrc" / "build.json").is_file() and (_HERE / "setup.py").is_file() else None
+# The directory holding the ffn_ext package under test (site-packages for an install, the checkout otherwise).
+PACKAGE_PARENT = Path(ffn_ext.__file__).resolve().parent.parent
+
+
+def needs_source_tree(what: str = "this test") -> Path:
+    """The checkout's root; skips the calling test when the tests run outside a checkout."""
+    if SOURCE_TREE is None:
+        pytest.skip(f"{what} needs the source checkout (tests run outside it, against an installed ffn_ext)")
+    return SOURCE_TREE
+
+
+def package_env(**extra) -> dict:
+    """os.environ for a subprocess that must import the ffn_ext under test (the one this process imported), not
+    whichever ffn_ext its working directory or PYTHONPATH would find first."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)] + [q for q in [env.get("PYTHONPATH")] if q])
+    env.update(extra)
+    return env
+
+
+# ---------------------------------------------------------------- markers: cuda / large / slow
 LARGE_ENV = "FFN_EXT_RUN_LARGE"
+MARKERS = {
+    "cuda": "needs a CUDA GPU and the CUDA kernels (skips elsewhere)",
+    "large": "needs a GPU with tens of GiB (tensors past 2**31 elements); run by benchmarks/device_check.sh",
+    "slow": "builds or subprocesses taking tens of seconds",
+}
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
 
 
 def cuda_ready() -> bool:

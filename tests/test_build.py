@@ -2,7 +2,8 @@
 plain libtorch library ffn_ext_ops and Python module _C), and the pure-ATen fallback when ffn_ext._C is missing.
 
 Builds run CPU-only (FFN_EXT_FORCE_CPU=1 / -DFFN_EXT_WITH_CUDA=OFF) in temporary directories, in subprocesses (one
-registration of the ffn_ext namespace per process), with two parallel jobs.
+registration of the ffn_ext namespace per process), with two parallel jobs. Subprocesses import the ffn_ext under
+test (conftest.package_env), so these tests also check an installed package; the CMake test needs the checkout.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 import ffn_ext
+from ffn_ext import _build
 from ffn_ext.table import OPS as TABLE_OPS
+from conftest import PACKAGE_PARENT, needs_source_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT = 900  # seconds; a CPU-only build takes 1-3 minutes on 2 cores
@@ -29,7 +32,7 @@ def _env(**extra) -> dict:
     env = dict(os.environ)
     env.pop("FFN_EXT_NO_C", None)
     env.pop("FFN_EXT_FORCE_CPU", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env.setdefault("MAX_JOBS", "2")
     env.update(extra)
     return env
@@ -38,7 +41,7 @@ def _env(**extra) -> dict:
 def _run_python(*parts: str, env: dict, timeout: float = BUILD_TIMEOUT, cwd: Path | None = None):
     """Runs the script made of `parts` (each dedented on its own) in a fresh interpreter."""
     code = "\n".join(textwrap.dedent(p) for p in parts)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd or ROOT,
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd or PACKAGE_PARENT,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"subprocess failed ({r.returncode}):\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n" \
                               f"{r.stderr[-6000:]}"
@@ -79,7 +82,7 @@ for dt in (torch.float32, torch.float64):
         check(getattr(ops, n + "_packed_backward")(gp, gu), torch.cat([f_bwd(gp * b, a), gp * f(a)], -1),
               n + "_packed_backward")
 print("OPS_OK")
-""".replace("@TABLE@", repr(str(ROOT / "ffn_ext" / "table.py")))
+""".replace("@TABLE@", repr(str(PACKAGE_PARENT / "ffn_ext" / "table.py")))
 
 GRADCHECK = r"""
 import torch, ffn_ext
@@ -117,13 +120,14 @@ def test_jit_build_cpu_only(tmp_path):
     assert info["cuda_kernels"] == "no" and not ffn_ext.has_cuda_kernels(), info
     assert info["torch_version_built_against"] == torch.__version__.split("+")[0], info
     assert "_C" not in sys.modules and "ffn_ext._C" not in sys.modules
-    # a second load in the same process must refuse clearly
-    try:
-        ffn_ext.jit.load(build_directory={str(tmp_path)!r})
+    # a second load in the same process: the same sources, so the loaded module
+    assert ffn_ext.jit.load(build_directory={str(tmp_path)!r}) is mod
+    try:  # but not a build it cannot give
+        ffn_ext.jit.load(with_cuda=True)
     except RuntimeError as e:
-        assert "already registered" in str(e), e
+        assert "already registered" in str(e) and "without the CUDA kernels" in str(e), e
     else:
-        raise AssertionError("a second jit.load() did not raise")
+        raise AssertionError("jit.load(with_cuda=True) next to a CPU-only build did not raise")
     # the host-math test path is part of the JIT module too
     (y,) = mod._host_math("gelu", [torch.tensor([float("-inf"), 0.0, float("inf")])])
     assert y.tolist() == [0.0, 0.0, float("inf")], y
@@ -135,16 +139,58 @@ def test_jit_build_cpu_only(tmp_path):
     r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1", FFN_EXT_FORCE_CPU="1"))
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout, r.stdout
     assert list(tmp_path.glob("*.so")), f"no library in the build directory: {list(tmp_path.iterdir())}"
+    # a first build says so: one line before (what, where cached) and one after, without verbose=True
+    said = [line for line in r.stderr.splitlines() if line.startswith("ffn_ext.jit: ")]
+    assert len(said) == 2 and "compiling" in said[0] and str(tmp_path) in said[0] and "CPU" in said[0], said
+    assert said[1].startswith("ffn_ext.jit: built and loaded in"), said
     print(r.stdout.splitlines()[0])
 
 
-def test_jit_load_refuses_when_C_is_loaded():
-    """In a process where ffn_ext._C registered the ops, jit.load() raises a clear RuntimeError (before building)."""
+class _FakeC:
+    """Stands in for a loaded ffn_ext._C (its file in a temporary directory, with or without a build record)."""
+
+    def __init__(self, directory: Path):
+        self.__file__ = str(directory / "_C.so")
+
+    @staticmethod
+    def build_info():
+        return {"cuda_kernels": "no"}
+
+
+@pytest.mark.parametrize("record", ["same sources", "other sources", "no record"])
+def test_jit_load_next_to_a_loaded_C(tmp_path, monkeypatch, record):
+    """jit.load() in a process where ffn_ext._C registered the ops: returns _C when its build record says it was
+    built from these sources, else raises a RuntimeError that says why and what to do (before building)."""
+    if record != "no record":
+        h = _build.sources_hash() if record == "same sources" else "0123456789abcdef"
+        (tmp_path / _build.RECORD).write_text(json.dumps({"sources_hash": h}))
+    fake = _FakeC(tmp_path)
+    monkeypatch.setattr(ffn_ext.ops, "_native", fake)
+    monkeypatch.setattr(ffn_ext.ops, "_native_source", "ffn_ext._C")
+    if record == "same sources":
+        assert ffn_ext.jit.load() is fake
+        with pytest.raises(RuntimeError, match="built without the CUDA kernels; with_cuda=True"):
+            ffn_ext.jit.load(with_cuda=True)
+    else:
+        why = "built from other sources" if record == "other sources" else "has no build record"
+        with pytest.raises(RuntimeError, match=rf"already registered in this process by ffn_ext\._C.*{why}.*"
+                                               r"FFN_EXT_NO_C=1"):
+            ffn_ext.jit.load()
+
+
+def test_installed_C_has_a_build_record_of_these_sources():
+    """setup.py leaves the build record next to _C; it names this torch and, unless csrc/ changed since the build,
+    these sources (jit.load() then returns _C)."""
+    native = ffn_ext.ops._native
     if ffn_ext.ops._native_source != "ffn_ext._C":
         pytest.skip(f"ffn_ext._C is not loaded here ({ffn_ext.build_info()['native']})")
-    with pytest.raises(RuntimeError, match=r"already registered in this process by ffn_ext\._C.*FFN_EXT_NO_C=1"):
-        ffn_ext.jit.load()
-    assert ffn_ext.build_info()["native"] == "ffn_ext._C"
+    record = _build.read_record(Path(native.__file__).parent)
+    if record is None:
+        pytest.skip(f"{native.__file__} was built before build records (rebuild with pip install)")
+    assert record["torch_version"] == _build.torch_base_version(torch.__version__), record
+    assert record["cuda_kernels"] == ffn_ext.has_cuda_kernels(), record
+    if record["sources_hash"] == _build.sources_hash():
+        assert ffn_ext.jit.load() is native
 
 
 # ---------------------------------------------------------------- (b) CMake build
@@ -159,6 +205,10 @@ def _cmake() -> str | None:
 
 @pytest.mark.slow
 def test_cmake_build_cpu_only(tmp_path):
+    """The CMake build (both targets) from the checkout; then the library installed with its header and config, a C++
+    consumer found through find_package(ffn_ext) (tests/cpp_consumer: forward and autograd through the
+    dispatcher), and `import ffn_ext` in a process that loaded the library first (adopts its ops)."""
+    ROOT = needs_source_tree("the CMake build")
     cmake = _cmake()
     if cmake is None:
         pytest.skip("cmake >= 3.19 not found")
@@ -218,8 +268,43 @@ def test_cmake_build_cpu_only(tmp_path):
     else:
         raise AssertionError("odd packed width accepted")
     """
-    r = _run_python(code, OPS_VS_ATEN, env=_env(), timeout=300, cwd=tmp_path)
-    assert "OPS_OK" in r.stdout
+    # then `import ffn_ext`: adopts the ops the library registered (importing _C next to them would abort)
+    adopt = """
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        import ffn_ext
+    info = ffn_ext.build_info()
+    assert info["native"].startswith("ops registered before import"), info
+    assert "ffn_ext._C" not in sys.modules
+    x = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(ffn_ext.silu(x), torch.nn.functional.silu(x))
+    ffn_ext.swiglu(x, x).sum().backward()
+    print("ADOPT_OK")
+    """
+    r = _run_python(code, OPS_VS_ATEN, adopt, env=_env(), timeout=300, cwd=tmp_path)
+    assert "OPS_OK" in r.stdout and "ADOPT_OK" in r.stdout
+
+    # installed: header, library, ffn_extConfig.cmake; a consumer program through find_package(ffn_ext)
+    prefix = tmp_path / "prefix"
+    inst = subprocess.run([cmake, "--install", str(build), "--prefix", str(prefix)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
+    for rel in ("include/ffn_ext/ops.h", "lib/cmake/ffn_ext/ffn_extConfig.cmake",
+                "lib/cmake/ffn_ext/ffn_extTargets.cmake"):
+        assert (prefix / rel).is_file(), f"{rel} not installed: {sorted(map(str, prefix.rglob('*')))}"
+    consumer = tmp_path / "consumer"
+    cfg = subprocess.run([cmake, "-S", str(ROOT / "tests" / "cpp_consumer"), "-B", str(consumer), *gen,
+                          # --as-needed: the linker drops libraries nothing references (the default of some
+                          # distributions); <ffn_ext/ops.h>'s functions make the reference
+                          f"-DCMAKE_PREFIX_PATH={prefix}", f"-DCMAKE_EXE_LINKER_FLAGS={static} -Wl,--as-needed"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert cfg.returncode == 0, f"consumer configure failed:\n{cfg.stdout[-4000:]}\n{cfg.stderr[-6000:]}"
+    bld = subprocess.run([cmake, "--build", str(consumer), "-j", "2"], env=env, capture_output=True, text=True,
+                         timeout=BUILD_TIMEOUT)
+    assert bld.returncode == 0, f"consumer build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
+    run = subprocess.run([str(consumer / "consumer")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "CONSUMER_OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
 
     # the Python module: stands in for ffn_ext._C (the package is told to skip its own _C and adopt this one)
     code = f"""
@@ -270,7 +355,9 @@ def test_import_without_C_warns_once_and_falls_back_to_aten():
     assert len(ours) == 1, [str(w.message) for w in ours]
     msg = str(ours[0].message)
     assert issubclass(ours[0].category, RuntimeWarning), ours[0].category
-    assert "pip install --no-build-isolation -e ." in msg and "ffn_ext.jit.load()" in msg, msg
+    assert "ffn_ext.jit.load()" in msg and "circular import" not in msg, msg
+    if ffn_ext._build.in_checkout():  # a checkout's package: rebuild there; an install's: only what works for it
+        assert "pip install --no-build-isolation -e ." in msg, msg
     assert "ATen" in msg, msg
     for got, want in results:
         torch.testing.assert_close(got, want, rtol=0, atol=0)

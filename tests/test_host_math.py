@@ -253,6 +253,8 @@ def test_gelu_tail_coefficients_are_the_fit():
     import re
 
     root = pathlib.Path(__file__).resolve().parent.parent
+    if not (root / "csrc" / "fit_gelu_tail.py").is_file():
+        pytest.skip("needs the source checkout's csrc/fit_gelu_tail.py (tests run outside it)")
     header = (root / "csrc" / "ffn_math.h").read_text()
     body = header[header.index("FFN_HD GeluTail gelu_tail("):]
     k = float(re.search(r"kK = ([0-9.e+-]+)f;", body).group(1))

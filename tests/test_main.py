@@ -11,6 +11,7 @@ import torch
 import ffn_ext
 from ffn_ext import __main__ as demo
 from ffn_ext.table import OPS as TABLE_OPS
+from conftest import package_env
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
@@ -18,7 +19,7 @@ GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
 
 @pytest.fixture(scope="module")
 def full_run():
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = package_env(PYTHONWARNINGS="ignore")  # the ffn_ext under test, wherever the tests run from
     proc = subprocess.run([sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     return proc

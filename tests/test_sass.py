@@ -20,7 +20,6 @@ Skips when the extension has no CUDA kernels or no cuobjdump is found.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import ffn_ext
-from ffn_ext import sass as S
+from ffn_ext import _build, sass as S
 from ffn_ext.table import ACTIVATIONS, GATED, GATED_BY_NAME, OPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +46,7 @@ def _library() -> tuple[str | None, str]:
 
 def requested_archs() -> tuple[str, set[int], set[int]]:
     """(the list, SASS archs, PTX archs) from TORCH_CUDA_ARCH_LIST or the project default."""
-    text = os.environ.get("TORCH_CUDA_ARCH_LIST") or json.loads((ROOT / "csrc" / "build.json").read_text())[
-        "default_cuda_archs"]
+    text = os.environ.get("TORCH_CUDA_ARCH_LIST") or _build.config()["default_cuda_archs"]
     sass, ptx = set(), set()
     for item in re.split(r"[;\s]+", text.strip()):
         if not item:
@@ -157,7 +155,7 @@ def test_arch_list_matches_request_and_build_info(sass):
 
 def test_default_arch_list_is_ampere_and_hopper():
     """The project default must keep sm_80 and sm_90 code and PTX for the newest (forward compatibility)."""
-    default = json.loads((ROOT / "csrc" / "build.json").read_text())["default_cuda_archs"]
+    default = _build.config()["default_cuda_archs"]  # the checkout's build.json, or the copy an install ships
     items = set(re.split(r"[;\s]+", default.strip()))
     assert {"8.0", "9.0+PTX"} <= items, default
 

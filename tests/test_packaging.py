@@ -1,0 +1,136 @@
+"""Packaging off the happy path (issue 18): what the sdist holds, what the wheel requires, plain `pip install .`
+stopping at once with the command to run, a _C built for another torch named at import, the sources an install
+ships for ffn_ext.jit, and the public C++ header covering the table. CI's packaging stage (.ci/run) builds the
+sdist, a wheel from it, installs it into a clean venv and runs these tests (and others) from outside the tree.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import ffn_ext
+from ffn_ext import _build, _loader
+from ffn_ext.table import OPS
+from conftest import needs_source_tree
+
+
+def _setup_py(root: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "setup.py", *args], cwd=root, env=env or dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_sdist_holds_every_tracked_file(tmp_path):
+    """The sdist (no torch needed to make it) has every file git tracks except CI's own, and no binaries: a build
+    from it, `python -m build` included, finds csrc/build.json, the headers, CMakeLists.txt and the tests."""
+    root = needs_source_tree("the sdist check")
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("needs git and the checkout's .git")
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    # untracked new files (a session's work in progress) are not expected in it, only what git knows and exists
+    want = {f for f in tracked if not f.startswith(".ci/") and f != ".gitignore" and (root / f).is_file()}
+    code = ("import sys; sys.modules['torch'] = None  # an sdist must not need torch\n"
+            "from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    name = r.stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile() and "/" in m.name}
+    missing = sorted(want - members)
+    assert not missing, f"tracked files missing from the sdist (MANIFEST.in): {missing}"
+    assert not [m for m in members if m.endswith((".so", ".o", ".pyc"))], sorted(members)
+    assert "LICENSE" in members and "csrc/include/ffn_ext/ops.h" in members
+
+
+def test_wheel_requires_the_torch_it_was_built_against(tmp_path):
+    """A wheel's metadata pins torch to the version being built against (the binary loads with no other), while
+    the sdist's accepts any supported torch."""
+    root = needs_source_tree("setup.py")
+    r = _setup_py(root, "-q", "dist_info", "--output-dir", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (meta,) = tmp_path.glob("*.dist-info/METADATA")
+    requires = re.findall(r"^Requires-Dist: (torch\S*)\s*$", meta.read_text(), re.M)
+    assert requires == [f"torch=={_build.torch_base_version(torch.__version__)}"], requires
+    assert re.search(r"^License-Expression: Apache-2.0$", meta.read_text(), re.M)
+    pkg_info = (root / "ffn_ext.egg-info" / "PKG-INFO")
+    r = _setup_py(root, "-q", "egg_info")
+    assert r.returncode == 0 and "Requires-Dist: torch>=2.13" in pkg_info.read_text(), r.stderr[-2000:]
+
+
+def test_isolated_build_stops_at_once_with_the_command(tmp_path):
+    """What plain `pip install .` (build isolation) meets: a build environment with setuptools and no torch.
+    setup.py stops in seconds, printing the command to run, and makes no build directory."""
+    root = needs_source_tree("setup.py")
+    import setuptools
+
+    shim = tmp_path / "site"
+    shim.mkdir()
+    site = Path(setuptools.__file__).resolve().parent.parent
+    for name in ("setuptools", "_distutils_hack", "pkg_resources"):
+        if (site / name).exists():
+            (shim / name).symlink_to(site / name)
+    env = dict(os.environ, PYTHONPATH=str(shim), SETUPTOOLS_USE_DISTUTILS="local")
+    r = subprocess.run([sys.executable, "-S", "setup.py", "dist_info", "--output-dir", str(tmp_path / "out")],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stdout[-2000:]
+    msg = r.stderr
+    assert "torch is not importable" in msg and "pip install --no-build-isolation ." in msg, msg[-3000:]
+    assert "Traceback" not in msg, msg[-3000:]
+
+
+def test_C_built_for_another_torch_is_named_not_loaded(tmp_path, monkeypatch):
+    """A _C whose build record names another torch is not loaded: the error names both versions and a command."""
+    (tmp_path / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (tmp_path / _build.RECORD).write_text('{"torch_version": "1.0.0", "sources_hash": "x"}')
+    monkeypatch.setattr(_build, "PACKAGE", tmp_path)
+    monkeypatch.setattr(_loader._build, "PACKAGE", tmp_path)
+    monkeypatch.setattr(_loader.importlib.machinery, "EXTENSION_SUFFIXES", [".cpython-311-x86_64-linux-gnu.so"])
+    with pytest.raises(ImportError) as e:
+        _loader.check_installed_C()
+    text = str(e.value)
+    assert "built against torch 1.0.0" in text and torch.__version__ in text, text
+    assert "pip install --no-build-isolation" in text, text
+    (tmp_path / _build.RECORD).unlink()
+    for p in tmp_path.glob("_C*"):
+        p.unlink()
+    with pytest.raises(ImportError, match="ffn_ext._C is not built"):
+        _loader.check_installed_C()
+
+
+def test_sources_reachable_for_jit():
+    """The sources ffn_ext.jit compiles are there: the checkout's csrc/, or the copy an installed package ships."""
+    root = _build.source_root()
+    sources, _ = _build.sources_and_flags(with_cuda=True, python_module=True)
+    missing = [s for s in sources if not Path(s).is_file()]
+    assert not missing, missing
+    for rel in _build.shipped_files(root):
+        assert (root / rel).is_file(), rel
+    headers = {Path(rel).name for rel in _build.shipped_files(root)}
+    assert {"ffn_ext.h", "ops_table.h", "rows_launcher.cuh", "ops.h", "build.json"} <= headers, headers
+    if not _build.in_checkout():
+        assert root == _build.SHIPPED, root
+
+
+def test_public_header_declares_every_forward_op():
+    """<ffn_ext/ops.h> has a typed function for every forward op of the table (ops_api.cpp defines them from
+    ops_table.h, so a new table line without a declaration here would be unreachable from C++)."""
+    header = (_build.source_root() / "csrc" / "include" / "ffn_ext" / "ops.h").read_text()
+    declared = set(re.findall(r"^at::Tensor (\w+)\(", header, re.M))
+    forward = {name for name, spec in OPS.items() if not spec.backward}
+    assert declared == forward, (sorted(forward - declared), sorted(declared - forward))
+
+
+def test_fallback_warning_recommends_only_what_works():
+    """The advice of the fallback warning: jit.load() when sources are there, the rebuild command in a checkout."""
+    text = _loader.remedy()
+    assert "ffn_ext.jit.load()" in text, text
+    assert ("pip install --no-build-isolation -e ." in text) == _build.in_checkout(), text
+    assert "circular" not in text
