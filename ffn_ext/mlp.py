@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS
+from .table import ACTIVATIONS, BY_NAME
 
 __all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
            "fusable", "linear_args"]
@@ -66,12 +66,11 @@ def _project(x, ws, bs):
     return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
 
-def _input_grads(x, d_pre, w_pre, need_x, need_w_pre, need_b_pre):
-    """dx (contribution), dW and db of one input projection pre = x @ W^T + b, given d_pre."""
-    dx = d_pre.matmul(w_pre) if need_x else None
-    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w_pre else None
-    db = _rows(d_pre).sum(0) if need_b_pre else None
-    return dx, dw, db
+def _param_grads(x, d_pre, need_w, need_b):
+    """dW and db of one input projection pre = x @ W^T + b, given d_pre."""
+    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w else None
+    db = _rows(d_pre).sum(0) if need_b else None
+    return dw, db
 
 
 def _acc_mm(acc, a, b, dtype):
@@ -133,7 +132,7 @@ def _chunks(x, chunk) -> bool:
 def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
     """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,)."""
     op = _OPS[activation][len(ws) == 1]
-    ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
+    ctx.activation, ctx.op, ctx.k, ctx.bd_dtype = activation, op, len(ws), None if bd is None else bd.dtype
     if _chunks(x, chunk):
         y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
         ctx.chunk, pre = chunk, ()
@@ -163,16 +162,41 @@ def _backward(ctx, dy, needs):
     # Peak memory: each [tokens, d_ff] gradient is dropped as soon as it is used and h is recomputed last, so at most
     # three such tensors (dh, d_gate, d_up) live beside gate and up; eager autograd has up to seven
     # (tests/test_modules.py::test_backward_peak_memory_below_eager).
-    d_x, d_ws, d_bs = None, [None] * k, [None] * k
-    if n_x or any(n_ws) or any(n_bs):
+    d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    if k == 2 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        d_pre, d_wd = _cpu_backward(BY_NAME[ctx.activation], dy, wd, pre, want_pre, n_wd)
+    elif want_pre:
         d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
+    if want_pre:
         for i in range(k):
-            dx_i, d_ws[i], d_bs[i] = _input_grads(x, d_pre[i], ws[i], n_x, n_ws[i], n_bs[i])
+            if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
+                d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
+            d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
             d_pre[i] = None
-            d_x = dx_i if d_x is None else d_x + dx_i
-    d_wd = _rows(dy).t().matmul(_rows(_call(op, pre))) if n_wd else None  # recompute h
+        d_x = None if d_x is None else d_x.reshape(x.shape)
+    if n_wd and d_wd is None:
+        d_wd = _rows(dy).t().matmul(_rows(_call(op, pre)))  # recompute h
     d_bd = _rows(dy).sum(0) if n_bd else None
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
+
+
+def _cpu_backward(act, dy, wd, pre, want_pre, n_wd):
+    """The separate projections' backward on CPU, where the ops are ATen composites (each pass its own loop):
+    act(gate) once for h (the down projection's weight gradient) and d_up, then d_gate = act'(gate) dh up; the
+    fused op and the recompute would take act(gate) twice more. The same peak (five [tokens, d_ff] tensors with the
+    saved gate and up). Returns ([d_gate, d_up] or None, d_w_down or None)."""
+    gate, up = pre
+    a = act.aten(gate)
+    d_wd = _rows(dy).t().matmul(_rows(a * up)) if n_wd else None
+    if not want_pre:
+        return None, d_wd
+    dh = dy.matmul(wd)
+    d_up = dh * a
+    del a
+    t = dh * up
+    del dh
+    return [act.aten_backward(t, gate), d_up], d_wd
 
 
 def _chunked_backward(ctx, dy, x, ws, wd, bs, needs):
