@@ -31,10 +31,41 @@ import ffn_ext  # noqa: E402
 from ffn_ext.table import BY_NAME  # noqa: E402
 
 # model -> (d_model, d_ff, activation of ffn_ext's op table); silu: SwiGLU (Llama, Qwen2), gelu_tanh: GeGLU (Gemma)
-MODELS = {"qwen2.5-0.5b": (896, 4864, "silu"), "llama-7b": (4096, 11008, "silu"),
+MODELS = {"qwen2.5-0.5b": (896, 4864, "silu"), "llama-7b": (4096, 11008, "silu"), "llama-3-8b": (4096, 14336, "silu"),
           "gemma-2-2b": (2304, 9216, "gelu_tanh"), "tiny": (64, 176, "silu"), "tiny-geglu": (64, 176, "gelu_tanh")}
 MLP_NAME = {"silu": "SwiGLU", "gelu": "GeGLU (erf)", "gelu_tanh": "GeGLU (tanh)"}
-IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager MLP", "compile": "torch.compile(eager)"}
+IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager MLP", "compile": "torch.compile(eager)",
+              "fused": "ffn_ext fused_gate_up", "recompute": "ffn_ext recompute", "chunk": "ffn_ext token_chunk",
+              "liger": "Liger SwiGLUMLP", "liger_tiled": "Liger TiledSwiGLUMLP"}
+# --variants: ffn_ext's module with these options (token_chunk: a quarter of the tokens, at least 1)
+VARIANTS = {"fused": {"fused_gate_up": True}, "recompute": {"recompute": True}, "chunk": {"token_chunk": 4}}
+
+
+def liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes):
+    """Liger's MLPs (LigerSwiGLUMLP, LigerTiledSwiGLUMLP) with Llama's names where liger_kernel is installed and
+    can run here (Triton kernels: CUDA only); else a note saying why not."""
+    if activation != "silu":
+        return {}
+    try:
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    except Exception as e:  # noqa: BLE001
+        note = f"Liger skipped: liger_kernel not importable ({type(e).__name__})"
+        if note not in notes:
+            notes.append(note)
+        return {}
+    if dev.type != "cuda":
+        if "Liger skipped: its Triton kernels need CUDA" not in notes:
+            notes.append("Liger skipped: its Triton kernels need CUDA")
+        return {}
+    import types
+    cfg = types.SimpleNamespace(hidden_size=d_model, intermediate_size=d_ff, hidden_act="silu")
+    out = {"liger": LigerSwiGLUMLP(cfg).to(dev, dtype)}
+    try:
+        from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP
+        out["liger_tiled"] = LigerTiledSwiGLUMLP(cfg, num_shards=4).to(dev, dtype)
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"Liger's tiled MLP skipped ({type(e).__name__}: {str(e)[:120]})")
+    return out
 # ffn_ext's FFN module per activation: (attribute, keyword arguments); GeGLUFFN is looked up with getattr, so that
 # an ffn_ext without it falls back to the local module (and says so)
 FFN_EXT_MODULES = {"silu": ("SwiGLUFFN", {}), "gelu": ("GeGLUFFN", {"approximate": "none"}),
@@ -143,6 +174,8 @@ def run(args) -> dict:
     if args.dtypes:
         keep = {d.strip() for d in args.dtypes.split(",")}
         plan = [p for p in plan if p[2] in keep] or [(m, t, d) for m, t, _ in plan[:1] for d in sorted(keep)]
+    if args.models:
+        plan = [(m.strip(), t, d) for m in args.models.split(",") for t, d in dict.fromkeys((t, d) for _, t, d in plan)]
     if args.tokens:
         plan = [(m, int(t), d) for m, _, d in dict.fromkeys((m, 0, d) for m, _, d in plan)
                 for t in args.tokens.split(",")]
@@ -150,7 +183,7 @@ def run(args) -> dict:
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     torch.manual_seed(args.seed)
     results, errors = [], []
-    n_impl = 3 if use_compile else 2
+    n_impl = (3 if use_compile else 2) + (len(VARIANTS) if args.variants else 0)
     bar = common.progress(len(plan) * n_impl, f"bench_ffn [{dev.type}, {mode}]", disable=args.no_progress)
     t_start = time.time()
     ffn_kinds = {}
@@ -166,6 +199,15 @@ def run(args) -> dict:
         mods = {"ffn_ext": ours, "eager": eager}
         if use_compile:
             mods["compile"] = torch.compile(eager)
+        if args.variants and activation in FFN_EXT_MODULES:
+            name, kw = FFN_EXT_MODULES[activation]
+            for v, opts in VARIANTS.items():
+                opts = {k: (max(1, tokens // o) if k == "token_chunk" else o) for k, o in opts.items()}
+                mods[v] = getattr(ffn_ext, name)(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw, **opts)
+                mods[v].load_state_dict(eager.state_dict())
+            for v, m in liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes).items():
+                m.load_state_dict(eager.state_dict())
+                mods[v] = m
         k = 2
         x_sets = [torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype)
                   .requires_grad_(True) for _ in range(k)]
@@ -190,7 +232,7 @@ def run(args) -> dict:
             fw = r.pop("fwd")
             results.append({"model": model, "mlp": MLP_NAME[activation], "activation": activation,
                             "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
-                            "impl": name, "module": ffn_kind if name == "ffn_ext" else type(eager).__name__, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
+                            "impl": name, "module": ffn_kind if name == "ffn_ext" else type(m).__name__, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
                             "p90_ms": fb["p90_ms"], "reps": fb["reps"], "fwd_median_ms": fw["median_ms"],
                             "fwd_reps": fw["reps"], "tf_bytes": tokens * d_ff * es, **r})
             bar.update()
@@ -260,6 +302,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(p)
     p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
+    p.add_argument("--models", default=None, help=f"comma-separated models (replaces the mode's): {', '.join(MODELS)}")
+    p.add_argument("--variants", action="store_true", help="also ffn_ext's module with fused_gate_up=True, "
+                   "recompute=True and token_chunk=tokens/4, and Liger's MLPs where installed (CUDA)")
     args = p.parse_args(argv)
     payload = run(args)
     import plot

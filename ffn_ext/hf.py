@@ -96,7 +96,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import fusable, gated_mlp, gated_mlp_packed, linear_args
+from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args
 from .modules import GELU, SiLU
 from .table import ACTIVATIONS, BY_NAME
 
@@ -104,6 +104,7 @@ __all__ = ["patch_model", "unpatch_model"]
 
 _MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
 _ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
+_OPTS = "_ffn_ext_mlp_options"  # (recompute, token_chunk) of a patched gated/packed MLP: patch_model's arguments
 
 # transformers classes whose forward is exactly down_proj(act(gate_proj(x)) * up_proj(x)) (gated), or
 # down_proj(act(gate) * up) with gate, up = gate_up_proj(x).chunk(2, -1) (packed: the last two lines; the last one
@@ -308,11 +309,21 @@ def _act_now(self):
     return entry
 
 
+_DEFAULT_OPTS = (False, None)
+
+
+def _where(by_class: dict) -> str:
+    """'Cls at 'name' and 3 more, ...' for class -> module names."""
+    return ", ".join(f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                     for cls, names in by_class.items())
+
+
 def _gated_forward(self, x, act):
     mods = self._modules
     g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
     if fusable((g, u, d)):
-        return gated_mlp(x, *linear_args(g, u, d), activation=act.name)
+        recompute, chunk = self.__dict__.get(_OPTS, _DEFAULT_OPTS)
+        return gated_mlp(x, *linear_args(g, u, d), activation=act.name, recompute=recompute, token_chunk=chunk)
     return d(_ops.gated(g(x), u(x), act.name))
 
 
@@ -320,7 +331,9 @@ def _packed_forward(self, x, act, proj="gate_up_proj", out="down_proj"):
     mods = self._modules
     gu, d = mods[proj], mods[out]
     if fusable((gu, d)):
-        return gated_mlp_packed(x, *linear_args(gu, d), activation=act.name)
+        recompute, chunk = self.__dict__.get(_OPTS, _DEFAULT_OPTS)
+        return gated_mlp_packed(x, *linear_args(gu, d), activation=act.name, recompute=recompute,
+                                token_chunk=chunk)
     return d(_ops.gated_packed(gu(x), act.name))
 
 
@@ -790,7 +803,8 @@ def _input_name(forward) -> str:
         return "x"
 
 
-def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int:
+def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False,
+                token_chunk: int | None = None) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
     (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP and every known MoE experts
     module whose gating ffn_ext computes (see the module docstring) to use ffn_ext; returns how many modules were
@@ -806,13 +820,26 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
     unpatched with one RuntimeWarning naming their classes (and why); with strict=True that is a ValueError and
     nothing is patched. extra_classes does not apply to experts modules, nor to gatings known to clamp the
     activation's output (_CLAMP_AFTER), nor to the packed MLPs of _NAMED (dropout before the projection back, the
-    up half first)."""
+    up half first).
+
+    recompute, token_chunk: the patched gated and packed MLPs run ffn_ext.mlp.gated_mlp(_packed) with these
+    (recompute=True: backward recomputes the projections from the saved input; token_chunk=N: forward and backward
+    over chunks of N tokens, for long sequences). A later call sets them anew on the MLPs patched before. They do
+    not apply to the clamped MLPs and the MoE experts modules (their projections run as modules): with other than
+    the defaults, those are named in a RuntimeWarning (strict=True: a ValueError, nothing patched)."""
+    opts = _options("patch_model", recompute, token_chunk)
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
     todo, skipped = [], {}  # todo: (module, mark, forward, _apply_gate, _ACT); skipped: reason -> class -> names
+    not_chunked = {}  # class -> names of what recompute / token_chunk do not apply to
     for name, module in model.named_modules():
-        if getattr(module, _MARK, None):
+        mark = getattr(module, _MARK, None)
+        if mark:
+            if mark in ("gated", "packed"):
+                todo.append((module, mark, None, None, None))
+            elif opts != _DEFAULT_OPTS:
+                not_chunked.setdefault(type(module).__name__, []).append(name or "model")
             continue
         prev = module.__dict__.get("forward")  # a forward wrapper set on the instance (e.g. accelerate's hook)
         if _is_experts(module):
@@ -828,6 +855,8 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
                 gate_fn = _BoundGate(module, gate) if callable(getattr(type(module), "_apply_gate", None)) else None
                 todo.append((module, "experts" if fwd else "experts_gate", fwd, gate_fn,
                              (gate.act, gate.act and _attr(module, gate.act))))
+                if opts != _DEFAULT_OPTS:
+                    not_chunked.setdefault(type(module).__name__, []).append(name or "model")
         else:
             found = _kind(module)
             if found is None:
@@ -861,26 +890,37 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=()) -> int
             if reason is None:
                 todo.append((module, kind, _BoundForward(module, func, _input_name(module.forward), prev, clamp,
                                                          names), None, (act_name, act)))
+                if clamp is not None and opts != _DEFAULT_OPTS:
+                    not_chunked.setdefault(type(module).__name__, []).append(name or "model")
         if reason:
             skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
+    msgs = []  # (message, what happens to them without strict)
     if skipped:
-        parts = []
-        for reason, by_class in skipped.items():
-            where = (f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                     for cls, names in by_class.items())
-            parts.append(f"{reason}: {', '.join(where)}")
-        msg = "ffn_ext.hf.patch_model: " + "; ".join(parts)
+        msgs.append(("; ".join(f"{reason}: {_where(by_class)}" for reason, by_class in skipped.items()),
+                     " (left unpatched)"))
+    if not_chunked:
+        what = " and ".join(t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}")
+                            if t)
+        msgs.append((f"{what} does not apply to {_where(not_chunked)}: their projections run as modules (clamped "
+                     "MLPs, MoE experts)", " (patched without it)"))
+    for msg, outcome in msgs:
         if strict:
-            raise ValueError(msg + " (strict=True: nothing patched)")
-        warnings.warn(msg + " (left unpatched)", RuntimeWarning, stacklevel=2)
+            raise ValueError(f"ffn_ext.hf.patch_model: {msg} (strict=True: nothing patched)")
+        warnings.warn(f"ffn_ext.hf.patch_model: {msg}{outcome}", RuntimeWarning, stacklevel=2)
+    count = 0
     for module, mark, fwd, gate_fn, act in todo:
+        if mark in ("gated", "packed"):
+            module.__dict__[_OPTS] = opts
+        if act is None:  # patched before: only its options are new
+            continue
         if fwd is not None:
             module.forward = fwd
         if gate_fn is not None:
             module._apply_gate = gate_fn
         setattr(module, _MARK, mark)
         setattr(module, _ACT, act)
-    return len(todo)
+        count += 1
+    return count
 
 
 def unpatch_model(model: nn.Module) -> int:
@@ -910,5 +950,6 @@ def unpatch_model(model: nn.Module) -> int:
         if isinstance(d.get("_apply_gate"), _BoundGate):
             del d["_apply_gate"]
         del d[_MARK], d[_ACT]
+        d.pop(_OPTS, None)
         count += 1
     return count

@@ -4,12 +4,16 @@
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")    # tanh GELU (Gemma)
     y = ffn_ext.gated_mlp(x, w_gate, w_up, w_down, activation="gelu")     # any table activation by name
     y = ffn_ext.swiglu_mlp_packed(x, w_gate_up, w_down)                   # packed gate/up projection (Phi-3)
+    y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, recompute=True)       # saves only x for backward
+    y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, token_chunk=8192)     # long sequences: 8192 tokens at a time
 
 Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff], w_gate_up [2*d_ff, d_model]
 (gate rows first); biases optional. Training memory: the autograd.Function saves the input x and the projections
 gate and up (packed: gate_up) and recomputes h = act(gate) * up in backward (for the down projection's weight
 gradient) instead of keeping it. Eager PyTorch keeps four [tokens, d_ff] tensors (gate, act(gate), up, h); this
-keeps two. The recompute is one memory-bound elementwise pass next to three GEMMs. The activation is a table entry
+keeps two. The recompute is one memory-bound elementwise pass next to three GEMMs. recompute=True keeps none (x
+only; backward recomputes the projections) and token_chunk=N bounds every tensor inside the MLP by N x 2*d_ff
+elements, forward and backward, for sequences whose [tokens, d_ff] tensors do not fit (_OPTIONS_DOC). The activation is a table entry
 (ffn_ext/table.py): the forward runs its gated op <gated> (or <gated>_packed), the backward <gated>_backward and
 the recompute through ops.call_op / the functional API, natively where the native ops serve the tensors, else by
 their ATen fallback.
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS
+from .table import ACTIVATIONS, BY_NAME
 
 __all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
            "fusable", "linear_args"]
@@ -53,84 +57,220 @@ def _rows(t):  # [..., K] -> [N, K]
     return t.reshape(-1, t.shape[-1])
 
 
-def _input_grads(x, d_pre, w_pre, need_x, need_w_pre, need_b_pre):
-    """dx (contribution), dW and db of one input projection pre = x @ W^T + b, given d_pre."""
-    dx = d_pre.matmul(w_pre) if need_x else None
-    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w_pre else None
-    db = _rows(d_pre).sum(0) if need_b_pre else None
-    return dx, dw, db
+def _tuple(t):  # a packed backward op returns one tensor, a gated one two
+    return t if isinstance(t, tuple) else (t,)
 
 
-# The Functions take the activation's table name (a str, so torch.compile treats it as a constant) first; its
-# gradient is None.
+def _project(x, ws, bs):
+    """The gate/up projection: (gate, up), or (gate_up,) for a packed weight."""
+    return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+
+
+def _param_grads(x, d_pre, need_w, need_b):
+    """dW and db of one input projection pre = x @ W^T + b, given d_pre."""
+    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w else None
+    db = _rows(d_pre).sum(0) if need_b else None
+    return dw, db
+
+
+def _acc_mm(acc, a, b, dtype):
+    """acc + a^T @ b (acc None: a^T @ b) in `dtype`, the gradient's own precision: when the operands are 16-bit and
+    the parameters fp32 (autocast), the product is not rounded to 16 bits per chunk (CUDA: mm with out_dtype; else
+    the operands are widened)."""
+    if a.dtype != dtype:
+        if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
+            return (torch.mm(a.t(), b, out_dtype=dtype) if acc is None
+                    else torch.addmm(acc, a.t(), b, out_dtype=dtype))
+        a, b = a.to(dtype), b.to(dtype)
+    return a.t().matmul(b) if acc is None else acc.addmm_(a.t(), b)
+
+
+def _acc_sum(acc, a, dtype):
+    s = a.sum(0, dtype=dtype)
+    return s if acc is None else acc.add_(s)
+
+
+def _no_autocast(x):
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
+    """y = down(op(gate_up(x))) over chunks of `chunk` rows of x (leading dims flattened): no tensor larger than
+    chunk x 2*d_ff is made. Computes in the dtype the first chunk's projection takes (autocast's, else x's) with
+    every operand cast to it once. Writes each chunk of y in place (functional=True: concatenates, for torch.func
+    transforms). Returns (y, that dtype)."""
+    xr = _rows(x)
+    first = _project(xr[:chunk], ws, bs)
+    dtype = first[0].dtype
+    xr, wd, bd = _cast(xr, dtype), _cast(wd, dtype), _cast(bd, dtype)
+    ws, bs = tuple(_cast(w, dtype) for w in ws), tuple(_cast(b, dtype) for b in bs)
+    n = xr.shape[0]
+    outs = [] if functional else None
+    y = None if functional else xr.new_empty((n, wd.shape[0]))
+    with _no_autocast(x):
+        for s in range(0, n, chunk):
+            pre = first if s == 0 else _project(xr[s:s + chunk], ws, bs)
+            first = None
+            h = _call(op, pre)
+            del pre
+            if functional:
+                outs.append(F.linear(h, wd, bd))
+            elif bd is None:
+                torch.mm(h, wd.t(), out=y[s:s + chunk])
+            else:
+                torch.addmm(bd, h, wd.t(), out=y[s:s + chunk])
+            del h
+    y = torch.cat(outs) if functional else y
+    return y.reshape(*x.shape[:-1], y.shape[-1]), dtype
+
+
+def _chunks(x, chunk) -> bool:
+    """Whether token_chunk=chunk splits x's rows (leading dims flattened): else the default path runs."""
+    return chunk is not None and chunk < x.numel() // max(x.shape[-1], 1)
+
+
+def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
+    """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,)."""
+    op = _OPS[activation][len(ws) == 1]
+    ctx.activation, ctx.op, ctx.k, ctx.bd_dtype = activation, op, len(ws), None if bd is None else bd.dtype
+    if _chunks(x, chunk):
+        y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
+        ctx.chunk, pre = chunk, ()
+    else:
+        pre = _project(x, ws, bs)
+        y = F.linear(_call(op, pre), wd, bd)
+        ctx.chunk, ctx.dtype = None, pre[0].dtype
+        if recompute:
+            pre = ()
+    ctx.save_for_backward(x, *ws, wd, *bs, *pre)
+    return y
+
+
+def _backward(ctx, dy, needs):
+    """The gradients of (x, *ws, wd, *bs, bd) (needs: which are wanted, in that order)."""
+    k, op, dtype = ctx.k, ctx.op, ctx.dtype
+    saved = ctx.saved_tensors
+    x, ws, wd, bs, pre = saved[0], saved[1:1 + k], saved[1 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
+    n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
+    if ctx.chunk is not None and not torch.is_grad_enabled():
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, needs)
+    dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
+    ws = tuple(_cast(w, dtype) for w in ws)
+    if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
+        # functions of x and the weights; with token_chunk that is the whole projection at once)
+        pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
+    # Peak memory: each [tokens, d_ff] gradient is dropped as soon as it is used and h is recomputed last, so at most
+    # three such tensors (dh, d_gate, d_up) live beside gate and up; eager autograd has up to seven
+    # (tests/test_modules.py::test_backward_peak_memory_below_eager).
+    d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    if k == 2 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        d_pre, d_wd = _cpu_backward(BY_NAME[ctx.activation], dy, wd, pre, want_pre, n_wd)
+    elif want_pre:
+        d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
+    if want_pre:
+        for i in range(k):
+            if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
+                d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
+            d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
+            d_pre[i] = None
+        d_x = None if d_x is None else d_x.reshape(x.shape)
+    if n_wd and d_wd is None:
+        d_wd = _rows(dy).t().matmul(_rows(_call(op, pre)))  # recompute h
+    d_bd = _rows(dy).sum(0) if n_bd else None
+    return (d_x, *d_ws, d_wd, *d_bs, d_bd)
+
+
+def _cpu_backward(act, dy, wd, pre, want_pre, n_wd):
+    """The separate projections' backward on CPU, where the ops are ATen composites (each pass its own loop):
+    act(gate) once for h (the down projection's weight gradient) and d_up, then d_gate = act'(gate) dh up; the
+    fused op and the recompute would take act(gate) twice more. The same peak (five [tokens, d_ff] tensors with the
+    saved gate and up). Returns ([d_gate, d_up] or None, d_w_down or None)."""
+    gate, up = pre
+    a = act.aten(gate)
+    d_wd = _rows(dy).t().matmul(_rows(a * up)) if n_wd else None
+    if not want_pre:
+        return None, d_wd
+    dh = dy.matmul(wd)
+    d_up = dh * a
+    del a
+    t = dh * up
+    del dh
+    return [act.aten_backward(t, gate), d_up], d_wd
+
+
+def _chunked_backward(ctx, dy, x, ws, wd, bs, needs):
+    """Backward over chunks of ctx.chunk // 2 rows: recompute the chunk's projections, then its h (for the down
+    projection's weight gradient), then its input gradients; weight and bias gradients accumulate across chunks in
+    the parameters' dtype. Peak: about 2.5 x chunk x d_ff elements."""
+    k, op, dtype = ctx.k, ctx.op, ctx.dtype
+    n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
+    xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
+    wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
+    bsc = tuple(_cast(b, dtype) for b in bs)
+    n, step = xr.shape[0], max(1, ctx.chunk // 2)
+    d_x = xr.new_empty(xr.shape) if n_x else None
+    d_ws, d_bs, d_wd, d_bd = [None] * k, [None] * k, None, None
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    for s in range(0, n, step):
+        xs, dys = xr[s:s + step], dyr[s:s + step]
+        pre = _project(xs, wsc, bsc)
+        if n_wd:
+            d_wd = _acc_mm(d_wd, dys, _call(op, pre), wd.dtype)
+        if n_bd:
+            d_bd = _acc_sum(d_bd, dys, ctx.bd_dtype)
+        if want_pre:
+            d_pre = list(_tuple(_call_op(op + "_backward", dys.matmul(wdc), *pre)))
+            del pre
+            for i in range(k):
+                if n_x:
+                    if i == 0:
+                        torch.mm(d_pre[0], wsc[0], out=d_x[s:s + step])
+                    else:
+                        d_x[s:s + step].addmm_(d_pre[i], wsc[i])
+                if n_ws[i]:
+                    d_ws[i] = _acc_mm(d_ws[i], d_pre[i], xs, ws[i].dtype)
+                if n_bs[i]:
+                    d_bs[i] = _acc_sum(d_bs[i], d_pre[i], bs[i].dtype)
+                d_pre[i] = None
+    if d_x is not None:
+        d_x = d_x.reshape(x.shape)
+    return (d_x, *d_ws, d_wd, *d_bs, d_bd)
+
+# The Functions take the activation's table name (a str, so torch.compile treats it as a constant), recompute (bool)
+# and token_chunk (int or None) first; their gradients are None.
 class _GatedMLP(torch.autograd.Function):
-    """y = down(act(gate(x)) * up(x)) for the table activation `activation`; saves x, gate, up; recomputes h in
-    backward."""
+    """y = down(act(gate(x)) * up(x)) for the table activation `activation`; saves x, gate, up (recompute or
+    token_chunk: x only); recomputes h in backward."""
 
     @staticmethod
-    def forward(ctx, activation, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        gate = F.linear(x, w_gate, b_gate)
-        up = F.linear(x, w_up, b_up)
-        y = F.linear(_call(_OPS[activation][0], (gate, up)), w_down, b_down)
-        ctx.activation = activation
-        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, b_gate, b_up)
-        return y
+    def forward(ctx, activation, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        return _forward(ctx, activation, recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate, up, w_gate, w_up, w_down, b_gate, b_up = ctx.saved_tensors
-        _, n_x, n_wg, n_wu, n_wd, n_bg, n_bu, n_bd = ctx.needs_input_grad
-        activation = ctx.activation
-        if torch.is_grad_enabled():  # create_graph=True: make gate/up functions of x and the weights again
-            gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        dtype = gate.dtype  # differs from the parameters' dtype under autocast
-        dy, x = _cast(dy, dtype), _cast(x, dtype)
-        w_gate, w_up, w_down = _cast(w_gate, dtype), _cast(w_up, dtype), _cast(w_down, dtype)
-        # Peak memory: each [tokens, d_ff] gradient is dropped as soon as it is used and h is recomputed last, so
-        # at most three such tensors (dh, d_gate, d_up) live beside the saved gate and up; eager autograd has up to
-        # seven (tests/test_modules.py::test_backward_peak_memory_below_eager).
-        d_x = d_wg = d_wu = d_bg = d_bu = None
-        if n_x or n_wg or n_wu or n_bg or n_bu:
-            d_gate, d_up = _call_op(_OPS[activation][0] + "_backward", dy.matmul(w_down), gate, up)
-            dx_g, d_wg, d_bg = _input_grads(x, d_gate, w_gate, n_x, n_wg, n_bg)
-            del d_gate
-            dx_u, d_wu, d_bu = _input_grads(x, d_up, w_up, n_x, n_wu, n_bu)
-            del d_up
-            d_x = dx_g + dx_u if n_x else None
-        d_wd = _rows(dy).t().matmul(_rows(_call(_OPS[activation][0], (gate, up)))) if n_wd else None  # recompute
-        d_bd = _rows(dy).sum(0) if n_bd else None
-        return None, d_x, d_wg, d_wu, d_wd, d_bg, d_bu, d_bd
+        return (None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[3:]))
 
 
 class _GatedMLPPacked(torch.autograd.Function):
-    """y = down(act(gate) * up) with gate, up = gate_up(x).chunk(2, -1); saves x and gate_up; recomputes h in
-    backward."""
+    """y = down(act(gate) * up) with gate, up = gate_up(x).chunk(2, -1); saves x and gate_up (recompute or
+    token_chunk: x only); recomputes h in backward."""
 
     @staticmethod
-    def forward(ctx, activation, x, w_gate_up, w_down, b_gate_up, b_down):
-        gate_up = F.linear(x, w_gate_up, b_gate_up)
-        y = F.linear(_call(_OPS[activation][1], (gate_up,)), w_down, b_down)
-        ctx.activation = activation
-        ctx.save_for_backward(x, gate_up, w_gate_up, w_down, b_gate_up)
-        return y
+    def forward(ctx, activation, recompute, chunk, x, w_gate_up, w_down, b_gate_up, b_down):
+        return _forward(ctx, activation, recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
 
     @staticmethod
     def backward(ctx, dy):
-        x, gate_up, w_gate_up, w_down, b_gate_up = ctx.saved_tensors
-        _, n_x, n_wgu, n_wd, n_bgu, n_bd = ctx.needs_input_grad
-        activation = ctx.activation
-        if torch.is_grad_enabled():
-            gate_up = F.linear(x, w_gate_up, b_gate_up)
-        dtype = gate_up.dtype
-        dy, x, w_gate_up, w_down = _cast(dy, dtype), _cast(x, dtype), _cast(w_gate_up, dtype), _cast(w_down, dtype)
-        d_x = d_wgu = d_bgu = None
-        if n_x or n_wgu or n_bgu:  # the same order as _GatedMLP.backward, for the same peak
-            d_gate_up = _call_op(_OPS[activation][1] + "_backward", dy.matmul(w_down), gate_up)
-            d_x, d_wgu, d_bgu = _input_grads(x, d_gate_up, w_gate_up, n_x, n_wgu, n_bgu)
-            del d_gate_up
-        d_wd = _rows(dy).t().matmul(_rows(_call(_OPS[activation][1], (gate_up,)))) if n_wd else None
-        d_bd = _rows(dy).sum(0) if n_bd else None
-        return None, d_x, d_wgu, d_wd, d_bgu, d_bd
+        return (None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[3:]))
+
+
+def _plain(op, x, ws, wd, bs, bd, chunk):
+    """The MLP without the autograd.Function (no grad mode, jit.trace, torch.func transforms): plain ops, over
+    chunks with token_chunk."""
+    if _chunks(x, chunk):
+        return _chunked(op, x, ws, wd, bs, bd, chunk, functional=torch.is_grad_enabled() or torch.jit.is_tracing())[0]
+    return F.linear(_call(op, _project(x, ws, bs)), wd, bd)
 
 
 def _lean_autograd(fn: str, x, weights: tuple) -> bool:
@@ -162,61 +302,92 @@ def _gelu(fn: str, approximate) -> str:
     return act
 
 
-# Each functional form: the activation's name, then the autograd.Function or the plain ops (written out in each:
-# a decode step's MLP is bound by host time, and a shared helper is one more Python call).
-def gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):
-    """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up), for the
-    table activation `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
+def _options(fn: str, recompute, token_chunk) -> tuple:
+    if not isinstance(recompute, bool):
+        raise ValueError(f"ffn_ext.{fn}: `recompute` must be True or False, got {recompute!r}")
+    if token_chunk is not None and (isinstance(token_chunk, bool) or not isinstance(token_chunk, int)
+                                    or token_chunk < 1):
+        raise ValueError(f"ffn_ext.{fn}: `token_chunk` must be None or a positive int (tokens per chunk), got "
+                         f"{token_chunk!r}")
+    return recompute, token_chunk
+
+
+def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
+    """Every functional form: the activation's name `a`, the projections ((w_gate, w_up) or (w_gate_up,)), the
+    options; the autograd.Function where _lean_autograd says so, else the plain ops."""
+    if recompute is not False or token_chunk is not None:
+        recompute, token_chunk = _options(fn, recompute, token_chunk)
+    if _lean_autograd(fn, x, (*ws, wd)):
+        if len(ws) == 1:
+            return _GatedMLPPacked.apply(a, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
+        return _GatedMLP.apply(a, recompute, token_chunk, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
+    return _plain(_OPS[a][len(ws) == 1], x, ws, wd, bs, bd, token_chunk)
+
+
+_OPTIONS_DOC = """
+    Memory (training): by default the autograd saves x and the projections gate and up ([tokens, d_ff] each;
+    packed: gate_up) and recomputes h in backward. recompute=True saves only x (and the weights) and recomputes the
+    projections in backward: one more GEMM pass (two for the separate projections' halves: the same FLOPs as the
+    forward's gate/up GEMMs), nothing [tokens, d_ff]-sized kept between forward and backward. token_chunk=N runs
+    the forward (also without grad mode) and the backward over chunks of N tokens (leading dims flattened; the
+    backward in chunks of N // 2), so no tensor inside the MLP has more than N x 2*d_ff elements; it implies
+    recompute. Weight and bias gradients accumulate across chunks in the parameters' dtype (under autocast with
+    fp32 parameters, not rounded to 16 bits per chunk). token_chunk >= the token count is the default path. Under
+    create_graph=True (double backward) the backward of a token_chunk call recomputes the projections whole."""
+
+
+def gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu", *,
+              recompute: bool = False, token_chunk: int | None = None):
+    """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd, for the table activation
+    `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
 
     Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
     inference_mode), under torch.jit.trace and under torch.func transforms or forward-mode AD, the plain ops run
     instead (_lean_autograd). Weights on the meta device with a real x raise ValueError."""
-    a = _activation("gated_mlp", activation)
-    if _lean_autograd("gated_mlp", x, (w_gate, w_up, w_down)):
-        return _GatedMLP.apply(a, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return F.linear(_call(_OPS[a][0], (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))), w_down, b_down)
+    return _run("gated_mlp", _activation("gated_mlp", activation), x, (w_gate, w_up), w_down, (b_gate, b_up),
+                b_down, recompute, token_chunk)
 
 
-def gated_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, activation: str = "silu"):
-    """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first. Saves x and gate_up
-    [tokens, 2*d_ff]."""
-    a = _activation("gated_mlp_packed", activation)
-    if _lean_autograd("gated_mlp_packed", x, (w_gate_up, w_down)):
-        return _GatedMLPPacked.apply(a, x, w_gate_up, w_down, b_gate_up, b_down)
-    return F.linear(_call(_OPS[a][1], (F.linear(x, w_gate_up, b_gate_up),)), w_down, b_down)
+def gated_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, activation: str = "silu", *,
+                     recompute: bool = False, token_chunk: int | None = None):
+    """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first (one GEMM for both; the
+    backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
+    return _run("gated_mlp_packed", _activation("gated_mlp_packed", activation), x, (w_gate_up,), w_down,
+                (b_gate_up,), b_down, recompute, token_chunk)
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None) -> torch.Tensor:
-    """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd (saves x, gate, up):
-    gated_mlp(..., activation="silu")."""
-    if _lean_autograd("swiglu_mlp", x, (w_gate, w_up, w_down)):
-        return _GatedMLP.apply("silu", x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return F.linear(_call(_OPS["silu"][0], (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))), w_down, b_down)
+def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, recompute: bool = False,
+               token_chunk: int | None = None) -> torch.Tensor:
+    """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd: gated_mlp(...,
+    activation="silu")."""
+    return _run("swiglu_mlp", "silu", x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk)
 
 
-def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None) -> torch.Tensor:
-    """Same for a packed gate/up projection (Phi-3): w_gate_up [2*d_ff, d_model], gate rows first. Saves x and
-    gate_up [tokens, 2*d_ff]."""
-    if _lean_autograd("swiglu_mlp_packed", x, (w_gate_up, w_down)):
-        return _GatedMLPPacked.apply("silu", x, w_gate_up, w_down, b_gate_up, b_down)
-    return F.linear(_call(_OPS["silu"][1], (F.linear(x, w_gate_up, b_gate_up),)), w_down, b_down)
+def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, recompute: bool = False,
+                      token_chunk: int | None = None) -> torch.Tensor:
+    """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
+    gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
+    return _run("swiglu_mlp_packed", "silu", x, (w_gate_up,), w_down, (b_gate_up,), b_down, recompute, token_chunk)
 
 
-def geglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, approximate: str = "none"):
+def geglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, approximate: str = "none", *,
+              recompute: bool = False, token_chunk: int | None = None):
     """down(gelu(x @ w_gate^T + b_gate, approximate) * (x @ w_up^T + b_up)) with the lean autograd; approximate as
     F.gelu's: "none" (exact, erf) or "tanh" (Gemma's gelu_pytorch_tanh): gated_mlp with "gelu" / "gelu_tanh"."""
-    a = _gelu("geglu_mlp", approximate)
-    if _lean_autograd("geglu_mlp", x, (w_gate, w_up, w_down)):
-        return _GatedMLP.apply(a, x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    return F.linear(_call(_OPS[a][0], (F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up))), w_down, b_down)
+    return _run("geglu_mlp", _gelu("geglu_mlp", approximate), x, (w_gate, w_up), w_down, (b_gate, b_up), b_down,
+                recompute, token_chunk)
 
 
-def geglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, approximate: str = "none"):
+def geglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, approximate: str = "none", *,
+                     recompute: bool = False, token_chunk: int | None = None):
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
-    a = _gelu("geglu_mlp_packed", approximate)
-    if _lean_autograd("geglu_mlp_packed", x, (w_gate_up, w_down)):
-        return _GatedMLPPacked.apply(a, x, w_gate_up, w_down, b_gate_up, b_down)
-    return F.linear(_call(_OPS[a][1], (F.linear(x, w_gate_up, b_gate_up),)), w_down, b_down)
+    return _run("geglu_mlp_packed", _gelu("geglu_mlp_packed", approximate), x, (w_gate_up,), w_down, (b_gate_up,),
+                b_down, recompute, token_chunk)
+
+
+for _f in (gated_mlp, gated_mlp_packed, swiglu_mlp, swiglu_mlp_packed, geglu_mlp, geglu_mlp_packed):
+    _f.__doc__ += _OPTIONS_DOC
+del _f
 
 
 # ---------------------------------------------------------------- may a module's submodules be bypassed?

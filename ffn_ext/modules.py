@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import fusable, gated_mlp, linear_args
+from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args
 from .mlp import swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
@@ -239,27 +239,81 @@ class FFN(nn.Module):
 _FUSED_ACTS = frozenset((Gated, SwiGLU, GeGLU))  # exactly these types: a subclass may compute something else
 
 
+_PROJ = ("gate_proj", "up_proj")  # the Llama names of the separate projections; fused: gate_up_proj, gate rows first
+
+
+def _fuse_state(module, state_dict, prefix, *args):
+    """Load pre-hook of a fused_gate_up module: a checkpoint's gate_proj / up_proj tensors become gate_up_proj's."""
+    for kind in ("weight", "bias"):
+        g, u = (prefix + p + "." + kind for p in _PROJ)
+        if g in state_dict and u in state_dict:
+            state_dict[prefix + "gate_up_proj." + kind] = torch.cat((state_dict.pop(g), state_dict.pop(u)))
+
+
+def _split_state(module, state_dict, prefix, *args):
+    """Load pre-hook of a module with separate projections: a checkpoint's packed gate_up_proj (gate rows first,
+    Phi-3's and fused_gate_up's) becomes gate_proj / up_proj."""
+    for kind in ("weight", "bias"):
+        key = prefix + "gate_up_proj." + kind
+        if key in state_dict:
+            g, u = state_dict.pop(key).chunk(2, 0)
+            state_dict[prefix + "gate_proj." + kind], state_dict[prefix + "up_proj." + kind] = g, u
+
+
+def _save_split(module, state_dict, prefix, local_metadata):
+    """state_dict hook of a fused_gate_up module: saves gate_proj / up_proj (Hugging Face's Llama names), as
+    contiguous tensors of their own (safetensors refuses tensors that share memory)."""
+    for kind in ("weight", "bias"):
+        key = prefix + "gate_up_proj." + kind
+        if key in state_dict:
+            g, u = state_dict.pop(key).chunk(2, 0)
+            state_dict[prefix + "gate_proj." + kind], state_dict[prefix + "up_proj." + kind] = g.clone(), u.clone()
+
+
 class GatedFFN(nn.Module):
     """Gated FFN: down_proj(act(gate_proj(x)) * up_proj(x)) for an activation of the table by name, with the
     Llama/Gemma submodule names (gate_proj, up_proj, down_proj: nn.Linear; act: the gated activation module), so a
     Hugging Face MLP's state_dict loads unchanged.
 
+    fused_gate_up=True: one projection gate_up_proj (nn.Linear to 2*d_ff, gate rows first) instead of gate_proj and
+    up_proj: one GEMM for both in forward, and in backward one GEMM for dx (K = 2*d_ff) and one for the weight
+    gradient (ffn_ext.mlp.gated_mlp_packed). Its state_dict still saves and loads gate_proj.* / up_proj.* (hooks), so
+    Hugging Face checkpoints load either way; a module with separate projections also loads a packed gate_up_proj
+    checkpoint. Code that reads mlp.gate_proj (LoRA target names, ...) needs the default.
+
     Training keeps two [tokens, d_ff] tensors (gate, up) instead of eager PyTorch's four; h is recomputed in
-    backward (ffn_ext.mlp.gated_mlp). When hooks (forward or backward) are registered on the projections or on `act`
-    (or globally), one of them has a forward wrapper set on the instance (accelerate's hooks, CPU/disk offload), a
-    projection is not a plain nn.Linear (LoRA, quantized layers) or `act` was replaced by a module that is not one
-    of ffn_ext's gated activations (Gated, SwiGLU, GeGLU), the submodules run as modules, so the hooks and wrappers
-    run and the replacement is what runs (an `act` replaced by another of ffn_ext's gated activations is fused with
-    its activation). torch.jit.trace records the plain ops (F.linear and the fused activation).
+    backward (ffn_ext.mlp.gated_mlp). recompute=True keeps none (only x; backward recomputes the projections) and
+    token_chunk=N runs forward and backward over chunks of N tokens (long sequences: no tensor inside the MLP larger
+    than N x 2*d_ff elements); both are attributes, settable at any time (ffn_ext.mlp's docs give the trade).
+
+    When hooks (forward or backward) are registered on the projections or on `act` (or globally), one of them has a
+    forward wrapper set on the instance (accelerate's hooks, CPU/disk offload), a projection is not a plain
+    nn.Linear (LoRA, quantized layers) or `act` was replaced by a module that is not one of ffn_ext's gated
+    activations (Gated, SwiGLU, GeGLU), the submodules run as modules, so the hooks and wrappers run and the
+    replacement is what runs (an `act` replaced by another of ffn_ext's gated activations is fused with its
+    activation); recompute and token_chunk do not apply then. torch.jit.trace records the plain ops.
     """
 
+    fused_gate_up, recompute, token_chunk = False, False, None  # class defaults: older pickles load
+
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, *, fused_gate_up: bool = False, recompute: bool = False, token_chunk: int | None = None):
         super().__init__()
-        act = _entry(type(self).__name__, activation)
+        who = type(self).__name__
+        act = _entry(who, activation)
+        if not isinstance(fused_gate_up, bool):
+            raise ValueError(f"ffn_ext.{who}: `fused_gate_up` must be True or False, got {fused_gate_up!r}")
+        _options(who, recompute, token_chunk)
         self.d_model, self.d_ff = d_model, d_ff
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+        self.fused_gate_up, self.recompute, self.token_chunk = fused_gate_up, recompute, token_chunk
+        if fused_gate_up:
+            self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias, device=device, dtype=dtype)
+            self.register_state_dict_post_hook(_save_split)
+            self.register_load_state_dict_pre_hook(_fuse_state)
+        else:
+            self.gate_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+            self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
+            self.register_load_state_dict_pre_hook(_split_state)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
         self.act = _gated_module(act)
 
@@ -271,41 +325,59 @@ class GatedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mods = self._modules
-        g, u, d, act = mods["gate_proj"], mods["up_proj"], mods["down_proj"], mods["act"]
-        if type(act) in _FUSED_ACTS and fusable((g, u, d), (act,)):
-            return gated_mlp(x, *linear_args(g, u, d), activation=act.activation)
+        d, act = mods["down_proj"], mods["act"]
+        fused = type(act) in _FUSED_ACTS
+        if "gate_up_proj" in mods:
+            gu = mods["gate_up_proj"]
+            if fused and act.layout == "concat" and fusable((gu, d), (act,)):
+                return gated_mlp_packed(x, *linear_args(gu, d), activation=act.activation,
+                                        recompute=self.recompute, token_chunk=self.token_chunk)
+            return d(act(gu(x)))
+        g, u = mods["gate_proj"], mods["up_proj"]
+        if fused and fusable((g, u, d), (act,)):
+            return gated_mlp(x, *linear_args(g, u, d), activation=act.activation, recompute=self.recompute,
+                             token_chunk=self.token_chunk)
         return d(act(g(x), u(x)))
 
+    def _options_repr(self) -> str:
+        opts = ("fused_gate_up=True" if self.fused_gate_up else "", "recompute=True" if self.recompute else "",
+                "" if self.token_chunk is None else f"token_chunk={self.token_chunk}")
+        return "".join(", " + o for o in opts if o)
+
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}"
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}" + self._options_repr()
 
 
 class SwiGLUFFN(GatedFFN):
     """SwiGLU FFN: down_proj(silu(gate_proj(x)) * up_proj(x)) (GatedFFN with activation="silu"), with the
     Llama/Qwen2 submodule names, so a Hugging Face MLP's state_dict loads unchanged.
 
-    d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). Training memory, hooks, wrappers and
-    replaced submodules: as GatedFFN.
+    d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). fused_gate_up, recompute, token_chunk,
+    training memory, hooks, wrappers and replaced submodules: as GatedFFN.
     """
 
     def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, fused_gate_up: bool = False, recompute: bool = False,
+                 token_chunk: int | None = None):
         d_ff = swiglu_hidden_dim(d_model, multiple_of) if d_ff is None else d_ff
-        super().__init__(d_model, d_ff, "silu", bias=bias, device=device, dtype=dtype)
+        super().__init__(d_model, d_ff, "silu", bias=bias, device=device, dtype=dtype, fused_gate_up=fused_gate_up,
+                         recompute=recompute, token_chunk=token_chunk)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+        return f"d_model={self.d_model}, d_ff={self.d_ff}" + self._options_repr()
 
 
 class GeGLUFFN(GatedFFN):
     """GeGLU FFN: down_proj(gelu(gate_proj(x), approximate) * up_proj(x)) (GatedFFN with activation "gelu" or
     "gelu_tanh"), approximate as nn.GELU's: "none" (exact, erf) or "tanh" (Gemma: its MLP's state_dict loads
-    unchanged). Training memory, hooks, wrappers and replaced submodules: as GatedFFN."""
+    unchanged). fused_gate_up, recompute, token_chunk, training memory, hooks, wrappers and replaced submodules: as
+    GatedFFN."""
 
     def __init__(self, d_model: int, d_ff: int, approximate: str = "none", bias: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, *, fused_gate_up: bool = False, recompute: bool = False, token_chunk: int | None = None):
         act = _gelu_entry("GeGLUFFN", approximate)
-        super().__init__(d_model, d_ff, act.name, bias=bias, device=device, dtype=dtype)
+        super().__init__(d_model, d_ff, act.name, bias=bias, device=device, dtype=dtype, fused_gate_up=fused_gate_up,
+                         recompute=recompute, token_chunk=token_chunk)
 
     @property
     def approximate(self) -> str | None:
@@ -314,4 +386,4 @@ class GeGLUFFN(GatedFFN):
         return None if act is None else act.api[1].get("approximate")
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}, approximate={self.approximate!r}"
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, approximate={self.approximate!r}" + self._options_repr()

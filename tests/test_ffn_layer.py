@@ -1,0 +1,391 @@
+"""The FFN layer's memory options and fused gate_up projection (ffn_ext.mlp, GatedFFN): recompute=True saves no
+[tokens, d_ff] tensor, token_chunk=N bounds every tensor inside the MLP by 2 x N x d_ff elements and its peak by a
+multiple of N (not of the token count), both give the default path's results (fp64 to rounding: output and every
+gradient; bf16 under autocast with the weight gradients accumulated in fp32), under torch.compile and activation
+checkpointing; fused_gate_up modules save and load Hugging Face's names; patched models train the same. CPU only:
+the options are plain PyTorch around the ops (the ops' CUDA kernels are tested elsewhere)."""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import ffn_ext
+import ffn_ext.mlp as M
+from ffn_ext.table import ACTIVATIONS
+from test_modules import _LiveBytes
+
+ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
+FORMS = ("separate", "packed")
+OPTIONS = [  # (recompute, token_chunk) on 2 x 37 = 74 tokens
+    pytest.param(True, None, id="recompute"),
+    pytest.param(False, 5, id="chunk5"),
+    pytest.param(True, 37, id="recompute-chunk37"),
+    pytest.param(False, 1, id="chunk1"),
+    pytest.param(False, 73, id="chunk73"),
+    pytest.param(False, 74, id="chunk74-default"),
+]
+
+
+def _params(form, d_model, d_ff, bias, dtype=torch.float64, scale=0.3):
+    """(ws, wd, bs, bd): leaves that require grad; ws = (w_gate, w_up) or (w_gate_up,)."""
+    def leaf(*shape):
+        return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_()
+    ws = (leaf(2 * d_ff, d_model),) if form == "packed" else (leaf(d_ff, d_model), leaf(d_ff, d_model))
+    bs = tuple(leaf(w.shape[0]) if bias else None for w in ws)
+    return ws, leaf(d_model, d_ff), bs, leaf(d_model) if bias else None
+
+
+def _mlp(act, form, ws, wd, bs, bd, **opts):
+    if form == "packed":
+        return lambda x: M.gated_mlp_packed(x, ws[0], wd, bs[0], bd, activation=act.name, **opts)
+    return lambda x: M.gated_mlp(x, *ws, wd, *bs, bd, activation=act.name, **opts)
+
+
+def _leaves(x, ws, wd, bs, bd):
+    return [t for t in (x, *ws, wd, *bs, bd) if t is not None]
+
+
+@pytest.mark.parametrize("recompute,chunk", OPTIONS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("act", ACTS)
+def test_options_give_the_default_paths_results_fp64(act, form, bias, recompute, chunk):
+    ws, wd, bs, bd = _params(form, 12, 20, bias)
+    x = torch.randn(2, 37, 12, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(2, 37, 12, dtype=torch.float64)
+    leaves = _leaves(x, ws, wd, bs, bd)
+    y0 = _mlp(act, form, ws, wd, bs, bd)(x)
+    g0 = torch.autograd.grad(y0, leaves, gy)
+    y = _mlp(act, form, ws, wd, bs, bd, recompute=recompute, token_chunk=chunk)(x)
+    assert "_GatedMLP" in type(y.grad_fn).__name__
+    g = torch.autograd.grad(y, leaves, gy)
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, g0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # the plain path (inference) chunks too
+        torch.testing.assert_close(_mlp(act, form, ws, wd, bs, bd, token_chunk=chunk)(x), y0, rtol=1e-12, atol=1e-12)
+
+
+def _saved(fn, x):
+    """Shapes of the tensors autograd saves while fn(x) runs (saved_tensors_hooks)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    return shapes, y
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_recompute_and_token_chunk_save_no_tokens_by_dff_tensor(form):
+    tokens, d_model, d_ff = 74, 12, 20
+    act = ACTIVATIONS[0]
+    ws, wd, bs, bd = _params(form, d_model, d_ff, True)
+    x = torch.randn(2, 37, d_model, dtype=torch.float64, requires_grad=True)
+    big = lambda shapes: [s for s in shapes if math.prod(s) >= tokens * d_ff]  # the weights have far fewer
+    default, y = _saved(_mlp(act, form, ws, wd, bs, bd), x)
+    assert len(big(default)) == (1 if form == "packed" else 2), default  # gate_up, or gate and up: the test can fail
+    for opts in ({"recompute": True}, {"token_chunk": 8}):
+        shapes, y = _saved(_mlp(act, form, ws, wd, bs, bd, **opts), x)
+        assert big(shapes) == [], (opts, shapes)
+        assert (2, 37, d_model) in shapes  # x: what backward recomputes from
+        y.sum().backward()
+
+
+class _Largest(TorchDispatchMode):
+    """The largest [rows, width] output of any op whose last dim is d_ff or 2*d_ff, weights' shapes aside."""
+
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.widths, self.weights, self.largest = (d_ff, 2 * d_ff), {(d_ff, d_model), (2 * d_ff, d_model)}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in self.widths:
+                if tuple(t.shape) not in self.weights:
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("act", ACTS)
+def test_token_chunk_bounds_every_tensor_inside_the_mlp(act, form):
+    """No op inside the MLP makes a tensor of more than 2 x N x d_ff elements with token_chunk=N, forward and
+    backward, training and inference; the default path does (so this can fail)."""
+    tokens, d_model, d_ff, n = 96, 8, 48, 8
+    ws, wd, bs, bd = _params(form, d_model, d_ff, True, dtype=torch.float32)
+    x = torch.randn(tokens, d_model, requires_grad=True)
+    for chunk in (None, n):
+        fn = _mlp(act, form, ws, wd, bs, bd, token_chunk=chunk)
+        with _Largest(d_model, d_ff) as train:
+            torch.autograd.grad(fn(x), _leaves(x, ws, wd, bs, bd), torch.randn(tokens, d_model))
+        with torch.no_grad(), _Largest(d_model, d_ff) as infer:
+            fn(x)
+        if chunk is None:
+            assert train.largest >= tokens * d_ff and infer.largest >= tokens * d_ff
+        else:
+            assert train.largest <= 2 * n * d_ff and infer.largest <= 2 * n * d_ff, (train.largest, infer.largest)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_token_chunk_peak_memory_does_not_grow_with_tokens(form):
+    """Peak bytes allocated inside forward + backward, less what must be there anyway (y, dx, the weight and bias
+    gradients): at most 4 x N x d_ff elements with token_chunk=N at 256 and 1024 tokens (the issue's target; it is
+    2.5 x N x d_ff); the default path's grows with the token count (4.7 x tokens x d_ff)."""
+    d_model, d_ff, n = 16, 64, 64
+    act = ACTIVATIONS[-1]
+    ws, wd, bs, bd = _params(form, d_model, d_ff, True, dtype=torch.float32)
+    params = [t for t in (*ws, wd, *bs, bd) if t is not None]
+    anyway = sum(p.numel() for p in params)  # the parameters' gradients
+
+    def extra_peak(tokens, chunk):
+        x = torch.randn(tokens, d_model, requires_grad=True)
+        g = torch.randn(tokens, d_model)
+        fn = _mlp(act, form, ws, wd, bs, bd, token_chunk=chunk)
+        live = _LiveBytes()
+        live.ptrs.update(t.untyped_storage().data_ptr() for t in (x, g, *params))  # not their views: not new memory
+        with live:
+            grads = torch.autograd.grad(fn(x), [x, *params], g)
+        del grads
+        return live.peak / 4 - anyway - 2 * tokens * d_model  # elements beyond y, dx and the gradients
+
+    for tokens in (256, 1024):
+        assert extra_peak(tokens, n) <= 4 * n * d_ff, (tokens, extra_peak(tokens, n) / (n * d_ff))
+    assert extra_peak(256, None) > 4 * 256 * d_ff  # the default path: the test can fail
+
+
+def test_chunked_weight_gradients_accumulate_in_the_parameters_dtype():
+    """_acc_mm: bf16 chunks into an fp32 gradient are summed without rounding each chunk's product to bf16."""
+    a, b = torch.randn(64, 48).bfloat16(), torch.randn(64, 40).bfloat16()
+    ref = a.double().t() @ b.double()
+    acc = None
+    for s in range(0, 64, 16):
+        acc = M._acc_mm(acc, a[s:s + 16], b[s:s + 16], torch.float32)
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double(), ref, rtol=1e-5, atol=1e-4)
+    rounded = sum((a[s:s + 16].t() @ b[s:s + 16]).double() for s in range(0, 64, 16))  # per-chunk bf16: worse
+    assert (rounded - ref).abs().max() > 10 * (acc.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_token_chunk_under_cpu_autocast(form):
+    """fp32 parameters under bf16 autocast: the chunked path computes in bf16 like the default one; gradients come
+    back fp32 and match the default's to bf16 rounding."""
+    act = ACTIVATIONS[-1]
+    ws, wd, bs, bd = _params(form, 32, 64, True, dtype=torch.float32)
+    x = torch.randn(3, 40, 32, requires_grad=True)
+    gy = torch.randn(3, 40, 32)
+    leaves = _leaves(x, ws, wd, bs, bd)
+    out = {}
+    for chunk in (None, 16):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = _mlp(act, form, ws, wd, bs, bd, token_chunk=chunk)(x)
+        assert y.dtype == torch.bfloat16
+        out[chunk] = (y, torch.autograd.grad(y, leaves, gy))
+    torch.testing.assert_close(out[16][0], out[None][0], rtol=2e-2, atol=2e-2)
+    for a, b, leaf in zip(out[16][1], out[None][1], leaves):
+        assert a.dtype == leaf.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2 * b.abs().max().item())
+
+
+def test_bad_options_raise_naming_the_argument():
+    x, w = torch.randn(4, 8), torch.randn(12, 8)
+    for kw, name in (({"token_chunk": 0}, "token_chunk"), ({"token_chunk": 2.5}, "token_chunk"),
+                     ({"token_chunk": True}, "token_chunk"), ({"recompute": 1}, "recompute")):
+        with pytest.raises(ValueError, match=f"swiglu_mlp: `{name}` must be"):
+            ffn_ext.swiglu_mlp(x, w, w, w.t(), **kw)
+        with pytest.raises(ValueError, match=f"SwiGLUFFN: `{name}` must be"):
+            ffn_ext.SwiGLUFFN(8, 12, **kw)
+    with pytest.raises(ValueError, match="GeGLUFFN: `fused_gate_up` must be True or False"):
+        ffn_ext.GeGLUFFN(8, 12, fused_gate_up="yes")
+
+
+# ---------------------------------------------------------------- modules: fused_gate_up, options as attributes
+def _module_pair(cls, bias, **kw):
+    torch.manual_seed(3)
+    sep = cls(16, 40, bias=bias, dtype=torch.float64, **kw)
+    fused = cls(16, 40, bias=bias, dtype=torch.float64, fused_gate_up=True, **kw)
+    fused.load_state_dict(sep.state_dict())
+    return sep, fused
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("cls,kw", [(ffn_ext.SwiGLUFFN, {}), (ffn_ext.GeGLUFFN, {"approximate": "tanh"})],
+                         ids=["swiglu", "geglu_tanh"])
+def test_fused_gate_up_module_equals_separate_and_keeps_llama_names(cls, kw, bias):
+    sep, fused = _module_pair(cls, bias, **kw)
+    assert set(fused._modules) == {"gate_up_proj", "down_proj", "act"}
+    assert fused.state_dict().keys() == sep.state_dict().keys()  # gate_proj.* / up_proj.*: HF checkpoints
+    torch.testing.assert_close(fused.gate_up_proj.weight, torch.cat((sep.gate_proj.weight, sep.up_proj.weight)))
+    x = torch.randn(3, 11, 16, dtype=torch.float64, requires_grad=True)
+    y, y0 = fused(x), sep(x)
+    assert "_GatedMLPPacked" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    gy = torch.randn_like(y)
+    g = torch.autograd.grad(y, [x, fused.gate_up_proj.weight, fused.down_proj.weight], gy)
+    g0 = torch.autograd.grad(y0, [x, sep.gate_proj.weight, sep.up_proj.weight, sep.down_proj.weight], gy)
+    torch.testing.assert_close(g[0], g0[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g[1], torch.cat(g0[1:3]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g[2], g0[3], rtol=1e-12, atol=1e-12)
+    # saved state dicts load both ways (strict), a packed checkpoint into separate projections, and pickling
+    back = cls(16, 40, bias=bias, dtype=torch.float64, **kw)
+    back.load_state_dict(fused.state_dict())
+    torch.testing.assert_close(back(x), y0, rtol=0, atol=0)
+    packed_sd = {k: v for k, v in fused.named_parameters()}
+    back.load_state_dict(packed_sd)
+    torch.testing.assert_close(back(x), y0, rtol=0, atol=0)
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(again(x), y, rtol=0, atol=0)
+    assert again.state_dict().keys() == sep.state_dict().keys()
+    assert "fused_gate_up=True" in repr(fused)
+
+
+def test_fused_gate_up_loads_and_saves_a_transformers_llama_mlp():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4,
+                                   num_key_value_heads=2)
+    torch.manual_seed(4)
+    hf = LlamaMLP(cfg)
+    ours = ffn_ext.SwiGLUFFN(16, 40, fused_gate_up=True, token_chunk=7)
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 9, 16)
+    torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-6)
+    hf2 = LlamaMLP(cfg)
+    hf2.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(hf2(x), hf(x), rtol=0, atol=0)
+
+
+def test_fused_module_with_a_hook_runs_its_modules():
+    """A hook on gate_up_proj sees it run (the module path: d(act(gate_up_proj(x))))."""
+    sep, fused = _module_pair(ffn_ext.SwiGLUFFN, False)
+    seen = []
+    fused.gate_up_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    x = torch.randn(5, 16, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), sep(x), rtol=1e-12, atol=1e-12)
+    assert seen == [torch.Size([5, 80])]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_module_options_are_attributes(fused):
+    torch.manual_seed(5)
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True, dtype=torch.float64, fused_gate_up=fused)
+    x = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    y0 = mlp(x)
+    g0 = torch.autograd.grad(y0.sum(), [x, *mlp.parameters()])
+    mlp.recompute, mlp.token_chunk = True, 8
+    shapes, y = _saved(mlp, x)
+    assert not [s for s in shapes if s[0] == 50 and s[-1] in (40, 80)]
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(y.sum(), [x, *mlp.parameters()]), g0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert "recompute=True, token_chunk=8" in repr(mlp)
+
+
+# ---------------------------------------------------------------- compositions
+@pytest.mark.parametrize("fused,chunk", [(False, 8), (True, None)], ids=["chunk8", "fused-recompute"])
+def test_options_under_compile_fullgraph(fused, chunk):
+    torch.manual_seed(6)
+    mlp = ffn_ext.SwiGLUFFN(16, 40, bias=True, fused_gate_up=fused, recompute=True, token_chunk=chunk)
+    ref = copy.deepcopy(mlp)
+    ref.recompute, ref.token_chunk = False, None
+    x = torch.randn(2, 20, 16, requires_grad=True)
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    y, y0 = compiled(x), ref(x)
+    torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-5)
+    g = torch.autograd.grad(y.sum(), [x, *mlp.parameters()])
+    g0 = torch.autograd.grad(y0.sum(), [x, *ref.parameters()])
+    for a, b in zip(g, g0):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_token_chunk_under_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(7)
+    mlp = ffn_ext.SwiGLUFFN(16, 40, dtype=torch.float64, token_chunk=6)
+    x = torch.randn(3, 10, 16, dtype=torch.float64, requires_grad=True)
+    y = checkpoint(mlp, x, use_reentrant=False)
+    g = torch.autograd.grad(y.sum(), [x, *mlp.parameters()])
+    mlp.token_chunk = None
+    y0 = mlp(x)
+    g0 = torch.autograd.grad(y0.sum(), [x, *mlp.parameters()])
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, g0):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_token_chunk_double_backward():
+    """create_graph=True through a token_chunk call: second derivatives as the default path's."""
+    torch.manual_seed(8)
+    ws, wd, bs, bd = _params("separate", 6, 10, True)
+    x = torch.randn(13, 6, dtype=torch.float64, requires_grad=True)
+    out = []
+    for chunk in (None, 4):
+        y = _mlp(ACTIVATIONS[-1], "separate", ws, wd, bs, bd, token_chunk=chunk)(x)
+        (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        out.append(torch.autograd.grad(gx.pow(2).sum(), [x, *ws, wd]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- Hugging Face: patch_hf_model(recompute, token_chunk)
+def test_tiny_llama_patched_with_token_chunk_trains_the_same():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=61, max_position_embeddings=32, pad_token_id=0)
+    torch.manual_seed(9)
+    ref = transformers.LlamaForCausalLM(cfg).double()
+    model = copy.deepcopy(ref)
+    assert ffn_ext.patch_hf_model(model, token_chunk=5, recompute=True) == 2
+    mlps = [m for m in model.modules() if type(m).__name__ == "LlamaMLP"]
+    ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step in range(3):
+        losses = []
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-10, atol=1e-10)
+        for (n, p), p0 in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, p0.grad, rtol=1e-9, atol=1e-10, msg=n)
+        for opt in opts:
+            opt.step()
+    # the MLPs ran the chunked autograd, and a later call sets the options anew (nothing newly patched)
+    assert "_GatedMLP" in type(mlps[0](torch.randn(4, 32, dtype=torch.float64, requires_grad=True)).grad_fn).__name__
+    assert ffn_ext.patch_hf_model(model) == 0
+    assert all(m.__dict__["_ffn_ext_mlp_options"] == (False, None) for m in mlps)
+
+
+def test_patch_options_name_the_modules_they_do_not_apply_to():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=61, num_local_experts=4,
+                                     num_experts_per_tok=2, head_dim=8)
+    model = transformers.MixtralForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"token_chunk=8 does not apply to MixtralExperts.*strict=True"):
+        ffn_ext.patch_hf_model(model, token_chunk=8, strict=True)
+    assert not any(getattr(m, "_ffn_ext_patched", None) for m in model.modules())
+    with pytest.warns(RuntimeWarning, match=r"recompute=True does not apply to MixtralExperts at "
+                                            r"'model.layers.0.mlp.experts'.*\(patched without it\)"):
+        assert ffn_ext.patch_hf_model(model, recompute=True) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ffn_ext.patch_hf_model(model)  # the defaults apply everywhere: no warning
+    with pytest.raises(ValueError, match="patch_model: `token_chunk` must be"):
+        ffn_ext.patch_hf_model(model, token_chunk=-1)
