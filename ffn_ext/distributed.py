@@ -84,9 +84,15 @@ GATED_FFN_PLAN = {**{n: "colwise" for n in _COLWISE}, **{n: "rowwise" for n in _
 def _is_gated_ffn(mod) -> bool:
     from . import modules
 
-    if isinstance(mod, modules.GatedFFN):
-        return True
-    return all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
+    separate = all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
+    if isinstance(mod, modules.GatedFFN) and not separate:
+        # a packed gate_up projection (fused_gate_up=True): ColwiseParallel would give rank 0 the global
+        # [gate | up]'s first rows (gate only), not its own [gate_shard | up_shard]
+        raise ValueError(f"ffn_ext.distributed.tp_plan: {type(mod).__name__} has no separate gate_proj/up_proj "
+                         "nn.Linear (a fused gate_up projection?); colwise sharding of a packed [gate | up] weight "
+                         "would pair the wrong rows. Use separate projections, or split the packed weight per rank "
+                         "(per_rank_packed)")
+    return separate
 
 
 def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:

@@ -650,3 +650,46 @@ def test_pointwise_tags(name):
     gelu/silu/mul carry; not on the packed ops, which pair elements along the last dim."""
     tags = getattr(torch.ops.ffn_ext, name).default.tags
     assert (torch.Tag.pointwise in tags) == (not optable.is_packed(name)), (name, tags)
+
+
+# ---------------------------------------------------------------- memory format (issue 16)
+_FORMATS = [(torch.channels_last, (2, 3, 4, 5)), (torch.channels_last_3d, (2, 3, 2, 4, 5))]
+_SAME_SHAPE = [n for n in optable.OPS if not optable.is_packed(n)]
+
+
+def _in_format(t, fmt):
+    return t.contiguous(memory_format=fmt)
+
+
+@pytest.mark.skipif(not optable.NATIVE, reason="the native ops' output format")
+@pytest.mark.parametrize("fmt,shape", _FORMATS, ids=["channels_last", "channels_last_3d"])
+@pytest.mark.parametrize("name", _SAME_SHAPE)
+def test_outputs_keep_channels_last(name, fmt, shape):
+    """Every unary and gated op (forward and backward): inputs all channels_last (channels_last_3d) give outputs in
+    that format, as ATen's pointwise ops, with the values of contiguous inputs; on the CPU kernels, on the CUDA
+    launch emulated on the host (one long row over the storage, rows.h) and under FakeTensorMode (the Meta kernels
+    give the real strides). One input in another format: contiguous outputs, the same values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kw = optable.op_kwargs(name)
+    ins = optable.make_inputs(name, shape, torch.float32)
+    cl = [_in_format(t, fmt) for t in ins]
+    assert all(not t.is_contiguous() for t in cl)
+    paths = {"cpu": lambda *a: optable.op(name)(*a, **kw)}
+    emulate = getattr(ffn_ext.ops._native, "_emulate_cuda", None)
+    if emulate is not None:
+        paths["emulated_cuda"] = lambda *a: emulate(name, list(a), 132, host_params(name), "concat")
+    for path, fn in paths.items():
+        want = as_tuple(fn(*ins))  # the path's own result on contiguous inputs (the paths differ in the last bits)
+        got = as_tuple(fn(*cl))
+        for g, w in zip(got, want):
+            assert g.is_contiguous(memory_format=fmt), (path, g.stride())
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+        if len(cl) > 1:  # formats that disagree: contiguous outputs
+            mixed = [cl[0], *ins[1:]]
+            for g, w in zip(as_tuple(fn(*mixed)), want):
+                assert g.is_contiguous(), (path, g.stride())
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+    with FakeTensorMode() as mode:
+        fake = as_tuple(optable.op(name)(*[mode.from_tensor(t) for t in cl], **kw))
+    assert [f.stride() for f in fake] == [g.stride() for g in as_tuple(optable.op(name)(*cl, **kw))]
