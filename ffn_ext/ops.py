@@ -82,6 +82,11 @@ def _register_dtensor() -> bool:
     return True
 
 
+def _has_dtensor(args: tuple) -> bool:
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(a, dtensor) for a in args)
+
+
 def _load_installed() -> None:
     global _native_error
     if os.environ.get(NO_C_ENV, "0") not in ("", "0"):
@@ -210,7 +215,7 @@ def _call(name: str, args: tuple, extra: tuple = ()):
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
             return overload(*args, **dict(zip(_KEYWORDS[name], extra))) if extra else overload(*args)
     except Exception:
-        if _register_dtensor():
+        if _has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
         if len(args) > 1 and _promoted(args) is not args:  # the fast entry point refuses mixed dtypes
             return _call(name, _promoted(args), extra)

@@ -159,7 +159,8 @@ def test_no_recompile_after_the_first_call():
     torch._dynamo.reset()
     ffn_ext.ops._overloads.clear()
     torch.manual_seed(0)
-    for model, x in ((TinyMLP(), lambda: torch.randn(2, 5, 16)), (ffn_ext.SwiGLUFFN(16, 24), lambda: torch.randn(3, 16))):
+    for model, x in ((TinyMLP(), lambda: torch.randn(2, 5, 16)),
+                     (ffn_ext.SwiGLUFFN(16, 24), lambda: torch.randn(3, 16))):
         compiled = torch.compile(model, backend="aot_eager")
         _compare(model, compiled, [x()])
         with torch.compiler.set_stance("fail_on_recompile"):

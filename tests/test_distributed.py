@@ -232,7 +232,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (WORLD,))
-        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan, _check_tp_gated_mlp, _check_fsdp2):
+        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan,
+                      _check_tp_gated_mlp, _check_fsdp2):
             try:
                 failures += check(mesh)
             except Exception:
@@ -257,3 +258,21 @@ def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
             with open(os.path.join(out, f"rank{r}.txt")) as f:
                 failures += [f"rank {r}: {x}" for x in f.read().split(_SEP) if x]
     assert not failures, _SEP.join(failures)
+
+
+def test_tp_plan_names_every_gated_ffn_and_refuses_a_fused_gate_up():
+    """tp_plan: colwise gate_proj/up_proj and rowwise down_proj for every gated FFN, by its qualified name; a
+    module with a fused gate_up projection is refused with the reason (colwise sharding of [gate | up] would give
+    rank 0 gate rows only)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import ffn_ext
+    from ffn_ext.distributed import tp_plan
+
+    model = torch.nn.Sequential(ffn_ext.SwiGLUFFN(8, 12), torch.nn.Linear(8, 8), ffn_ext.GeGLUFFN(8, 12))
+    plan = tp_plan(model)
+    assert {k: type(v) for k, v in plan.items()} == {
+        f"{i}.{n}": ColwiseParallel if n != "down_proj" else RowwiseParallel
+        for i in (0, 2) for n in ("gate_proj", "up_proj", "down_proj")}
+    with pytest.raises(ValueError, match="fused gate_up"):
+        tp_plan(ffn_ext.SwiGLUFFN(8, 12, fused_gate_up=True))

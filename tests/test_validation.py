@@ -136,8 +136,6 @@ BAD_INPUTS = [
      r"ffn_ext\.swiglu_packed: expected `gate_up` to be a dense strided tensor, got layout torch\.sparse_coo"),
     ("gelu-nested", lambda: ffn_ext.gelu(_nested()), None, TypeError,
      r"ffn_ext\.gelu: `x` is a nested tensor; expected a dense strided tensor"),
-    ("silu-nested-jagged", lambda: ffn_ext.silu(_nested(torch.jagged)), None, TypeError,
-     r"ffn_ext\.silu: `x` is a nested tensor; expected a dense strided tensor"),
     ("swiglu-gate-nested", lambda: ffn_ext.swiglu(_nested(), _nested()), None, TypeError,
      r"ffn_ext\.swiglu: `gate` is a nested tensor; expected a dense strided tensor"),
     ("gelu-quantized", lambda: ffn_ext.gelu(_quantized(X)), None, TypeError,
@@ -159,7 +157,6 @@ DISPATCHER_ONLY = [
     # kernel ("NestedTensorImpl doesn't support sizes") before reaching the NestedTensorCPU key
     ("ops-gelu-nested", lambda: OPS.gelu(_nested()), RuntimeError,
      _NO_KERNEL.format(op="gelu", key="NestedTensorCPU") + r"|NestedTensorImpl doesn't support sizes"),
-    ("ops-silu-nested-jagged", lambda: OPS.silu(_nested(torch.jagged)), NotImplementedError, r"ffn_ext\.silu"),
     ("ops-gelu-quantized", lambda: OPS.gelu(_quantized(X)), NotImplementedError,
      _NO_KERNEL.format(op="gelu", key="QuantizedCPU")),
     # an undefined tensor (None): the dispatcher fails before any kernel ("tensor does not have a device")
@@ -708,3 +705,19 @@ def test_aten_fallback_validates_the_same():
     r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"fallback-ok {20 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout
+
+
+@needs_native
+def test_jagged_nested_tensors_run_the_pointwise_ops():
+    """The unary and gated ops carry torch.Tag.pointwise, so jagged nested tensors (NJT) run them on their values,
+    as they run ATen's silu and mul; the results are ATen's on the same NJT. (Strided nested tensors are still
+    refused: BAD_INPUTS.)"""
+    njt = _nested(torch.jagged)
+    up = njt * 0.5 + 1
+    for act in ACTIVATIONS:
+        fn, kw = act.api
+        got = getattr(ffn_ext, fn)(njt, **kw)
+        torch.testing.assert_close(got.values(), act.aten(njt).values())
+        torch.testing.assert_close(ffn_ext.gated(njt, up, activation=act.name).values(),
+                                   (act.aten(njt) * up).values())
+    torch.testing.assert_close(OPS.silu(njt).values(), torch.nn.functional.silu(njt).values())
