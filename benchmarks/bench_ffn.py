@@ -206,7 +206,8 @@ def run(args) -> dict:
         if args.variants and activation in FFN_EXT_MODULES:
             name, kw = FFN_EXT_MODULES[activation]
             for v, opts in VARIANTS.items():
-                opts = {k: (max(1, tokens // o) if k == "token_chunk" else o) for k, o in opts.items()}
+                opts = {k: ((args.token_chunk or max(1, tokens // o)) if k == "token_chunk" else o)
+                        for k, o in opts.items()}
                 mods[v] = getattr(ffn_ext, name)(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw, **opts)
                 mods[v].load_state_dict(eager.state_dict())
             for v, m in liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes).items():
@@ -310,6 +311,8 @@ def main(argv=None) -> int:
     common.add_common_args(p)
     p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
     p.add_argument("--models", default=None, help=f"comma-separated models (replaces the mode's): {', '.join(MODELS)}")
+    p.add_argument("--token-chunk", type=int, default=None, help="token_chunk of the --variants module (default: a "
+                   "quarter of the tokens)")
     p.add_argument("--memory-only", action="store_true", help="measure saved bytes and peak memory only (no "
                    "timing): long sequences on CPU")
     p.add_argument("--variants", action="store_true", help="also ffn_ext's module with fused_gate_up=True, "

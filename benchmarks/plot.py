@@ -148,7 +148,7 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
             if r is None:
                 continue
             xs.append(i + (k - (len(impls) - 1) / 2) * width)
-            ts.append(r["median_ms"])
+            ts.append(r["median_ms"] or 0)  # None: --memory-only
             ms.append(r["activation_bytes"] / 2**20)
         axes[0].bar(xs, ts, width, color=col, label=lab)
         axes[1].bar(xs, ms, width, color=col, label=lab)
