@@ -268,7 +268,7 @@ class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
         self.ptrs.discard(ptr)
 
 
-def peak_extra_bytes(fn, dev: torch.device, existing=(), cpu: bool = True) -> int | None:
+def peak_extra_bytes(fn, dev: torch.device, existing=(), cpu: bool = False) -> int | None:
     """Peak memory allocated during fn() above what was allocated before it: CUDA's allocator statistics; on CPU
     (cpu=True) the peak of the storages ops create inside fn (views of `existing` tensors are not new memory), else
     None. Not for torch.compile'd callables on CPU (a dispatch mode changes what they run)."""

@@ -164,7 +164,7 @@ def _backward(ctx, dy, needs):
     # (tests/test_modules.py::test_backward_peak_memory_below_eager).
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     want_pre = n_x or any(n_ws) or any(n_bs)
-    if k == 2 and x.device.type == "cpu" and not torch.is_grad_enabled():
+    if k == 2 and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         d_pre, d_wd = _cpu_backward(BY_NAME[ctx.activation], dy, wd, pre, want_pre, n_wd)
     elif want_pre:
         d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
@@ -182,7 +182,8 @@ def _backward(ctx, dy, needs):
 
 
 def _cpu_backward(act, dy, wd, pre, want_pre, n_wd):
-    """The separate projections' backward on CPU, where the ops are ATen composites (each pass its own loop):
+    """The separate projections' backward on CPU in eager mode, where the ops are ATen composites (each pass its own
+    loop; torch.compile traces the ops, whose graph is the same on every device):
     act(gate) once for h (the down projection's weight gradient) and d_up, then d_gate = act'(gate) dh up; the
     fused op and the recompute would take act(gate) twice more. The same peak (five [tokens, d_ff] tensors with the
     saved gate and up). Returns ([d_gate, d_up] or None, d_w_down or None)."""
