@@ -23,14 +23,18 @@ std::vector<std::pair<std::string, std::string>> build_info() {
   return info;
 }
 
-// Schemas, from the table (ops_table.h says what each computes).
+// Schemas, from the table (ops_table.h says what each computes). The unary and gated ops (forward and backward)
+// are elementwise over same-shaped inputs: tagged pointwise, as ATen's gelu/silu/mul (torch.Tag.pointwise; tests/
+// test_ops.py). The packed ops pair elements along the last dim, so they are not.
 TORCH_LIBRARY(ffn_ext, m) {
-#define FFN_EXT_DEF_ACT(name, ...)                            \
-  m.def(#name "(Tensor x) -> Tensor");                        \
-  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor");
+  const std::vector<at::Tag> pointwise{at::Tag::pointwise};
+#define FFN_EXT_DEF_ACT(name, ...)                                       \
+  m.def(#name "(Tensor x) -> Tensor", pointwise);                        \
+  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise);
 #define FFN_EXT_DEF_GATED(name, Gate, P)                                                                      \
-  m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor");                                 \
-  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)"); \
+  m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor", pointwise);                      \
+  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)",  \
+        pointwise);                                                                                           \
   m.def(#name "_packed(Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P ", str layout=\"concat\") -> Tensor");          \
   m.def(#name "_packed_backward(Tensor grad, Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P                          \
         ", str layout=\"concat\") -> Tensor");

@@ -8,6 +8,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <array>
 #include <tuple>
@@ -64,6 +65,26 @@ void run_same_shape(const F& f, std::array<at::Tensor, F::NI> ins, const std::ar
   if (out0.numel() == 0) return;
   const typename Launcher::Guard guard(out0.device());
   RowProblem<F::NI, F::NO> p;
+  if (!out0.is_contiguous()) {
+    // A channels_last / channels_last_3d output (shapes.cpp same_shape_format: the inputs are dense in it): every
+    // operand in out0's strides, so the same storage position holds the same element in each, and one long row
+    // over the storage computes the op at full speed (an input with other strides, e.g. a size-1 dim's, is copied
+    // into them first; the outputs share out0's).
+    for (int i = 0; i < F::NI; ++i) {
+      if (ins[i].strides() != out0.strides()) ins[i] = at::empty_like(out0).copy_(ins[i]);
+      p.in[i] = ins[i].data_ptr();
+      p.in_stride[i] = out0.numel();
+    }
+    for (size_t o = 0; o < NO; ++o) {
+      TORCH_CHECK(outs[o].strides() == out0.strides(), "ffn_ext: outputs of different strides");
+      p.out[o] = outs[o].data_ptr();
+      p.out_stride[o] = out0.numel();
+    }
+    p.cols = out0.numel();
+    p.rows = 1;
+    launch<Launcher>(f, out0.scalar_type(), p);
+    return;
+  }
   p.cols = out0.dim() ? out0.size(-1) : 1;
   p.rows = out0.numel() / p.cols;
   bool all_contiguous = true;

@@ -10,6 +10,8 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <functional>
+#include <initializer_list>
 #include <string>
 
 namespace ffn_ext {
@@ -87,27 +89,44 @@ std::vector<c10::SymInt> with_last(const at::Tensor& t, const c10::SymInt& last)
   return sizes;
 }
 
-at::Tensor empty_like_sizes(const at::Tensor& ref, c10::SymIntArrayRef sizes) {
-  return at::empty_symint(sizes, ref.options().memory_format(at::MemoryFormat::Contiguous));
+at::Tensor empty_like_sizes(const at::Tensor& ref, c10::SymIntArrayRef sizes,
+                            at::MemoryFormat format = at::MemoryFormat::Contiguous) {
+  return at::empty_symint(sizes, ref.options().memory_format(format));
+}
+
+// The memory format of a same-shape op's outputs: channels_last (4-D) or channels_last_3d (5-D) when every input
+// is dense in it and not plainly contiguous, as ATen's pointwise ops keep it; else contiguous. The CUDA launcher
+// then runs one long row over the storage (row_ops.h run_same_shape), the CPU kernels' ATen *_out calls take any
+// strides. The Meta kernels decide with the same function, so fake tensors get the real outputs' strides.
+at::MemoryFormat same_shape_format(std::initializer_list<std::reference_wrapper<const at::Tensor>> ins) {
+  const at::Tensor& first = ins.begin()->get();
+  const auto fmt = first.dim() == 4 ? at::MemoryFormat::ChannelsLast
+                   : first.dim() == 5 ? at::MemoryFormat::ChannelsLast3d
+                                      : at::MemoryFormat::Contiguous;
+  if (fmt == at::MemoryFormat::Contiguous) return fmt;
+  for (const at::Tensor& t : ins) {
+    if (t.dim() != first.dim() || t.is_contiguous() || !t.is_contiguous(fmt)) return at::MemoryFormat::Contiguous;
+  }
+  return fmt;
 }
 }  // namespace
 
 // ---- per-op checks + allocation ----
 at::Tensor alloc_unary(const char* op, const at::Tensor& x) {
   check_input(op, "x", x);
-  return empty_like_sizes(x, x.sym_sizes());
+  return empty_like_sizes(x, x.sym_sizes(), same_shape_format({x}));
 }
 
 at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x) {
   check_input(op, "x", x);
   check_like(op, "grad", grad, "x", x);
-  return empty_like_sizes(x, x.sym_sizes());
+  return empty_like_sizes(x, x.sym_sizes(), same_shape_format({grad, x}));
 }
 
 at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);
-  return empty_like_sizes(gate, gate.sym_sizes());
+  return empty_like_sizes(gate, gate.sym_sizes(), same_shape_format({gate, up}));
 }
 
 std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
@@ -115,7 +134,8 @@ std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);
   check_like(op, "grad", grad, "gate", gate);
-  return {empty_like_sizes(gate, gate.sym_sizes()), empty_like_sizes(gate, gate.sym_sizes())};
+  const auto fmt = same_shape_format({grad, gate, up});
+  return {empty_like_sizes(gate, gate.sym_sizes(), fmt), empty_like_sizes(gate, gate.sym_sizes(), fmt)};
 }
 
 at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up) {

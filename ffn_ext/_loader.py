@@ -53,11 +53,15 @@ def check_installed_C() -> None:
     if not _built_C():
         raise ImportError(f"ffn_ext._C is not built: no _C extension module in {_build.PACKAGE}")
     record = _build.read_record(_build.PACKAGE)
-    here = _build.torch_base_version(torch.__version__)
-    if record and record.get("torch_version") != here:
-        raise ImportError(f"ffn_ext._C was built against torch {record.get('torch_version')}, this is torch "
-                          f"{torch.__version__}; it loads only with the torch it was built against. Rebuild it: "
-                          f"{_build.rebuild_command()}")
+    if not record:
+        return
+    built = (record.get("torch_version"), record.get("torch_cuda"))
+    here = (_build.torch_base_version(torch.__version__), torch.version.cuda)
+    if built != here:  # the version, or a CUDA build against a CPU one (or another CUDA) of the same version
+        def name(version, cuda):
+            return f"torch {version} ({f'CUDA {cuda}' if cuda else 'CPU-only'})"
+        raise ImportError(f"ffn_ext._C was built against {name(*built)}, this is {name(torch.__version__, here[1])}; "
+                          f"it loads only with the torch it was built against. Rebuild it: {_build.rebuild_command()}")
 
 
 def remedy() -> str:

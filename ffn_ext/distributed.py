@@ -24,7 +24,7 @@ import torch
 
 from .table import OPS
 
-__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "GATED_FFN_PLAN"]
+__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "tp_gated_mlp", "GATED_FFN_PLAN"]
 
 _registered = False
 
@@ -84,9 +84,15 @@ GATED_FFN_PLAN = {**{n: "colwise" for n in _COLWISE}, **{n: "rowwise" for n in _
 def _is_gated_ffn(mod) -> bool:
     from . import modules
 
-    if isinstance(mod, modules.GatedFFN):
-        return True
-    return all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
+    separate = all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
+    if isinstance(mod, modules.GatedFFN) and not separate:
+        # a packed gate_up projection (fused_gate_up=True): ColwiseParallel would give rank 0 the global
+        # [gate | up]'s first rows (gate only), not its own [gate_shard | up_shard]
+        raise ValueError(f"ffn_ext.distributed.tp_plan: {type(mod).__name__} has no separate gate_proj/up_proj "
+                         "nn.Linear (a fused gate_up projection?); colwise sharding of a packed [gate | up] weight "
+                         "would pair the wrong rows. Use separate projections, or split the packed weight per rank "
+                         "(per_rank_packed)")
+    return separate
 
 
 def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
@@ -107,6 +113,61 @@ def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
             for n in _ROWWISE:
                 plan[p + n] = RowwiseParallel()
     return plan
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum of every rank's tensor (all_reduce); backward: the gradient as it is (the loss is computed
+    on the same summed tensor on every rank). Megatron's reduce_from_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        t = t.clone()
+        torch.distributed.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Forward: the tensor as it is; backward: the sum of every rank's gradient (each rank's is a partial sum over
+    its d_ff shard). Megatron's copy_to_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):
+    """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
+    mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
+    b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
+    the partial outputs are summed across ranks (one all_reduce forward, one for x's gradient backward); the
+    weights' gradients are DTensors with the weights' placements. Returns a local tensor, the same on every rank.
+    What tp_plan's module hooks cost instead: the projections run as modules (no lean autograd), 4 saved tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from .mlp import gated_mlp
+
+    for name, w, want in (("w_gate", w_gate, Shard(0)), ("w_up", w_up, Shard(0)), ("w_down", w_down, Shard(1)),
+                          ("b_gate", b_gate, Shard(0)), ("b_up", b_up, Shard(0)), ("b_down", b_down, Replicate())):
+        if w is not None and (not isinstance(w, DTensor) or tuple(w.placements) != (want,)):
+            raise ValueError(f"ffn_ext.distributed.tp_gated_mlp: expected `{name}` to be a DTensor placed "
+                             f"[{want}] on a 1-D mesh, got "
+                             f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}")
+    group = w_gate.device_mesh.get_group()
+    local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
+    y = gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None, activation=activation)
+    y = _SumOverRanks.apply(y, group)
+    return y if b_down is None else y + b_down.to_local()
 
 
 if torch.distributed.is_available():

@@ -191,13 +191,16 @@ def _call(name: str, args: tuple, extra: tuple = ()):
        modes, and what torch.compile traces);
     3. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
        library, torch.func transforms and forward-mode AD (_transformed).
-    Bad tensor kinds get the clear error on every path."""
+    Bad tensor kinds get the clear error on every path. Floating-point inputs of different dtypes are promoted to
+    their common dtype first (_promoted), as ATen's act(gate) * up promotes."""
     try:
         fast = _fast.get(name)
         if fast is not None and not _is_compiling():
             out = fast(*args, *extra)
             if out is not NotImplemented:
                 return out
+        if len(args) > 1:
+            args = _promoted(args)
         if _native_for(args[0]) and not _aten_only(args):
             # Under torch.compile the op is looked up, never cached: filling _overloads while traced made dynamo
             # guard on the cache's contents, so every compiled function recompiled on its second call (issue 16;
@@ -209,10 +212,27 @@ def _call(name: str, args: tuple, extra: tuple = ()):
     except Exception:
         if _register_dtensor():
             return _call(name, args, extra)
+        if len(args) > 1 and _promoted(args) is not args:  # the fast entry point refuses mixed dtypes
+            return _call(name, _promoted(args), extra)
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
         raise
     return _fallback(name, args, dict(zip(_KEYWORDS[name], extra)))
+
+
+def _promoted(args: tuple) -> tuple:
+    """args with floating-point tensors of different dtypes converted to their common dtype (torch.promote_types:
+    float32 and bfloat16 -> float32), as ATen's silu(gate) * up promotes (under autocast, a projection's bfloat16
+    output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args itself when
+    the dtypes agree, or when anything but floating-point tensors is there (the checks then name it)."""
+    dtype = None
+    for t in args:
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
+            return args
+        dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    if all(t.dtype == dtype for t in args):
+        return args
+    return tuple(t.to(dtype) for t in args)
 
 
 def _check_extra(name: str, kwargs: dict) -> None:

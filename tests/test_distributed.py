@@ -162,6 +162,46 @@ def _check_tp_plan(mesh):
     return failures
 
 
+def _check_tp_gated_mlp(mesh):
+    """tp_gated_mlp (the lean autograd on each rank's d_ff shard, partial outputs summed) with and without biases:
+    output, x's gradient and the weights' gradients (DTensors) equal the single-process gated_mlp's; the lean
+    autograd.Function is in the graph."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ffn_ext
+    from ffn_ext.distributed import tp_gated_mlp
+
+    failures = []
+    for act in ("silu", "gelu_tanh"):
+        for bias in (False, True):
+            try:
+                torch.manual_seed(6)
+                shapes = [(12, 8), (12, 8), (8, 12)] + ([(12,), (12,), (8,)] if bias else [])
+                full = [torch.randn(*sh, dtype=torch.float64, requires_grad=True) for sh in shapes]
+                x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+                placements = [Shard(0), Shard(0), Shard(1), Shard(0), Shard(0), Replicate()]
+                dts = [distribute_tensor(t.detach(), mesh, [p]).requires_grad_() for t, p in zip(full, placements)]
+                y_ref = ffn_ext.gated_mlp(x, *full[:3], *(full[3:] if bias else [None] * 3), activation=act)
+                xt = x.detach().clone().requires_grad_()
+                y = tp_gated_mlp(xt, *dts[:3], *(dts[3:] if bias else [None] * 3), activation=act)
+                torch.testing.assert_close(y, y_ref, **TOL)
+                y_ref.square().sum().backward()
+                y.square().sum().backward()
+                torch.testing.assert_close(xt.grad, x.grad, **TOL)
+                for t, d in zip(full, dts):
+                    torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
+                names, todo = set(), [y.grad_fn]
+                while todo:
+                    fn = todo.pop()
+                    if fn is not None and type(fn).__name__ not in names:
+                        names.add(type(fn).__name__)
+                        todo += [f for f, _ in fn.next_functions]
+                assert any("GatedMLP" in n for n in names), sorted(names)
+            except Exception:
+                failures.append(f"tp_gated_mlp {act} bias={bias}: {traceback.format_exc(limit=-3)}")
+    return failures
+
+
 def _check_fsdp2(mesh):
     """fully_shard(SwiGLUFFN): one SGD step on each rank's own batch equals the single-process step on the mean of
     both ranks' losses."""
@@ -192,7 +232,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (WORLD,))
-        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan, _check_fsdp2):
+        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan, _check_tp_gated_mlp, _check_fsdp2):
             try:
                 failures += check(mesh)
             except Exception:

@@ -9,6 +9,7 @@ semantics, and (marked `large`) tensors past 2**31 elements.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
+import optable
 from ffn_ext.table import join_packed, split_packed
 from optable import (
     ACTIVATIONS,
@@ -586,3 +588,108 @@ def test_cuda_large_gelu_fp16():
     torch.testing.assert_close(dx[-5000:].float(), torch.ops.aten.gelu_backward(g[-5000:].float(), x[-5000:].float()),
                                rtol=2e-3, atol=1e-5)
     assert not torch.isnan(dx).any().item()
+
+
+# ---------------------------------------------------------------- mixed dtypes and autocast (issue 16)
+_MIXED = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+          (torch.bfloat16, torch.float16)]
+_GATED_FORWARD = [n for n in optable.FORWARD_OPS if optable.spec(n).kind == "gated"]
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtypes", _MIXED, ids=[f"{a}-{b}".replace("torch.", "") for a, b in _MIXED])
+@pytest.mark.parametrize("name", _GATED_FORWARD)
+def test_mixed_dtypes_promote(name, dtypes, device):
+    """Every gated op of the table through the public API, gate and up of different floating-point dtypes: the
+    result has their common dtype, as ATen's act(gate) * up, and is the op on the promoted inputs (computed once,
+    rounded once), within that dtype's tolerance of the float64 reference. The dispatcher op itself still
+    refuses mixed dtypes (test_validation)."""
+    gate, up = optable.make_inputs(name, (5, 7), torch.float64, device)
+    gate, up = gate.to(dtypes[0]), up.to(dtypes[1])
+    common = torch.promote_types(*dtypes)
+    out = api_call(name)(gate, up)
+    assert out.dtype == common == torch.result_type(gate, up), (out.dtype, common)
+    assert_matches_reference(name, (gate.to(common), up.to(common)), out, aten=False)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_autocast_matches_aten(device):
+    """Under autocast (bfloat16 on the CPU, float16 on CUDA) the projections' outputs are 16-bit and the ops run
+    in that dtype, as ATen's silu(g) * u does there; a projection's 16-bit output next to a float32 tensor
+    promotes to float32, as ATen does. Both match ATen's expression under the same autocast."""
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, device=device)
+    w_g, w_u = torch.randn(24, 16, device=device) / 4, torch.randn(24, 16, device=device) / 4
+    u32 = torch.randn(4, 24, device=device)
+    for act in ACTIVATIONS:
+        gated = functools.partial(ffn_ext.gated, activation=act.name)
+        with torch.autocast(device, dtype=dtype):
+            got = gated(F.linear(x, w_g), F.linear(x, w_u))
+            want = act.aten(F.linear(x, w_g)) * F.linear(x, w_u)
+            got_mixed = gated(F.linear(x, w_g), u32)
+            want_mixed = act.aten(F.linear(x, w_g).float()) * u32  # computed once in float32
+        assert got.dtype == want.dtype == dtype and got_mixed.dtype == torch.float32
+        assert_close_to(got, want.double(), dtype, f"{act.name} autocast", scale=4)
+        torch.testing.assert_close(got_mixed, want_mixed, rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_dtypes_promote_under_compile():
+    torch._dynamo.reset()
+    g, u = torch.randn(3, 8), torch.randn(3, 8, dtype=torch.bfloat16)
+    out = torch.compile(ffn_ext.swiglu, backend="aot_eager", fullgraph=True)(g, u)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.silu(g) * u.float())
+
+
+@pytest.mark.skipif(not optable.NATIVE, reason="the tags are the native ops' schemas'")
+@pytest.mark.parametrize("name", optable.OPS)
+def test_pointwise_tags(name):
+    """torch.Tag.pointwise on every elementwise op of the table (unary and gated, forward and backward), as ATen's
+    gelu/silu/mul carry; not on the packed ops, which pair elements along the last dim."""
+    tags = getattr(torch.ops.ffn_ext, name).default.tags
+    assert (torch.Tag.pointwise in tags) == (not optable.is_packed(name)), (name, tags)
+
+
+# ---------------------------------------------------------------- memory format (issue 16)
+_FORMATS = [(torch.channels_last, (2, 3, 4, 5)), (torch.channels_last_3d, (2, 3, 2, 4, 5))]
+_SAME_SHAPE = [n for n in optable.OPS if not optable.is_packed(n)]
+
+
+def _in_format(t, fmt):
+    return t.contiguous(memory_format=fmt)
+
+
+@pytest.mark.skipif(not optable.NATIVE, reason="the native ops' output format")
+@pytest.mark.parametrize("fmt,shape", _FORMATS, ids=["channels_last", "channels_last_3d"])
+@pytest.mark.parametrize("name", _SAME_SHAPE)
+def test_outputs_keep_channels_last(name, fmt, shape):
+    """Every unary and gated op (forward and backward): inputs all channels_last (channels_last_3d) give outputs in
+    that format, as ATen's pointwise ops, with the values of contiguous inputs; on the CPU kernels, on the CUDA
+    launch emulated on the host (one long row over the storage, rows.h) and under FakeTensorMode (the Meta kernels
+    give the real strides). One input in another format: contiguous outputs, the same values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kw = optable.op_kwargs(name)
+    ins = optable.make_inputs(name, shape, torch.float32)
+    cl = [_in_format(t, fmt) for t in ins]
+    assert all(not t.is_contiguous() for t in cl)
+    paths = {"cpu": lambda *a: optable.op(name)(*a, **kw)}
+    emulate = getattr(ffn_ext.ops._native, "_emulate_cuda", None)
+    if emulate is not None:
+        paths["emulated_cuda"] = lambda *a: emulate(name, list(a), 132, host_params(name), "concat")
+    for path, fn in paths.items():
+        want = as_tuple(fn(*ins))  # the path's own result on contiguous inputs (the paths differ in the last bits)
+        got = as_tuple(fn(*cl))
+        for g, w in zip(got, want):
+            assert g.is_contiguous(memory_format=fmt), (path, g.stride())
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+        if len(cl) > 1:  # formats that disagree: contiguous outputs
+            mixed = [cl[0], *ins[1:]]
+            for g, w in zip(as_tuple(fn(*mixed)), want):
+                assert g.is_contiguous(), (path, g.stride())
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+    with FakeTensorMode() as mode:
+        fake = as_tuple(optable.op(name)(*[mode.from_tensor(t) for t in cl], **kw))
+    assert [f.stride() for f in fake] == [g.stride() for g in as_tuple(optable.op(name)(*cl, **kw))]

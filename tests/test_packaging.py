@@ -5,6 +5,7 @@ sdist, a wheel from it, installs it into a clean venv and runs these tests (and 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -98,6 +99,15 @@ def test_C_built_for_another_torch_is_named_not_loaded(tmp_path, monkeypatch):
     text = str(e.value)
     assert "built against torch 1.0.0" in text and torch.__version__ in text, text
     assert "pip install --no-build-isolation" in text, text
+    # the same version, but a CUDA build against a CPU-only one (or the reverse)
+    other_cuda = None if torch.version.cuda else "12.8"
+    (tmp_path / _build.RECORD).write_text(json.dumps({"torch_version": _build.torch_base_version(torch.__version__),
+                                                      "torch_cuda": other_cuda}))
+    with pytest.raises(ImportError, match="CPU-only" if torch.version.cuda else "CUDA 12.8"):
+        _loader.check_installed_C()
+    (tmp_path / _build.RECORD).write_text(json.dumps({"torch_version": _build.torch_base_version(torch.__version__),
+                                                      "torch_cuda": torch.version.cuda}))
+    _loader.check_installed_C()  # the torch it was built against: loads
     (tmp_path / _build.RECORD).unlink()
     for p in tmp_path.glob("_C*"):
         p.unlink()
