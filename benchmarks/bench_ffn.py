@@ -130,7 +130,7 @@ def plan_for(mode, dev):
     return [("qwen2.5-0.5b", 128, "fp32"), ("llama-7b", 16, "fp32"), ("gemma-2-2b", 16, "fp32")]
 
 
-def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes):
+def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes, memory_only=False):
     params = [p for p in module.parameters()]
 
     def fwd(x, g):
@@ -141,8 +141,9 @@ def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes):
         return torch.autograd.grad(module(x), [x, *params], g)
 
     sets = list(zip(x_sets, grad_sets))
-    out = {"fwd": common.time_fn(fwd, sets, dev, target_ms=target_ms, min_reps=3),
-           "fwd+bwd": common.time_fn(fwd_bwd, sets, dev, target_ms=target_ms, min_reps=3)}
+    none = {"median_ms": None, "p10_ms": None, "p90_ms": None, "reps": 0}
+    out = {"fwd": none if memory_only else common.time_fn(fwd, sets, dev, target_ms=target_ms, min_reps=3),
+           "fwd+bwd": none if memory_only else common.time_fn(fwd_bwd, sets, dev, target_ms=target_ms, min_reps=3)}
     x, g = sets[0]
     with common.SavedTensors(exclude=[x, *params]) as saved:
         y = module(x)
@@ -150,7 +151,9 @@ def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes):
     out["activation_bytes"] = saved.extra_bytes
     out["activation_tf_units"] = saved.extra_bytes / tf_bytes
     out["saved_total_bytes"] = saved.total_bytes
-    out["peak_extra_bytes"] = common.peak_extra_bytes(lambda: fwd_bwd(x, g), dev)
+    # the peak of forward+backward above what existed before (x, g, the weights): what the layer allocates
+    out["peak_extra_bytes"] = common.peak_extra_bytes(lambda: fwd_bwd(x, g), dev, existing=[x, g, *params],
+                                                      cpu=impl != "compile")
     return out
 
 
@@ -160,7 +163,8 @@ def run(args) -> dict:
     use_compile = not args.no_compile and mode != "smoke"
     notes: list[str] = []
     if dev.type == "cpu":
-        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate)")
+        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate); peak MiB "
+                     "on CPU: the storages ops create during forward+backward (a dispatch mode; n/a for compile)")
     if mode == "smoke":
         notes.append("smoke run: tiny width, numbers are meaningless")
         if dev.type == "cpu":  # as bench_ops: OpenMP waits on a busy machine cost more than these tiny GEMMs
@@ -202,7 +206,8 @@ def run(args) -> dict:
         if args.variants and activation in FFN_EXT_MODULES:
             name, kw = FFN_EXT_MODULES[activation]
             for v, opts in VARIANTS.items():
-                opts = {k: (max(1, tokens // o) if k == "token_chunk" else o) for k, o in opts.items()}
+                opts = {k: ((args.token_chunk or max(1, tokens // o)) if k == "token_chunk" else o)
+                        for k, o in opts.items()}
                 mods[v] = getattr(ffn_ext, name)(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw, **opts)
                 mods[v].load_state_dict(eager.state_dict())
             for v, m in liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes).items():
@@ -223,7 +228,7 @@ def run(args) -> dict:
         for name, m in mods.items():
             bar.set_postfix_str(f"{model} {tokens} {dname} {name}")
             try:
-                r = measure(name, m, x_sets, grad_sets, dev, target_ms, tokens * d_ff * es)
+                r = measure(name, m, x_sets, grad_sets, dev, target_ms, tokens * d_ff * es, args.memory_only)
             except Exception as e:  # noqa: BLE001
                 errors.append(f"{name} {model} {tokens} {dname}: {type(e).__name__}: {str(e)[:300]}")
                 bar.update()
@@ -241,9 +246,12 @@ def run(args) -> dict:
     index = {(r["model"], r["tokens"], r["dtype"], r["impl"]): r for r in results}
     for r in results:
         r["speedup_vs"] = {p: index[key]["median_ms"] / r["median_ms"] for p in ("ffn_ext", "eager", "compile")
-                           if p != r["impl"] and (key := (r["model"], r["tokens"], r["dtype"], p)) in index}
+                           if p != r["impl"] and (key := (r["model"], r["tokens"], r["dtype"], p)) in index
+                           and r["median_ms"] and index[key]["median_ms"]}
         e = index.get((r["model"], r["tokens"], r["dtype"], "eager"))
         r["activation_vs_eager"] = r["activation_bytes"] / e["activation_bytes"] if e and e["activation_bytes"] else None
+        r["peak_vs_eager"] = (r["peak_extra_bytes"] / e["peak_extra_bytes"]
+                              if e and r["peak_extra_bytes"] and e["peak_extra_bytes"] else None)
     meta = common.metadata(dev, mode, sys.argv)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
     meta["ffn_ext_module"] = "; ".join(f"{m}: {k}" for m, k in ffn_kinds.items())
@@ -280,7 +288,7 @@ def markdown(payload):
              f" commit {meta['git_commit']}; timing: {meta['timing']}; ffn_ext side: {meta['ffn_ext_module']}", ""]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
     headers = ["model", "MLP", "d_model→d_ff", "tokens", "dtype", "impl", "fwd ms", "fwd+bwd ms", "× eager", "× compile",
-               "activations MiB", "[T,d_ff] units", "vs eager", "peak MiB"]
+               "activations MiB", "[T,d_ff] units", "vs eager", "peak MiB", "peak vs eager"]
     rows = []
     for r in payload["results"]:
         sv = r["speedup_vs"]
@@ -290,7 +298,7 @@ def markdown(payload):
                      common.fmt(r["activation_bytes"] / common.MiB, ".4g"),
                      common.fmt(r["activation_tf_units"], ".3g"), common.fmt(r["activation_vs_eager"]),
                      common.fmt(r["peak_extra_bytes"] / common.MiB, ".4g") if r["peak_extra_bytes"] is not None
-                     else "n/a (CPU)"])
+                     else "n/a", common.fmt(r["peak_vs_eager"])])
     lines += [common.markdown_table(headers, rows), ""]
     if payload["errors"]:
         lines += ["Errors:", ""] + [f"- {e}" for e in payload["errors"]] + [""]
@@ -303,6 +311,10 @@ def main(argv=None) -> int:
     common.add_common_args(p)
     p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
     p.add_argument("--models", default=None, help=f"comma-separated models (replaces the mode's): {', '.join(MODELS)}")
+    p.add_argument("--token-chunk", type=int, default=None, help="token_chunk of the --variants module (default: a "
+                   "quarter of the tokens)")
+    p.add_argument("--memory-only", action="store_true", help="measure saved bytes and peak memory only (no "
+                   "timing): long sequences on CPU")
     p.add_argument("--variants", action="store_true", help="also ffn_ext's module with fused_gate_up=True, "
                    "recompute=True and token_chunk=tokens/4, and Liger's MLPs where installed (CUDA)")
     args = p.parse_args(argv)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch
+import torch.utils._pytree
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
@@ -239,10 +241,45 @@ class SavedTensors:
         return sum(n for p, n in self.storages.items() if p not in self._exclude)
 
 
-def peak_extra_bytes(fn, dev: torch.device) -> int | None:
-    """Peak CUDA memory allocated during fn() above what was allocated before it; None on CPU."""
+class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """CPU: bytes of the storages that ops create inside the mode and that are still alive, and their peak (CPU
+    memory has no allocator statistics; every tensor a forward or backward makes is some op's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.ptrs = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.data_ptr() not in self.ptrs:
+                    self.ptrs.add(st.data_ptr())
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._freed, st.data_ptr(), st.nbytes())
+        return out
+
+    def _freed(self, ptr, nbytes):
+        self.live -= nbytes
+        self.ptrs.discard(ptr)
+
+
+def peak_extra_bytes(fn, dev: torch.device, existing=(), cpu: bool = False) -> int | None:
+    """Peak memory allocated during fn() above what was allocated before it: CUDA's allocator statistics; on CPU
+    (cpu=True) the peak of the storages ops create inside fn (views of `existing` tensors are not new memory), else
+    None. Not for torch.compile'd callables on CPU (a dispatch mode changes what they run)."""
     if dev.type != "cuda":
-        return None
+        if not cpu:
+            return None
+        live = _LiveStorages()
+        live.ptrs.update(t.untyped_storage().data_ptr() for t in existing)
+        with live:
+            fn()
+        return live.peak
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)

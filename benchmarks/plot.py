@@ -16,7 +16,9 @@ from pathlib import Path
 
 IMPL_STYLE = {"ffn_ext": ("ffn_ext", "tab:red", "o"), "eager": ("ATen eager", "tab:blue", "s"),
               "compile": ("torch.compile", "tab:green", "^"), "liger": ("Liger", "tab:purple", "D"),
-              "vllm": ("vLLM", "tab:orange", "v"), "te": ("TransformerEngine", "tab:brown", "P")}
+              "vllm": ("vLLM", "tab:orange", "v"), "te": ("TransformerEngine", "tab:brown", "P"),
+              "fused": ("ffn_ext fused_gate_up", "tab:pink", "x"), "recompute": ("ffn_ext recompute", "tab:olive", "*"),
+              "chunk": ("ffn_ext token_chunk", "tab:cyan", "h"), "liger_tiled": ("Liger tiled", "tab:gray", "d")}
 
 
 def _plt():
@@ -146,7 +148,7 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
             if r is None:
                 continue
             xs.append(i + (k - (len(impls) - 1) / 2) * width)
-            ts.append(r["median_ms"])
+            ts.append(r["median_ms"] or 0)  # None: --memory-only
             ms.append(r["activation_bytes"] / 2**20)
         axes[0].bar(xs, ts, width, color=col, label=lab)
         axes[1].bar(xs, ms, width, color=col, label=lab)
@@ -159,7 +161,32 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"gated FFNs — {_label(meta)}", fontsize=10)
-    return [_save(fig, out_dir / "ffn.png")]
+    return [_save(fig, out_dir / "ffn.png"), *_plot_ffn_memory(plt, res, meta, out_dir)]
+
+
+def _plot_ffn_memory(plt, res, meta, out_dir):
+    """Peak memory of forward+backward against tokens, per model and implementation (where there are 2+ token
+    counts): ffn_memory.png."""
+    models = [m for m in dict.fromkeys(r["model"] for r in res)
+              if len({r["tokens"] for r in res if r["model"] == m and r["peak_extra_bytes"]}) > 1]
+    if not models:
+        return []
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for impl, (lab, col, mk) in IMPL_STYLE.items():
+            pts = sorted((r["tokens"], r["peak_extra_bytes"] / 2**20) for r in res
+                         if r["model"] == model and r["impl"] == impl and r["peak_extra_bytes"])
+            if pts:
+                ax.plot(*zip(*pts), marker=mk, color=col, label=lab)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("peak memory of fwd+bwd (MiB)")
+        ax.set_title(model, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"gated FFN peak memory — {_label(meta)}", fontsize=10)
+    return [_save(fig, out_dir / "ffn_memory.png")]
 
 
 def main(argv=None) -> int:

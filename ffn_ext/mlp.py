@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS, BY_NAME
+from .table import ACTIVATIONS
 
 __all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
            "fusable", "linear_args"]
@@ -132,7 +132,7 @@ def _chunks(x, chunk) -> bool:
 def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
     """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,)."""
     op = _OPS[activation][len(ws) == 1]
-    ctx.activation, ctx.op, ctx.k, ctx.bd_dtype = activation, op, len(ws), None if bd is None else bd.dtype
+    ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
     if _chunks(x, chunk):
         y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
         ctx.chunk, pre = chunk, ()
@@ -153,7 +153,7 @@ def _backward(ctx, dy, needs):
     x, ws, wd, bs, pre = saved[0], saved[1:1 + k], saved[1 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
     n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
     if ctx.chunk is not None and not torch.is_grad_enabled():
-        return _chunked_backward(ctx, dy, x, ws, wd, bs, needs)
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd)
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
     if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
@@ -164,47 +164,25 @@ def _backward(ctx, dy, needs):
     # (tests/test_modules.py::test_backward_peak_memory_below_eager).
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     want_pre = n_x or any(n_ws) or any(n_bs)
-    if k == 2 and x.device.type == "cpu" and not torch.is_grad_enabled():
-        d_pre, d_wd = _cpu_backward(BY_NAME[ctx.activation], dy, wd, pre, want_pre, n_wd)
-    elif want_pre:
-        d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
     if want_pre:
+        d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
                 d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
             d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
             d_pre[i] = None
         d_x = None if d_x is None else d_x.reshape(x.shape)
-    if n_wd and d_wd is None:
+    if n_wd:
         d_wd = _rows(dy).t().matmul(_rows(_call(op, pre)))  # recompute h
     d_bd = _rows(dy).sum(0) if n_bd else None
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
-def _cpu_backward(act, dy, wd, pre, want_pre, n_wd):
-    """The separate projections' backward on CPU, where the ops are ATen composites (each pass its own loop):
-    act(gate) once for h (the down projection's weight gradient) and d_up, then d_gate = act'(gate) dh up; the
-    fused op and the recompute would take act(gate) twice more. The same peak (five [tokens, d_ff] tensors with the
-    saved gate and up). Returns ([d_gate, d_up] or None, d_w_down or None)."""
-    gate, up = pre
-    a = act.aten(gate)
-    d_wd = _rows(dy).t().matmul(_rows(a * up)) if n_wd else None
-    if not want_pre:
-        return None, d_wd
-    dh = dy.matmul(wd)
-    d_up = dh * a
-    del a
-    t = dh * up
-    del dh
-    return [act.aten_backward(t, gate), d_up], d_wd
-
-
-def _chunked_backward(ctx, dy, x, ws, wd, bs, needs):
+def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd):
     """Backward over chunks of ctx.chunk // 2 rows: recompute the chunk's projections, then its h (for the down
     projection's weight gradient), then its input gradients; weight and bias gradients accumulate across chunks in
     the parameters' dtype. Peak: about 2.5 x chunk x d_ff elements."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
-    n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
     bsc = tuple(_cast(b, dtype) for b in bs)
