@@ -146,13 +146,16 @@ class _SumGradOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu"):
+def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu", *,
+                 recompute: bool = False, token_chunk: int | None = None):
     """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
     mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
     b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
     the partial outputs are summed across ranks (one all_reduce forward, one for x's gradient backward); the
     weights' gradients are DTensors with the weights' placements. Returns a local tensor, the same on every rank.
-    What tp_plan's module hooks cost instead: the projections run as modules (no lean autograd), 4 saved tensors."""
+    recompute and token_chunk as gated_mlp's, on each rank's shard. What tp_plan's module hooks cost instead: the
+    projections run as modules (no lean autograd), 4 saved tensors; shard_gated_ffns places the weights without
+    hooks, so the FFN modules (and patched Hugging Face MLPs) call this."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from .mlp import gated_mlp
@@ -165,9 +168,36 @@ def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, a
                              f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}")
     group = w_gate.device_mesh.get_group()
     local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
-    y = gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None, activation=activation)
+    y = gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None, activation=activation,
+                  recompute=recompute, token_chunk=token_chunk)
     y = _SumOverRanks.apply(y, group)
     return y if b_down is None else y + b_down.to_local()
+
+
+def shard_gated_ffns(model: torch.nn.Module, mesh) -> int:
+    """Tensor parallel with the lean autograd: places the weights of every gated FFN in `model` (as tp_plan finds
+    them: ffn_ext's GatedFFN/SwiGLUFFN/GeGLUFFN with separate projections, Llama/Qwen2/Gemma-style MLPs) on the
+    1-D `mesh` as DTensor parameters, gate_proj/up_proj Shard(0) (column parallel), down_proj Shard(1) (row
+    parallel; its bias Replicate), and adds no module hooks. Their forward (ffn_ext's modules; transformers' MLPs
+    patched by patch_hf_model) then runs tp_gated_mlp on a local input, the same on every rank: the lean autograd on
+    each rank's d_ff shard, one all_reduce of the output forward and of x's gradient backward, recompute and
+    token_chunk as set. The weights' gradients are DTensors (an optimizer steps them as they are; FSDP2 composes as
+    with tp_plan on a 2-D mesh). Returns the number of FFNs placed. A fused gate_up module raises ValueError."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    placements = {"gate_proj": Shard(0), "up_proj": Shard(0), "down_proj": Shard(1)}
+    count = 0
+    for _, mod in model.named_modules():
+        if not _is_gated_ffn(mod):
+            continue
+        for name, place in placements.items():
+            lin = getattr(mod, name)
+            for pname, p in list(lin.named_parameters(recurse=False)):
+                where = Replicate() if (name, pname) == ("down_proj", "bias") else place
+                lin.register_parameter(pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [where]),
+                                                                 requires_grad=p.requires_grad))
+        count += 1
+    return count
 
 
 if torch.distributed.is_available():

@@ -290,11 +290,17 @@ def _options(fn: str, recompute, token_chunk) -> tuple:
     return recompute, token_chunk
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     """Every functional form: the activation's name `a`, the projections ((w_gate, w_up) or (w_gate_up,)), the
     options; the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = _options(fn, recompute, token_chunk)
+    if type(ws[0]) not in _PLAIN and len(ws) == 2 and _ops._has_dtensor(ws) and not _ops._has_dtensor((x,)):
+        from .distributed import tp_gated_mlp  # tensor-parallel weights (distributed.shard_gated_ffns)
+        return tp_gated_mlp(x, *ws, wd, *bs, bd, activation=a, recompute=recompute, token_chunk=token_chunk)
     if _lean_autograd(fn, x, (*ws, wd)):
         if len(ws) == 1:
             return _GatedMLPPacked.apply(a, recompute, token_chunk, x, ws[0], wd, bs[0], bd)

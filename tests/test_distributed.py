@@ -5,6 +5,7 @@ the single-process result, the tensor-parallel plan of the gated FFNs, and FSDP2
 Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import tempfile
@@ -162,6 +163,17 @@ def _check_tp_plan(mesh):
     return failures
 
 
+def _graph_names(y) -> set:
+    """The class names of the autograd nodes behind y."""
+    names, todo = set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and type(fn).__name__ not in names:
+            names.add(type(fn).__name__)
+            todo += [f for f, _ in fn.next_functions]
+    return names
+
+
 def _check_tp_gated_mlp(mesh):
     """tp_gated_mlp (the lean autograd on each rank's d_ff shard, partial outputs summed) with and without biases:
     output, x's gradient and the weights' gradients (DTensors) equal the single-process gated_mlp's; the lean
@@ -190,15 +202,41 @@ def _check_tp_gated_mlp(mesh):
                 torch.testing.assert_close(xt.grad, x.grad, **TOL)
                 for t, d in zip(full, dts):
                     torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
-                names, todo = set(), [y.grad_fn]
-                while todo:
-                    fn = todo.pop()
-                    if fn is not None and type(fn).__name__ not in names:
-                        names.add(type(fn).__name__)
-                        todo += [f for f, _ in fn.next_functions]
+                names = _graph_names(y)
                 assert any("GatedMLP" in n for n in names), sorted(names)
             except Exception:
                 failures.append(f"tp_gated_mlp {act} bias={bias}: {traceback.format_exc(limit=-3)}")
+    return failures
+
+
+def _check_shard_gated_ffns(mesh):
+    """shard_gated_ffns: SwiGLUFFN and GeGLUFFN (with bias, and with recompute / token_chunk) with DTensor weights
+    and no hooks run tp_gated_mlp (the lean autograd in the graph): output, x's gradient and the weights' gradients
+    equal the single-process module's; one SGD step too."""
+    import ffn_ext
+    from ffn_ext.distributed import shard_gated_ffns
+
+    failures = []
+    for kind, opts in (("swiglu", {}), ("geglu", {"recompute": True}), ("swiglu", {"token_chunk": 4})):
+        try:
+            ref = _ffn(kind, 7)
+            ref.down_proj.bias = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+            model = copy.deepcopy(ref)
+            model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
+            assert shard_gated_ffns(torch.nn.Sequential(model), mesh) == 1
+            torch.manual_seed(8)
+            x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+            xt = x.detach().clone().requires_grad_()
+            y_ref, y = ref(x), model(xt)
+            torch.testing.assert_close(y, y_ref, **TOL)
+            assert any("GatedMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
+            y_ref.square().sum().backward()
+            y.square().sum().backward()
+            torch.testing.assert_close(xt.grad, x.grad, **TOL)
+            for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+        except Exception:
+            failures.append(f"shard_gated_ffns {kind} {opts}: {traceback.format_exc(limit=-3)}")
     return failures
 
 
@@ -233,7 +271,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
         mesh = init_device_mesh("cpu", (WORLD,))
         for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan,
-                      _check_tp_gated_mlp, _check_fsdp2):
+                      _check_tp_gated_mlp, _check_shard_gated_ffns, _check_fsdp2):
             try:
                 failures += check(mesh)
             except Exception:
