@@ -4,7 +4,7 @@
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
 #   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 520 s
 #   OUT=/some/dir STAGES="bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 310 s
-#   OUT=/some/dir STAGES="ffn_layer ffn_long" bash benchmarks/device_check.sh   # the FFN layer's targets, 270 s
+#   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 330 s
 # With less device time than both need, measure first: STAGES="build bench_ops memcheck bench_ffn" (400 s).
 #   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
@@ -17,7 +17,7 @@
 # Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
-# (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long).
+# (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ffn_ext_device}
@@ -30,7 +30,7 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
-STAGES=${STAGES:-build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long}
+STAGES=${STAGES:-build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl}
 wanted() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
@@ -104,6 +104,12 @@ fi
 # SwiGLU at Qwen2.5-0.5B and Llama-7B widths, tanh GeGLU at Gemma-2-2B's (ffn_ext.GeGLUFFN when the package has
 # it): 3 models x 3 implementations (10.6 s in the timing loop and 27 s in all with 2 models).
 stage bench_ffn 40 $PY benchmarks/bench_ffn.py --quick --device cuda --no-progress --out "$LOGS/bench"
+# The 2-rank DTensor / TP / FSDP2 checks on NCCL (CI runs them on gloo): only with 2 or more GPUs.
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)" -ge 2 ] || ! wanted nccl; then
+  FFN_EXT_DIST_BACKEND=nccl stage nccl 60 $PY -m pytest -q tests/test_distributed.py -k two_gloo_ranks
+else
+  note "$(printf '%-12s skipped: the NCCL checks need 2 GPUs, this machine has fewer' nccl)"
+fi
 # The FFN layer's targets (issue 17; unmeasured): SwiGLUFFN and its fused_gate_up / recompute / token_chunk variants
 # next to eager, torch.compile and Liger (where installed) at Llama-7B and Llama-3-8B widths, decode to 16k tokens;
 # then peak memory only at 32k-128k tokens with token_chunk=8192 (eager at 128k: about 26 GB). Not yet timed.

@@ -261,15 +261,23 @@ def _check_fsdp2(mesh):
     return []
 
 
+BACKEND = os.environ.get("FFN_EXT_DIST_BACKEND", "gloo")  # nccl: benchmarks/device_check.sh on 2+ GPUs
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 ranks on the CI's 2 cores
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    device = "cpu"
+    if BACKEND == "nccl":  # every check's tensors on this rank's GPU
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
+        device = "cuda"
+    dist.init_process_group(BACKEND, rank=rank, world_size=WORLD)
     failures = []
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device, (WORLD,))
         for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan,
                       _check_tp_gated_mlp, _check_shard_gated_ffns, _check_fsdp2):
             try:
@@ -286,10 +294,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
     import torch.multiprocessing as mp
 
+    if BACKEND == "nccl" and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"FFN_EXT_DIST_BACKEND=nccl needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out:
         # fork where there is one: the ranks start in a fraction of a second instead of importing torch and ffn_ext
         # again (about 15 s of the CI's 2 cores with spawn)
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        method = "fork" if "fork" in mp.get_all_start_methods() and BACKEND != "nccl" else "spawn"  # CUDA: spawn
         mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=True, start_method=method)
         failures = []
         for r in range(WORLD):
