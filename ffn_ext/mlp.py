@@ -146,22 +146,30 @@ def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
     return y
 
 
+# From this many rows (tokens) the backward runs in two halves (_chunked_backward over the saved projections):
+# peak 3.5 [rows, d_ff] tensors instead of 5 (eager autograd: about 6), for GEMMs of half the rows. Below it the
+# weight gradients dominate the peak and one block saves launches.
+_SPLIT_ROWS = 1024
+
+
 def _backward(ctx, dy, needs):
     """The gradients of (x, *ws, wd, *bs, bd) (needs: which are wanted, in that order)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     saved = ctx.saved_tensors
     x, ws, wd, bs, pre = saved[0], saved[1:1 + k], saved[1 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
     n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
-    if ctx.chunk is not None and not torch.is_grad_enabled():
-        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not torch.is_grad_enabled() and (ctx.chunk is not None or rows >= _SPLIT_ROWS):
+        step = max(1, ctx.chunk // 2) if ctx.chunk is not None else -(-rows // 2)
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
     if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
         # functions of x and the weights; with token_chunk that is the whole projection at once)
         pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
-    # Peak memory: each [tokens, d_ff] gradient is dropped as soon as it is used and h is recomputed last, so at most
-    # three such tensors (dh, d_gate, d_up) live beside gate and up; eager autograd has up to seven
-    # (tests/test_modules.py::test_backward_peak_memory_below_eager).
+    # Peak memory (one block: fewer than _SPLIT_ROWS rows, or create_graph): each [tokens, d_ff] gradient is dropped
+    # as soon as it is used and h is recomputed last, so at most three such tensors (dh, d_gate, d_up) live beside
+    # gate and up; eager autograd has up to seven (tests/test_modules.py::test_backward_peak_memory_below_eager).
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     want_pre = n_x or any(n_ws) or any(n_bs)
     if want_pre:
@@ -178,21 +186,24 @@ def _backward(ctx, dy, needs):
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
-def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd):
-    """Backward over chunks of ctx.chunk // 2 rows: recompute the chunk's projections, then its h (for the down
-    projection's weight gradient), then its input gradients; weight and bias gradients accumulate across chunks in
-    the parameters' dtype. Peak: about 2.5 x chunk x d_ff elements."""
+def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(), step=1):
+    """Backward over blocks of `step` rows: the block's projections (sliced from the saved `pre`, else recomputed),
+    then its h (for the down projection's weight gradient), then its input gradients; weight and bias gradients
+    accumulate across blocks in the parameters' dtype. Peak: the saved pre (2 x rows x d_ff elements, if any) and
+    about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the default path: step = rows / 2, so 3.5 [rows, d_ff]
+    tensors where one block would make five)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
     bsc = tuple(_cast(b, dtype) for b in bs)
-    n, step = xr.shape[0], max(1, ctx.chunk // 2)
+    pre_rows = tuple(_rows(p) for p in pre)
+    n = xr.shape[0]
     d_x = xr.new_empty(xr.shape) if n_x else None
     d_ws, d_bs, d_wd, d_bd = [None] * k, [None] * k, None, None
     want_pre = n_x or any(n_ws) or any(n_bs)
     for s in range(0, n, step):
         xs, dys = xr[s:s + step], dyr[s:s + step]
-        pre = _project(xs, wsc, bsc)
+        pre = tuple(p[s:s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
         if n_wd:
             d_wd = _acc_mm(d_wd, dys, _call(op, pre), wd.dtype)
         if n_bd:
