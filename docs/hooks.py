@@ -59,4 +59,11 @@ def on_page_content(html, page, config, files):
         url = os.path.relpath(os.path.join(root, path), here).replace(os.sep, "/")
         return f'href="{url}' + ("#" + anchor if anchor else "") + '"'
 
+    def src(m):  # an image (a benchmark plot): the file in the checkout, or the code host's raw file
+        rel = m.group(1)
+        if base:
+            return f'src="{base}/{rel}?raw=true"'
+        return 'src="' + os.path.relpath(os.path.join(root, rel), here).replace(os.sep, "/") + '"'
+
+    html = re.sub(r'src="' + re.escape(_SCHEME) + r'([^"]*)"', src, html)
     return re.sub(r'href="' + re.escape(_SCHEME) + r'([^"]*)"', sub, html)
