@@ -6,6 +6,7 @@ cannot run on CPU is preceded by an HTML comment `<!-- no-test: the reason -->`:
 still fails) but not run, and the reason must be given. The examples use tiny shapes; together they take a few
 seconds. Also here: every name of ffn_ext.__all__ has an entry in the API reference (docs/reference/*.md).
 """
+
 from __future__ import annotations
 
 import re
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SOURCE_TREE, needs_source_tree
 
 import ffn_ext
-from conftest import SOURCE_TREE, needs_source_tree
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 _NO_TEST = re.compile(r"<!--\s*no-test:\s*(?P<reason>[^>]*?)\s*-->\s*$")
@@ -39,7 +40,7 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
         line = text.count("\n", 0, m.start("body")) + 1
         body = m.group("body")
         if m.group("indent"):
-            body = "\n".join(s[len(m.group("indent")):] for s in body.split("\n"))
+            body = "\n".join(s[len(m.group("indent")) :] for s in body.split("\n"))
         blocks.append((line, body, skip.group("reason") if skip else None))
     return blocks
 
@@ -66,8 +67,12 @@ def test_no_test_blocks_are_few_and_say_why():
     """The blocks that do not run are listed with their reasons (so the count is a fact one can read), and a
     reason is always there."""
     root = needs_source_tree("the docs")
-    skipped = [(p.name, line, reason) for p in _pages() for line, _, reason in python_blocks(p.read_text())
-               if reason is not None]
+    skipped = [
+        (p.name, line, reason)
+        for p in _pages()
+        for line, _, reason in python_blocks(p.read_text())
+        if reason is not None
+    ]
     ran = sum(reason is None for p in _pages() for _, _, reason in python_blocks(p.read_text()))
     assert all(reason for _, _, reason in skipped), skipped
     assert ran >= 15, f"only {ran} examples run"
@@ -79,8 +84,10 @@ def test_no_test_blocks_are_few_and_say_why():
 def test_collector_finds_blocks_and_reasons():
     """The collector itself: a marked block is skipped with its reason, an unmarked one runs, other languages are
     not collected, and an indented fence (in a list) is dedented."""
-    text = ("x\n```python\na = 1\n```\n<!-- no-test: needs a GPU -->\n```python\nb = 2\n```\n```bash\nls\n```\n"
-            "- item\n\n  ```python\n  c = 3\n  ```\n")
+    text = (
+        "x\n```python\na = 1\n```\n<!-- no-test: needs a GPU -->\n```python\nb = 2\n```\n```bash\nls\n```\n"
+        "- item\n\n  ```python\n  c = 3\n  ```\n"
+    )
     assert python_blocks(text) == [(3, "a = 1\n", None), (7, "b = 2\n", "needs a GPU"), (15, "c = 3\n", None)]
 
 
