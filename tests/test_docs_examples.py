@@ -110,3 +110,23 @@ def test_every_public_name_is_in_the_api_reference():
         if not ok:
             missing.append(name)
     assert not missing, f"public names without an API reference entry in docs/reference/: {missing}"
+
+
+def test_readme_links_point_at_files_that_exist():
+    """README.md is not a page of the site, so mkdocs does not check its links: every relative link must name a
+    file or folder of the checkout (and a docs page's anchor must be one of its headings)."""
+    root = needs_source_tree("the README")
+    text = (root / "README.md").read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        if not (root / path).exists():
+            missing.append(target)
+        elif anchor and path.endswith(".md"):
+            headings = re.findall(r"^#+ (.+)$", (root / path).read_text(), re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+            if anchor not in slugs:
+                missing.append(target)
+    assert not missing, f"README.md links to what does not exist: {missing}"
