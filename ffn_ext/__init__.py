@@ -23,6 +23,7 @@ from .mlp import (gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plai
                   swiglu_mlp_packed)
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
+from . import distributed  # noqa: F401  (registers its hooks in ops and mlp; torch.distributed.tensor stays unloaded)
 from . import hf  # noqa: F401
 from .hf import patch_model as patch_hf_model
 from . import jit  # noqa: F401
