@@ -9,6 +9,7 @@ backward.
     y = ffn_ext.gelu(x); y = ffn_ext.gelu(x, approximate="tanh"); y = ffn_ext.silu(x)
     mlp = ffn_ext.SwiGLUFFN(896, 4864); mlp = ffn_ext.GeGLUFFN(2048, 16384, approximate="tanh")   # lean autograd
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")   # the same, functional (ffn_ext.mlp)
+    ffn = ffn_ext.FFN(768, 3072, activation="gelu"); y = ffn_ext.plain_mlp(x, w_fc1, w_fc2)   # the classic FFN
     ffn_ext.patch_hf_model(model)   # a transformers model's SwiGLU / GeGLU MLPs on ffn_ext (ffn_ext.hf)
 
 The ops are torch.ops.ffn_ext.* (dispatcher ops: autograd, torch.compile, export and fake tensors work).

@@ -1,4 +1,5 @@
-"""The lean autograd of a gated MLP, y = down(act(gate(x)) * up(x)), for every activation of the table.
+"""The lean autograd of a gated MLP, y = down(act(gate(x)) * up(x)), and of the classic FFN, y = fc2(act(fc1(x))), for
+every activation of the table.
 
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down)                       # silu (Llama, Qwen2, Mistral)
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")    # tanh GELU (Gemma)
@@ -6,6 +7,8 @@
     y = ffn_ext.swiglu_mlp_packed(x, w_gate_up, w_down)                   # packed gate/up projection (Phi-3)
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, recompute=True)       # saves only x for backward
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, token_chunk=8192)     # long sequences: 8192 tokens at a time
+    y = ffn_ext.plain_mlp(x, w_fc1, w_fc2, b_fc1, b_fc2, activation="gelu")   # the classic FFN (BERT, ViT)
+    y = ffn_ext.plain_mlp(x, c_fc.weight, c_proj.weight, c_fc.bias, c_proj.bias, "gelu_tanh", transposed=True)  # GPT-2
 
 Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff], w_gate_up [2*d_ff, d_model]
 (gate rows first); biases optional. Training memory: the autograd.Function saves the input x and the projections
@@ -17,6 +20,12 @@ elements, forward and backward, for sequences whose [tokens, d_ff] tensors do no
 (ffn_ext/table.py): the forward runs its gated op <gated> (or <gated>_packed), the backward <gated>_backward and
 the recompute through ops.call_op / the functional API, natively where the native ops serve the tensors, else by
 their ATen fallback.
+
+The classic FFN (plain_mlp) saves x and z = fc1(x) (one [tokens, d_ff] tensor; eager keeps z and act(z)) and
+recomputes act(z) in backward from the step that computes dz, over blocks of _PLAIN_BLOCK_ROWS rows.
+
+On the CPU, without recompute or token_chunk, every functional form runs eager PyTorch's own ops instead
+(_ATEN_ON_CPU): the ffn_ext ops are ATen composites there, and the lean backward's recompute costs time.
 
 Double backward (create_graph=True, e.g. gradient penalties) is supported: when backward runs with grad mode on,
 it recomputes gate and up from the saved x and weights with differentiable ops, so second derivatives flow to x,
@@ -218,7 +227,8 @@ def _backward(ctx, dy, needs):
 
 def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(), step=1):
     """Backward over blocks of `step` rows: the block's projections (sliced from the saved `pre`, else recomputed),
-    then its h (for the down projection's weight gradient), then its input gradients; weight and bias gradients
+    then its h (for the down projection's weight gradient; the plain MLP's comes with dz from one step), then its
+    input gradients; weight and bias gradients
     accumulate across blocks in the parameters' dtype. Peak: the saved pre (2 x rows x d_ff elements, if any) and
     about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the default path: step = rows / 2, so 3.5 [rows, d_ff]
     tensors where one block would make five)."""

@@ -9,10 +9,11 @@
     ffn = ffn_ext.FFN(768, 3072, recompute=True)                     # saves only x for backward
 
 The classic FFN's training memory: its autograd (ffn_ext.mlp: ``plain_mlp``) saves x and up_proj's output z and
-recomputes act(z) in backward; eager PyTorch keeps z and act(z). The gated FFNs' training memory: their autograd (ffn_ext.mlp: ``gated_mlp``) saves the input x and the two
-projections gate and up, and recomputes h = act(gate) * up in backward (for the down projection's weight gradient)
-instead of keeping it. Eager PyTorch keeps four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two.
-Double backward is supported (see ffn_ext/mlp.py).
+recomputes act(z) in backward; eager PyTorch keeps z and act(z). The gated FFNs' training memory: their autograd
+(ffn_ext.mlp: ``gated_mlp``) saves the input x and the two projections gate and up, and recomputes h =
+act(gate) * up in backward (for the down projection's weight gradient) instead of keeping it. Eager PyTorch keeps
+four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two. Double backward is supported (see
+ffn_ext/mlp.py). On the CPU without recompute / token_chunk the modules run eager PyTorch's ops (ffn_ext.mlp).
 """
 from __future__ import annotations
 

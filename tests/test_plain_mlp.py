@@ -383,3 +383,26 @@ def test_cpu_default_plain_mlp_conv1d_and_dtensor_free_host_path():
                                atol=0)
     with pytest.raises(ValueError, match="meta device"):
         ffn_ext.plain_mlp(x, ps[0].to("meta"), ps[1].to("meta"), transposed=True)
+
+
+@pytest.mark.cpu_default
+def test_cpu_default_patched_hf_mlp_runs_eager_pytorchs_ops():
+    """A patched transformers Llama MLP on the CPU runs the unpatched MLP's ATen ops (forward and backward),
+    bitwise the same results."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4,
+                                   num_key_value_heads=2)
+    ref = LlamaMLP(cfg)
+    mlp = copy.deepcopy(ref)
+    assert ffn_ext.patch_hf_model(mlp) == 1
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    out = []
+    for m in (mlp, ref):
+        with RecordOps() as rec:
+            y = m(x)
+            g = torch.autograd.grad(y.sum(), [x, *m.parameters()])
+        out.append((rec.ops, y, g))
+    assert out[0][0] == out[1][0]
+    for a, b in zip((out[0][1], *out[0][2]), (out[1][1], *out[1][2])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
