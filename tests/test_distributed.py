@@ -212,11 +212,29 @@ def _check_tp_gated_mlp(mesh):
     return failures
 
 
+def _sharded_equals_reference(ref, shard, mesh, opts, function):
+    """A copy of module `ref` with the options `opts`, placed by `shard` (shard_gated_ffns / shard_plain_ffns):
+    output, x's gradient and the weights' gradients equal ref's, and the lean `function` is in the graph."""
+    model = copy.deepcopy(ref)
+    model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
+    assert shard(torch.nn.Sequential(model), mesh) == 1
+    torch.manual_seed(8)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    xt = x.detach().clone().requires_grad_()
+    y_ref, y = ref(x), model(xt)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    assert any(function in n for n in _graph_names(y)), sorted(_graph_names(y))
+    y_ref.square().sum().backward()
+    y.square().sum().backward()
+    torch.testing.assert_close(xt.grad, x.grad, **TOL)
+    for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+
+
 def _check_shard_gated_ffns(mesh):
     """shard_gated_ffns: SwiGLUFFN and GeGLUFFN (with bias, and with recompute / token_chunk) with DTensor weights
     and no hooks run tp_gated_mlp (the lean autograd in the graph): output, x's gradient and the weights' gradients
-    equal the single-process module's; one SGD step too."""
-    import ffn_ext
+    equal the single-process module's."""
     from ffn_ext.distributed import shard_gated_ffns
 
     failures = []
@@ -224,20 +242,7 @@ def _check_shard_gated_ffns(mesh):
         try:
             ref = _ffn(kind, 7)
             ref.down_proj.bias = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
-            model = copy.deepcopy(ref)
-            model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
-            assert shard_gated_ffns(torch.nn.Sequential(model), mesh) == 1
-            torch.manual_seed(8)
-            x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-            xt = x.detach().clone().requires_grad_()
-            y_ref, y = ref(x), model(xt)
-            torch.testing.assert_close(y, y_ref, **TOL)
-            assert any("GatedMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
-            y_ref.square().sum().backward()
-            y.square().sum().backward()
-            torch.testing.assert_close(xt.grad, x.grad, **TOL)
-            for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+            _sharded_equals_reference(ref, shard_gated_ffns, mesh, opts, "GatedMLP")
         except Exception:
             failures.append(f"shard_gated_ffns {kind} {opts}: {traceback.format_exc(limit=-3)}")
     return failures
@@ -288,21 +293,7 @@ def _check_shard_plain_ffns(mesh):
     failures = []
     for opts in ({}, {"recompute": True}, {"token_chunk": 4}):
         try:
-            ref = _ffn("plain", 7)
-            model = copy.deepcopy(ref)
-            model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
-            assert shard_plain_ffns(torch.nn.Sequential(model), mesh) == 1
-            torch.manual_seed(8)
-            x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-            xt = x.detach().clone().requires_grad_()
-            y_ref, y = ref(x), model(xt)
-            torch.testing.assert_close(y, y_ref, **TOL)
-            assert any("PlainMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
-            y_ref.square().sum().backward()
-            y.square().sum().backward()
-            torch.testing.assert_close(xt.grad, x.grad, **TOL)
-            for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+            _sharded_equals_reference(_ffn("plain", 7), shard_plain_ffns, mesh, opts, "PlainMLP")
         except Exception:
             failures.append(f"shard_plain_ffns {opts}: {traceback.format_exc(limit=-3)}")
     return failures

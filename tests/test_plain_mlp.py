@@ -17,19 +17,12 @@ import ffn_ext
 import ffn_ext.mlp as M
 from ffn_ext.table import ACTIVATIONS
 from optable import RecordOps
-from test_ffn_layer import _Largest, _saved
+from test_ffn_layer import OPTIONS as GATED_OPTIONS, _Largest, _saved
 from test_modules import _LiveBytes
 
 ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
 LAYOUTS = [pytest.param(False, id="linear"), pytest.param(True, id="conv1d")]
-OPTIONS = [  # (recompute, token_chunk) on 2 x 37 = 74 tokens
-    pytest.param(False, None, id="default"),
-    pytest.param(True, None, id="recompute"),
-    pytest.param(False, 5, id="chunk5"),
-    pytest.param(True, 37, id="recompute-chunk37"),
-    pytest.param(False, 1, id="chunk1"),
-    pytest.param(False, 74, id="chunk74-default"),
-]
+OPTIONS = [pytest.param(False, None, id="default"), *GATED_OPTIONS]  # (recompute, token_chunk) on 74 tokens
 
 
 def _weights(d_model, d_ff, bias, transposed, dtype=torch.float64, scale=0.3):
