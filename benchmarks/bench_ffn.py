@@ -127,11 +127,8 @@ class LeanOnCPU(nn.Module):
         self.ffn = ffn
 
     def forward(self, x):
-        was, ffn_mlp._ATEN_ON_CPU = ffn_mlp._ATEN_ON_CPU, False
-        try:
+        with ffn_mlp._lean_on_cpu():
             return self.ffn(x)
-        finally:
-            ffn_mlp._ATEN_ON_CPU = was
 
 
 class LocalGatedFFN(EagerMLP):

@@ -39,6 +39,8 @@ to decide whether a module's projections may be bypassed and to read their param
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -343,6 +345,18 @@ def _no_meta(fn: str, x, weights: tuple) -> None:
 # this off (tests/conftest.py) to check the lean autograd, the device path, on a CPU-only machine, and keep it on
 # where they check the CPU path itself.
 _ATEN_ON_CPU = True
+
+
+@contextlib.contextmanager
+def _lean_on_cpu():
+    """Within it the MLPs run their lean autograd on the CPU too (the device path: its saved tensors and peak), as
+    bench_ffn's "lean" rows; not thread-safe (a module global)."""
+    global _ATEN_ON_CPU
+    was, _ATEN_ON_CPU = _ATEN_ON_CPU, False
+    try:
+        yield
+    finally:
+        _ATEN_ON_CPU = was
 
 
 def _aten_path(x, w) -> bool:
