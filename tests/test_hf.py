@@ -218,13 +218,13 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward)
                and getattr(m, ffn_ext.hf._MARK) == "packed" for m in mlps)
 
-    calls, packed = [], ffn_ext.hf.gated_mlp_packed
+    calls, packed = [], ffn_ext.hf.dense.gated_mlp_packed
 
     def spy(x, *args, **kwargs):
         calls.append(kwargs["activation"])
         return packed(x, *args, **kwargs)
 
-    monkeypatch.setattr(ffn_ext.hf, "gated_mlp_packed", spy)
+    monkeypatch.setattr(ffn_ext.hf.dense, "gated_mlp_packed", spy)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     logits, logits0 = model(ids).logits, ref(ids).logits
     assert calls == ["silu"] * len(mlps)
