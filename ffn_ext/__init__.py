@@ -19,7 +19,8 @@ import torch  # noqa: F401  (load libtorch before the native library)
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.
 from .ops import (build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels, silu,
                   swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
-from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, swiglu_mlp, swiglu_mlp_packed
+from .mlp import (gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp,
+                  swiglu_mlp_packed)
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 from . import hf  # noqa: F401
@@ -31,4 +32,4 @@ __all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_
            "geglu_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary", "jit"]
 __all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
             "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-            "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]
+            "plain_mlp", "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]

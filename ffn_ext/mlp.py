@@ -39,7 +39,7 @@ from . import ops as _ops
 from .table import ACTIVATIONS
 
 __all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-           "fusable", "linear_args"]
+           "plain_mlp", "fusable", "linear_args"]
 
 
 # activation name -> (its gated op, its packed op); _call is the functional API's path to an op (the native fast
@@ -378,6 +378,23 @@ def geglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, approxim
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
     return _run("geglu_mlp_packed", _gelu("geglu_mlp_packed", approximate), x, (w_gate_up,), w_down, (b_gate_up,),
                 b_down, recompute, token_chunk)
+
+
+def plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu", *, recompute: bool = False,
+              token_chunk: int | None = None, transposed: bool = False) -> torch.Tensor:
+    """The classic FFN, fc2(act(fc1(x))) = act(x @ w_fc1^T + b_fc1) @ w_fc2^T + b_fc2, for the table activation
+    `activation` ("gelu", "gelu_tanh", "silu", ...; a ValueError otherwise).
+
+    Weights in nn.Linear layout: w_fc1 [d_ff, d_model], w_fc2 [d_model, d_ff]; transposed=True takes GPT-2's Conv1D
+    layout instead (w_fc1 [d_model, d_ff], w_fc2 [d_ff, d_model]: x @ W + b), read in place, never copied."""
+    a = _activation("plain_mlp", activation)
+    if recompute is not False or token_chunk is not None:
+        _options("plain_mlp", recompute, token_chunk)
+    if not isinstance(transposed, bool):
+        raise ValueError(f"ffn_ext.plain_mlp: `transposed` must be True or False, got {transposed!r}")
+    if transposed:
+        w_fc1, w_fc2 = w_fc1.t(), w_fc2.t()  # views: F.linear's GEMM reads them transposed
+    return F.linear(_call(a, (F.linear(x, w_fc1, b_fc1),)), w_fc2, b_fc2)
 
 
 for _f in (gated_mlp, gated_mlp_packed, swiglu_mlp, swiglu_mlp_packed, geglu_mlp, geglu_mlp_packed):
