@@ -267,7 +267,7 @@ def _gate_agrees(module, gate: _Gate) -> bool:
     if state is None:
         return True
     scale = 2 * min(state.limit, 1e4) if isinstance(state, _Clamp) else 4.0
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)) * scale
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0), device="cpu") * scale
     with torch.no_grad():
         ref, out = _own_gate(module, gate, x).float(), _fused_gate(state, x).float()
     return ref.shape == out.shape and bool((out - ref).norm() <= 1e-4 * ref.norm())
