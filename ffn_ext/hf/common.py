@@ -3,8 +3,10 @@ ffn_ext op computes (_Gate, read from the module at each call), the self-check (
 forward (_BoundForward) the patched modules get."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import sys
 from typing import NamedTuple
 
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 from .. import ops as _ops
 from ..mlp import fusable
-from ..modules import GELU, SiLU
+from ..modules import GELU, SiLU, _Unary
 from ..table import ACTIVATIONS, BY_NAME
 
 _MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
@@ -47,34 +49,61 @@ def _unsupported(act) -> str:
 
 
 # ---------------------------------------------------------------- which activation of the table is `act`?
-_GELUS = {a.api[1]["approximate"]: a for a in ACTIVATIONS if a.api[0] == "gelu"}  # "none", "tanh" -> entry
 _SILU = BY_NAME["silu"]
-# transformers.activations classes -> the ACT2FN name whose function each computes (for every constructor argument
-# ACT2FN passes); the table's hf_names says which entry that name is. As of transformers 5.24 (PytorchGELUTanh:
-# GELUTanh's earlier name, now an alias); tests/test_hf.py checks these against ACT2FN.
-_HF_CLASSES = {"SiLUActivation": "silu", "GELUActivation": "gelu", "GELUTanh": "gelu_pytorch_tanh",
-               "PytorchGELUTanh": "gelu_pytorch_tanh", "NewGELUActivation": "gelu_new",
-               "FastGELUActivation": "gelu_fast", "AccurateGELUActivation": "gelu_accurate"}
-_HF_ENTRIES = {cls: a for cls, hf_name in _HF_CLASSES.items() for a in ACTIVATIONS if hf_name in a.hf_names}
-_FUNCTIONS = ((F.silu, _SILU), (_ops.silu, _SILU), (F.gelu, _GELUS["none"]), (_ops.gelu, _GELUS["none"]))
+# torch's own activations, under the function name an entry's api shares with torch (api[0]): the module class
+# (whose options, nn.GELU's approximate, must be the entry's api options) and the functions with their defaults
+_TORCH = {"gelu": (nn.GELU, (F.gelu,)), "silu": (nn.SiLU, (F.silu,)), "relu": (nn.ReLU, (F.relu, torch.relu))}
+_OURS = {"gelu": GELU, "silu": SiLU}  # ffn_ext.modules' classes of the same kind (their _Unary names its entry)
+
+
+def _api_entry(function: str, obj=None):
+    """The entry reached as ffn_ext.<function> with the options `obj` carries as attributes (nn.GELU's approximate),
+    or with the function's defaults when obj is None (the first entry of that function, as table.activation_for);
+    None if the table has none."""
+    entries = [a for a in ACTIVATIONS if a.api[0] == function]
+    if obj is None:
+        return entries[0] if entries else None
+    return next((a for a in entries if all(getattr(obj, k, None) == v for k, v in a.api[1].items())), None)
+
+
+_MODULES = {cls: f for f, (cls, _) in _TORCH.items()} | {cls: f for f, cls in _OURS.items()}
+_FUNCTIONS = {fn: _api_entry(f) for f, (_, fns) in _TORCH.items() for fn in fns} | {
+    getattr(_ops, a.api[0]): _api_entry(a.api[0]) for a in ACTIVATIONS if hasattr(_ops, a.api[0])}
+_FUNCTIONS = {fn: a for fn, a in _FUNCTIONS.items() if a is not None}
+_HF_ENTRIES: dict = {}  # transformers.activations class -> its entry or None (filled by _hf_entry, once per class)
+
+
+def _hf_entry(cls):
+    """The entry a class of transformers.activations computes: the one whose hf_names hold every name under which
+    transformers' ACT2CLS lists that class (with whatever constructor arguments it passes: GELUTanh is
+    gelu_pytorch_tanh and gelu_python_tanh), read from the transformers.activations the class comes from (never
+    imported here); None when a name is in no entry's hf_names (ClippedGELUActivation: gelu_10) or in two."""
+    if cls not in _HF_ENTRIES:
+        table = getattr(sys.modules.get(cls.__module__), "ACT2CLS", {})
+        names = [n for n, c in table.items() if (c[0] if isinstance(c, tuple) else c) is cls]
+        found = {a.name: a for n in names for a in ACTIVATIONS if n in a.hf_names}  # (entries are not hashable)
+        ok = len(found) == 1 and all(n in a.hf_names for a in found.values() for n in names)
+        _HF_ENTRIES[cls] = next(iter(found.values())) if ok else None
+    return _HF_ENTRIES[cls]
 
 
 def _table_activation(act):
-    """The table entry (ffn_ext/table.py) that `act` computes, or None: nn.SiLU / nn.GELU(approximate) and
-    ffn_ext's SiLU / GELU (these exact types: a subclass may compute something else), F.silu / F.gelu and ffn_ext's
-    functions, and transformers' activation classes of _HF_CLASSES (matched by name and module, without importing
-    transformers)."""
+    """The table entry (ffn_ext/table.py) that `act` computes, or None: torch's nn.SiLU / nn.GELU(approximate) /
+    nn.ReLU and ffn_ext's modules (these exact types: a subclass may compute something else), their functions
+    (F.silu, F.gelu, F.relu, torch.relu, ffn_ext.silu, ...), and transformers' activation classes by its ACT2CLS and
+    the entries' hf_names (_hf_entry); each only where the table has that entry."""
     cls = type(act)
-    if cls is nn.SiLU or cls is SiLU:
-        return _SILU
-    if cls is nn.GELU or cls is GELU:
-        return _GELUS.get(act.approximate)
+    function = _MODULES.get(cls)
+    if function is not None:
+        return _api_entry(function, act)
+    if cls is _Unary:
+        return BY_NAME.get(act.activation)
     if cls.__module__ == "transformers.activations":
-        return _HF_ENTRIES.get(cls.__name__)
-    for fn, entry in _FUNCTIONS:
-        if act is fn:
-            return entry
-    return None
+        return _hf_entry(cls)
+    try:
+        return _FUNCTIONS.get(act)
+    except TypeError:  # not hashable
+        return None
 
 
 def _act_now(self):
@@ -213,7 +242,20 @@ def _defining(cls, attr):
     return next((c for c in cls.__mro__ if attr in vars(c)), None)
 
 
-def _agrees(module, func, act, names=(), limit=None) -> bool:
+@contextlib.contextmanager
+def _eval_mode(module):
+    """The module and its submodules in eval mode (dropout off: the self-check compares deterministic results),
+    restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _agrees(module, func, act, names=(), limit=None, own=None, width=None) -> bool:
     """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp) and
     projection names `names` (packed: _kind's; gated: ()) computes what the class's forward does on two random rows
     (the module's device and dtype, no_grad, a private generator: the global RNG is untouched; with a clamp `limit`,
@@ -222,7 +264,9 @@ def _agrees(module, func, act, names=(), limit=None) -> bool:
     plain floating nn.Parameters of one dtype and device (quantized, sharded), a Linear that is not a plain
     nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global hooks). Also True when the result is not
     finite (weights not initialised): nothing can be told from it. False when the class's forward fails on the rows
-    (as [2, H] and as [1, 2, H]): it is not the form, and is left unpatched with the warning, never an exception."""
+    (as [2, H] and as [1, 2, H]): it is not the form, and is left unpatched with the warning, never an exception.
+    `own`: the module's code to compare with (default: its class's forward); `width`: the rows' width (default: the
+    last projection's out_features). Run in eval mode (dropout off), the modes restored after."""
     params, subs = list(module.parameters()), tuple(module.modules())[1:]
     if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
         return True
@@ -230,20 +274,21 @@ def _agrees(module, func, act, names=(), limit=None) -> bool:
     if not w.is_floating_point() or any(type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype
                                         or p.device != w.device for p in params):
         return True
-    mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])
-    x = torch.randn(2, mods[last].out_features, generator=torch.Generator().manual_seed(0), device="cpu")
+    mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])[:2]
+    own = own or type(module).forward
+    x = torch.randn(2, width or mods[last].out_features, generator=torch.Generator().manual_seed(0), device="cpu")
     x = x.to(w.device, w.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _eval_mode(module):
         if limit is not None:
             peak = float(mods[first](x).abs().max())
             if math.isfinite(peak) and peak > 0:
                 x = x * (3 * min(limit, 1e4) / peak)
         try:  # two rows; a forward that wants [batch, seq, hidden] (MoshiGatingMLP) gets them as one sequence
-            ref = type(module).forward(module, x).float()
+            ref = own(module, x).float()
         except Exception:
             try:
                 x = x.unsqueeze(0)
-                ref = type(module).forward(module, x).float()
+                ref = own(module, x).float()
             except Exception:
                 return False  # its own forward fails on plain rows: not the form the fused forward computes
         out = func(module, x, act, *names).float()

@@ -8,10 +8,13 @@ import torch.nn as nn
 from ..mlp import _options
 from .common import (_ACT, _BoundForward, _DEFAULT_OPTS, _DISAGREES, _MARK, _OPTS, _agrees, _attr, _gate_problem,
                      _gate_state, _input_name, _table_activation, _unsupported, _where)
+from .classic import plan as _classic_plan
 from .clamped import _CLAMPS_AFTER, _clamped_entry, _clamped_forward, _clamped_packed_forward, _clamps_after
 from .dense import _UNKNOWN, _check_shapes, _gated_forward, _kind, _named_reason, _packed_forward, _vouched
 from .experts import (_BoundExperts, _BoundGate, _DISAGREES_GATE, _FORMS, _UNKNOWN_EXPERTS, _experts_entry,
                       _gate_agrees, _is_experts)
+
+_OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modules that take recompute / token_chunk
 
 
 def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False,
@@ -47,7 +50,7 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
     for name, module in model.named_modules():
         mark = getattr(module, _MARK, None)
         if mark:
-            if mark in ("gated", "packed"):
+            if mark in _OPTIONED:
                 todo.append((module, mark, None, None, None))
             elif opts != _DEFAULT_OPTS:
                 not_chunked.setdefault(type(module).__name__, []).append(name or "model")
@@ -71,6 +74,14 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
         else:
             found = _kind(module)
             if found is None:
+                classic = _classic_plan(module, prev)
+                if classic is None:
+                    continue
+                reason, patch = classic
+                if reason is None:
+                    todo.append((module, patch[0], patch[1], None, patch[2]))
+                else:
+                    skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
                 continue
             kind, act_name, names = found
             clamp = _clamped_entry(type(module))
@@ -120,12 +131,12 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
         warnings.warn(f"ffn_ext.hf.patch_model: {msg}{outcome}", RuntimeWarning, stacklevel=2)
     count = 0
     for module, mark, fwd, gate_fn, act in todo:
-        if mark in ("gated", "packed"):
+        if mark in _OPTIONED:
             module.__dict__[_OPTS] = opts
         if act is None:  # patched before: only its options are new
             continue
         if fwd is not None:
-            module.forward = fwd
+            module.__dict__["feed_forward_chunk" if mark == "pair" else "forward"] = fwd
         if gate_fn is not None:
             module._apply_gate = gate_fn
         setattr(module, _MARK, mark)
@@ -144,8 +155,9 @@ def unpatch_model(model: nn.Module) -> int:
         if not mark:
             continue
         d = module.__dict__
-        if mark != "experts_gate":  # its forward was patched
-            attr = next((a for a in ("forward", "_old_forward") if isinstance(d.get(a), _BoundForward)), None)
+        if mark != "experts_gate":  # its forward (a BERT-style layer: its feed_forward_chunk) was patched
+            attrs = ("feed_forward_chunk",) if mark == "pair" else ("forward", "_old_forward")
+            attr = next((a for a in attrs if isinstance(d.get(a), _BoundForward)), None)
             if attr is None:
                 warnings.warn(f"ffn_ext.hf.unpatch_model: {name or 'model'} ({type(module).__name__}): its patched "
                               "forward was wrapped by something other than accelerate's hook and cannot be taken "
@@ -154,8 +166,8 @@ def unpatch_model(model: nn.Module) -> int:
             prev = d[attr].prev
             if prev is not None:
                 d[attr] = prev
-            elif attr == "forward":
-                del d["forward"]
+            elif attr != "_old_forward":
+                del d[attr]
             else:
                 d[attr] = type(module).forward.__get__(module)
         if isinstance(d.get("_apply_gate"), _BoundGate):
