@@ -156,6 +156,46 @@ def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monk
                    for v in vars(m).values())
 
 
+def test_recompute_and_token_chunk_reach_plain_mlp(monkeypatch):
+    """patch_model's recompute / token_chunk are passed to plain_mlp by the classic MLPs and the BERT-style layers
+    (a later call sets them anew), and the result is unchanged."""
+    plain, seen = classic.plain_mlp, []
+    for kind in ("gpt2", "bert"):
+        ref, inputs, count, _ = _model(kind)
+        model = copy.deepcopy(ref)
+        seen.clear()
+        monkeypatch.setattr(classic, "plain_mlp", lambda *a, **k: seen.append((k["recompute"], k["token_chunk"]))
+                            or plain(*a, **k))
+        assert ffn_ext.patch_hf_model(model, recompute=True, token_chunk=3) == count
+        seen.clear()  # the self-checks'
+        with torch.no_grad():
+            torch.testing.assert_close(_out(model.eval(), inputs), _out(ref.eval(), inputs), atol=1e-5, rtol=1e-4)
+        assert seen == [(True, 3)] * count
+        assert ffn_ext.patch_hf_model(model) == 0
+        seen.clear()
+        with torch.no_grad():
+            _out(model, inputs)
+        assert seen == [(False, None)] * count
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "vit", "siglip"])
+def test_models_built_under_a_meta_device_context_patch_completely(kind):
+    """Deferred init (torch.device("meta")): every classic module is patched, without a warning (no self-check
+    runs on meta), and after to_empty + the weights loaded the model computes what the unpatched one does."""
+    ref, inputs, count, _ = _model(kind)
+    with torch.device("meta"):
+        model = MODELS[kind][0]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(model) == count
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    for name, buf in ref.named_buffers():
+        model.get_buffer(name).copy_(buf)
+    with torch.no_grad():
+        torch.testing.assert_close(_out(model.eval(), inputs), _out(ref.eval(), inputs), atol=1e-5, rtol=1e-4)
+
+
 def test_whisper_layers_are_named_with_the_reason():
     """Whisper's FFN is inline in its encoder and decoder layers' forward (with a dropout between the activation and
     fc2, and the attention in the same forward): named in the one warning, not patched; strict=True refuses."""

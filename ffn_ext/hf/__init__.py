@@ -1,5 +1,7 @@
-"""Hugging Face interop: make a loaded `transformers` model's gated MLPs (SwiGLU, GeGLU, clamped SwiGLU) and MoE
-experts run on ffn_ext, in place.
+"""Hugging Face interop: make a loaded `transformers` model's MLPs run on ffn_ext, in place: the gated MLPs (SwiGLU,
+GeGLU, clamped SwiGLU; ffn_ext/hf/dense.py, clamped.py), the MoE experts (experts.py) and the classic FFN
+fc2(act(fc1(x))) (classic.py: GPT-2, GPT-NeoX, Falcon, Phi, StarCoder2, CLIP/SigLIP, ViT, the VLMs' vision MLPs, ...,
+and the BERT-style *Intermediate / *Output pairs at their layer's feed_forward_chunk).
 
     model = AutoModelForCausalLM.from_pretrained(...)
     n = ffn_ext.hf.patch_model(model)      # == ffn_ext.patch_hf_model(model); returns the number patched
@@ -19,10 +21,13 @@ or activation_fn; Granite's activation) one of the activations of ffn_ext's tabl
                0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written four ways (gelu_fast writes sqrt(2/pi) as
                0.7978845608, the same float32 number)
 
-(transformers classes are recognised by class name in transformers.activations and the ACT2FN name they stand for,
-which the table's ``hf_names`` must list; tests/test_hf.py checks each against transformers' ACT2FN numerically).
-Not patched, named in the warning: any other activation, e.g. transformers' QuickGELUActivation ("quick_gelu",
-x sigmoid(1.702 x), not a GELU ffn_ext implements), ClippedGELUActivation ("gelu_10", a clamped GELU), ReLU. Nor
+and every other entry of the table (relu, relu2, quick_gelu, ... as the table has them), through the same sources:
+torch's nn.ReLU / F.relu / torch.relu where the table has relu, and transformers' classes read from its own ACT2CLS
+(the transformers.activations the class comes from; transformers itself is never imported here): a class is an
+entry's when every ACT2CLS name it is registered under is in that entry's ``hf_names`` (common._hf_entry;
+tests/test_hf.py checks this against ACT2CLS and ACT2FN numerically). Not patched, named in the warning: any other
+activation, e.g. one of transformers' the table lacks ("gelu_10", ClippedGELUActivation, a clamped GELU; "mish";
+"xielu"): named, never substituted. Nor
 gatings that clamp the activation's output, clamp(act_fn(gate), max=limit) * clamp(up, -limit, limit), which no
 ffn_ext op computes (``_CLAMP_AFTER``: Step-3.7's Step3p7MLP and Step3p7Experts, and any class that sets
 transformers' _fp8_experts_clamp_after_activation = True): named with that reason, also when listed in
@@ -32,7 +37,8 @@ with h = Wi(x) (a dropout between the gating and the projection back, which ffn_
 even where the dropout is inactive), and Moonshine's MoonshineDecoderMLP and MoonshineStreamingDecoderMLP,
 fc2(h[..., :I] * act(h[..., I:])) with h = fc1(x) (the up half first; ffn_ext's packed ops take the gate half first).
 Their pairs of names (Wi / Wo, fc1 / fc2: ``_SHAPED_FORMS``) make a module MLP-shaped only with a packed MLP's
-shapes (to [..., 2I] and back), so plain MLPs act(fc1(x)) (CLIP, ViT, Moonshine's encoder, ...) are not named.
+shapes (to [..., 2I] and back), so classic MLPs fc2(act(fc1(x))) (CLIP, ViT, Moonshine's encoder, ...) are not
+named as gated ones: classic.py patches them (see its docstring).
 
 Which modules: those of the transformers classes known to have exactly that forward (``_KNOWN``: Llama, Qwen2/3,
 Mistral, DeepSeek-V3, OLMo, Granite, ... with SiLU; Gemma, Gemma2, Gemma3, Gemma4 text, VaultGemma,

@@ -20,9 +20,12 @@ _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modul
 def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False,
                 token_chunk: int | None = None) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
-    (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP and every known MoE experts
-    module whose gating ffn_ext computes (see the module docstring) to use ffn_ext; returns how many modules were
-    patched now (already patched ones are not counted again).
+    (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP, every known MoE experts
+    module whose gating ffn_ext computes, and every known classic MLP fc2(act(fc1(x))) and BERT-style layer (see
+    the module docstring and ffn_ext/hf/classic.py) to use ffn_ext; returns how many modules were patched now
+    (already patched ones are not counted again). Classic MLPs with an activation the table lacks, and modules with an
+    FFN's fc1 / fc2 whose forward is not known (Whisper's layers: the FFN inline, a dropout between the activation
+    and fc2), are named in the same warning.
 
     extra_classes: your own MLP classes (nn.Linear gate_proj/up_proj/down_proj or gate_up_proj/down_proj, an
     act_fn or activation_fn of the table: nn.SiLU, nn.GELU(approximate=...), transformers' ACT2FN["silu"],
@@ -36,7 +39,8 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
     activation's output (_CLAMP_AFTER), nor to the packed MLPs of _NAMED (dropout before the projection back, the
     up half first).
 
-    recompute, token_chunk: the patched gated and packed MLPs run ffn_ext.mlp.gated_mlp(_packed) with these
+    recompute, token_chunk: the patched gated and packed MLPs run ffn_ext.mlp.gated_mlp(_packed), the classic ones
+    and BERT-style layers ffn_ext.mlp.plain_mlp, with these
     (recompute=True: backward recomputes the projections from the saved input; token_chunk=N: forward and backward
     over chunks of N tokens, for long sequences). A later call sets them anew on the MLPs patched before. They do
     not apply to the clamped MLPs and the MoE experts modules (their projections run as modules): with other than
