@@ -16,6 +16,7 @@ import torch
 import ffn_ext
 from ffn_ext.hf import classic
 from ffn_ext.table import ACTIVATIONS
+from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 transformers = pytest.importorskip("transformers")
 
@@ -292,20 +293,6 @@ def _body(fn: ast.FunctionDef, names=("x",)) -> str | None:
             node.id = renames[node.id]
     return "\n".join(ast.unparse(s) for s in fn.body
                      if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
-
-
-def _canonical(body: str) -> tuple:
-    tree = ast.parse(body)
-    local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} - {"x"}
-    attrs, names = [], {}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
-            if n.attr not in attrs:
-                attrs.append(n.attr)
-            n.attr = f"a{attrs.index(n.attr)}"
-        elif isinstance(n, ast.Name) and n.id in local:
-            n.id = names.setdefault(n.id, f"v{len(names)}")
-    return ast.unparse(tree), tuple(attrs)
 
 
 def _assigned(cls: ast.ClassDef) -> dict:
