@@ -218,13 +218,13 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward)
                and getattr(m, ffn_ext.hf._MARK) == "packed" for m in mlps)
 
-    calls, packed = [], ffn_ext.hf.gated_mlp_packed
+    calls, packed = [], ffn_ext.hf.dense.gated_mlp_packed
 
     def spy(x, *args, **kwargs):
         calls.append(kwargs["activation"])
         return packed(x, *args, **kwargs)
 
-    monkeypatch.setattr(ffn_ext.hf, "gated_mlp_packed", spy)
+    monkeypatch.setattr(ffn_ext.hf.dense, "gated_mlp_packed", spy)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     logits, logits0 = model(ids).logits, ref(ids).logits
     assert calls == ["silu"] * len(mlps)
@@ -370,17 +370,29 @@ def test_every_act2fn_activation_is_identified_truthfully(hidden_act):
 
 
 def test_hf_activation_classes_are_those_of_transformers():
-    """ffn_ext.hf's names for transformers' activation classes exist in transformers.activations, and each class is
-    registered in ACT2CLS only under names of the same table entry (whatever its constructor arguments)."""
+    """ffn_ext.hf reads transformers' activation classes from its ACT2CLS: a class is an entry's exactly when every
+    ACT2CLS name it is registered under (whatever the constructor arguments) is in that entry's hf_names; a class
+    also registered under a name of no entry (or of another) is none. Every entry's hf_names that ACT2CLS maps to a
+    transformers.activations class gives that entry."""
     import transformers.activations as A
 
-    for cls_name, hf_name in ffn_ext.hf._HF_CLASSES.items():
-        cls = getattr(A, cls_name)
-        entry = ffn_ext.hf._HF_ENTRIES[cls_name]
-        assert hf_name in entry.hf_names
-        names = [k for k, v in A.ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is cls]
-        assert names and all(_table_entry_of(n) is entry for n in names), (cls_name, names)
-    assert A.PytorchGELUTanh is A.GELUTanh
+    by_class = {}
+    for name, v in A.ACT2CLS.items():
+        by_class.setdefault(v[0] if isinstance(v, tuple) else v, []).append(name)
+    for cls, names in by_class.items():
+        if cls.__module__ != "transformers.activations":
+            continue
+        entries = {getattr(_table_entry_of(n), "name", None) for n in names}
+        want = _table_entry_of(names[0]) if len(entries) == 1 and None not in entries else None
+        got = ffn_ext.hf.common._hf_entry(cls)
+        assert got is want, (cls.__name__, names, got and got.name)
+    for a in ACTIVATIONS:
+        for n in a.hf_names:
+            v = A.ACT2CLS.get(n)
+            cls = v[0] if isinstance(v, tuple) else v
+            if cls is not None and cls.__module__ == "transformers.activations":
+                assert ffn_ext.hf.common._hf_entry(cls) is a, (a.name, n)
+    assert A.PytorchGELUTanh is A.GELUTanh and ffn_ext.hf._table_activation(A.PytorchGELUTanh()).name == "gelu_tanh"
 
 
 def test_lora_like_projection_and_hooks_keep_working():
@@ -863,7 +875,8 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
 
 def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not():
     """Tiny random ModernBERT and Moonshine: their gated MLPs are named (with the count), Moonshine's encoder MLPs
-    (act(fc1(x)), fc1 / fc2 as CLIP's) are not MLP-shaped; strict=True refuses; logits are unchanged."""
+    (fc2(act(fc1(x))), fc1 / fc2 as CLIP's) are not gated-MLP-shaped: they are patched as classic FFNs
+    (tests/test_hf_classic.py); strict=True refuses; logits are unchanged."""
     torch.manual_seed(0)
     bert = transformers.ModernBertModel(transformers.ModernBertConfig(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, vocab_size=97, pad_token_id=0,
@@ -887,7 +900,7 @@ def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not()
                                   "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more")):
         ref = run(model)
         with pytest.warns(RuntimeWarning) as rec:
-            assert ffn_ext.patch_hf_model(model) == 0
+            assert ffn_ext.patch_hf_model(model) == (0 if model is bert else len(enc))
         msgs = [str(w.message) for w in rec if w.category is RuntimeWarning]
         assert msgs == [f"ffn_ext.hf.patch_model: {reason}: {where} (left unpatched)"], msgs
         with pytest.raises(ValueError, match=re.escape(where)):

@@ -896,3 +896,40 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     assert _src(funcs["_default_apply_gate"].body) == MOE_SOURCE["_default_apply_gate"]
     for name in ("grouped_mm_experts_forward", "batched_mm_experts_forward", "use_experts_implementation"):
         assert MOE_SOURCE[name] in ast.unparse(funcs[name]), name
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+def test_patching_under_a_default_device_context(kind):
+    """torchtitan's and FSDP2's deferred init: the model built under torch.device("meta") patches completely, without
+    a warning (the self-checks make their own tensors on the CPU: the experts' gating check used to land on meta and
+    fail with "Tensor.item() cannot be called on meta tensors"); after to_empty + the weights and buffers loaded
+    (as from a checkpoint) it computes what the unpatched model does. And a CPU model patched under another default
+    device (meta here stands in for "cuda" on a machine without one) self-checks on its own device."""
+    ref = _tiny(kind)
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+    expected = len(_patchable(ref))
+    with torch.device("meta"):
+        model = _tiny_meta(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(model) == expected
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    for name, buf in ref.named_buffers():
+        model.get_buffer(name).copy_(buf)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=1e-4)
+    cpu = _tiny(kind)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(cpu) == expected
+    with torch.no_grad():
+        torch.testing.assert_close(cpu(ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def _tiny_meta(kind):
+    """_tiny's model without its weights (under a meta context: the 20x scaling would run on meta)."""
+    cfg_name, model_name, kw, _, _ = MODELS[kind]
+    return getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**BASE, **kw})).eval()

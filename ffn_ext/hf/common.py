@@ -1,0 +1,306 @@
+"""What every form of ffn_ext.hf shares: the patch marks, which table entry an activation is, the gatings one
+ffn_ext op computes (_Gate, read from the module at each call), the self-check (_agrees) and the picklable bound
+forward (_BoundForward) the patched modules get."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import sys
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops as _ops
+from ..mlp import fusable
+from ..modules import GELU, SiLU, _Unary
+from ..table import ACTIVATIONS, BY_NAME
+
+_MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
+_ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
+_OPTS = "_ffn_ext_mlp_options"  # (recompute, token_chunk) of a patched gated/packed MLP: patch_model's arguments
+_GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
+_DISAGREES = ("their forward gave a different result from the fused gated MLP on a random input (self-check), so "
+              "it is not a plain gated MLP and must run as it is")
+
+
+class _Gate(NamedTuple):
+    """A gating that one ffn_ext op computes: act(gate) * up with `act` a table entry, or, with a `limit`, the
+    clamped SwiGLU (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
+    (ffn_ext.swiglu_clamped). Packed projections are split by `layout`."""
+    act: str | None = "act_fn"   # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
+    limit: str | None = None     # the attribute holding the clamp limit; None: no clamp
+    alpha: str | float = 1.0     # the attribute holding alpha, or its value
+    up_offset: float = 0.0
+    layout: str = "concat"       # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
+
+
+_PLAIN = _Gate()
+
+
+def _unsupported(act) -> str:
+    what = type(act).__name__ if isinstance(act, nn.Module) or act is None else getattr(act, "__qualname__",
+                                                                                         type(act).__name__)
+    ours = "; ".join(f"{a.name}: {', '.join(a.hf_names)}" for a in ACTIVATIONS)
+    return (f"activation {what} is not one ffn_ext implements (ffn_ext's, with the transformers ACT2FN names "
+            f"that are the same function: {ours})")
+
+
+# ---------------------------------------------------------------- which activation of the table is `act`?
+_SILU = BY_NAME["silu"]
+# torch's own activations, under the function name an entry's api shares with torch (api[0]): the module class
+# (whose options, nn.GELU's approximate, must be the entry's api options) and the functions with their defaults
+_TORCH = {"gelu": (nn.GELU, (F.gelu,)), "silu": (nn.SiLU, (F.silu,)), "relu": (nn.ReLU, (F.relu, torch.relu))}
+_OURS = {"gelu": GELU, "silu": SiLU}  # ffn_ext.modules' classes of the same kind (their _Unary names its entry)
+
+
+def _api_entry(function: str, obj=None):
+    """The entry reached as ffn_ext.<function> with the options `obj` carries as attributes (nn.GELU's approximate),
+    or with the function's defaults when obj is None (the first entry of that function, as table.activation_for);
+    None if the table has none."""
+    entries = [a for a in ACTIVATIONS if a.api[0] == function]
+    if obj is None:
+        return entries[0] if entries else None
+    return next((a for a in entries if all(getattr(obj, k, None) == v for k, v in a.api[1].items())), None)
+
+
+_MODULES = {cls: f for f, (cls, _) in _TORCH.items()} | {cls: f for f, cls in _OURS.items()}
+_FUNCTIONS = {fn: _api_entry(f) for f, (_, fns) in _TORCH.items() for fn in fns} | {
+    getattr(_ops, a.api[0]): _api_entry(a.api[0]) for a in ACTIVATIONS if hasattr(_ops, a.api[0])}
+_FUNCTIONS = {fn: a for fn, a in _FUNCTIONS.items() if a is not None}
+_HF_ENTRIES: dict = {}  # transformers.activations class -> its entry or None (filled by _hf_entry, once per class)
+
+
+def _hf_entry(cls):
+    """The entry a class of transformers.activations computes: the one whose hf_names hold every name under which
+    transformers' ACT2CLS lists that class (with whatever constructor arguments it passes: GELUTanh is
+    gelu_pytorch_tanh and gelu_python_tanh), read from the transformers.activations the class comes from (never
+    imported here); None when a name is in no entry's hf_names (ClippedGELUActivation: gelu_10) or in two."""
+    if cls not in _HF_ENTRIES:
+        table = getattr(sys.modules.get(cls.__module__), "ACT2CLS", {})
+        names = [n for n, c in table.items() if (c[0] if isinstance(c, tuple) else c) is cls]
+        found = {a.name: a for n in names for a in ACTIVATIONS if n in a.hf_names}  # (entries are not hashable)
+        ok = len(found) == 1 and all(n in a.hf_names for a in found.values() for n in names)
+        _HF_ENTRIES[cls] = next(iter(found.values())) if ok else None
+    return _HF_ENTRIES[cls]
+
+
+def _table_activation(act):
+    """The table entry (ffn_ext/table.py) that `act` computes, or None: torch's nn.SiLU / nn.GELU(approximate) /
+    nn.ReLU and ffn_ext's modules (these exact types: a subclass may compute something else), their functions
+    (F.silu, F.gelu, F.relu, torch.relu, ffn_ext.silu, ...), and transformers' activation classes by its ACT2CLS and
+    the entries' hf_names (_hf_entry); each only where the table has that entry."""
+    cls = type(act)
+    function = _MODULES.get(cls)
+    if function is not None:
+        return _api_entry(function, act)
+    if cls is _Unary:
+        return BY_NAME.get(act.activation)
+    if cls.__module__ == "transformers.activations":
+        return _hf_entry(cls)
+    try:
+        return _FUNCTIONS.get(act)
+    except TypeError:  # not hashable
+        return None
+
+
+def _act_now(self):
+    """The table entry the fused kernels may stand in for the MLP's activation call with, else None: its
+    activation (looked up now: it may have been replaced since patching) is one of the table's, and no hook or
+    forward wrapper, on it or global, expects to see it run."""
+    name = self.__dict__[_ACT][0]
+    mods = self._modules
+    act = mods[name] if name in mods else getattr(self, name, None)
+    entry = _table_activation(act)
+    if entry is None or (isinstance(act, nn.Module) and not fusable((), (act,))):
+        return None
+    return entry
+
+
+_DEFAULT_OPTS = (False, None)
+
+
+def _where(by_class: dict) -> str:
+    """'Cls at 'name' and 3 more, ...' for class -> module names."""
+    return ", ".join(f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                     for cls, names in by_class.items())
+
+
+class _Clamp(NamedTuple):
+    """The arguments of ffn_ext.swiglu_clamped(_packed) for a clamped _Gate, read from the module when it runs."""
+    limit: float
+    alpha: float
+    up_offset: float
+    layout: str
+
+
+def _attr(module, name):
+    mods = module._modules
+    return mods[name] if name in mods else getattr(module, name, None)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _gate_state(module, gate: _Gate):
+    """What ffn_ext's op needs to stand in for `module`'s gating now, else None (then its own code runs): the table
+    entry of its activation, which must run no hook (on it or global) and, clamped, be SiLU; or, clamped, the
+    _Clamp of its current limit (a number > 0) and alpha (a finite number)."""
+    entry = _SILU
+    if gate.act is not None:
+        act = _attr(module, gate.act)
+        entry = _table_activation(act)
+        if entry is None or (gate.limit is not None and entry is not _SILU) or (
+                isinstance(act, nn.Module) and not fusable((), (act,))):
+            return None
+    if gate.limit is None:
+        return entry
+    limit = getattr(module, gate.limit, None)
+    alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
+    if not (_real(limit) and limit > 0 and _real(alpha) and math.isfinite(alpha)):
+        return None
+    return _Clamp(float(limit), float(alpha), gate.up_offset, gate.layout)
+
+
+def _gate_problem(module, gate: _Gate) -> str | None:
+    """Why `module`'s gating (`gate`) cannot run on ffn_ext, or None (the patch-time form of _gate_state, which also
+    lets hooks on the activation pass: with them the module's own code runs, call by call)."""
+    if gate.act is not None:
+        act = _attr(module, gate.act)
+        entry = _table_activation(act)
+        if entry is None:
+            return _unsupported(act)
+        if gate.limit is not None and entry is not _SILU:
+            return (f"clamped gating with activation {type(act).__name__} ({entry.name}): ffn_ext's clamped op is "
+                    "SiLU's")
+    if gate.limit is not None:
+        limit = getattr(module, gate.limit, None)
+        alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
+        if not (_real(limit) and limit > 0):
+            return f"clamp limit {gate.limit} = {limit!r} is not a number > 0"
+        if not (_real(alpha) and math.isfinite(alpha)):
+            return f"{gate.alpha} = {alpha!r} is not a finite number"
+    return None
+
+
+def _fused_gate(state, gate_up):
+    """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place."""
+    if isinstance(state, _Clamp):
+        return _ops.swiglu_clamped_packed(gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset,
+                                          layout=state.layout)
+    return _ops.gated_packed(gate_up, state.name)
+
+
+def _bind(names: tuple, args: tuple, kwargs: dict):
+    """args and kwargs as a positional list over `names` (all of them, each once), else None."""
+    if len(args) + len(kwargs) != len(names) or len(args) > len(names):
+        return None
+    out = list(args)
+    for n in names[len(args):]:
+        if n not in kwargs:
+            return None
+        out.append(kwargs[n])
+    return out
+
+
+class _BoundForward:
+    """The patched forward, bound to its MLP like a method, but picklable: a types.MethodType pickles as
+    getattr(mlp, '_gated_forward') and so made torch.save(model) write checkpoints that torch.load could not read.
+    This pickles the module-level function by name and the MLP by reference.
+
+    A call with one tensor, positional or named `arg` (the original forward's parameter), runs the fused form with
+    the activation's table entry while the activation may be bypassed (_act_now); every other call runs the
+    original forward: `prev`, the forward the instance had when patched (a wrapper such as accelerate's hook, which
+    must run), else the class's. `gate`: None for the MLPs of _KNOWN (and extra_classes), whose activation attribute
+    is recorded on the module (_ACT); the clamped MLPs' _Gate, whose _gate_state the fused form runs with. `names`:
+    the packed MLPs' projection attributes (to [..., 2I], back), passed on to `func`; () for the gated form."""
+
+    arg, prev, gate, names = "x", None, None, ()  # class defaults: patched models pickled before these existed load
+
+    def __init__(self, module, func, arg, prev, gate=None, names=()):
+        self.__self__, self.__func__, self.arg, self.prev, self.gate = module, func, arg, prev, gate
+        self.names = names
+
+    def __call__(self, *args, **kwargs):
+        mlp, prev = self.__self__, self.prev
+        if prev is not None:
+            return prev(*args, **kwargs)
+        if len(args) + len(kwargs) == 1:
+            x = args[0] if args else kwargs.get(self.arg)
+            if isinstance(x, torch.Tensor):
+                state = _act_now(mlp) if self.gate is None else _gate_state(mlp, self.gate)
+                if state is not None:
+                    return self.__func__(mlp, x, state, *self.names)
+        return type(mlp).forward(mlp, *args, **kwargs)
+
+
+def _defining(cls, attr):
+    """The first class of cls's MRO that defines `attr`, or None."""
+    return next((c for c in cls.__mro__ if attr in vars(c)), None)
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    """The module and its submodules in eval mode (dropout off: the self-check compares deterministic results),
+    restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _agrees(module, func, act, names=(), limit=None, own=None, width=None) -> bool:
+    """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp) and
+    projection names `names` (packed: _kind's; gated: ()) computes what the class's forward does on two random rows
+    (the module's device and dtype, no_grad, a private generator: the global RNG is untouched; with a clamp `limit`,
+    scaled so that the first projection's largest output is 3 * limit and the clamps act). True without running
+    anything when running would be neither cheap nor free of side effects: parameters on meta (offloaded) or not
+    plain floating nn.Parameters of one dtype and device (quantized, sharded), a Linear that is not a plain
+    nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global hooks). Also True when the result is not
+    finite (weights not initialised): nothing can be told from it. False when the class's forward fails on the rows
+    (as [2, H] and as [1, 2, H]): it is not the form, and is left unpatched with the warning, never an exception.
+    `own`: the module's code to compare with (default: its class's forward); `width`: the rows' width (default: the
+    last projection's out_features). Run in eval mode (dropout off), the modes restored after."""
+    params, subs = list(module.parameters()), tuple(module.modules())[1:]
+    if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
+        return True
+    w = params[0]
+    if not w.is_floating_point() or any(type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype
+                                        or p.device != w.device for p in params):
+        return True
+    mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])[:2]
+    own = own or type(module).forward
+    x = torch.randn(2, width or mods[last].out_features, generator=torch.Generator().manual_seed(0), device="cpu")
+    x = x.to(w.device, w.dtype)
+    with torch.no_grad(), _eval_mode(module):
+        if limit is not None:
+            peak = float(mods[first](x).abs().max())
+            if math.isfinite(peak) and peak > 0:
+                x = x * (3 * min(limit, 1e4) / peak)
+        try:  # two rows; a forward that wants [batch, seq, hidden] (MoshiGatingMLP) gets them as one sequence
+            ref = own(module, x).float()
+        except Exception:
+            try:
+                x = x.unsqueeze(0)
+                ref = own(module, x).float()
+            except Exception:
+                return False  # its own forward fails on plain rows: not the form the fused forward computes
+        out = func(module, x, act, *names).float()
+        if out.shape != ref.shape:
+            return False
+    tol = 2e-2 if w.element_size() <= 2 else 1e-4  # relative, in norm; half types: ffn_ext rounds h once, ATen twice
+    return not bool(ref.isfinite().all()) or bool((out - ref).norm() <= tol * ref.norm())
+
+
+def _input_name(forward) -> str:
+    """The name of the first parameter of a bound forward ('x' when there is none to name)."""
+    try:
+        return next(iter(inspect.signature(forward).parameters), "x")
+    except (TypeError, ValueError):
+        return "x"
