@@ -48,11 +48,12 @@ def main(argv=None) -> int:
         gate, up = torch.randn(m, k, device=dev, dtype=dt), torch.randn(m, k, device=dev, dtype=dt)
         copy_ms = time_fn(lambda a, b: (a.clone(), b.clone()), [(gate, up)], dev)["median_ms"]
         for rname, r in recipes.items():
-            fused = time_fn(lambda a, b: ffn_ext.swiglu_quant(a, b, r), [(gate, up)], dev)["median_ms"]
-            unfused = time_fn(lambda a, b: reference_quantize(ffn_ext.swiglu(a, b), r), [(gate, up)], dev)["median_ms"]
+            fused = time_fn(lambda a, b, r=r: ffn_ext.swiglu_quant(a, b, r), [(gate, up)], dev)["median_ms"]
+            unfused = time_fn(lambda a, b, r=r: reference_quantize(ffn_ext.swiglu(a, b), r), [(gate, up)],
+                              dev)["median_ms"]
             comp = None
             if not args.no_compile:
-                cf = torch.compile(lambda a, b: reference_quantize(torch.nn.functional.silu(a) * b, r))
+                cf = torch.compile(lambda a, b, r=r: reference_quantize(torch.nn.functional.silu(a) * b, r))
                 comp = time_fn(cf, [(gate, up)], dev)["median_ms"]
             q, s = ffn_ext.swiglu_quant(gate, up, r)
             moved = 2 * gate.nbytes + q.nbytes + s.nbytes

@@ -28,7 +28,8 @@ Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
   if (scaling == "tensor") r.scaling = Scaling::kTensor;
   else if (scaling == "row") r.scaling = Scaling::kRow;
   else if (scaling == "group") r.scaling = Scaling::kGroup;
-  else TORCH_CHECK_VALUE(false, op, ": `scaling` must be \"tensor\", \"row\" or \"group\", got \"", std::string(scaling), "\"");
+  else TORCH_CHECK_VALUE(false, op, ": `scaling` must be \"tensor\", \"row\" or \"group\", got \"",
+                         std::string(scaling), "\"");
   TORCH_CHECK_VALUE(r.scaling != Scaling::kGroup || group_size == 32 || group_size == 64 || group_size == 128, op,
                     ": `group_size` must be 32, 64 or 128 (elements per group along the last dim), got ",
                     std::to_string(group_size));
@@ -43,7 +44,8 @@ Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
                     ": `scale_layout` must be \"row\" or \"column\", got \"", std::string(scale_layout), "\"");
   r.column = scale_layout == "column";
   TORCH_CHECK_VALUE(!r.column || r.scaling != Scaling::kTensor, op,
-                    ": `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a per-tensor scale has no layout");
+                    ": `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a per-tensor scale has no ",
+                    "layout");
   if (static_scale) {
     TORCH_CHECK_VALUE(r.scaling == Scaling::kTensor, op, ": `static_scale` is for scaling=\"tensor\", got scaling=\"",
                       std::string(scaling), "\"");
@@ -65,7 +67,8 @@ std::pair<at::Tensor, at::Tensor> alloc_quant(const char* op, const at::Tensor& 
   c10::SymInt n = 1;
   if (r.scaling == Scaling::kGroup) {
     TORCH_CHECK_VALUE(k % r.group_size == 0, op, ": `group_size`=", std::to_string(r.group_size),
-                      " must divide the last dimension of h, got ", k.maybe_as_int() ? std::to_string(*k.maybe_as_int()) : k.toSymNode()->str());
+                      " must divide the last dimension of h, got ",
+                      k.maybe_as_int() ? std::to_string(*k.maybe_as_int()) : k.toSymNode()->str());
     n = k / r.group_size;
   }
   const int64_t d = static_cast<int64_t>(h_sizes.size());
@@ -121,24 +124,6 @@ namespace {
 using T = const at::Tensor&;
 using Out = std::tuple<at::Tensor, at::Tensor>;
 
-// The checks and allocation every kernel of these ops starts with (the Meta kernels are exactly these).
-template <class Prm>
-std::pair<at::Tensor, at::Tensor> alloc_gated(const char* op, const Prm& prm, const Recipe& r, T gate, T up) {
-  check_params(op, prm);
-  check_gated(op, gate, up);
-  return alloc_quant(op, gate, gate.sym_sizes(), r);
-}
-template <class Prm>
-std::pair<at::Tensor, at::Tensor> alloc_packed(const char* op, const Prm& prm, const Recipe& r, T gate_up,
-                                               c10::string_view layout) {
-  check_params(op, prm);
-  parse_layout(op, layout);
-  const auto m = check_packed(op, gate_up);
-  std::vector<c10::SymInt> sizes(gate_up.sym_sizes().begin(), gate_up.sym_sizes().end());
-  sizes.back() = m;
-  return alloc_quant(op, gate_up, sizes, r);
-}
-
 // Refuses inputs that require grad under grad mode (these ops are not differentiable), then runs the kernel
 // below autograd: one boxed kernel for every quantizing op.
 void no_grad_kernel(const c10::OperatorHandle& opr, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -185,8 +170,7 @@ void impl_composite(torch::Library& m) {
 #undef FFN_EXT_QUANT_CPU
   m.impl("quantize", [](T x, FFN_EXT_QUANT_DECL) -> Out {
     const Recipe r = parse_recipe("ffn_ext.quantize", FFN_EXT_QUANT_ARGS);
-    check_x("ffn_ext.quantize", x);
-    auto [q, s] = alloc_quant("ffn_ext.quantize", x, x.sym_sizes(), r);
+    auto [q, s] = alloc_x("ffn_ext.quantize", r, x);
     quantize_aten(x, r, q, s);
     return {q, s};
   });
@@ -221,9 +205,7 @@ TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
   FFN_EXT_GATED(FFN_EXT_QUANT_META)
 #undef FFN_EXT_QUANT_META
   m.impl("quantize", [](T x, FFN_EXT_QUANT_DECL) -> Out {
-    const Recipe r = parse_recipe("ffn_ext.quantize", FFN_EXT_QUANT_ARGS);
-    check_x("ffn_ext.quantize", x);
-    auto [q, s] = alloc_quant("ffn_ext.quantize", x, x.sym_sizes(), r);
+    auto [q, s] = alloc_x("ffn_ext.quantize", parse_recipe("ffn_ext.quantize", FFN_EXT_QUANT_ARGS), x);
     return {q, s};
   });
 }

@@ -9,6 +9,9 @@
 
 #include <optional>
 #include <utility>
+#include <vector>
+
+#include "ffn_ext.h"
 
 // The recipe's schema arguments, their C++ parameters and their names (to pass them on).
 #define FFN_EXT_QUANT_SCHEMA                                                                                \
@@ -51,6 +54,30 @@ void quantize_aten(const at::Tensor& h, const Recipe& r, const at::Tensor& q, co
 void check_x(const char* op, const at::Tensor& x);
 void check_gated(const char* op, const at::Tensor& gate, const at::Tensor& up);
 c10::SymInt check_packed(const char* op, const at::Tensor& gate_up);  // returns M of [..., 2M]
+
+// The checks and allocation every kernel of an op starts with (the Meta kernels are exactly these), for quantize,
+// <gated>_quant and <gated>_packed_quant: the parameters, the inputs, then alloc_quant for h's shape.
+inline std::pair<at::Tensor, at::Tensor> alloc_x(const char* op, const Recipe& r, const at::Tensor& x) {
+  check_x(op, x);
+  return alloc_quant(op, x, x.sym_sizes(), r);
+}
+template <class Prm>
+std::pair<at::Tensor, at::Tensor> alloc_gated(const char* op, const Prm& prm, const Recipe& r, const at::Tensor& gate,
+                                              const at::Tensor& up) {
+  check_params(op, prm);
+  check_gated(op, gate, up);
+  return alloc_quant(op, gate, gate.sym_sizes(), r);
+}
+template <class Prm>
+std::pair<at::Tensor, at::Tensor> alloc_packed(const char* op, const Prm& prm, const Recipe& r,
+                                               const at::Tensor& gate_up, c10::string_view layout) {
+  check_params(op, prm);
+  parse_layout(op, layout);
+  const auto m = check_packed(op, gate_up);
+  std::vector<c10::SymInt> sizes(gate_up.sym_sizes().begin(), gate_up.sym_sizes().end());
+  sizes.back() = m;
+  return alloc_quant(op, gate_up, sizes, r);
+}
 
 }  // namespace quant
 }  // namespace ffn_ext

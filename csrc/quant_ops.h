@@ -63,9 +63,7 @@ struct QuantOps {
   template <class Gate>
   static Out gated(const char* op, const typename Gate::Params& prm, const Recipe& r, T_ gate, T_ up,
                    const std::function<at::Tensor()>& unfused) {
-    check_params(op, prm);
-    check_gated(op, gate, up);
-    auto [q, s] = alloc_quant(op, gate, gate.sym_sizes(), r);
+    auto [q, s] = alloc_gated(op, prm, r, gate, up);
     if (!fused(r, gate.scalar_type())) {
       quantize_aten(unfused(), r, q, s);
       return {q, s};
@@ -84,12 +82,8 @@ struct QuantOps {
   template <class Gate>
   static Out packed(const char* op, const typename Gate::Params& prm, const Recipe& r, T_ gate_up,
                     c10::string_view layout, const std::function<at::Tensor()>& unfused) {
-    check_params(op, prm);
+    auto [q, s] = alloc_packed(op, prm, r, gate_up, layout);
     const Layout lay = parse_layout(op, layout);
-    const auto m = check_packed(op, gate_up);
-    std::vector<c10::SymInt> sizes(gate_up.sym_sizes().begin(), gate_up.sym_sizes().end());
-    sizes.back() = m;
-    auto [q, s] = alloc_quant(op, gate_up, sizes, r);
     if (!fused(r, gate_up.scalar_type())) {
       quantize_aten(unfused(), r, q, s);
       return {q, s};
@@ -115,8 +109,7 @@ struct QuantOps {
   }
 
   static Out quantize(const Recipe& r, T_ x) {
-    check_x("ffn_ext.quantize", x);
-    auto [q, s] = alloc_quant("ffn_ext.quantize", x, x.sym_sizes(), r);
+    auto [q, s] = alloc_x("ffn_ext.quantize", r, x);
     if (!fused(r, x.scalar_type())) {
       quantize_aten(x, r, q, s);
       return {q, s};

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .table import GATED, GATED_BY_NAME, LAYOUTS, activation_for, split_packed
+from .table import GATED_BY_NAME, activation_for
 
 __all__ = ["QuantRecipe", "FP8_MAX", "AMAX_FLOOR", "reference_quantize", "quantize", "swiglu_quant", "geglu_quant",
            "swiglu_clamped_quant", "gated_quant", "gated_packed_quant"]

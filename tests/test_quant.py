@@ -4,8 +4,7 @@ in both layouts, strided), on fuzzed shapes with all-zero, NaN and inf groups; t
 opcheck (Meta kernels: fake tensors, compile, export)."""
 from __future__ import annotations
 
-import itertools
-import math
+import zlib
 
 import pytest
 import torch
@@ -121,22 +120,17 @@ def run_form(name, g, packing, recipe, shape, dtype, device, gen, strided=False)
 @pytest.mark.parametrize("recipe", recipes(), ids=rid)
 def test_recipes_bit_identical(recipe, device):
     # every recipe on every form, one odd shape each (7 rows, 3 groups of 128 / the group size), bf16
-    gen = torch.Generator().manual_seed(zlib_seed(rid(recipe)))
+    gen = torch.Generator().manual_seed(zlib.crc32(rid(recipe).encode()))
     k = 3 * (recipe.group_size if recipe.scaling == "group" else 128)
     for name, g, packing in FORMS:
         assert_same(*run_form(name, g, packing, recipe, (7, k), torch.bfloat16, device, gen), msg=name)
-
-
-def zlib_seed(s: str) -> int:
-    import zlib
-    return zlib.crc32(s.encode())
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_fuzzed_shapes(dtype, device):
     # shapes: rows 0, 1, odd, 3-D leading dims; group counts 1..many; strided and packed inputs; specials
-    gen = torch.Generator().manual_seed(1234 + FP8.index(torch.float8_e4m3fn) + int(dtype.itemsize))
+    gen = torch.Generator().manual_seed(1234 + dtype.itemsize)
     all_recipes = recipes()
     for trial in range(24):
         recipe = all_recipes[int(torch.randint(len(all_recipes), (1,), generator=gen))]
@@ -174,7 +168,7 @@ def test_formula_properties(device):
         ok[2, 128:] = False
         rel = 2.0 ** -3 if dt == torch.float8_e4m3fn else 2.0 ** -2  # half the spacing at the top binade, x2
         assert ((deq - h).abs()[ok] <= rel * h.abs()[ok] + s.repeat_interleave(128, -1)[ok] * 2.0 ** -9 * fmax).all()
-        q2, s2 = ffn_ext.quantize(h, QuantRecipe(dt, "group", 128, pow2_scales=True))
+        _, s2 = ffn_ext.quantize(h, QuantRecipe(dt, "group", 128, pow2_scales=True))
         fin = torch.isfinite(s2)
         assert torch.equal(torch.frexp(s2[fin])[0], torch.full_like(s2[fin], 0.5)) and (s2[fin] >= s[fin]).all()
 

@@ -3,8 +3,6 @@ path written out with quant.py's reference quantization and ffn_ext's unfused op
 error (the measured relative error is printed with -s)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
