@@ -302,3 +302,85 @@ template <typename T> constexpr bool fast_math_for() { return sizeof(T) == 2; }
 
 }  // namespace math
 }  // namespace ffn_ext
+
+// ---- FP8 element math: the quantizing ops' conversion and scales (ffn_ext/quant.py documents the formula) ----
+// __host__ __device__ and bit-level, so that the host tests compare them with torch's casts bit for bit
+// (tests/test_quant_math.py: every fp8 value's rounding neighbourhood, ties, subnormals, saturation, NaN).
+#include <cstdint>
+#include <cstring>
+
+namespace ffn_ext {
+namespace math {
+
+FFN_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+FFN_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// float -> fp8 with round to nearest even, for the two formats: mantissa bits M, exponent bias B. NaN -> 0x7F
+// (the positive canonical NaN, what sm_89+'s cvt.rn gives; torch's cast keeps NaN's sign bit). Past the largest
+// finite value (+-inf included), as torch 2.13's casts: e4m3fn (no inf) saturates to +-448 (0x7E), e5m2 goes to
+// +-inf (0x7C). The quantizing ops clamp to +-fp8_max first, so from them only NaN reaches either rule.
+template <int M, int B>
+FFN_HD uint8_t to_fp8(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7F;
+  constexpr uint32_t kShift = 23 - M;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 - B + 1) << 23;  // 2^(1-B)
+  constexpr uint32_t kOver = M == 3 ? 0x7Eu : 0x7Cu;  // e4m3fn: 448, the largest finite; e5m2: inf
+  uint32_t code;
+  if (a < kMinNormal) {
+    // subnormal: multiples of 2^(1-B-M), a * 2^(B+M-1) rounded to an integer (exact scaling, then RNE: adding and
+    // subtracting 2^23 rounds a float in [0, 2^22) to an integer in the default rounding mode, nearest even)
+    const float scaled = bits_f32(a) * bits_f32(static_cast<uint32_t>(127 + B + M - 1) << 23);
+    code = static_cast<uint32_t>((scaled + 8388608.0f) - 8388608.0f);
+  } else {
+    const uint32_t r = a + ((1u << (kShift - 1)) - 1) + ((a >> kShift) & 1u);  // round the dropped bits, ties even
+    code = (r >> kShift) - (static_cast<uint32_t>(127 - B) << M);
+    if (code > kOver) code = kOver;
+  }
+  return static_cast<uint8_t>(code | sign);
+}
+FFN_HD uint8_t to_e4m3fn(float f) { return to_fp8<3, 7>(f); }
+FFN_HD uint8_t to_e5m2(float f) { return to_fp8<2, 15>(f); }
+
+constexpr float kAmaxFloor = 1e-12f;  // quant.py AMAX_FLOOR
+constexpr float kFltMax = 3.402823466e38f;
+
+// The scale of a group from its amax (>= 0 or NaN): min(max(amax, floor), FLT_MAX) / fp8_max, then with pow2
+// 2^ceil(log2 s) exactly (the mantissa rounded up; s is positive and normal, or NaN, which stays). Selects, not
+// fminf/fmaxf, which would drop a NaN.
+FFN_HD float quant_scale(float amax, float fp8_max, bool pow2) {
+  float a = amax < kAmaxFloor ? kAmaxFloor : amax;
+  a = a > kFltMax ? kFltMax : a;
+  float s = a / fp8_max;
+  if (pow2 && s == s) s = bits_f32((f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
+  return s;
+}
+// A power-of-two scale as float8_e8m0fnu (its exponent byte; NaN -> 0xFF).
+FFN_HD uint8_t to_e8m0(float s) { return s == s ? static_cast<uint8_t>(f32_bits(s) >> 23) : uint8_t(0xFF); }
+// h * inv clamped to +-fp8_max (NaN stays), as fp8 of the format with that maximum.
+FFN_HD uint8_t quant_element(float h, float inv, float fp8_max) {
+  float x = h * inv;
+  x = x > fp8_max ? fp8_max : (x < -fp8_max ? -fp8_max : x);
+  return fp8_max == 448.0f ? to_e4m3fn(x) : to_e5m2(x);
+}
+
+}  // namespace math
+}  // namespace ffn_ext

@@ -128,6 +128,7 @@ PyMethodDef fast_methods[] = {
 }  // namespace
 
 void add_test_paths(pybind11::module& m);  // test_paths.cpp
+void add_quant_test_paths(pybind11::module& m);  // test_paths.cpp, the quantizing ops' block
 }  // namespace ffn_ext
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -139,4 +140,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   }, "What this build contains: CUDA kernels or not, CUDA version, architectures, torch version built against.");
   ffn_ext::add_test_paths(m);
+  ffn_ext::add_quant_test_paths(m);
 }

@@ -197,3 +197,17 @@ void check_params(const char* op, const math::ClampParams& p) {
 }
 
 }  // namespace ffn_ext
+
+// ---- the quantizing ops' input checks (quant.h): the unfused ops' own, without their allocation ----
+#include "quant.h"
+
+namespace ffn_ext {
+namespace quant {
+void check_x(const char* op, const at::Tensor& x) { check_input(op, "x", x); }
+void check_gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  check_input(op, "gate", gate);
+  check_like(op, "up", up, "gate", gate);
+}
+c10::SymInt check_packed(const char* op, const at::Tensor& gate_up) { return ffn_ext::check_packed(op, gate_up); }
+}  // namespace quant
+}  // namespace ffn_ext

@@ -182,3 +182,95 @@ void add_test_paths(pybind11::module& m) {
 }
 
 }  // namespace ffn_ext
+
+// ---- the quantizing ops' element math on the host (ffn_math.h's FP8 section), for tests/test_quant_math.py ----
+namespace ffn_ext {
+void add_quant_emulation(pybind11::module& m);  // below
+namespace {
+at::Tensor host_fp8(const at::Tensor& x, const std::string& format) {
+  TORCH_CHECK_VALUE(format == "e4m3fn" || format == "e5m2", "_host_fp8: format must be e4m3fn or e5m2");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat, "_host_fp8: x must be a float32 CPU tensor");
+  const auto in = x.contiguous();
+  auto out = at::empty(in.sizes(), in.options().dtype(at::kByte));
+  const float* p = in.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < in.numel(); ++i) o[i] = format == "e4m3fn" ? math::to_e4m3fn(p[i]) : math::to_e5m2(p[i]);
+  return out;
+}
+at::Tensor host_quant_scale(const at::Tensor& amax, double fp8_max, bool pow2) {
+  TORCH_CHECK_VALUE(amax.device().is_cpu() && amax.scalar_type() == at::kFloat,
+                    "_host_quant_scale: amax must be a float32 CPU tensor");
+  const auto in = amax.contiguous();
+  auto out = at::empty_like(in);
+  for (int64_t i = 0; i < in.numel(); ++i)
+    out.data_ptr<float>()[i] = math::quant_scale(in.data_ptr<float>()[i], static_cast<float>(fp8_max), pow2);
+  return out;
+}
+}  // namespace
+
+void add_quant_test_paths(pybind11::module& m) {
+  m.def("_host_fp8", &host_fp8, pybind11::arg("x"), pybind11::arg("format"),
+        "Test path: ffn_math.h's float -> fp8 conversion (codes as uint8) on the host.");
+  m.def("_host_quant_scale", &host_quant_scale, pybind11::arg("amax"), pybind11::arg("fp8_max"),
+        pybind11::arg("pow2"), "Test path: ffn_math.h's scale of a group from its amax, on the host.");
+  add_quant_emulation(m);
+}
+}  // namespace ffn_ext
+
+// ---- the quantizing kernels' launch emulated on the host (quant_kernel.h's per-lane code, group by group) ----
+#include "quant_ops.h"
+
+namespace ffn_ext {
+namespace {
+struct HostQuant {
+  struct Guard {
+    explicit Guard(const c10::Device&) {}
+  };
+  template <typename T, class F, bool Pair>
+  static void run(const quant::QuantProblem& p, const F& f) {
+    quant::emulate<T, F, Pair>(p, f);
+  }
+};
+
+std::vector<at::Tensor> emulate_quant(const std::string& op, const std::vector<at::Tensor>& in,
+                                      const Doubles& params, const std::string& layout, const std::string& format,
+                                      int64_t group_size, bool pow2, bool e8m0, bool column) {
+  using Q = quant::QuantOps<HostQuant>;
+  const auto r = quant::parse_recipe(op.c_str(), format == "e5m2" ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, "group",
+                                     group_size, pow2, e8m0 ? at::kFloat8_e8m0fnu : at::kFloat,
+                                     column ? "column" : "row", std::nullopt);
+  for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_quant: inputs must be CPU tensors");
+  const auto no_composite = []() -> at::Tensor {
+    TORCH_CHECK(false, "_emulate_quant: this recipe and dtype run the composite, not the kernel");
+  };
+  std::tuple<at::Tensor, at::Tensor> out;
+  if (op == "quantize") {
+    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: quantize takes 1 input");
+    out = Q::quantize(r, in[0]);
+  }
+#define FFN_EXT_EMU_QUANT(name, Gate, P)                                                                         \
+  else if (op == #name "_quant") {                                                                               \
+    TORCH_CHECK_VALUE(in.size() == 2, "_emulate_quant: " #name "_quant takes 2 inputs");                        \
+    out = Q::gated<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], in[1],         \
+                               no_composite);                                                                    \
+  } else if (op == #name "_packed_quant") {                                                                      \
+    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: " #name "_packed_quant takes 1 input");                  \
+    out = Q::packed<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], layout,       \
+                                no_composite);                                                                   \
+  }
+  FFN_EXT_GATED(FFN_EXT_EMU_QUANT)
+#undef FFN_EXT_EMU_QUANT
+  else TORCH_CHECK_VALUE(false, "_emulate_quant: unknown op '", op, "'");
+  return {std::get<0>(out), std::get<1>(out)};
+}
+}  // namespace
+
+void add_quant_emulation(pybind11::module& m) {
+  m.def("_emulate_quant", &emulate_quant, pybind11::arg("op"), pybind11::arg("inputs"),
+        pybind11::arg("params") = Doubles{}, pybind11::arg("layout") = "concat", pybind11::arg("format") = "e4m3fn",
+        pybind11::arg("group_size") = 128, pybind11::arg("pow2") = false, pybind11::arg("e8m0") = false,
+        pybind11::arg("column") = false,
+        "Test path: a quantizing op's CUDA launch (scaling=\"group\": quant_kernel.h's per-lane code) emulated on "
+        "the host with CPU tensors.");
+}
+}  // namespace ffn_ext

@@ -35,3 +35,11 @@ __all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_
 __all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
             "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
             "plain_mlp", "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]
+
+# FP8 outputs (ffn_ext.quant): the gated ops and the identity writing FP8 values and their scales in one pass
+from .quant import (QuantRecipe, gated_packed_quant, gated_quant, geglu_quant, quantize, swiglu_clamped_quant,
+                    swiglu_quant)
+__all__ += ["QuantRecipe", "quantize", "swiglu_quant", "geglu_quant", "swiglu_clamped_quant", "gated_quant",
+            "gated_packed_quant"]
+from .fp8 import FP8FFN, FP8GatedFFN, quantize_fp8  # FP8 inference MLPs on F.scaled_mm (ffn_ext.fp8)
+__all__ += ["quantize_fp8", "FP8GatedFFN", "FP8FFN"]
