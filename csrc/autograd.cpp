@@ -37,9 +37,13 @@ auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
 }
 
 // ---- second derivatives: ATen ops (themselves differentiable), each activation's d2 (ffn_math.h) over tensors
+// (the functions d2 may use; step for piecewise functions: 1 where x > 0, else 0, a constant to autograd, whose
+// derivative is 0 away from the kink, and where(x > 0, a, b) for a piecewise d2 of two expressions)
 struct TensorMath {
   static at::Tensor exp(T x) { return at::exp(x); }
   static at::Tensor sigmoid(T x) { return at::sigmoid(x); }
+  static at::Tensor step(T x) { return (x > 0).to(x.scalar_type()); }
+  static at::Tensor where_positive(T x, T a, T b) { return at::where(x > 0, a, b); }
 };
 template <class Act>
 at::Tensor grad2(T x) {

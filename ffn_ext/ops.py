@@ -17,7 +17,7 @@ import torch
 from . import _compat
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
+__all__ = ["gelu", "silu", "relu", "relu2", "quick_gelu", "act", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
            "swiglu_clamped_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary"]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
@@ -328,6 +328,29 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return _call("silu", (x,))
 
 
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """ReLU: max(x, 0); its derivative is 0 at 0 (as F.relu's)."""
+    return _call("relu", (x,))
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU: relu(x)**2 (Primer, Nemotron-H, Arcee AFM). Its derivative 2 relu(x) is unbounded; the backward
+    computes grad * 2 relu(x) so that it is finite wherever that product is."""
+    return _call("relu2", (x,))
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Quick GELU: x * sigmoid(1.702 x) (CLIP, transformers' QuickGELUActivation). Not the exact GELU: it differs
+    from it by up to about 0.02."""
+    return _call("quick_gelu", (x,))
+
+
+def act(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(x) for any activation of the table by its name ("gelu", "gelu_tanh", "silu", "relu", "relu2",
+    "quick_gelu", ...): act(x, "gelu_tanh") is gelu(x, approximate="tanh")."""
+    return _call(_act(activation).name, (x,))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused. gate and up: same shape, dtype and device (views such as chunk(2, -1) are fine)."""
     return _call("swiglu", (gate, up))
@@ -374,8 +397,9 @@ def _act(activation: str):
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", ...):
-    gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u, approximate="tanh")."""
+    """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", "relu", "relu2",
+    "quick_gelu", ...): gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u,
+    approximate="tanh"), gated(g, u, "relu") is ReGLU."""
     return _call(_act(activation).gated, (gate, up))
 
 
