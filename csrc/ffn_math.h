@@ -311,6 +311,16 @@ struct UnaryBwd : PlainLayout {  // in: grad, x
     out[0] = Act::template bwd<Fast>(in[0], in[1]);
   }
 };
+// The classic FFN's lean backward (h = act(z) recomputed, not saved): dz = grad * act'(z) and act(z) from one read of
+// grad and z.
+template <class Act>
+struct UnaryBwdRecompute : PlainLayout {  // in: grad, x; out: grad * act'(x), act(x)
+  static constexpr int NI = 2, NO = 2;
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
+    out[0] = Act::template bwd<Fast>(in[0], in[1]);
+    out[1] = Act::template f<Fast>(in[1]);
+  }
+};
 template <class Gate>
 struct GatedFwd : PlainLayout {  // in: gate, up; out: gate(gate, up)
   static constexpr int NI = 2, NO = 1;

@@ -289,6 +289,8 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
         return join_packed(*spec.gated.backward(grad, gate, up, **params), layout)
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
+    if spec.recompute:
+        return spec.act.aten_backward(*args), spec.act.aten(args[1])
     if spec.kind == "unary":
         return spec.act.aten_backward(*args) if spec.backward else spec.act.aten(*args)
     if spec.backward:
@@ -302,6 +304,13 @@ def call_op(name: str, *args, **kwargs):
     if _native_for(args[-1]) and not _aten_only(args):
         return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
     return _fallback(name, args, kwargs)
+
+
+def backward_recompute(grad: torch.Tensor, x: torch.Tensor, activation: str) -> tuple:
+    """(grad * act'(x), act(x)) in one pass over grad and x (torch.ops.ffn_ext.<act>_backward_recompute, or its
+    ATen fallback): the classic FFN's lean backward, which recomputes act(z) for fc2's weight gradient instead of
+    saving it. Internal; it has no autograd (RuntimeError where a gradient would be recorded)."""
+    return call_op(_act(activation).name + "_backward_recompute", grad, x)
 
 
 def _pick(function: str, key: str, value):

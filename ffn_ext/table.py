@@ -7,6 +7,7 @@ for each activation, and gated ops with parameters of their own, such as swiglu_
 
     <name>(x)                           act(x)
     <name>_backward(grad, x)            grad * act'(x)
+    <name>_backward_recompute(grad, x)  (grad * act'(x), act(x)), one pass, no autograd (the classic FFN's backward)
     <gated>(gate, up, *, params)        act(gate) * up, or the gated op's own function of (gate, up)
     <gated>_backward(grad, gate, up, *, params)   (dgate, dup)
     <gated>_packed(gate_up, *, params, layout="concat")   [..., 2M] -> [..., M]; layout "concat": gate, up =
@@ -55,6 +56,9 @@ class Activation:
     # how the public API names it: (function, {keyword: value}), e.g. ("gelu", {"approximate": "tanh"}); None (the
     # default): ffn_ext.act(x, activation=name), which serves every entry
     api: tuple | None = None
+    # float64 (m, x) -> m * act'(x) for an unbounded act', computed so that it is finite wherever the product is (as
+    # the functor's bwd): relu2's 2 (m relu(x)); None: m * ref(x)[1]
+    times_derivative_ref: Callable | None = None
 
     def __post_init__(self):
         if self.api is None:
@@ -66,6 +70,10 @@ class Activation:
     def bounded_derivative(self) -> bool:
         """act' bounded (its limits finite): grad * act'(x) cannot overflow where grad and act'(x) are finite."""
         return all(math.isfinite(v) for v in self.limits[2:])
+
+    def times_derivative(self, m, x):
+        """float64 m * act'(x) (the limits at +-inf included), finite wherever the product is."""
+        return m * self.ref(x)[1] if self.times_derivative_ref is None else self.times_derivative_ref(m, x)
 
     def ref(self, x):
         """float64 x -> (act(x), act'(x)) with the entry's limits at +-inf; NaN propagates."""
@@ -143,7 +151,8 @@ _QUICK = 1.702
 def _quick_gelu_ref(x):
     z = _QUICK * x
     s = torch.sigmoid(z)
-    return x * s, s * (1.0 + z * torch.sigmoid(-z))
+    sp = s * torch.sigmoid(-z)
+    return x * s, torch.where(sp == 0, s, s + z * sp)  # z overflows for huge finite x: the limit s, not inf * 0
 
 
 def _quick_gelu_cancel(x):
@@ -177,13 +186,15 @@ ACTIVATIONS = (
         doc="SiLU (swish), x sigmoid(x) (F.silu)"),
     Activation(
         name="relu", gated="reglu", api=("relu", {}),  # ReGLU: the GLU-variants paper's name (Shazeer 2020)
-        aten=F.relu, aten_backward=lambda g, x: torch.ops.aten.threshold_backward(g, x, 0),
+        # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
+        aten=F.relu, aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
         hf_names=("relu",), formula=_relu_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, 1.0),
         doc="ReLU, max(x, 0) (F.relu; relu'(0) = 0 as ATen's)"),
     Activation(
         name="relu2", gated="relu2_glu", api=("relu2", {}),
         aten=lambda x: torch.square(F.relu(x)), aten_backward=lambda g, x: g * F.relu(x) * 2,
         hf_names=("relu2",), formula=_relu2_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, _INF),
+        times_derivative_ref=lambda m, x: 2.0 * (m * torch.relu(x)),
         doc="squared ReLU, relu(x)^2 (Primer; Nemotron-H, Arcee AFM; transformers' ReLUSquaredActivation)"),
     Activation(
         name="quick_gelu", gated="geglu_quick", api=("quick_gelu", {}),
@@ -342,9 +353,15 @@ class OpSpec:
     n_outputs: int
     gated: Gated | None = None  # the gated op, for kind "gated" and "packed"
     params: tuple = ()  # its Params (keyword-only); packed ops also take layout="concat" | "interleaved"
+    # <act>_backward_recompute(grad, x) -> (grad * act'(x), act(x)) in one pass: the classic FFN's lean backward
+    # (act(x) recomputed for fc2's weight gradient, not saved)
+    recompute: bool = False
+    differentiable: bool = True  # has an autograd formula (the recompute ops have none: they serve backward passes)
 
     @property
     def forward_name(self) -> str:
+        if self.recompute:
+            return self.act.name
         return self.name[: -len("_backward")] if self.backward else self.name
 
     @property
@@ -357,6 +374,8 @@ def _specs(act: Activation):
     return (
         OpSpec(act.name, act, "unary", False, ("x",), 1),
         OpSpec(act.name + "_backward", act, "unary", True, ("grad", "x"), 1),
+        OpSpec(act.name + "_backward_recompute", act, "unary", True, ("grad", "x"), 2, recompute=True,
+               differentiable=False),
     )
 
 

@@ -231,7 +231,7 @@ def test_every_16bit_input(op, dtype):
     activation its own fast-math path, so every value it can be given is checked, and at least 99.9% of the
     forward results must be the correctly rounded value."""
     x = every_16bit_value(dtype)
-    if op.endswith("_backward"):
+    if spec(op).backward:
         gen = torch.Generator().manual_seed(11)
         check(op, [grad_like(x.numel(), dtype, gen), x], dtype, "(every value)")
         check(op, [torch.ones_like(x), x], dtype, "(every value, grad 1)")
@@ -405,11 +405,15 @@ def test_host_math_rounds_once_for_half_types(act):
     (h,) = _C._host_math(act.gated, [gate.bfloat16(), up.bfloat16()])
     ref = act_value(act, gate) * up
     twice = (act.aten(gate.bfloat16().float()).bfloat16().float() * up.float()).bfloat16().double()
+    # where act(gate) is exact in bfloat16 (relu's everywhere) the two recipes are one: compare the others
+    inexact = act.aten(gate.float()).bfloat16().float() != act.aten(gate.float())
     err_once = (h.double() - ref).abs()
     err_twice = (twice - ref).abs()
+    assert (err_once <= err_twice + 1e-300)[~inexact].all()
     # (measured: 0.75 of the two-rounding error for SiLU, 0.86 for the GELUs, whose values are often exact in
     # bfloat16 already; rounding twice would give about 1)
-    assert err_once.mean() < 0.92 * err_twice.mean(), (err_once.mean(), err_twice.mean())
+    if inexact.sum() > 1000:
+        assert err_once[inexact].mean() < 0.92 * err_twice[inexact].mean(), (err_once.mean(), err_twice.mean())
     correctly_rounded = (h.double() == ref.to(torch.bfloat16).double()).double().mean()
     assert correctly_rounded > 0.999, f"only {correctly_rounded:.4%} of bfloat16 results are the correctly rounded value"
 

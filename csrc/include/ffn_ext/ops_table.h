@@ -1,5 +1,5 @@
 // The one table of ffn_ext's ops. Everything op by op is generated from these two lists: the schemas and Meta
-// kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels.cu), autograd with
+// kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels_part*.cu), autograd with
 // double backward (autograd.cpp), the fast entry points and the test paths (python_module.cpp, test_paths.cpp), and
 // the public C++ API (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there,
 // expanded by the sources above). The Python side has its own table, ffn_ext/table.py, with the same names.
@@ -25,7 +25,8 @@
   X(gelu, Gelu, at::gelu_out(out, x), at::gelu_backward_out(out, grad, x))                      \
   X(gelu_tanh, GeluTanh, at::gelu_out(out, x, "tanh"), at::gelu_backward_out(out, grad, x, "tanh")) \
   X(silu, Silu, at::silu_out(out, x), at::silu_backward_out(out, grad, x))                     \
-  X(relu, Relu, at::clamp_min_out(out, x, 0), at::threshold_backward_out(out, grad, x, 0))      \
+  X(relu, Relu, at::clamp_min_out(out, x, 0),                            \
+    at::mul_out(out, grad, at::where(x.isnan(), x, (x > 0).to(x.scalar_type()))))             \
   X(relu2, Relu2, [&] { const auto r = at::relu(x); at::mul_out(out, r, r); }(),                \
     at::mul_out(out, grad, at::relu(x)).mul_(2))                                               \
   X(quick_gelu, QuickGelu, at::mul_out(out, x, at::sigmoid(x * 1.702)),                          \
