@@ -390,10 +390,10 @@ def gpt_oss_apply_gate(gate, up, limit, alpha, up_offset):
 
 def eager_fn(op: str):
     """op with ATen ops, as a model writes it: act(x); act(g) * u; the clamped SwiGLU as transformers' GPT-OSS
-    experts write it (gpt_oss_apply_gate); packed ops split as in split(). act is the table's ATen form (F.gelu,
-    F.gelu(x, approximate="tanh"), F.silu)."""
+    experts write it (gpt_oss_apply_gate); packed ops split as in split(). act is the table entry's eager form
+    (F.gelu, F.gelu(x, approximate="tanh"), F.silu, torch.square(F.relu(x)), ...)."""
     b = bench_ops()[op]
-    f = b.act.aten
+    f = b.act.eager
     if b.kind == "unary":
         return f
     if b.gated.name == "swiglu_clamped":

@@ -68,6 +68,14 @@ at::Tensor unary_backward(const char* op, const at::Tensor& grad, const at::Tens
   Aten<Act>::backward(out, grad, x);
   return out;
 }
+template <class Act>
+std::tuple<at::Tensor, at::Tensor> unary_backward_recompute(const char* op, const at::Tensor& grad,
+                                                            const at::Tensor& x) {
+  auto outs = alloc_unary_backward_recompute(op, grad, x);
+  Aten<Act>::backward(std::get<0>(outs), grad, x);
+  Aten<Act>::forward(std::get<1>(outs), x);
+  return outs;
+}
 template <class Gate>
 at::Tensor gated(const char* op, const typename Gate::Params& prm, const at::Tensor& gate, const at::Tensor& up) {
   check_params(op, prm);
@@ -127,6 +135,10 @@ void impl_all(Library& m) {
   m.impl(#name "_backward", [](T g, T x) {                                      \
     FFN_EXT_WARN;                                                               \
     return unary_backward<math::Act>("ffn_ext." #name "_backward", g, x);       \
+  });                                                                           \
+  m.impl(#name "_backward_recompute", [](T g, T x) {                            \
+    FFN_EXT_WARN;                                                               \
+    return unary_backward_recompute<math::Act>("ffn_ext." #name "_backward_recompute", g, x); \
   });
 #define FFN_EXT_ATEN_IMPL_GATED(name, Gate, P)                                  \
   m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                           \

@@ -37,9 +37,13 @@ auto call_below(const c10::TypedOperatorHandle<Sig>& handle, const Ts&... ts) {
 }
 
 // ---- second derivatives: ATen ops (themselves differentiable), each activation's d2 (ffn_math.h) over tensors
+// (the functions d2 may use; step for piecewise functions: 1 where x > 0, else 0, a constant to autograd, whose
+// derivative is 0 away from the kink, and where(x > 0, a, b) for a piecewise d2 of two expressions)
 struct TensorMath {
   static at::Tensor exp(T x) { return at::exp(x); }
   static at::Tensor sigmoid(T x) { return at::sigmoid(x); }
+  static at::Tensor step(T x) { return (x > 0).to(x.scalar_type()); }
+  static at::Tensor where_positive(T x, T a, T b) { return at::where(x > 0, a, b); }
 };
 template <class Act>
 at::Tensor grad2(T x) {
@@ -291,6 +295,19 @@ auto run(const Ts&... ts) {
   }
 }
 
+// name_backward_recompute(grad, x) -> (grad * act'(x), act(x)): the classic FFN's lean backward calls it where
+// nothing records a gradient (inside an autograd.Function's backward), so it has no derivative of its own; where one
+// would be recorded it raises instead of returning results that autograd silently treats as constants.
+template <class Act>
+Pair recompute_no_autograd(T grad, T x) {
+  static const auto h = op<Pair(T, T)>(ActOps<Act>::name("_backward_recompute").c_str());
+  const bool grad_mode = at::GradMode::is_enabled() && (grad.requires_grad() || x.requires_grad());
+  TORCH_CHECK(!grad_mode && !has_tangent_(grad) && !has_tangent_(x), ActOps<Act>::name("_backward_recompute"),
+              " has no autograd formula (it serves a backward pass); call it under torch.no_grad() or with inputs "
+              "that do not require grad, or differentiate ", ActOps<Act>::name("_backward"), " instead");
+  return call_below(h, grad, x);
+}
+
 }  // namespace
 
 // Every op of the table (ops_table.h).
@@ -301,7 +318,8 @@ FFN_EXT_GATED(FFN_EXT_GATED_NAME)
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
 #define FFN_EXT_AUTOGRAD_ACT(name, Act, ...)                                        \
   m.impl(#name, [](T x) { return run<UnaryFn<math::Act>>(x); });                   \
-  m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); });
+  m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); });     \
+  m.impl(#name "_backward_recompute", [](T g, T x) { return recompute_no_autograd<math::Act>(g, x); });
 #define FFN_EXT_AUTOGRAD_GATED(name, Gate, P)                                                                  \
   {                                                                                                          \
     using Ops = GatedOps<k_##name, math::Gate>;                                                              \

@@ -7,7 +7,8 @@
 //   autograd.cpp       Autograd kernels of every op (double backward included)
 //   ffn_math.h         the element math of every op (activations and op functors, __host__ __device__)
 //   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
-//   cuda/kernels.cu    CUDA kernels: row_ops.h's problems launched by cuda/rows_launcher.cuh
+//   cuda/kernels_part*.cu  CUDA kernels: row_ops.h's problems launched by cuda/rows_launcher.cuh, the table's
+//                      lines split across the parts (cuda/kernels_part.cuh); cuda/kernels.cu: build info
 //   python_module.cpp  the pybind11 module ffn_ext._C (build info, the functional API's fast entry points)
 //   test_paths.cpp     its test-only functions: host math, emulated CUDA launch
 #pragma once
@@ -31,6 +32,9 @@ namespace ffn_ext {
 // `op` is the name messages give, e.g. "ffn_ext.swiglu".
 at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu, ...
 at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x);
+// name_backward_recompute: (grad * act'(x), act(x)), both of alloc_unary_backward's shape and format
+std::tuple<at::Tensor, at::Tensor> alloc_unary_backward_recompute(const char* op, const at::Tensor& grad,
+                                                                  const at::Tensor& x);
 at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up);  // swiglu, geglu, ...
 std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
                                                         const at::Tensor& gate, const at::Tensor& up);

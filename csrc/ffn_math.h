@@ -13,9 +13,9 @@
 //     correctly rounded result (erff: 99.7% and 99.5%, off by up to 255 bf16 ulps where 1 + erf cancels).
 // The CUDA tests check the device's results against the same fp64 reference and against the host.
 //
-// Infinities: the functors return the mathematical limits, which ATen does not always do (for every activation
-// act = gelu, gelu_tanh, silu):  act(-inf) = -0, act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1.
-// NaN in -> NaN out.
+// Infinities: the functors return the mathematical limits, which ATen does not always do (each activation's are
+// its table entry's `limits` in ffn_ext/table.py; gelu, gelu_tanh, silu, quick_gelu: act(-inf) = -0,
+// act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1; relu2: act'(+inf) = +inf). NaN in -> NaN out.
 #pragma once
 
 #include <torch/version.h>
@@ -157,10 +157,17 @@ template <bool Fast, typename A> FFN_HD A gelu_tanh_grad(A x) {
   return sp == A(0) ? s : s + x * (A(1.5957691216057308) + A(0.21406444881780076) * x * x) * sp;
 }
 
-// ---- activations: value f and first derivative df for the kernels (Fast as above), second derivative d2 for
-// double backward. d2 is written over any value type V with M's elementwise functions (autograd.cpp: at::Tensor
-// and ATen ops, so that it is itself differentiable); csrc/ops_table.h lists the activations.
-struct Gelu {  // exact (erf) GELU
+// ---- activations: value f and first derivative df for the kernels (Fast as above), the backward product
+// bwd(grad, x) = grad * act'(x), and the second derivative d2 for double backward. d2 is written over any value
+// type V with M's elementwise functions (autograd.cpp's TensorMath: at::Tensor and ATen ops, so that it is itself
+// differentiable; M::step(x) is 1 for x > 0, else 0, for piecewise functions); csrc/ops_table.h lists the
+// activations. Each derives from ActBase<Self>, whose bwd is grad * df(x): an activation with an unbounded derivative
+// (relu2: 2x) defines its own bwd, so that the product is finite wherever it is (df(x) alone may overflow).
+template <class Self>
+struct ActBase {
+  template <bool Fast, typename A> static FFN_HD A bwd(A grad, A x) { return grad * Self::template df<Fast>(x); }
+};
+struct Gelu : ActBase<Gelu> {  // exact (erf) GELU
   template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_grad<Fast>(x); }
   template <class M, class V> static V d2(const V& x) {  // phi(x) (2 - x^2)
@@ -168,7 +175,7 @@ struct Gelu {  // exact (erf) GELU
     return M::exp(x2 * -0.5) * 0.3989422804014327 * (2.0 - x2);
   }
 };
-struct GeluTanh {  // tanh GELU: x s, s = sigmoid(z), z = x (kA + kB x^2)
+struct GeluTanh : ActBase<GeluTanh> {  // tanh GELU: x s, s = sigmoid(z), z = x (kA + kB x^2)
   template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu_tanh<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_tanh_grad<Fast>(x); }
   template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 z' + x (1 - 2 s) z'^2 + x z''), z'' = 6 kB x
@@ -178,13 +185,45 @@ struct GeluTanh {  // tanh GELU: x s, s = sigmoid(z), z = x (kA + kB x^2)
     return s * (1.0 - s) * (2.0 * dz + x * (1.0 - 2.0 * s) * dz * dz + 0.42812889763560147 * x2);
   }
 };
-struct Silu {
+struct Silu : ActBase<Silu> {
   template <bool Fast, typename A> static FFN_HD A f(A x) { return silu<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return silu_grad<Fast>(x); }
   template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 + x (1 - 2 s))
     const V s = M::sigmoid(x);
     return s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s));
   }
+};
+// relu(x) = max(x, 0), a select (NaN passes: NaN < 0 is false); relu' = step, 0 at 0 as ATen's, NaN for NaN.
+struct Relu : ActBase<Relu> {
+  template <bool Fast, typename A> static FFN_HD A f(A x) { return x < A(0) ? A(0) : x; }
+  template <bool Fast, typename A> static FFN_HD A df(A x) { return x > A(0) ? A(1) : (x <= A(0) ? A(0) : x); }
+  template <class M, class V> static V d2(const V& x) { return M::step(x) * 0.0; }
+};
+// relu2(x) = relu(x)^2 (Primer; Nemotron-H, Arcee AFM): relu2' = 2 relu(x) is unbounded, so the backward product
+// is 2 (grad relu(x)): it overflows only where the product itself does (grad * df overflows for x > max / 2).
+struct Relu2 : ActBase<Relu2> {
+  template <bool Fast, typename A> static FFN_HD A f(A x) {
+    const A r = Relu::f<Fast>(x);
+    return r * r;
+  }
+  template <bool Fast, typename A> static FFN_HD A df(A x) { return A(2) * Relu::f<Fast>(x); }
+  template <bool Fast, typename A> static FFN_HD A bwd(A grad, A x) { return A(2) * (grad * Relu::f<Fast>(x)); }
+  template <class M, class V> static V d2(const V& x) { return M::step(x) * 2.0; }
+};
+// quick_gelu(x) = x sigmoid(a x), a = 1.702 (CLIP; transformers' QuickGELUActivation): SiLU at z = a x, scaled,
+// quick_gelu' = s (1 + z (1 - s)) = silu'(z). z, not x, decides the limits: z overflows to inf for finite x.
+struct QuickGelu : ActBase<QuickGelu> {
+  template <bool Fast, typename A> static FFN_HD A f(A x) {
+    const A s = sigmoid<Fast>(A(1.702) * x);
+    return s == A(0) ? A(-0.0) : x * s;
+  }
+  template <bool Fast, typename A> static FFN_HD A df(A x) {
+    const A z = A(1.702) * x;
+    if (isinf_(z)) return z > A(0) ? A(1) : A(0);
+    const A s = sigmoid<Fast>(z);
+    return s * (A(1) + z * (A(1) - s));
+  }
+  template <class M, class V> static V d2(const V& x) { return Silu::d2<M>(x * 1.702) * 1.702; }
 };
 
 // ---- gates: the element math of a gated op, gate(g, u) and its two partial derivatives, over an activation or
@@ -199,7 +238,8 @@ struct ClampParams {  // swiglu_clamped: limit > 0 (checked in shapes.cpp), alph
   double limit, alpha, up_offset;
 };
 
-// act(g) * u for an activation above: swiglu (Silu), geglu (Gelu), geglu_tanh (GeluTanh).
+// act(g) * u for an activation above (ops_table.h FFN_EXT_GATED: swiglu is Glu<Silu>, ...). dgate goes through the
+// activation's bwd (grad u act'(g) without an overflowing act').
 template <class Act_>
 struct Glu {
   using Act = Act_;
@@ -208,7 +248,7 @@ struct Glu {
   template <bool Fast, typename A> FFN_HD A fwd(A g, A u) const { return Act::template f<Fast>(g) * u; }
   // dgate = grad u act'(g), dup = grad act(g)
   template <bool Fast, typename A> FFN_HD void bwd(A grad, A g, A u, A& dg, A& du) const {
-    dg = grad * u * Act::template df<Fast>(g);
+    dg = Act::template bwd<Fast>(grad * u, g);
     du = grad * Act::template f<Fast>(g);
   }
 };
@@ -268,7 +308,17 @@ template <class Act>
 struct UnaryBwd : PlainLayout {  // in: grad, x
   static constexpr int NI = 2, NO = 1;
   template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
-    out[0] = in[0] * Act::template df<Fast>(in[1]);
+    out[0] = Act::template bwd<Fast>(in[0], in[1]);
+  }
+};
+// The classic FFN's lean backward (h = act(z) recomputed, not saved): dz = grad * act'(z) and act(z) from one read of
+// grad and z.
+template <class Act>
+struct UnaryBwdRecompute : PlainLayout {  // in: grad, x; out: grad * act'(x), act(x)
+  static constexpr int NI = 2, NO = 2;
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
+    out[0] = Act::template bwd<Fast>(in[0], in[1]);
+    out[1] = Act::template f<Fast>(in[1]);
   }
 };
 template <class Gate>

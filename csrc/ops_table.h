@@ -1,51 +1,8 @@
-// The one table of ffn_ext's ops. Everything op by op is generated from these two lists: the schemas and Meta
-// kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels.cu), autograd with
-// double backward (autograd.cpp), the fast entry points and the test paths (python_module.cpp, test_paths.cpp).
-// The Python side has its own table, ffn_ext/table.py, with the same names. README "Adding an activation".
-//
-// FFN_EXT_ACTIVATIONS(X): X(name, Act, aten_forward, aten_backward), one line per activation:
-//   ops  name(Tensor x) -> Tensor                       act(x)
-//        name_backward(Tensor grad, Tensor x) -> Tensor grad * act'(x)
-//   Act  its functor in ffn_math.h (f, df for the kernels; d2 for double backward)
-//   aten_forward, aten_backward  the CPU kernels' ATen composites, expressions in (out, x) and (out, grad, x)
-//
-// FFN_EXT_GATED(X): X(name, Gate, P), one line per gated op, Gate its functor in ffn_math.h (Glu<Act>: act(gate) * up
-// over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below: NONE or CLAMP):
-//   ops  name(Tensor gate, Tensor up[, *, P]) -> Tensor                       gate(gate, up)
-//        name_backward(Tensor grad, Tensor gate, Tensor up[, *, P]) -> (Tensor, Tensor)   (dgate, dup)
-//        name_packed(Tensor gate_up, *[, P], str layout="concat") -> Tensor       [..., 2M] -> [..., M]
-//        name_packed_backward(Tensor grad, Tensor gate_up, *[, P], str layout="concat") -> Tensor  [..., 2M]
-//   layout of gate_up (and of the packed backward's [dgate, dup]): "concat" [gate | up] (gate = gate_up[..., :M]),
-//   or "interleaved" [g0, u0, g1, u1, ...] (gate = gate_up[..., ::2], GPT-OSS).
+// The op table (include/ffn_ext/ops_table.h, installed with the public header) with the element math it names
+// (ffn_math.h), for the library's sources.
 #pragma once
 
-#define FFN_EXT_ACTIVATIONS(X)                                                                  \
-  X(gelu, Gelu, at::gelu_out(out, x), at::gelu_backward_out(out, grad, x))                      \
-  X(gelu_tanh, GeluTanh, at::gelu_out(out, x, "tanh"), at::gelu_backward_out(out, grad, x, "tanh")) \
-  X(silu, Silu, at::silu_out(out, x), at::silu_backward_out(out, grad, x))
-
-#define FFN_EXT_GATED(X)                \
-  X(swiglu, Glu<math::Silu>, NONE)      \
-  X(geglu, Glu<math::Gelu>, NONE)       \
-  X(geglu_tanh, Glu<math::GeluTanh>, NONE)\
-  X(swiglu_clamped, SwigluClamped, CLAMP)
-
-// Keyword parameters of a gated op, by the name in its line's P column (pasted: FFN_EXT_P_SCHEMA_##P ...):
-//   SCHEMA  the schema's keyword arguments, each preceded by ", "; KWONLY: ", *" and them (or nothing)
-//   DECL    the same as C++ parameters of a kernel, each preceded by ", "
-//   ARGS    those parameters' names, each preceded by ", " (to pass them on)
-//   MAKE    the functor's Params (ffn_math.h) from them
-#define FFN_EXT_P_SCHEMA_NONE ""
-#define FFN_EXT_P_KWONLY_NONE ""
-#define FFN_EXT_P_DECL_NONE
-#define FFN_EXT_P_ARGS_NONE
-#define FFN_EXT_P_MAKE_NONE math::NoParams{}
-#define FFN_EXT_P_SCHEMA_CLAMP ", float limit, float alpha=1.0, float up_offset=0.0"
-#define FFN_EXT_P_KWONLY_CLAMP ", *" FFN_EXT_P_SCHEMA_CLAMP
-#define FFN_EXT_P_DECL_CLAMP , double limit, double alpha, double up_offset
-#define FFN_EXT_P_ARGS_CLAMP , limit, alpha, up_offset
-#define FFN_EXT_P_MAKE_CLAMP math::ClampParams{limit, alpha, up_offset}
-
+#include "include/ffn_ext/ops_table.h"
 #include "ffn_math.h"
 
 namespace ffn_ext {

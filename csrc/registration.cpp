@@ -1,5 +1,5 @@
 // The one TORCH_LIBRARY(ffn_ext): every schema, the Meta kernels, and build information.
-// Kernels: CPU in aten_ops.cpp, CUDA in cuda/kernels.cu, Autograd in autograd.cpp. Python API: ffn_ext/ops.py.
+// Kernels: CPU in aten_ops.cpp, CUDA in cuda/kernels_part*.cu, Autograd in autograd.cpp. Python API: ffn_ext/ops.py.
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -30,7 +30,8 @@ TORCH_LIBRARY(ffn_ext, m) {
   const std::vector<at::Tag> pointwise{at::Tag::pointwise};
 #define FFN_EXT_DEF_ACT(name, ...)                                       \
   m.def(#name "(Tensor x) -> Tensor", pointwise);                        \
-  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise);
+  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise);                \
+  m.def(#name "_backward_recompute(Tensor grad, Tensor x) -> (Tensor, Tensor)", pointwise);
 #define FFN_EXT_DEF_GATED(name, Gate, P)                                                                      \
   m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor", pointwise);                      \
   m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)",  \
@@ -47,7 +48,9 @@ TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
   using T = const at::Tensor&;
 #define FFN_EXT_META_ACT(name, ...)                                                                      \
   m.impl(#name, [](T x) { return alloc_unary("ffn_ext." #name, x); });                                   \
-  m.impl(#name "_backward", [](T g, T x) { return alloc_unary_backward("ffn_ext." #name "_backward", g, x); });
+  m.impl(#name "_backward", [](T g, T x) { return alloc_unary_backward("ffn_ext." #name "_backward", g, x); }); \
+  m.impl(#name "_backward_recompute",                                                                   \
+         [](T g, T x) { return alloc_unary_backward_recompute("ffn_ext." #name "_backward_recompute", g, x); });
 #define FFN_EXT_META_GATED(name, Gate, P)                                                                     \
   m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                         \
     check_params("ffn_ext." #name, FFN_EXT_P_MAKE_##P);                                                        \

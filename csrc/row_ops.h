@@ -1,6 +1,6 @@
 // The ffn_ext ops (every line of ops_table.h) as launcher problems: outputs are fresh and contiguous; inputs are used in place when they
 // can be seen as rows with a contiguous last dimension (contiguous tensors, chunk/narrow views, expanded rows),
-// otherwise made contiguous first. Written once, for a Launcher: cuda/kernels.cu instantiates Ops<CudaLauncher>
+// otherwise made contiguous first. Written once, for a Launcher: cuda/kernels_part*.cu instantiate Ops<CudaLauncher>
 // (the CUDA kernels), test_paths.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
 // A Launcher has a `Guard` constructed from the output's device and `template <typename T> static void
 // run(const F& f, const RowProblem<NI, NO>& p)`.
@@ -127,6 +127,14 @@ struct Ops {
     run_same_shape<Launcher>(math::UnaryBwd<Act>{}, {grad, x}, std::array<at::Tensor, 1>{out});
     return out;
   }
+  template <class Act>
+  static std::tuple<at::Tensor, at::Tensor> unary_backward_recompute(const char* op, const at::Tensor& grad,
+                                                                     const at::Tensor& x) {
+    auto outs = alloc_unary_backward_recompute(op, grad, x);
+    run_same_shape<Launcher>(math::UnaryBwdRecompute<Act>{}, {grad, x},
+                             std::array<at::Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
+    return outs;
+  }
   template <class Gate>
   static at::Tensor gated(const char* op, const typename Gate::Params& prm, const at::Tensor& gate,
                           const at::Tensor& up) {
@@ -220,30 +228,47 @@ struct Ops {
   }
 };
 
-// The ops of the table (ops_table.h) as kernels of a Launcher, registered with m.impl for one dispatch key:
-// cuda/kernels.cu registers Ops<CudaLauncher> for CUDA.
-template <class Launcher, class Library>
+// The ops of the table (ops_table.h) as kernels of a Launcher, registered with m.impl for one dispatch key: the
+// lines whose index is Part modulo Parts (activations first, then the gated lines), so that the kernels can be
+// split across Parts translation units (cuda/kernels_part.cuh); a line's ops all land in one part (the concat
+// packed ops run their gated op's kernels). The other lines are discarded statements, never instantiated.
+enum TableLine {
+#define FFN_EXT_LINE_ACT(name, ...) kLine_##name,
+#define FFN_EXT_LINE_GATED(name, ...) kLine_##name,
+  FFN_EXT_ACTIVATIONS(FFN_EXT_LINE_ACT) FFN_EXT_GATED(FFN_EXT_LINE_GATED) kTableLines
+#undef FFN_EXT_LINE_ACT
+#undef FFN_EXT_LINE_GATED
+};
+template <class Launcher, int Parts = 1, int Part = 0, class Library>
 void impl_all(Library& m) {
   using O = Ops<Launcher>;
   using T = const at::Tensor&;
 #define FFN_EXT_IMPL_ACT(name, Act, ...)                                                                       \
-  m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); });                       \
-  m.impl(#name "_backward",                                                                                    \
-         [](T g, T x) { return O::template unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); });
+  if constexpr (kLine_##name % Parts == Part) {                                                               \
+    m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); });                     \
+    m.impl(#name "_backward",                                                                                  \
+           [](T g, T x) { return O::template unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); }); \
+    m.impl(#name "_backward_recompute", [](T g, T x) {                                                        \
+      return O::template unary_backward_recompute<math::Act>("ffn_ext." #name "_backward_recompute", g, x);   \
+    });                                                                                                        \
+  }
 #define FFN_EXT_IMPL_GATED(name, Gate, P)                                                                      \
-  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                         \
-    return O::template gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);                      \
-  });                                                                                                          \
-  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                        \
-    return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
-  });                                                                                                          \
-  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                              \
-    return O::template gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout);   \
-  });                                                                                                          \
-  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                \
-    return O::template gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, \
-                                                         g, gu, layout);                                       \
-  });
+  if constexpr (kLine_##name % Parts == Part) {                                                               \
+    m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                       \
+      return O::template gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);                    \
+    });                                                                                                        \
+    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                      \
+      return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate,  \
+                                                    up);                                                       \
+    });                                                                                                        \
+    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                            \
+      return O::template gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout); \
+    });                                                                                                        \
+    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {              \
+      return O::template gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward",                \
+                                                           FFN_EXT_P_MAKE_##P, g, gu, layout);                 \
+    });                                                                                                        \
+  }
   FFN_EXT_ACTIVATIONS(FFN_EXT_IMPL_ACT)
   FFN_EXT_GATED(FFN_EXT_IMPL_GATED)
 #undef FFN_EXT_IMPL_ACT

@@ -123,6 +123,14 @@ at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at
   return empty_like_sizes(x, x.sym_sizes(), same_shape_format({grad, x}));
 }
 
+std::tuple<at::Tensor, at::Tensor> alloc_unary_backward_recompute(const char* op, const at::Tensor& grad,
+                                                                  const at::Tensor& x) {
+  check_input(op, "x", x);
+  check_like(op, "grad", grad, "x", x);
+  const auto fmt = same_shape_format({grad, x});
+  return {empty_like_sizes(x, x.sym_sizes(), fmt), empty_like_sizes(x, x.sym_sizes(), fmt)};
+}
+
 at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up) {
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);

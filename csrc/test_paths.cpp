@@ -74,6 +74,10 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
       {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
          params_from<math::NoParams>(op, prm);                                                  \
          return host_apply(math::UnaryBwd<math::Act>{}, in);                                    \
+       }},                                                                                       \
+      {#name "_backward_recompute", [](const std::string& op, const V& in, const Doubles& prm) { \
+         params_from<math::NoParams>(op, prm);                                                  \
+         return host_apply(math::UnaryBwdRecompute<math::Act>{}, in);                           \
        }},
 #define FFN_EXT_HOST_GATED(name, Gate, P)                                                        \
   {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
@@ -139,6 +143,11 @@ std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at
       {#name "_backward", {2, [](S op, const V& a, const Doubles& prm, S) -> V {                              \
          params_from<math::NoParams>(op, prm);                                                                 \
          return {Emu::unary_backward<math::Act>(#name, a[0], a[1])};                                           \
+       }}},                                                                                                    \
+      {#name "_backward_recompute", {2, [](S op, const V& a, const Doubles& prm, S) -> V {                    \
+         params_from<math::NoParams>(op, prm);                                                                 \
+         auto [d, h] = Emu::unary_backward_recompute<math::Act>(#name, a[0], a[1]);                            \
+         return {d, h};                                                                                        \
        }}},
 #define FFN_EXT_EMU_GATED(name, Gate, P)                                                                       \
   {#name, {2, [](S op, const V& a, const Doubles& prm, S) -> V {                                              \

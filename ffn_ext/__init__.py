@@ -7,6 +7,7 @@ backward.
     h = ffn_ext.swiglu_clamped(gate, up, limit=7.0, alpha=1.702, up_offset=1.0)   # GPT-OSS, DeepSeek-V4
     h = ffn_ext.geglu(gate, up, approximate="tanh")   # gelu_tanh(gate) * up (Gemma)
     y = ffn_ext.gelu(x); y = ffn_ext.gelu(x, approximate="tanh"); y = ffn_ext.silu(x)
+    y = ffn_ext.relu(x); y = ffn_ext.relu2(x); y = ffn_ext.quick_gelu(x); y = ffn_ext.act(x, "relu2")
     mlp = ffn_ext.SwiGLUFFN(896, 4864); mlp = ffn_ext.GeGLUFFN(2048, 16384, approximate="tanh")   # lean autograd
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")   # the same, functional (ffn_ext.mlp)
     ffn = ffn_ext.FFN(768, 3072, activation="gelu"); y = ffn_ext.plain_mlp(x, w_fc1, w_fc2)   # the classic FFN
@@ -18,8 +19,8 @@ import torch  # noqa: F401  (load libtorch before the native library)
 
 # ops first: importing it loads the native library (ffn_ext._C, or adopts ops registered before this import; see
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.
-from .ops import (build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels, silu,
-                  swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
+from .ops import (act, build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels,
+                  quick_gelu, relu, relu2, silu, swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
 from .mlp import (gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp,
                   swiglu_mlp_packed)
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
@@ -30,7 +31,7 @@ from .hf import patch_model as patch_hf_model
 from . import jit  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed", "geglu",
+__all__ = ["gelu", "silu", "relu", "relu2", "quick_gelu", "act", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed", "geglu",
            "geglu_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary", "jit"]
 __all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
             "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",

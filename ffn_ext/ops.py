@@ -17,7 +17,7 @@ import torch
 from . import _compat
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
+__all__ = ["gelu", "silu", "relu", "relu2", "quick_gelu", "act", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
            "swiglu_clamped_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary"]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
@@ -293,6 +293,8 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
         return join_packed(*spec.gated.backward(grad, gate, up, **params), layout)
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
+    if spec.recompute:
+        return spec.act.aten_backward(*args), spec.act.aten(args[1])
     if spec.kind == "unary":
         return spec.act.aten_backward(*args) if spec.backward else spec.act.aten(*args)
     if spec.backward:
@@ -306,6 +308,13 @@ def call_op(name: str, *args, **kwargs):
     if _native_for(args[-1]) and not _aten_only(args):
         return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
     return _fallback(name, args, kwargs)
+
+
+def backward_recompute(grad: torch.Tensor, x: torch.Tensor, activation: str) -> tuple:
+    """(grad * act'(x), act(x)) in one pass over grad and x (torch.ops.ffn_ext.<act>_backward_recompute, or its
+    ATen fallback): the classic FFN's lean backward, which recomputes act(z) for fc2's weight gradient instead of
+    saving it. Internal; it has no autograd (RuntimeError where a gradient would be recorded)."""
+    return call_op(_act(activation).name + "_backward_recompute", grad, x)
 
 
 def _pick(function: str, key: str, value):
@@ -330,6 +339,29 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU (swish): x * sigmoid(x)."""
     return _call("silu", (x,))
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """ReLU: max(x, 0); its derivative is 0 at 0 (as F.relu's)."""
+    return _call("relu", (x,))
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU: relu(x)**2 (Primer, Nemotron-H, Arcee AFM). Its derivative 2 relu(x) is unbounded; the backward
+    computes grad * 2 relu(x) so that it is finite wherever that product is."""
+    return _call("relu2", (x,))
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Quick GELU: x * sigmoid(1.702 x) (CLIP, transformers' QuickGELUActivation). Not the exact GELU: it differs
+    from it by up to about 0.02."""
+    return _call("quick_gelu", (x,))
+
+
+def act(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(x) for any activation of the table by its name ("gelu", "gelu_tanh", "silu", "relu", "relu2",
+    "quick_gelu", ...): act(x, "gelu_tanh") is gelu(x, approximate="tanh")."""
+    return _call(_act(activation).name, (x,))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -378,8 +410,9 @@ def _act(activation: str):
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", ...):
-    gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u, approximate="tanh")."""
+    """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", "relu", "relu2",
+    "quick_gelu", ...): gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u,
+    approximate="tanh"), gated(g, u, "relu") is ReGLU."""
     return _call(_act(activation).gated, (gate, up))
 
 

@@ -149,7 +149,8 @@ def _kernels() -> dict[str, KernelSpec]:
     also: dict[str, tuple] = {}
     for spec in OPS.values():
         if spec.kind == "unary":
-            specs[Kernel(_SHAPES[("unary", spec.backward)], act_struct(spec.act.name), "", 0).functor] = KernelSpec(
+            shape = "UnaryBwdRecompute" if spec.recompute else _SHAPES[("unary", spec.backward)]
+            specs[Kernel(shape, act_struct(spec.act.name), "", 0).functor] = KernelSpec(
                 spec.name, len(spec.args), spec.n_outputs)
             continue
         gated = OPS[spec.gated.name + ("_backward" if spec.backward else "")]  # the (unpacked) gated op

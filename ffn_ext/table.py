@@ -7,15 +7,16 @@ for each activation, and gated ops with parameters of their own, such as swiglu_
 
     <name>(x)                           act(x)
     <name>_backward(grad, x)            grad * act'(x)
+    <name>_backward_recompute(grad, x)  (grad * act'(x), act(x)), one pass, no autograd (the classic FFN's backward)
     <gated>(gate, up, *, params)        act(gate) * up, or the gated op's own function of (gate, up)
     <gated>_backward(grad, gate, up, *, params)   (dgate, dup)
     <gated>_packed(gate_up, *, params, layout="concat")   [..., 2M] -> [..., M]; layout "concat": gate, up =
                                         gate_up[..., :M], gate_up[..., M:]; "interleaved": gate_up[..., ::2], [..., 1::2]
     <gated>_packed_backward(grad, gate_up, *, params, layout="concat")   -> (dgate, dup) packed in that layout
 
-Every entry also carries its float64 reference (the value and derivative formulas with the mathematical limits at
-+-inf that the CUDA kernels implement, and the size of the terms the kernels' formulas cancel, which the host-math
-test's tolerance needs), written without the cancellations the kernels avoid.
+Every entry also carries its float64 reference (the value and derivative formulas, and its `limits` at +-inf that the
+CUDA kernels implement, and the size of the terms the kernels' formulas cancel, which the host-math test's tolerance
+needs), written without the cancellations the kernels avoid, and its plain-PyTorch `eager` form.
 """
 from __future__ import annotations
 
@@ -37,22 +38,49 @@ _K_TANH = math.sqrt(2.0 / math.pi)  # tanh GELU: u = K (x + 0.044715 x^3)
 
 @dataclass(frozen=True)
 class Activation:
+    """One activation of the table: its ops, how Python reaches them, its ATen and eager forms, its float64
+    reference and its limits. README "Adding an activation": this entry, the functor (csrc/ffn_math.h) and the
+    table lines (csrc/include/ffn_ext/ops_table.h) are all an activation is."""
     name: str  # its unary ops: <name>, <name>_backward
     gated: str  # its gated ops: <gated>, <gated>_backward, <gated>_packed, <gated>_packed_backward
-    api: tuple  # how the public API names it: (function, {keyword: value}), e.g. ("gelu", {"approximate": "tanh"})
     aten: Callable  # act(x) with ATen ops: the fallback without the native library
     aten_backward: Callable  # (grad, x) -> grad * act'(x) with ATen ops
-    hf_names: tuple  # transformers' ACT2FN names that compute exactly this function
-    ref: Callable  # float64 x -> (act(x), act'(x)), mathematical limits at +-inf, NaN propagates
+    formula: Callable  # float64 x -> (act(x), act'(x)) for finite x, NaN propagating (ref() adds the limits)
     cancel: Callable  # float64 x -> (S, S'): size of the terms the kernels' formulas for act, act' cancel
     doc: str
+    # (act(-inf), act(+inf), act'(-inf), act'(+inf)): the mathematical limits the CUDA kernels and the host path
+    # return (signed zeros matter: gelu(-inf) = -0)
+    limits: tuple = (-0.0, _INF, 0.0, 1.0)
+    eager: Callable | None = None  # the plain-PyTorch form a model writes (benchmarks' "ATen eager"); None: aten
+    hf_names: tuple = ()  # transformers' ACT2FN names that compute exactly this function
+    # how the public API names it: (function, {keyword: value}), e.g. ("gelu", {"approximate": "tanh"}); None (the
+    # default): ffn_ext.act(x, activation=name), which serves every entry
+    api: tuple | None = None
+    # float64 (m, x) -> m * act'(x) for an unbounded act', computed so that it is finite wherever the product is (as
+    # the functor's bwd): relu2's 2 (m relu(x)); None: m * ref(x)[1]
+    times_derivative_ref: Callable | None = None
 
+    def __post_init__(self):
+        if self.api is None:
+            object.__setattr__(self, "api", ("act", {"activation": self.name}))
+        if self.eager is None:
+            object.__setattr__(self, "eager", self.aten)
 
-def _limits(x, f, d):
-    """f, d with the limits act(-inf) = -0, act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1."""
-    f = torch.where(x == -_INF, torch.full_like(x, -0.0), torch.where(x == _INF, x, f))
-    d = torch.where(x == -_INF, torch.zeros_like(x), torch.where(x == _INF, torch.ones_like(x), d))
-    return f, d
+    @property
+    def bounded_derivative(self) -> bool:
+        """act' bounded (its limits finite): grad * act'(x) cannot overflow where grad and act'(x) are finite."""
+        return all(math.isfinite(v) for v in self.limits[2:])
+
+    def times_derivative(self, m, x):
+        """float64 m * act'(x) (the limits at +-inf included), finite wherever the product is."""
+        return m * self.ref(x)[1] if self.times_derivative_ref is None else self.times_derivative_ref(m, x)
+
+    def ref(self, x):
+        """float64 x -> (act(x), act'(x)) with the entry's limits at +-inf; NaN propagates."""
+        f, d = self.formula(x)
+        fn, fp, dn, dp = (torch.full_like(x, v) for v in self.limits)
+        ninf, pinf = x == -_INF, x == _INF
+        return torch.where(ninf, fn, torch.where(pinf, fp, f)), torch.where(ninf, dn, torch.where(pinf, dp, d))
 
 
 def _finite(t):
@@ -62,7 +90,7 @@ def _finite(t):
 # ---- exact GELU: Phi(x) = erfc(-x / sqrt 2) / 2, which does not cancel for x < 0 as 1 + erf does
 def _gelu_ref(x):
     cdf = 0.5 * torch.special.erfc(-x * _INV_SQRT2)
-    return _limits(x, x * cdf, cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI)
+    return x * cdf, cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
 def _gelu_cancel(x):  # x - x Q(|x|) / 1 + erf; Phi + x phi
@@ -81,7 +109,7 @@ def _gelu_tanh_ref(x):
     s = torch.sigmoid(z)
     sp = s * torch.sigmoid(-z)
     # where s (1 - s) is 0 (|x| large; x^3 and z' may overflow) the derivative's limit is s, not x z' * 0
-    return _limits(x, x * s, torch.where(sp == 0, s, s + x * dz * sp))
+    return x * s, torch.where(sp == 0, s, s + x * dz * sp)
 
 
 def _gelu_tanh_cancel(x):
@@ -94,31 +122,85 @@ def _gelu_tanh_cancel(x):
 # ---- SiLU
 def _silu_ref(x):
     s = torch.sigmoid(x)
-    return _limits(x, x * s, s * (1.0 + x * (1.0 - s)))
+    return x * s, s * (1.0 + x * (1.0 - s))
 
 
 def _silu_cancel(x):
     return torch.zeros_like(x), _finite(torch.sigmoid(x) * (1.0 + x.abs()))
 
 
+# ---- ReLU and squared ReLU: exact in every dtype (one rounding of r * r), nothing cancels
+def _relu_ref(x):
+    return torch.relu(x), torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0, x))
+
+
+def _relu2_ref(x):
+    r = torch.relu(x)
+    return r * r, 2.0 * r
+
+
+def _no_cancel(x):
+    return torch.zeros_like(x), torch.zeros_like(x)
+
+
+# ---- quick GELU: x sigmoid(a x), a = 1.702: SiLU at z = a x, whose rounding the kernels add (z is computed), so
+# the value's relative error is (1 - s) |z| ulps and the derivative's |z silu''(z)| ulps, as for tanh GELU's z
+_QUICK = 1.702
+
+
+def _quick_gelu_ref(x):
+    z = _QUICK * x
+    s = torch.sigmoid(z)
+    sp = s * torch.sigmoid(-z)
+    return x * s, torch.where(sp == 0, s, s + z * sp)  # z overflows for huge finite x: the limit s, not inf * 0
+
+
+def _quick_gelu_cancel(x):
+    z = _QUICK * x
+    s, sp = torch.sigmoid(z), torch.sigmoid(z) * torch.sigmoid(-z)
+    return _finite((x * z).abs() * sp), _finite(s * (1.0 + z.abs()) + z.abs() * sp * (2.0 + z.abs()))
+
+
+def _quick_gelu_aten_backward(g, x):
+    s = torch.sigmoid(_QUICK * x)
+    return g * (s * (1.0 + _QUICK * x * (1.0 - s)))
+
+
 ACTIVATIONS = (
     Activation(
         name="gelu", gated="geglu", api=("gelu", {"approximate": "none"}),
         aten=F.gelu, aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
-        hf_names=("gelu", "gelu_python"), ref=_gelu_ref, cancel=_gelu_cancel,
+        hf_names=("gelu", "gelu_python"), formula=_gelu_ref, cancel=_gelu_cancel,
         doc="exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (F.gelu)"),
     Activation(
         name="gelu_tanh", gated="geglu_tanh", api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
-        ref=_gelu_tanh_ref, cancel=_gelu_tanh_cancel,
+        formula=_gelu_tanh_ref, cancel=_gelu_tanh_cancel,
         doc="tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (F.gelu(approximate='tanh'))"),
     Activation(
         name="silu", gated="swiglu", api=("silu", {}),
         aten=F.silu, aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
-        hf_names=("silu", "swish"), ref=_silu_ref, cancel=_silu_cancel,
+        hf_names=("silu", "swish"), formula=_silu_ref, cancel=_silu_cancel,
         doc="SiLU (swish), x sigmoid(x) (F.silu)"),
+    Activation(
+        name="relu", gated="reglu", api=("relu", {}),  # ReGLU: the GLU-variants paper's name (Shazeer 2020)
+        # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
+        aten=F.relu, aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
+        hf_names=("relu",), formula=_relu_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, 1.0),
+        doc="ReLU, max(x, 0) (F.relu; relu'(0) = 0 as ATen's)"),
+    Activation(
+        name="relu2", gated="relu2_glu", api=("relu2", {}),
+        aten=lambda x: torch.square(F.relu(x)), aten_backward=lambda g, x: g * F.relu(x) * 2,
+        hf_names=("relu2",), formula=_relu2_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, _INF),
+        times_derivative_ref=lambda m, x: 2.0 * (m * torch.relu(x)),
+        doc="squared ReLU, relu(x)^2 (Primer; Nemotron-H, Arcee AFM; transformers' ReLUSquaredActivation)"),
+    Activation(
+        name="quick_gelu", gated="geglu_quick", api=("quick_gelu", {}),
+        aten=lambda x: x * torch.sigmoid(_QUICK * x), aten_backward=_quick_gelu_aten_backward,
+        hf_names=("quick_gelu",), formula=_quick_gelu_ref, cancel=_quick_gelu_cancel,
+        doc="quick GELU, x sigmoid(1.702 x) (CLIP; transformers' QuickGELUActivation)"),
 )
 BY_NAME = {a.name: a for a in ACTIVATIONS}
 
@@ -271,9 +353,15 @@ class OpSpec:
     n_outputs: int
     gated: Gated | None = None  # the gated op, for kind "gated" and "packed"
     params: tuple = ()  # its Params (keyword-only); packed ops also take layout="concat" | "interleaved"
+    # <act>_backward_recompute(grad, x) -> (grad * act'(x), act(x)) in one pass: the classic FFN's lean backward
+    # (act(x) recomputed for fc2's weight gradient, not saved)
+    recompute: bool = False
+    differentiable: bool = True  # has an autograd formula (the recompute ops have none: they serve backward passes)
 
     @property
     def forward_name(self) -> str:
+        if self.recompute:
+            return self.act.name
         return self.name[: -len("_backward")] if self.backward else self.name
 
     @property
@@ -286,6 +374,8 @@ def _specs(act: Activation):
     return (
         OpSpec(act.name, act, "unary", False, ("x",), 1),
         OpSpec(act.name + "_backward", act, "unary", True, ("grad", "x"), 1),
+        OpSpec(act.name + "_backward_recompute", act, "unary", True, ("grad", "x"), 2, recompute=True,
+               differentiable=False),
     )
 
 

@@ -13,6 +13,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
 
   SPECS, OPS, FORWARD_OPS, BACKWARD_OPS, UNARY_OPS, GATED_OPS, PACKED_OPS   op names from the table
   PARAM_OPS, HOST_OPS          the ops with keyword parameters; the ops ffn_ext._C._host_math runs (not packed)
+  NO_AUTOGRAD_OPS              the ops without an autograd formula (OpSpec.differentiable: the recompute ops)
   GATED, GATED_IDS, PACKINGS   the table's Gated entries and their names; the packed ops' gate_up layouts
   N_INPUTS, N_OUTPUTS, ARG_NAMES, ACTIVATIONS, ACT_NAMES                      per op / per activation
   op(name), spec(name), is_packed(name), activation_arg(name), ops_of(kind, backward, act, gated)
@@ -55,7 +56,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "ACTIVATIONS", "ACT_NAMES", "BY_NAME", "GATED", "GATED_IDS", "SPECS", "OPS", "FORWARD_OPS", "BACKWARD_OPS",
-    "UNARY_OPS", "GATED_OPS", "PACKED_OPS", "PARAM_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES",
+    "UNARY_OPS", "GATED_OPS", "PACKED_OPS", "NO_AUTOGRAD_OPS", "PARAM_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES",
     "FLOAT_DTYPES", "CPU_DTYPES", "DEVICES", "LAYOUTS", "PACKINGS", "NATIVE", "needs_native", "op", "call", "spec",
     "is_packed", "activation_arg", "api_call", "ops_of", "params_of", "applied_params", "op_kwargs", "host_params",
     "terms", "limit_terms", "unpack", "repack", "reference", "aten_result", "error_scale", "tolerance",
@@ -70,6 +71,7 @@ BACKWARD_OPS = tuple(n for n, s in SPECS.items() if s.backward)
 UNARY_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "unary")  # forward ops only, as GATED/PACKED_OPS
 GATED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "gated")
 PACKED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "packed")
+NO_AUTOGRAD_OPS = tuple(n for n, s in SPECS.items() if not s.differentiable)  # the table says: <act>_backward_recompute
 PARAM_OPS = tuple(n for n, s in SPECS.items() if s.params)  # ops with keyword parameters, forward and backward
 HOST_OPS = tuple(n for n in OPS if SPECS[n].kind != "packed")  # what ffn_ext._C._host_math runs
 ACT_NAMES = tuple(a.name for a in ACTIVATIONS)
@@ -212,7 +214,7 @@ def terms(name: str, inputs, params: dict | None = None):
     if s.kind == "unary":
         if s.backward:
             grad, x = inputs
-            return [("d", x, (grad,), None)]
+            return [("d", x, (grad,), None)] + ([("f", x, (), None)] if s.recompute else [])
         return [("f", inputs[0], (), None)]
     p = params_of(name, params)
     if s.backward:
@@ -264,6 +266,8 @@ def _aten(name, inputs, packing, params):
     if s.kind == "packed":
         gated, ins = unpack(name, inputs, packing)
         return _untuple(repack(name, _aten(gated, ins, packing, params), packing))
+    if s.recompute:
+        return s.act.aten_backward(*inputs), s.act.aten(inputs[1])
     if s.kind == "unary":
         return s.act.aten_backward(*inputs) if s.backward else s.act.aten(*inputs)
     p = params_of(name, params)
@@ -305,7 +309,8 @@ def limit_terms(name: str, inputs, params: dict | None = None):
             s = s + torch.nan_to_num((x * slope).abs(), nan=0.0, posinf=0.0)
         m = _prod(factors)
         size = torch.ones_like(x) if m is None else m.abs()
-        out.append((_select(mask, v if m is None else m * v), _select(mask, s * size), _select(mask, size)))
+        mv = v if m is None else (act.times_derivative(m, x) if k == 1 else m * v)  # an unbounded act' overflows alone
+        out.append((_select(mask, mv), _select(mask, s * size), _select(mask, size)))
     return out
 
 

@@ -22,6 +22,7 @@ from optable import (
     GATED_IDS,
     N_INPUTS,
     NATIVE,
+    NO_AUTOGRAD_OPS,
     PACKINGS,
     RecordOps,
     api_call,
@@ -146,7 +147,7 @@ def test_packed_interleaved_views_gradcheck(g, packing, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", BACKWARD_OPS)
+@pytest.mark.parametrize("name", [n for n in BACKWARD_OPS if n not in NO_AUTOGRAD_OPS])
 def test_backward_op_partial_grads(name, device):
     # The backward ops directly (first-order gradcheck), first with only the first input requiring grad, then
     # with only the last.
@@ -269,7 +270,7 @@ def test_no_grad_path_records_no_graph_and_matches(device):
     # forward ops through the public API, backward ops through torch.ops; chunk views as inputs
     calls = [(api_call(n, p) if not spec(n).backward else call(n, p),
               make_inputs(n, (6, 5), torch.float64, device, "chunk", packing=p or "concat"))
-             for n in FORWARD_OPS + BACKWARD_OPS for p in _packings(n)]
+             for n in FORWARD_OPS + BACKWARD_OPS if n not in NO_AUTOGRAD_OPS for p in _packings(n)]
     for fn, args in calls:
         want = fn(*[a.detach().requires_grad_(True) for a in args])  # same layouts (views stay views)
         with torch.no_grad():
@@ -291,7 +292,7 @@ def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
     API routes dual tensors to ATen's ops instead: tests/test_transforms.py.)"""
     import torch.autograd.forward_ad as fwAD
 
-    for name in FORWARD_OPS + BACKWARD_OPS:
+    for name in [n for n in FORWARD_OPS + BACKWARD_OPS if n not in NO_AUTOGRAD_OPS]:
         args = list(make_inputs(name, (3, 4), torch.float64))
         with fwAD.dual_level():
             k = 1 if spec(name).backward else 0  # the activation's argument gets the tangent
@@ -299,3 +300,22 @@ def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
             with torch.no_grad() if no_grad else torch.enable_grad():
                 with pytest.raises(RuntimeError, match="jvp is not implemented"):
                     call(name)(*args)
+
+
+@pytest.mark.parametrize("name", NO_AUTOGRAD_OPS)
+def test_ops_without_autograd_raise_where_a_gradient_would_be_recorded(name):
+    """The ops the table marks differentiable=False (<act>_backward_recompute, which serves the classic FFN's
+    backward) raise a clear error where autograd would record them (an input requiring grad under grad mode, a
+    dual tensor), and compute without a graph under no_grad."""
+    import torch.autograd.forward_ad as fwAD
+
+    if not NATIVE:
+        pytest.skip("the ATen fallback is plain ATen ops (differentiable)")
+    grad, x = make_inputs(name, (3, 4), torch.float64)
+    with pytest.raises(RuntimeError, match=f"ffn_ext::{name} has no autograd formula"):
+        call(name)(grad, x.requires_grad_(True))
+    with torch.no_grad():
+        outs = call(name)(grad, x)
+    assert all(o.grad_fn is None for o in outs)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="has no autograd formula"):
+        call(name)(grad, fwAD.make_dual(x.detach(), torch.randn_like(x)))

@@ -130,10 +130,20 @@ def test_sources_reachable_for_jit():
 
 
 def test_public_header_declares_every_forward_op():
-    """<ffn_ext/ops.h> has a typed function for every forward op of the table (ops_api.cpp defines them from
-    ops_table.h, so a new table line without a declaration here would be unreachable from C++)."""
-    header = (_build.source_root() / "csrc" / "include" / "ffn_ext" / "ops.h").read_text()
-    declared = set(re.findall(r"^at::Tensor (\w+)\(", header, re.M))
+    """<ffn_ext/ops.h> declares a typed function for every forward op of the table, from the table itself: it
+    expands the op lists of <ffn_ext/ops_table.h> (installed next to it), whose lines are ffn_ext/table.py's
+    activations and gated ops (ops_api.cpp defines the functions from the same lists)."""
+    inc = _build.source_root() / "csrc" / "include" / "ffn_ext"
+    header, table = (inc / "ops.h").read_text(), (inc / "ops_table.h").read_text()
+    assert '#include "ops_table.h"' in header
+    assert "FFN_EXT_ACTIVATIONS(FFN_EXT_DECLARE_ACT)" in header and "FFN_EXT_GATED(FFN_EXT_DECLARE_GATED)" in header
+
+    def lines(macro):
+        body = re.search(rf"#define {macro}\(X\)(.*?)(?:\n\n|\Z)", table, re.S).group(1)
+        return re.findall(r"^\s*X\((\w+),", body, re.M)
+
+    acts, gated = lines("FFN_EXT_ACTIVATIONS"), lines("FFN_EXT_GATED")
+    declared = set(acts) | set(gated) | {g + "_packed" for g in gated}
     forward = {name for name, spec in OPS.items() if not spec.backward}
     assert declared == forward, (sorted(forward - declared), sorted(declared - forward))
 

@@ -91,7 +91,8 @@ def test_kernel_list_follows_the_table():
     assert S.gate_struct(GATED_BY_NAME["swiglu"]) == "Glu<Silu>"
     assert S.gate_struct(GATED_BY_NAME["geglu_tanh"]) == "Glu<GeluTanh>"
     assert S.gate_struct(GATED_BY_NAME["swiglu_clamped"]) == "SwigluClamped"
-    want = {f"{shape}<{S.act_struct(a.name)}>" for a in ACTIVATIONS for shape in ("UnaryFwd", "UnaryBwd")}
+    want = {f"{shape}<{S.act_struct(a.name)}>" for a in ACTIVATIONS
+            for shape in ("UnaryFwd", "UnaryBwd", "UnaryBwdRecompute")}
     for g in GATED:
         gate = S.gate_struct(g)
         want |= {f"GatedFwd<{gate}>", f"GatedBwd<{gate}>", f"Interleaved<GatedFwd<{gate}>, 0, -1>",
@@ -110,7 +111,7 @@ def test_kernel_list_follows_the_table():
     assert S.KERNELS["Interleaved<GatedBwd<SwigluClamped>, 1, 0>"] == S.KernelSpec(
         "swiglu_clamped_packed_backward", 3, 2)
     assert list(S.KERNELS)[:2] == ["UnaryFwd<Gelu>", "UnaryBwd<Gelu>"]  # the table's order
-    assert len(EXPECTED_KERNELS) == (2 * len(ACTIVATIONS) + 4 * len(GATED)) * 4
+    assert len(EXPECTED_KERNELS) == (3 * len(ACTIVATIONS) + 4 * len(GATED)) * 4
 
 
 def test_kernel_inventory(sass):

@@ -1,13 +1,10 @@
-// CUDA kernels of every ffn_ext op (../ops_table.h): each is a functor of ffn_math.h, turned into a RowProblem
-// by ../row_ops.h and run by launch_rows (rows_launcher.cuh).
-#include <c10/cuda/CUDAGuard.h>
+// What the CUDA build reports about itself (build_info): the CUDA runtime version and the architectures. The
+// kernels of every ffn_ext op are in kernels_part<i>.cu (kernels_part.cuh: the table's lines split across them).
 #include <cuda_runtime_api.h>
-#include <torch/library.h>
 
 #include <string>
 
-#include "../row_ops.h"
-#include "rows_launcher.cuh"
+#include "../ffn_ext.h"
 
 namespace ffn_ext {
 namespace cuda {
@@ -25,21 +22,6 @@ std::string compiled_arch_list() {
   return "unknown";
 #endif
 }
-
-namespace {
-
-// Ops<CudaLauncher>: the problems of ../row_ops.h run as CUDA kernels, under a guard for the output's device.
-struct CudaLauncher {
-  using Guard = c10::cuda::CUDAGuard;
-  template <typename T, typename F>
-  static void run(const F& f, const RowProblem<F::NI, F::NO>& p) {
-    launch_rows<T>(f, p);
-  }
-};
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) { rows::impl_all<CudaLauncher>(m); }
 
 }  // namespace cuda
 }  // namespace ffn_ext

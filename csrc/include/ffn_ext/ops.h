@@ -9,32 +9,32 @@
 //   #include <ffn_ext/ops.h>
 //   at::Tensor h = ffn_ext::swiglu(gate, up);      // silu(gate) * up; h.sum().backward() reaches gate and up
 //
+// One function per forward op of the table (<ffn_ext/ops_table.h>, installed next to this header; what each op
+// computes is there): for each activation `name` (gelu, gelu_tanh, silu, relu, relu2, quick_gelu, ...)
+//   at::Tensor name(const at::Tensor& x);
+// and for each gated op `name` (swiglu, geglu, geglu_tanh, reglu, ..., swiglu_clamped with its parameters)
+//   at::Tensor name(const at::Tensor& gate, const at::Tensor& up[, params]);
+//   at::Tensor name_packed(const at::Tensor& gate_up[, params], c10::string_view layout = "concat");
+// e.g. swiglu_clamped(gate, up, double limit, double alpha = 1.0, double up_offset = 0.0).
 // Shapes: unary ops [...] -> [...]; gated ops gate, up [..., M] -> [..., M]; packed ops [..., 2M] -> [..., M] with
 // layout "concat" ([gate | up]) or "interleaved" ([g0, u0, g1, u1, ...], GPT-OSS). Errors are c10::Error
-// subclasses with the Python API's messages. tests/test_packaging.py checks that every forward op of the table
-// (ffn_ext/table.py) is declared here.
+// subclasses with the Python API's messages.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include "ops_table.h"
+
 namespace ffn_ext {
 
-at::Tensor gelu(const at::Tensor& x);       // exact (erf) GELU
-at::Tensor gelu_tanh(const at::Tensor& x);  // tanh-approximated GELU
-at::Tensor silu(const at::Tensor& x);
-
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);      // silu(gate) * up
-at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up);       // gelu(gate) * up
-at::Tensor geglu_tanh(const at::Tensor& gate, const at::Tensor& up);  // gelu_tanh(gate) * up
-// GPT-OSS / DeepSeek-V4: g = min(gate, limit), u = clamp(up, -limit, limit); g * sigmoid(alpha * g) * (u + up_offset)
-at::Tensor swiglu_clamped(const at::Tensor& gate, const at::Tensor& up, double limit, double alpha = 1.0,
-                          double up_offset = 0.0);
-
-at::Tensor swiglu_packed(const at::Tensor& gate_up, c10::string_view layout = "concat");
-at::Tensor geglu_packed(const at::Tensor& gate_up, c10::string_view layout = "concat");
-at::Tensor geglu_tanh_packed(const at::Tensor& gate_up, c10::string_view layout = "concat");
-at::Tensor swiglu_clamped_packed(const at::Tensor& gate_up, double limit, double alpha = 1.0, double up_offset = 0.0,
-                                 c10::string_view layout = "concat");
+#define FFN_EXT_DECLARE_ACT(name, ...) at::Tensor name(const at::Tensor& x);
+#define FFN_EXT_DECLARE_GATED(name, Gate, P)                                              \
+  at::Tensor name(const at::Tensor& gate, const at::Tensor& up FFN_EXT_P_DEFAULTS_##P);  \
+  at::Tensor name##_packed(const at::Tensor& gate_up FFN_EXT_P_DEFAULTS_##P, c10::string_view layout = "concat");
+FFN_EXT_ACTIVATIONS(FFN_EXT_DECLARE_ACT)
+FFN_EXT_GATED(FFN_EXT_DECLARE_GATED)
+#undef FFN_EXT_DECLARE_ACT
+#undef FFN_EXT_DECLARE_GATED
 
 }  // namespace ffn_ext

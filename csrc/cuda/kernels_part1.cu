@@ -1,0 +1,3 @@
+// CUDA kernels, part 1 of kCudaParts (kernels_part.cuh says which lines of the op table it holds).
+#define FFN_EXT_CUDA_PART 1
+#include "kernels_part.cuh"
