@@ -211,9 +211,11 @@ def _host_form(name: str):
     plain = g.aten is None and not spec.params
     act = spec.act.aten
 
+    n = len(spec.params)
+
     def params_ok(extra):
-        values = extra[: len(spec.params)]
-        if not all(type(v) in (float, int) for v in values):
+        values = extra[:n]
+        if len(values) < n or not all(type(v) in (float, int) for v in values):
             return None
         p = dict(zip(keys, values))
         try:
@@ -232,7 +234,7 @@ def _host_form(name: str):
         return gated
 
     def packed(args, extra):
-        gu, layout = args[0], extra[-1]
+        gu, layout = args[0], extra[n] if len(extra) > n else "concat"  # (ffn_ext.mlp passes no layout)
         if gu.dim() == 0 or gu.shape[-1] % 2 or layout not in LAYOUTS:
             return NotImplemented
         gate, up = split_packed(gu, layout)
