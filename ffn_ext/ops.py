@@ -190,7 +190,7 @@ def _aten_only(args: tuple) -> bool:
 # functional ops are faster than that: F.gelu on [256, 2048] fp32, one thread, min of 40 alternating: 197-205 us,
 # aten.gelu.out into an empty_like 228-233 us (0.87x), ffn_ext.gelu through the native op 212-225 us (0.91-0.93x);
 # and a backward through ATen's autograd reuses the act(gate) its forward saved where ffn_ext's recomputes it. So
-# on CPU the public functions compute the table's ATen expression (act.aten(x), act(gate) * up, the clamped form),
+# on CPU the public functions compute the table's ATen expression (act.aten(x), act(gate) * up),
 # under ATen's autograd, after the checks the native op would make (any input they would reject takes the native
 # path, which raises its error). Not on this path: tensor subclasses, other devices, mixed dtypes (promoted first,
 # below), and calls under a torch function or dispatch mode, which see the ffn_ext op as on every other device.
@@ -201,51 +201,29 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _host_form(name: str):
-    """(args, extra) -> op `name` as its ATen expression, or NotImplemented where the native op must decide (a
-    parameter or layout it would reject, a packed tensor of odd width)."""
+    """(args, extra) -> forward op `name` as its ATen expression (an activation's act.aten(x); act.aten(gate) * up,
+    packed or not), or NotImplemented where the native op must decide (a layout it would reject, an odd width)."""
     spec = OPS[name]
-    if spec.kind == "unary":
-        aten = spec.act.aten
-        return lambda args, extra: aten(args[0])
-    g, keys = spec.gated, _KEYWORDS[name]
-    plain = g.aten is None and not spec.params
     act = spec.act.aten
-
-    n = len(spec.params)
-
-    def params_ok(extra):
-        values = extra[:n]
-        if len(values) < n or not all(type(v) in (float, int) for v in values):
-            return None
-        p = dict(zip(keys, values))
-        try:
-            check_params(f"ffn_ext.{name}", g, p)
-        except ValueError:
-            return None
-        return p
-
+    if spec.kind == "unary":
+        return lambda args, extra: act(args[0])
     if spec.kind == "gated":
-        if plain:
-            return lambda args, extra: act(args[0]) * args[1]
-
-        def gated(args, extra):
-            p = params_ok(extra)
-            return NotImplemented if p is None else g.forward(args[0], args[1], **p)
-        return gated
+        return lambda args, extra: act(args[0]) * args[1]
 
     def packed(args, extra):
-        gu, layout = args[0], extra[n] if len(extra) > n else "concat"  # (ffn_ext.mlp passes no layout)
+        gu, layout = args[0], extra[0] if extra else "concat"  # (ffn_ext.mlp passes no layout)
         if gu.dim() == 0 or gu.shape[-1] % 2 or layout not in LAYOUTS:
             return NotImplemented
         gate, up = split_packed(gu, layout)
-        if plain:
-            return act(gate) * up
-        p = params_ok(extra)
-        return NotImplemented if p is None else g.forward(gate, up, **p)
+        return act(gate) * up
     return packed
 
 
-_HOST = {name: _host_form(name) for name, spec in OPS.items() if not spec.backward}
+# Not the ops of a gated op with an ATen form of its own (swiglu_clamped): ATen's autograd of that expression rounds
+# its backward differently from the op's formula (up to 1e-3 relative in fp32 where it cancels), so a compiled graph
+# (which keeps the op) and eager would disagree; for act(gate) * up and the unary ops both give the same bits.
+_HOST = {name: _host_form(name) for name, spec in OPS.items()
+         if not spec.backward and not spec.params and (spec.gated is None or spec.gated.aten is None)}
 
 
 def _on_host(args: tuple) -> bool:
@@ -277,8 +255,9 @@ def _call(name: str, args: tuple, extra: tuple = ()):
        library, torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path. Floating-point inputs of different dtypes are promoted to
     their common dtype first (_promoted), as ATen's act(gate) * up promotes."""
-    if _on_host(args):
-        out = _HOST[name](args, extra)
+    host = _HOST.get(name)
+    if host is not None and _on_host(args):
+        out = host(args, extra)
         if out is not NotImplemented:
             return out
     try:

@@ -26,10 +26,30 @@ def _aten(name, packing, args):
     return s.gated.forward(*split_packed(args[0], packing or "concat"), **kw)
 
 
-def _cases():
+def _cases(host=True):
     for name in FORWARD_OPS:
-        for packing in (PACKINGS if is_packed(name) else (None,)):
-            yield name, packing
+        if (name in api._HOST) == host:
+            for packing in (PACKINGS if is_packed(name) else (None,)):
+                yield name, packing
+
+
+def test_host_path_serves_the_ops_without_parameters():
+    """act(x) and act(gate) * up, packed or not: every forward op but those of a gated op with an ATen form of its
+    own (swiglu_clamped, which stays native: see ops.py)."""
+    assert set(api._HOST) == {n for n in FORWARD_OPS if spec(n).gated is None or spec(n).gated.aten is None}
+    assert all(not spec(n).params for n in api._HOST)
+
+
+@pytest.mark.parametrize("name, packing", list(_cases(host=False)))
+def test_other_ops_stay_native_on_cpu(name, packing):
+    args = make_inputs(name, (5, 33), torch.float32, packing=packing or "concat")
+    with RecordOps() as rec:
+        api_call(name, packing)(*args)
+    leaves = [a.detach().requires_grad_() for a in args]
+    out = api_call(name, packing)(*leaves)
+    assert f"ffn_ext.{name}.default" in rec.ops, rec.ops
+    assert type(out.grad_fn).__name__ == "CppFunction", out.grad_fn  # the op's C++ autograd (csrc/autograd.cpp)
+    assert torch.equal(out, call(name, packing)(*args))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
@@ -90,8 +110,6 @@ def test_promotion_and_the_native_errors():
     with pytest.raises(ValueError, match=r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be "
                                          r"even"):
         ffn_ext.swiglu_packed(gate[:, :5])
-    with pytest.raises(ValueError, match=r"ffn_ext\.swiglu_clamped: `limit` must be > 0"):
-        ffn_ext.swiglu_clamped(gate, up, limit=0.0)
     with pytest.raises(ValueError, match=r'`layout` must be "concat" or "interleaved", got "bogus"'):
         ffn_ext.swiglu_packed(gate, layout="bogus")
     with pytest.raises(TypeError, match=r"ffn_ext\.gelu: expected `x` to have dtype"):
