@@ -1,9 +1,16 @@
 #!/usr/bin/env python
-"""FFN-level benchmark: gated FFNs on ffn_ext vs the eager MLP a model writes and its torch.compile form.
+"""FFN-level benchmark: gated and classic FFNs on ffn_ext vs the eager MLP a model writes and its torch.compile form.
 
     python benchmarks/bench_ffn.py --quick                       # CPU here, GPU where there is one
     python benchmarks/bench_ffn.py --quick --device cuda --out $OUT/bench
     python benchmarks/bench_ffn.py --smoke --out /tmp/x          # tiny CI check of the pipeline
+    python benchmarks/bench_ffn.py --classic --variants          # the classic FFN, fc2(act(fc1(x))), 512-16384 tokens
+
+The classic FFN (--classic, or --models with the classic-* names): BERT-base / ViT-B / GPT-2 widths (768 -> 3072)
+and ViT-L / CLIP-L (1024 -> 4096), GELU erf (BERT, ViT) and tanh (GPT-2), with biases, against
+fc2(act(fc1(x))) in ATen ops; the ffn_ext side is ffn_ext.FFN (ffn_ext.plain_mlp). On the CPU ffn_ext.FFN runs eager
+PyTorch's ops by default (no memory option asked), so --variants adds "lean": the lean autograd on the CPU too (the
+device path; ffn_ext.mlp._ATEN_ON_CPU off), whose saved bytes and peak are the ones a GPU sees.
 
 Models: SwiGLU at Llama-7B (4096 -> 11008) and Qwen2.5-0.5B (896 -> 4864) widths, against Hugging Face's
 LlamaMLP / Qwen2MLP form down(silu(gate(x)) * up(x)); tanh GeGLU at Gemma-2-2B widths (2304 -> 9216), against
@@ -12,7 +19,8 @@ GemmaMLP's down(gelu_tanh(gate(x)) * up(x)). All three implementations share the
 beyond the parameters and the input x ("activation memory"), and on GPU the peak memory allocated during
 forward+backward above what was allocated before. The ffn_ext side is ffn_ext.SwiGLUFFN / ffn_ext.GeGLUFFN
 (approximate="tanh") when the package has it, else a local module (gate/up/down Linear + ffn_ext.gated); the
-results say which. Writes ffn.md, ffn.json and ffn.png into the output directory.
+results say which. Writes ffn.md, ffn.json and ffn.png into the output directory (--classic: classic_ffn.*;
+with --memory-only: classic_ffn_memory.*).
 """
 from __future__ import annotations
 
@@ -28,15 +36,23 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import ffn_ext  # noqa: E402
+from ffn_ext import mlp as ffn_mlp  # noqa: E402
 from ffn_ext.table import BY_NAME  # noqa: E402
 
 # model -> (d_model, d_ff, activation of ffn_ext's op table); silu: SwiGLU (Llama, Qwen2), gelu_tanh: GeGLU (Gemma)
 MODELS = {"qwen2.5-0.5b": (896, 4864, "silu"), "llama-7b": (4096, 11008, "silu"), "llama-3-8b": (4096, 14336, "silu"),
           "gemma-2-2b": (2304, 9216, "gelu_tanh"), "tiny": (64, 176, "silu"), "tiny-geglu": (64, 176, "gelu_tanh")}
+# the classic FFN, fc2(act(fc1(x))) with biases: 768 -> 3072 is BERT-base / ViT-B (erf) and GPT-2 (tanh), 1024 ->
+# 4096 ViT-L (erf) and CLIP-L's width
+CLASSIC = {"classic-768-gelu": (768, 3072, "gelu"), "classic-768-gelu_tanh": (768, 3072, "gelu_tanh"),
+           "classic-1024-gelu": (1024, 4096, "gelu"), "classic-1024-gelu_tanh": (1024, 4096, "gelu_tanh"),
+           "classic-tiny": (64, 256, "gelu")}
+MODELS.update(CLASSIC)
 MLP_NAME = {"silu": "SwiGLU", "gelu": "GeGLU (erf)", "gelu_tanh": "GeGLU (tanh)"}
+CLASSIC_NAME = {"gelu": "FFN (GELU erf)", "gelu_tanh": "FFN (GELU tanh)"}
 IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager MLP", "compile": "torch.compile(eager)",
               "fused": "ffn_ext fused_gate_up", "recompute": "ffn_ext recompute", "chunk": "ffn_ext token_chunk",
-              "liger": "Liger SwiGLUMLP", "liger_tiled": "Liger TiledSwiGLUMLP"}
+              "liger": "Liger SwiGLUMLP", "liger_tiled": "Liger TiledSwiGLUMLP", "lean": "ffn_ext lean autograd"}
 # --variants: ffn_ext's module with these options (token_chunk: a quarter of the tokens, at least 1)
 VARIANTS = {"fused": {"fused_gate_up": True}, "recompute": {"recompute": True}, "chunk": {"token_chunk": 4}}
 
@@ -89,6 +105,32 @@ class EagerMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class EagerClassicMLP(nn.Module):
+    """fc2(act(fc1(x))) with ATen ops, as BERT's Intermediate/Output, ViT's and GPT-2's MLPs compute it (nn.Linear
+    names of ffn_ext.FFN, so one state_dict loads into both)."""
+
+    def __init__(self, d_model, d_ff, activation="gelu", device=None, dtype=None):
+        super().__init__()
+        self.up_proj = nn.Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.act_fn = BY_NAME[activation].aten
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class LeanOnCPU(nn.Module):
+    """ffn_ext.FFN with its lean autograd on the CPU too (what runs on a GPU): the internal switch off per call."""
+
+    def __init__(self, ffn):
+        super().__init__()
+        self.ffn = ffn
+
+    def forward(self, x):
+        with ffn_mlp._lean_on_cpu():
+            return self.ffn(x)
+
+
 class LocalGatedFFN(EagerMLP):
     """The same projections with the activation fused by ffn_ext.gated (used when ffn_ext has no FFN module for
     the activation)."""
@@ -115,8 +157,17 @@ def make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes):
             f"local module (nn.Linear x3 + ffn_ext.gated(activation={activation!r}))")
 
 
-def plan_for(mode, dev):
+def plan_for(mode, dev, classic=False):
     """[(model, tokens, dtype)]"""
+    if classic:
+        if mode == "smoke":
+            return [("classic-tiny", 32, "fp32")]
+        if dev.type == "cuda":
+            return [(m, t, "bf16") for m in CLASSIC if m != "classic-tiny" for t in (512, 4096, 16384)]
+        if mode == "full":
+            return [(m, t, "fp32") for m in CLASSIC if m != "classic-tiny" for t in (512, 4096)]
+        return [("classic-768-gelu", 512, "fp32"), ("classic-768-gelu_tanh", 512, "fp32"),
+                ("classic-1024-gelu", 512, "fp32")]
     if mode == "smoke":
         return [("tiny", 32, "fp32"), ("tiny-geglu", 32, "fp32")]
     if dev.type == "cuda":
@@ -170,11 +221,16 @@ def run(args) -> dict:
         if dev.type == "cpu":  # as bench_ops: OpenMP waits on a busy machine cost more than these tiny GEMMs
             torch.set_num_threads(1)
             notes.append("smoke run on CPU: 1 torch thread")
+    if args.lean_cpu:
+        ffn_mlp._ATEN_ON_CPU = False
+        if dev.type == "cpu":
+            notes.append("--lean-cpu: ffn_ext's MLPs run their lean autograd on the CPU (the device path), not their "
+                         "CPU default (eager PyTorch's ops)")
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
     if use_compile:
         common.setup_compile()
-    plan = plan_for(mode, dev)
+    plan = plan_for(mode, dev, args.classic)
     if args.dtypes:
         keep = {d.strip() for d in args.dtypes.split(",")}
         plan = [p for p in plan if p[2] in keep] or [(m, t, d) for m, t, _ in plan[:1] for d in sorted(keep)]
@@ -194,16 +250,30 @@ def run(args) -> dict:
     for model, tokens, dname in plan:
         dtype = common.DTYPES[dname]
         d_model, d_ff, activation = MODELS[model]
+        classic = model in CLASSIC
         es = torch.empty((), dtype=dtype).element_size()
         common.free_memory(dev)
-        eager = EagerMLP(d_model, d_ff, activation, device=dev, dtype=dtype)
-        ours, ffn_kind = make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes)
+        if classic:
+            eager = EagerClassicMLP(d_model, d_ff, activation, device=dev, dtype=dtype)
+            ours = ffn_ext.FFN(d_model, d_ff, activation=activation, bias=True, device=dev, dtype=dtype)
+            ffn_kind = f"ffn_ext.FFN(activation={activation!r}, bias=True)"
+        else:
+            eager = EagerMLP(d_model, d_ff, activation, device=dev, dtype=dtype)
+            ours, ffn_kind = make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes)
         ffn_kinds[model] = ffn_kind
         ours.load_state_dict(eager.state_dict())
         mods = {"ffn_ext": ours, "eager": eager}
         if use_compile:
             mods["compile"] = torch.compile(eager)
-        if args.variants and activation in FFN_EXT_MODULES:
+        if args.variants and classic:
+            chunk = args.token_chunk or max(1, tokens // 4)
+            for v, opts in (("recompute", {"recompute": True}), ("chunk", {"token_chunk": chunk})):
+                mods[v] = ffn_ext.FFN(d_model, d_ff, activation=activation, bias=True, device=dev, dtype=dtype,
+                                      **opts)
+                mods[v].load_state_dict(eager.state_dict())
+            if dev.type == "cpu" and not args.lean_cpu:
+                mods["lean"] = LeanOnCPU(ours)
+        elif args.variants and activation in FFN_EXT_MODULES:
             name, kw = FFN_EXT_MODULES[activation]
             for v, opts in VARIANTS.items():
                 opts = {k: ((args.token_chunk or max(1, tokens // o)) if k == "token_chunk" else o)
@@ -235,7 +305,8 @@ def run(args) -> dict:
                 continue
             fb = r.pop("fwd+bwd")
             fw = r.pop("fwd")
-            results.append({"model": model, "mlp": MLP_NAME[activation], "activation": activation,
+            results.append({"model": model, "mlp": (CLASSIC_NAME if classic else MLP_NAME)[activation],
+                            "activation": activation,
                             "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
                             "impl": name, "module": ffn_kind if name == "ffn_ext" else type(m).__name__, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
                             "p90_ms": fb["p90_ms"], "reps": fb["reps"], "fwd_median_ms": fw["median_ms"],
@@ -263,6 +334,9 @@ def run(args) -> dict:
 def targets(results, dev):
     out = []
     for model in MODELS:
+        if model in CLASSIC:
+            out += classic_targets(results, model, dev)
+            continue
         rows = [r for r in results if r["model"] == model and r["impl"] == "ffn_ext"
                 and r["activation_vs_eager"] is not None]
         if not rows:
@@ -278,6 +352,29 @@ def targets(results, dev):
     if not out:
         out.append(common.make_target("gated FFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None,
                                       0.5, False))
+    return out
+
+
+def classic_targets(results, model, dev):
+    """The classic FFN's: 1 [tokens, d_ff] tensor saved (eager 2) and a fwd+bwd peak <= 0.75x eager's at 4096
+    tokens (the lean autograd: on the CPU the "lean" rows), and no slower than eager on the CPU (>= 0.98x)."""
+    out = []
+    lean = "lean" if dev.type == "cpu" else "ffn_ext"
+    for r in results:
+        if r["model"] != model:
+            continue
+        where = f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}"
+        if r["impl"] == lean and r["activation_vs_eager"] is not None:
+            out.append(common.make_target(f"{model}: lean FFN saves <= 0.5x eager's [tokens, d_ff] bytes",
+                                          r["activation_vs_eager"], 0.5, False, "x",
+                                          f"{r['activation_tf_units']:.3g} [tokens, d_ff] tensors, {where}", True))
+            if r["tokens"] == 4096 and r["peak_vs_eager"] is not None:
+                out.append(common.make_target(f"{model}: lean FFN fwd+bwd peak <= 0.75x eager's",
+                                              r["peak_vs_eager"], 0.75, False, "x", where, True))
+        if r["impl"] == "ffn_ext" and r["speedup_vs"].get("eager") is not None:
+            out.append(common.make_target(f"{model}: ffn_ext.FFN fwd+bwd >= 0.98x eager", r["speedup_vs"]["eager"],
+                                          0.98, True, "x", where + " (medians; the target: min of 30, 1 thread)",
+                                          False))
     return out
 
 
@@ -315,13 +412,18 @@ def main(argv=None) -> int:
                    "quarter of the tokens)")
     p.add_argument("--memory-only", action="store_true", help="measure saved bytes and peak memory only (no "
                    "timing): long sequences on CPU")
+    p.add_argument("--lean-cpu", action="store_true", help="ffn_ext's MLPs run their lean autograd on the CPU too "
+                   "(by default they run eager PyTorch's ops there when no memory option is asked)")
+    p.add_argument("--classic", action="store_true", help="the classic FFN (ffn_ext.FFN) at 768 -> 3072 and 1024 -> "
+                   "4096, GELU erf and tanh, instead of the gated FFNs")
     p.add_argument("--variants", action="store_true", help="also ffn_ext's module with fused_gate_up=True, "
                    "recompute=True and token_chunk=tokens/4, and Liger's MLPs where installed (CUDA)")
     args = p.parse_args(argv)
     payload = run(args)
     import plot
 
-    return common.report(args, "ffn", payload, markdown(payload), plot.plot_ffn)
+    name = ("classic_ffn" + ("_memory" if args.memory_only else "")) if args.classic else "ffn"
+    return common.report(args, name, payload, markdown(payload), plot.plot_ffn)
 
 
 if __name__ == "__main__":

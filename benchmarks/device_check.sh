@@ -4,7 +4,7 @@
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
 #   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 520 s
 #   OUT=/some/dir STAGES="bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 310 s
-#   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 330 s
+#   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 420 s
 # With less device time than both need, measure first: STAGES="build bench_ops memcheck bench_ffn" (400 s).
 #   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
@@ -113,8 +113,14 @@ fi
 # The FFN layer's targets (issue 17; unmeasured): SwiGLUFFN and its fused_gate_up / recompute / token_chunk variants
 # next to eager, torch.compile and Liger (where installed) at Llama-7B and Llama-3-8B widths, decode to 16k tokens;
 # then peak memory only at 32k-128k tokens with token_chunk=8192 (eager at 128k: about 26 GB). Not yet timed.
-stage ffn_layer 150 $PY benchmarks/bench_ffn.py --quick --variants --models llama-7b,llama-3-8b \
-  --tokens 16,4096,16384 --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench_ffn_layer"
+ffn_layer() {  # the gated FFNs, then the classic FFN (768 -> 3072 and 1024 -> 4096, GELU erf/tanh, 512-16k tokens)
+  $PY benchmarks/bench_ffn.py --quick --variants --models llama-7b,llama-3-8b \
+    --tokens 16,4096,16384 --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench_ffn_layer" || return
+  $PY benchmarks/bench_ffn.py --quick --classic --variants --device cuda --no-progress \
+    --out "$LOGS/bench_ffn_classic"
+}
+export -f ffn_layer; export PY LOGS  # `timeout` runs commands, not shell functions: bash -c runs this one
+stage ffn_layer 240 bash -c ffn_layer
 stage ffn_long 120 $PY benchmarks/bench_ffn.py --quick --variants --memory-only --no-compile --models llama-3-8b \
   --tokens 32768,65536,131072 --token-chunk 8192 --dtypes bf16 --device cuda --no-progress --out "$LOGS/bench_ffn_long"
 if command -v compute-sanitizer >/dev/null || ! wanted racecheck; then

@@ -9,6 +9,7 @@ backward.
     y = ffn_ext.gelu(x); y = ffn_ext.gelu(x, approximate="tanh"); y = ffn_ext.silu(x)
     mlp = ffn_ext.SwiGLUFFN(896, 4864); mlp = ffn_ext.GeGLUFFN(2048, 16384, approximate="tanh")   # lean autograd
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")   # the same, functional (ffn_ext.mlp)
+    ffn = ffn_ext.FFN(768, 3072, activation="gelu"); y = ffn_ext.plain_mlp(x, w_fc1, w_fc2)   # the classic FFN
     ffn_ext.patch_hf_model(model)   # a transformers model's SwiGLU / GeGLU MLPs on ffn_ext (ffn_ext.hf)
 
 The ops are torch.ops.ffn_ext.* (dispatcher ops: autograd, torch.compile, export and fake tensors work).
@@ -19,9 +20,11 @@ import torch  # noqa: F401  (load libtorch before the native library)
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.
 from .ops import (build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels, silu,
                   swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
-from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, swiglu_mlp, swiglu_mlp_packed
+from .mlp import (gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp,
+                  swiglu_mlp_packed)
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
+from . import distributed  # noqa: F401  (registers its hooks in ops and mlp; torch.distributed.tensor stays unloaded)
 from . import hf  # noqa: F401
 from .hf import patch_model as patch_hf_model
 from . import jit  # noqa: F401
@@ -31,4 +34,4 @@ __all__ = ["gelu", "silu", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_
            "geglu_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary", "jit"]
 __all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
             "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-            "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]
+            "plain_mlp", "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]

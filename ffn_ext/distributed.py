@@ -1,10 +1,13 @@
 """ffn_ext under torch.distributed: DTensor sharding strategies for every op of the table, a tensor-parallel plan for
 the gated FFNs, and the per-rank packed layout.
 
-    import ffn_ext.distributed   # registers the strategies (ffn_ext.ops does it by itself when
-                                 # torch.distributed.tensor is imported before ffn_ext, or on the first DTensor call)
+    import ffn_ext                       # imports ffn_ext.distributed: the strategies register when
+                                         # torch.distributed.tensor is imported before ffn_ext, or on the first
+                                         # DTensor call (ffn_ext.distributed.register_strategies() does it now)
     h = ffn_ext.swiglu(gate_dt, up_dt)                     # DTensors in, DTensor out
-    parallelize_module(model, mesh, ffn_ext.distributed.tp_plan(model))   # colwise gate/up, rowwise down
+    parallelize_module(model, mesh, ffn_ext.distributed.tp_plan(model))   # colwise gate/up (fc1), rowwise down (fc2)
+    ffn_ext.distributed.shard_gated_ffns(model, mesh)      # the same placements without hooks: the lean autograd
+    ffn_ext.distributed.shard_plain_ffns(model, mesh)      # ffn_ext.FFN: fc1 (up_proj) Shard(0), fc2 Shard(1)
 
 Sharding (registered once from the op table, ffn_ext.table.OPS, forward and backward ops):
 - unary and gated ops (x; gate, up; and their backward ops' grad): Replicate, or Shard(d) for any d, the same on
@@ -20,11 +23,17 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from . import mlp as _mlp
+from . import modules as _modules
+from . import ops as _ops
 from .table import OPS
 
-__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "tp_gated_mlp", "GATED_FFN_PLAN"]
+__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "tp_gated_mlp", "tp_plain_mlp",
+           "shard_gated_ffns", "shard_plain_ffns", "GATED_FFN_PLAN", "PLAIN_FFN_PLAN"]
 
 _registered = False
 
@@ -40,11 +49,11 @@ def strategies(name: str, ndim: int) -> list:
     return [([p] * n_out, [p] * n_in) for p in [Replicate(), *(Shard(d) for d in dims)]]
 
 
-def register_strategies() -> None:
-    """Registers the sharding strategies of every op of the table with DTensor, once."""
+def register_strategies() -> bool:
+    """Registers the sharding strategies of every op of the table with DTensor, once; True when this call did."""
     global _registered
     if _registered:
-        return
+        return False
     from torch.distributed.tensor.experimental import register_sharding
 
     for name, spec in OPS.items():
@@ -55,6 +64,7 @@ def register_strategies() -> None:
 
         register_sharding(getattr(torch.ops.ffn_ext, name).default)(rule)
     _registered = True
+    return True
 
 
 def per_rank_packed(fn, gate_up, *args, **kwargs):
@@ -82,10 +92,8 @@ GATED_FFN_PLAN = {**{n: "colwise" for n in _COLWISE}, **{n: "rowwise" for n in _
 
 
 def _is_gated_ffn(mod) -> bool:
-    from . import modules
-
     separate = all(isinstance(getattr(mod, n, None), torch.nn.Linear) for n in (*_COLWISE, *_ROWWISE))
-    if isinstance(mod, modules.GatedFFN) and not separate:
+    if isinstance(mod, _modules.GatedFFN) and not separate:
         # a packed gate_up projection (fused_gate_up=True): ColwiseParallel would give rank 0 the global
         # [gate | up]'s first rows (gate only), not its own [gate_shard | up_shard]
         raise ValueError(f"ffn_ext.distributed.tp_plan: {type(mod).__name__} has no separate gate_proj/up_proj "
@@ -95,11 +103,21 @@ def _is_gated_ffn(mod) -> bool:
     return separate
 
 
+# ffn_ext.FFN: fc1 is up_proj (column parallel), fc2 down_proj (row parallel)
+PLAIN_FFN_PLAN = {"up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def _is_plain_ffn(mod) -> bool:
+    return isinstance(mod, _modules.FFN) and all(isinstance(getattr(mod, n, None), torch.nn.Linear)
+                                                 for n in PLAIN_FFN_PLAN)
+
+
 def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
     """The tensor-parallel plan (for torch.distributed.tensor.parallel.parallelize_module) of every gated FFN in
     `model` (ffn_ext's GatedFFN/SwiGLUFFN/GeGLUFFN, and MLPs with nn.Linear gate_proj, up_proj, down_proj, such as
     transformers' Llama/Qwen2/Gemma MLPs, patched or not): gate_proj and up_proj ColwiseParallel, down_proj
-    RowwiseParallel, keyed by their fully qualified names. The activation between them runs fused on the local
+    RowwiseParallel, keyed by their fully qualified names; and of every ffn_ext.FFN (the classic FFN): up_proj
+    (fc1) ColwiseParallel, down_proj (fc2) RowwiseParallel. The activation between them runs fused on the local
     shards (use_local_output=True, the default) or on DTensors Shard(-1) (use_local_output=False: the op's
     sharding strategy), with the same result; down_proj's output is reduced to a replicated (local) tensor."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -112,6 +130,10 @@ def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
                 plan[p + n] = ColwiseParallel(use_local_output=use_local_output)
             for n in _ROWWISE:
                 plan[p + n] = RowwiseParallel()
+        elif _is_plain_ffn(mod):
+            p = prefix + "." if prefix else ""
+            plan[p + "up_proj"] = ColwiseParallel(use_local_output=use_local_output)
+            plan[p + "down_proj"] = RowwiseParallel()
     return plan
 
 
@@ -156,22 +178,72 @@ def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, a
     recompute and token_chunk as gated_mlp's, on each rank's shard. What tp_plan's module hooks cost instead: the
     projections run as modules (no lean autograd), 4 saved tensors; shard_gated_ffns places the weights without
     hooks, so the FFN modules (and patched Hugging Face MLPs) call this."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    from .mlp import gated_mlp
-
-    for name, w, want in (("w_gate", w_gate, Shard(0)), ("w_up", w_up, Shard(0)), ("w_down", w_down, Shard(1)),
-                          ("b_gate", b_gate, Shard(0)), ("b_up", b_up, Shard(0)), ("b_down", b_down, Replicate())):
-        if w is not None and (not isinstance(w, DTensor) or tuple(w.placements) != (want,)):
-            raise ValueError(f"ffn_ext.distributed.tp_gated_mlp: expected `{name}` to be a DTensor placed "
-                             f"[{want}] on a 1-D mesh, got "
-                             f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}")
+    _check_placed("tp_gated_mlp", (("w_gate", w_gate, Shard(0)), ("w_up", w_up, Shard(0)),
+                                   ("w_down", w_down, Shard(1)), ("b_gate", b_gate, Shard(0)),
+                                   ("b_up", b_up, Shard(0)), ("b_down", b_down, Replicate())))
     group = w_gate.device_mesh.get_group()
     local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
-    y = gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None, activation=activation,
-                  recompute=recompute, token_chunk=token_chunk)
+    y = _mlp.gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None,
+                       activation=activation, recompute=recompute, token_chunk=token_chunk)
     y = _SumOverRanks.apply(y, group)
     return y if b_down is None else y + b_down.to_local()
+
+
+def _check_placed(fn: str, named: tuple) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for name, w, want in named:
+        if w is not None and (not isinstance(w, DTensor) or tuple(w.placements) != (want,)):
+            raise ValueError(f"ffn_ext.distributed.{fn}: expected `{name}` to be a DTensor placed "
+                             f"[{want}] on a 1-D mesh, got "
+                             f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}")
+
+
+def tp_plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu", *, recompute: bool = False,
+                 token_chunk: int | None = None, transposed: bool = False):
+    """ffn_ext.plain_mlp (the lean autograd: saves x and fc1's output) with tensor-parallel weights on a 1-D mesh:
+    fc1 column parallel, fc2 row parallel (nn.Linear layout: w_fc1 and b_fc1 Shard(0), w_fc2 Shard(1); Conv1D
+    layout, transposed=True: w_fc1 Shard(1), b_fc1 Shard(0), w_fc2 Shard(0)), b_fc2 Replicate; x a local tensor,
+    the same on every rank. Each rank runs the lean MLP on its d_ff shard (the activation is elementwise, so the
+    shards are independent) and the partial outputs are summed (one all_reduce forward, one for x's gradient
+    backward); the weights' gradients are DTensors with the weights' placements. Returns a local tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    s1, s2 = (Shard(1), Shard(0)) if transposed else (Shard(0), Shard(1))
+    _check_placed("tp_plain_mlp", (("w_fc1", w_fc1, s1), ("w_fc2", w_fc2, s2), ("b_fc1", b_fc1, Shard(0)),
+                                   ("b_fc2", b_fc2, Replicate())))
+    group = w_fc1.device_mesh.get_group()
+    local = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]
+    y = _mlp.plain_mlp(_SumGradOverRanks.apply(x, group), *local, None, activation=activation,
+                       recompute=recompute, token_chunk=token_chunk, transposed=transposed)
+    y = _SumOverRanks.apply(y, group)
+    return y if b_fc2 is None else y + b_fc2.to_local()
+
+
+def _place(lin, mesh, place, bias_place) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for pname, p in list(lin.named_parameters(recurse=False)):
+        where = bias_place if pname == "bias" else place
+        lin.register_parameter(pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [where]),
+                                                         requires_grad=p.requires_grad))
+
+
+def shard_plain_ffns(model: torch.nn.Module, mesh) -> int:
+    """Tensor parallel with the lean autograd for every ffn_ext.FFN in `model`: up_proj (fc1) Shard(0), down_proj
+    (fc2) Shard(1) (its bias Replicate) as DTensor parameters, no module hooks; FFN's forward then runs
+    tp_plain_mlp on a local input (recompute and token_chunk as set). Returns the number of FFNs placed."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    count = 0
+    for _, mod in model.named_modules():
+        if _is_plain_ffn(mod):
+            _place(mod.up_proj, mesh, Shard(0), Shard(0))
+            _place(mod.down_proj, mesh, Shard(1), Replicate())
+            count += 1
+    return count
 
 
 def shard_gated_ffns(model: torch.nn.Module, mesh) -> int:
@@ -183,22 +255,23 @@ def shard_gated_ffns(model: torch.nn.Module, mesh) -> int:
     each rank's d_ff shard, one all_reduce of the output forward and of x's gradient backward, recompute and
     token_chunk as set. The weights' gradients are DTensors (an optimizer steps them as they are; FSDP2 composes as
     with tp_plan on a 2-D mesh). Returns the number of FFNs placed. A fused gate_up module raises ValueError."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
 
-    placements = {"gate_proj": Shard(0), "up_proj": Shard(0), "down_proj": Shard(1)}
     count = 0
     for _, mod in model.named_modules():
         if not _is_gated_ffn(mod):
             continue
-        for name, place in placements.items():
-            lin = getattr(mod, name)
-            for pname, p in list(lin.named_parameters(recurse=False)):
-                where = Replicate() if (name, pname) == ("down_proj", "bias") else place
-                lin.register_parameter(pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [where]),
-                                                                 requires_grad=p.requires_grad))
+        for name in _COLWISE:
+            _place(getattr(mod, name), mesh, Shard(0), Shard(0))
+        _place(mod.down_proj, mesh, Shard(1), Replicate())
         count += 1
     return count
 
 
+# The lower layers reach this one through hooks, not imports: ops registers the strategies on a DTensor call
+# (torch.distributed.tensor imported after ffn_ext), the MLPs' functional forms route DTensor weights here.
 if torch.distributed.is_available():
-    register_strategies()
+    _ops._dtensor_registrar = register_strategies
+    _mlp._tp_mlps.update(gated=tp_gated_mlp, plain=tp_plain_mlp)
+    if "torch.distributed.tensor" in sys.modules:  # imported before ffn_ext: register now (else on a first call)
+        register_strategies()

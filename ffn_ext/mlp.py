@@ -1,4 +1,5 @@
-"""The lean autograd of a gated MLP, y = down(act(gate(x)) * up(x)), for every activation of the table.
+"""The lean autograd of a gated MLP, y = down(act(gate(x)) * up(x)), and of the classic FFN, y = fc2(act(fc1(x))), for
+every activation of the table.
 
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down)                       # silu (Llama, Qwen2, Mistral)
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")    # tanh GELU (Gemma)
@@ -6,6 +7,8 @@
     y = ffn_ext.swiglu_mlp_packed(x, w_gate_up, w_down)                   # packed gate/up projection (Phi-3)
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, recompute=True)       # saves only x for backward
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, token_chunk=8192)     # long sequences: 8192 tokens at a time
+    y = ffn_ext.plain_mlp(x, w_fc1, w_fc2, b_fc1, b_fc2, activation="gelu")   # the classic FFN (BERT, ViT)
+    y = ffn_ext.plain_mlp(x, c_fc.weight, c_proj.weight, c_fc.bias, c_proj.bias, "gelu_tanh", transposed=True)  # GPT-2
 
 Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff], w_gate_up [2*d_ff, d_model]
 (gate rows first); biases optional. Training memory: the autograd.Function saves the input x and the projections
@@ -17,6 +20,12 @@ elements, forward and backward, for sequences whose [tokens, d_ff] tensors do no
 (ffn_ext/table.py): the forward runs its gated op <gated> (or <gated>_packed), the backward <gated>_backward and
 the recompute through ops.call_op / the functional API, natively where the native ops serve the tensors, else by
 their ATen fallback.
+
+The classic FFN (plain_mlp) saves x and z = fc1(x) (one [tokens, d_ff] tensor; eager keeps z and act(z)) and
+recomputes act(z) in backward from the step that computes dz, over blocks of _PLAIN_BLOCK_ROWS rows.
+
+On the CPU, without recompute or token_chunk, every functional form runs eager PyTorch's own ops instead
+(_ATEN_ON_CPU): the ffn_ext ops are ATen composites there, and the lean backward's recompute costs time.
 
 Double backward (create_graph=True, e.g. gradient penalties) is supported: when backward runs with grad mode on,
 it recomputes gate and up from the saved x and weights with differentiable ops, so second derivatives flow to x,
@@ -30,16 +39,18 @@ to decide whether a module's projections may be bypassed and to read their param
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS
+from .table import ACTIVATIONS, BY_NAME
 
 __all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-           "fusable", "linear_args"]
+           "plain_mlp", "fusable", "linear_args"]
 
 
 # activation name -> (its gated op, its packed op); _call is the functional API's path to an op (the native fast
@@ -66,11 +77,15 @@ def _project(x, ws, bs):
     return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
 
-def _param_grads(x, d_pre, need_w, need_b):
-    """dW and db of one input projection pre = x @ W^T + b, given d_pre."""
-    dw = _rows(d_pre).t().matmul(_rows(x)) if need_w else None
+def _param_grads(x, d_pre, need_w, need_b, transposed=False):
+    """dW and db of one input projection pre = x @ W^T + b, given d_pre (transposed: W is [in, out], Conv1D's)."""
+    dw = (_wgrad(_rows(x), _rows(d_pre)) if transposed else _wgrad(_rows(d_pre), _rows(x))) if need_w else None
     db = _rows(d_pre).sum(0) if need_b else None
     return dw, db
+
+
+def _wgrad(a, b):  # a^T @ b: a weight gradient from the rows of its output's gradient and its input
+    return a.t().matmul(b)
 
 
 def _acc_mm(acc, a, b, dtype):
@@ -129,10 +144,16 @@ def _chunks(x, chunk) -> bool:
     return chunk is not None and chunk < x.numel() // max(x.shape[-1], 1)
 
 
-def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
-    """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,)."""
-    op = _OPS[activation][len(ws) == 1]
+def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transposed=False):
+    """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,), and `op` their
+    gated op; the plain MLP's: (w_fc1,), (b_fc1,), wd = w_fc2 (nn.Linear layout, or transposed=True: Conv1D's
+    [in, out] weights), `op` the activation's unary op. Saves the weights as given (views made here would not carry
+    double backward to them)."""
     ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
+    ctx.plain, ctx.transposed = plain, transposed
+    saved_w = (*ws, wd)
+    if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
+        ws, wd = (ws[0].t(),), wd.t()
     if _chunks(x, chunk):
         y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
         ctx.chunk, pre = chunk, ()
@@ -142,7 +163,7 @@ def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
         ctx.chunk, ctx.dtype = None, pre[0].dtype
         if recompute:
             pre = ()
-    ctx.save_for_backward(x, *ws, wd, *bs, *pre)
+    ctx.save_for_backward(x, *saved_w, *bs, *pre)
     return y
 
 
@@ -150,6 +171,20 @@ def _forward(ctx, activation, recompute, chunk, x, ws, wd, bs, bd):
 # peak 3.5 [rows, d_ff] tensors instead of 5 (eager autograd: about 6), for GEMMs of half the rows. Below it the
 # weight gradients dominate the peak and one block saves launches.
 _SPLIT_ROWS = 1024
+# The plain MLP's backward (one [rows, d_ff] tensor saved) runs over blocks of at most this many rows: each block
+# makes dz, act(z) and fc2's input gradient (3 x block x d_ff), so at 4096 tokens the peak is the saved z plus
+# 0.375 [tokens, d_ff] tensors instead of 3 (measured: tests/test_plain_mlp.py, benchmarks/bench_ffn.py --classic).
+_PLAIN_BLOCK_ROWS = 512
+
+
+def _plain_block(rows: int) -> int:
+    return min(rows, _PLAIN_BLOCK_ROWS) if rows > 0 else 1
+
+
+def _backward_recompute(act: str, grad, z):
+    """(grad * act'(z), act(z)): the plain MLP's backward step, dz for fc1's gradients and the recomputed
+    activation for fc2's weight gradient."""
+    return _call_op(act + "_backward", grad, z), _call(act, (z,))
 
 
 def _backward(ctx, dy, needs):
@@ -157,8 +192,13 @@ def _backward(ctx, dy, needs):
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     saved = ctx.saved_tensors
     x, ws, wd, bs, pre = saved[0], saved[1:1 + k], saved[1 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
+    if ctx.transposed:
+        ws, wd = (ws[0].t(),), wd.t()
     n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
     rows = x.numel() // max(x.shape[-1], 1)
+    if not torch.is_grad_enabled() and ctx.plain:
+        step = ctx.chunk if ctx.chunk is not None else _plain_block(rows)
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
     if not torch.is_grad_enabled() and (ctx.chunk is not None or rows >= _SPLIT_ROWS):
         step = max(1, ctx.chunk // 2) if ctx.chunk is not None else -(-rows // 2)
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
@@ -177,18 +217,20 @@ def _backward(ctx, dy, needs):
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
                 d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
-            d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
+            d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i], ctx.transposed)
             d_pre[i] = None
         d_x = None if d_x is None else d_x.reshape(x.shape)
-    if n_wd:
-        d_wd = _rows(dy).t().matmul(_rows(_call(op, pre)))  # recompute h
+    if n_wd:  # recompute h
+        h = _rows(_call(op, pre))
+        d_wd = _wgrad(h, _rows(dy)) if ctx.transposed else _wgrad(_rows(dy), h)
     d_bd = _rows(dy).sum(0) if n_bd else None
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
 def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(), step=1):
     """Backward over blocks of `step` rows: the block's projections (sliced from the saved `pre`, else recomputed),
-    then its h (for the down projection's weight gradient), then its input gradients; weight and bias gradients
+    then its h (for the down projection's weight gradient; the plain MLP's comes with dz from one step), then its
+    input gradients; weight and bias gradients
     accumulate across blocks in the parameters' dtype. Peak: the saved pre (2 x rows x d_ff elements, if any) and
     about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the default path: step = rows / 2, so 3.5 [rows, d_ff]
     tensors where one block would make five)."""
@@ -201,15 +243,24 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     d_x = xr.new_empty(xr.shape) if n_x else None
     d_ws, d_bs, d_wd, d_bd = [None] * k, [None] * k, None, None
     want_pre = n_x or any(n_ws) or any(n_bs)
+    tr = ctx.transposed
     for s in range(0, n, step):
         xs, dys = xr[s:s + step], dyr[s:s + step]
         pre = tuple(p[s:s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
+        d_pre = None
+        if ctx.plain and want_pre and n_wd:  # d_fc1 and h = act(fc1) from one elementwise step
+            d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
+            d_pre = [d_pre]
+        else:
+            h = _call(op, pre) if n_wd else None
         if n_wd:
-            d_wd = _acc_mm(d_wd, dys, _call(op, pre), wd.dtype)
+            d_wd = _acc_mm(d_wd, h, dys, wd.dtype) if tr else _acc_mm(d_wd, dys, h, wd.dtype)
+        del h  # before the gated backward's d_pre: a [step, d_ff] tensor fewer at its peak
         if n_bd:
             d_bd = _acc_sum(d_bd, dys, ctx.bd_dtype)
         if want_pre:
-            d_pre = list(_tuple(_call_op(op + "_backward", dys.matmul(wdc), *pre)))
+            if d_pre is None:
+                d_pre = list(_tuple(_call_op(op + "_backward", dys.matmul(wdc), *pre)))
             del pre
             for i in range(k):
                 if n_x:
@@ -218,7 +269,8 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
                     else:
                         d_x[s:s + step].addmm_(d_pre[i], wsc[i])
                 if n_ws[i]:
-                    d_ws[i] = _acc_mm(d_ws[i], d_pre[i], xs, ws[i].dtype)
+                    d_ws[i] = (_acc_mm(d_ws[i], xs, d_pre[i], ws[i].dtype) if tr
+                               else _acc_mm(d_ws[i], d_pre[i], xs, ws[i].dtype))
                 if n_bs[i]:
                     d_bs[i] = _acc_sum(d_bs[i], d_pre[i], bs[i].dtype)
                 d_pre[i] = None
@@ -234,7 +286,8 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        return _forward(ctx, activation, recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
+        return _forward(ctx, _OPS[activation][0], recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up),
+                        b_down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -247,11 +300,27 @@ class _GatedMLPPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation, recompute, chunk, x, w_gate_up, w_down, b_gate_up, b_down):
-        return _forward(ctx, activation, recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
+        return _forward(ctx, _OPS[activation][1], recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
 
     @staticmethod
     def backward(ctx, dy):
         return (None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[3:]))
+
+
+class _PlainMLP(torch.autograd.Function):
+    """y = fc2(act(fc1(x))) for the table activation `activation`; saves x and z = fc1(x) (recompute or token_chunk:
+    x only) and recomputes act(z) in backward (for fc2's weight gradient) from the step that computes dz. The
+    weights come in nn.Linear layout, or (transposed=True) in Conv1D's [in, out] layout, read in place; their
+    gradients come back in the layout given."""
+
+    @staticmethod
+    def forward(ctx, activation, recompute, chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2):
+        return _forward(ctx, activation, recompute, chunk, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, plain=True,
+                        transposed=transposed)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (None, None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[4:]))
 
 
 def _plain(op, x, ws, wd, bs, bd, chunk):
@@ -262,16 +331,46 @@ def _plain(op, x, ws, wd, bs, bd, chunk):
     return F.linear(_call(op, _project(x, ws, bs)), wd, bd)
 
 
+def _no_meta(fn: str, x, weights: tuple) -> None:
+    if not x.is_meta and any(w.is_meta for w in weights):
+        raise ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
+                         f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call "
+                         "the projections as modules so their hooks (accelerate's offload) bring them in")
+
+
+# On the CPU the ffn_ext ops are ATen's composites plus a dispatch, and the lean backward's extra elementwise passes
+# (the recompute of h or act(z)) cost more than the memory they save is worth there: SwiGLUFFN fwd+bwd ran at
+# 0.91-0.98x of eager PyTorch. So on the CPU, when no memory option (recompute, token_chunk) is asked, the MLPs run
+# eager PyTorch's own ops (ATen autograd); the options keep their memory contract on every device. The tests switch
+# this off (tests/conftest.py) to check the lean autograd, the device path, on a CPU-only machine, and keep it on
+# where they check the CPU path itself.
+_ATEN_ON_CPU = True
+
+
+@contextlib.contextmanager
+def _lean_on_cpu():
+    """Within it the MLPs run their lean autograd on the CPU too (the device path: its saved tensors and peak), as
+    bench_ffn's "lean" rows; not thread-safe (a module global)."""
+    global _ATEN_ON_CPU
+    was, _ATEN_ON_CPU = _ATEN_ON_CPU, False
+    try:
+        yield
+    finally:
+        _ATEN_ON_CPU = was
+
+
+def _aten_path(x, w) -> bool:
+    """Whether the MLP runs eager PyTorch's ops: plain CPU tensors (a DTensor weight takes the TP path)."""
+    return _ATEN_ON_CPU and x.is_cpu and type(w) in _PLAIN
+
+
 def _lean_autograd(fn: str, x, weights: tuple) -> bool:
     """Whether the functional forms run their autograd.Function. Not without grad mode (nothing to save; the plain
     ops skip its bookkeeping), under torch.jit.trace (it cannot record or save a Python autograd.Function), or
     under torch.func transforms and forward-mode AD (which it does not support; ops._transformed): the plain ops
     serve those. Weights on the meta device with a real x raise ValueError, as F.linear would return
     uninitialised memory."""
-    if not x.is_meta and any(w.is_meta for w in weights):
-        raise ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
-                         f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call "
-                         "the projections as modules so their hooks (accelerate's offload) bring them in")
+    _no_meta(fn, x, weights)
     return torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, *weights))
 
 
@@ -302,6 +401,13 @@ def _options(fn: str, recompute, token_chunk) -> tuple:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+# "gated", "plain" -> the tensor-parallel MLP (DTensor weights, a local x), registered by ffn_ext.distributed (a
+# higher layer: a hook, not an import)
+_tp_mlps: dict = {}
+
+
+def _tp(weights: tuple, x) -> bool:
+    return bool(_tp_mlps) and _ops._has_dtensor(weights) and not _ops._has_dtensor((x,))
 
 
 def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
@@ -309,9 +415,15 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     options; the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = _options(fn, recompute, token_chunk)
-    if type(ws[0]) not in _PLAIN and len(ws) == 2 and _ops._has_dtensor(ws) and not _ops._has_dtensor((x,)):
-        from .distributed import tp_gated_mlp  # tensor-parallel weights (distributed.shard_gated_ffns)
-        return tp_gated_mlp(x, *ws, wd, *bs, bd, activation=a, recompute=recompute, token_chunk=token_chunk)
+    elif _aten_path(x, ws[0]):
+        _no_meta(fn, x, (*ws, wd))
+        act = BY_NAME[a].aten
+        if len(ws) == 1:
+            gate, up = F.linear(x, ws[0], bs[0]).chunk(2, -1)
+            return F.linear(act(gate) * up, wd, bd)
+        return F.linear(act(F.linear(x, ws[0], bs[0])) * F.linear(x, ws[1], bs[1]), wd, bd)
+    if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
+        return _tp_mlps["gated"](x, *ws, wd, *bs, bd, activation=a, recompute=recompute, token_chunk=token_chunk)
     if _lean_autograd(fn, x, (*ws, wd)):
         if len(ws) == 1:
             return _GatedMLPPacked.apply(a, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
@@ -378,6 +490,53 @@ def geglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, approxim
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
     return _run("geglu_mlp_packed", _gelu("geglu_mlp_packed", approximate), x, (w_gate_up,), w_down, (b_gate_up,),
                 b_down, recompute, token_chunk)
+
+
+def plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu", *, recompute: bool = False,
+              token_chunk: int | None = None, transposed: bool = False) -> torch.Tensor:
+    """The classic FFN, fc2(act(fc1(x))) = act(x @ w_fc1^T + b_fc1) @ w_fc2^T + b_fc2, with the lean autograd, for
+    the table activation `activation` ("gelu", "gelu_tanh", "silu", ...; a ValueError otherwise).
+
+    Weights in nn.Linear layout: w_fc1 [d_ff, d_model], w_fc2 [d_model, d_ff]; transposed=True takes GPT-2's Conv1D
+    layout instead (w_fc1 [d_model, d_ff], w_fc2 [d_ff, d_model]: x @ W + b), read in place, never copied, and
+    their gradients come back in that layout.
+
+    Memory (training): saves x and z = fc1(x) (one [tokens, d_ff] tensor; eager autograd keeps two, z and act(z))
+    and recomputes act(z) in backward from the step that computes dz = d(act) * act'(z); the backward runs over
+    blocks of rows so that its temporaries stay a fraction of z. recompute=True saves only x (backward recomputes
+    fc1: one more GEMM); token_chunk=N runs forward and backward over chunks of N tokens (implies recompute), so no
+    tensor inside has more than N x d_ff elements; weight gradients accumulate in the parameters' dtype.
+
+    On the CPU without recompute or token_chunk it runs eager PyTorch's own ops (F.linear, the activation's ATen
+    function, F.linear: ATen's autograd, which saves z and act(z)): there the ffn_ext ops are ATen composites, and
+    the lean backward's extra passes cost time (_aten_path). Without grad mode, under torch.jit.trace and under
+    torch.func transforms the plain ops run (_lean_autograd). Weights on the meta device with a real x raise
+    ValueError."""
+    a = _activation("plain_mlp", activation)
+    if recompute is not False or token_chunk is not None:
+        recompute, token_chunk = _options("plain_mlp", recompute, token_chunk)
+    elif _aten_path(x, w_fc1):
+        _no_meta("plain_mlp", x, (w_fc1, w_fc2))
+        if transposed is True:
+            w_fc1, w_fc2 = w_fc1.t(), w_fc2.t()
+        elif transposed is not False:
+            _transposed(transposed)
+        return F.linear(BY_NAME[a].aten(F.linear(x, w_fc1, b_fc1)), w_fc2, b_fc2)
+    transposed = _transposed(transposed)
+    if type(w_fc1) not in _PLAIN and _tp((w_fc1, w_fc2), x):  # tensor-parallel weights (shard_plain_ffns)
+        return _tp_mlps["plain"](x, w_fc1, w_fc2, b_fc1, b_fc2, activation=a, recompute=recompute,
+                                 token_chunk=token_chunk, transposed=transposed)
+    if _lean_autograd("plain_mlp", x, (w_fc1, w_fc2)):
+        return _PlainMLP.apply(a, recompute, token_chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2)
+    if transposed:
+        w_fc1, w_fc2 = w_fc1.t(), w_fc2.t()  # views: F.linear's GEMM reads them transposed
+    return _plain(a, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, token_chunk)
+
+
+def _transposed(transposed) -> bool:
+    if not isinstance(transposed, bool):
+        raise ValueError(f"ffn_ext.plain_mlp: `transposed` must be True or False, got {transposed!r}")
+    return transposed
 
 
 for _f in (gated_mlp, gated_mlp_packed, swiglu_mlp, swiglu_mlp_packed, geglu_mlp, geglu_mlp_packed):

@@ -5,12 +5,15 @@
     mlp = ffn_ext.SwiGLUFFN(896, 4864)   # gate_proj / up_proj / down_proj: loads a Llama/Qwen2 MLP state_dict
     mlp = ffn_ext.GeGLUFFN(2048, 16384, approximate="tanh")          # the same names: loads a Gemma MLP state_dict
     mlp = ffn_ext.GatedFFN(512, 1536, activation="gelu")             # any activation of the table by name
-    ffn = ffn_ext.FFN(768, 3072, activation="gelu")                  # "gelu" | "gelu_tanh" | "silu" | "relu"
+    ffn = ffn_ext.FFN(768, 3072, activation="gelu")                  # any activation of the table by name
+    ffn = ffn_ext.FFN(768, 3072, recompute=True)                     # saves only x for backward
 
-The gated FFNs' training memory: their autograd (ffn_ext.mlp: ``gated_mlp``) saves the input x and the two
-projections gate and up, and recomputes h = act(gate) * up in backward (for the down projection's weight gradient)
-instead of keeping it. Eager PyTorch keeps four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two.
-Double backward is supported (see ffn_ext/mlp.py).
+The classic FFN's training memory: its autograd (ffn_ext.mlp: ``plain_mlp``) saves x and up_proj's output z and
+recomputes act(z) in backward; eager PyTorch keeps z and act(z). The gated FFNs' training memory: their autograd
+(ffn_ext.mlp: ``gated_mlp``) saves the input x and the two projections gate and up, and recomputes h =
+act(gate) * up in backward (for the down projection's weight gradient) instead of keeping it. Eager PyTorch keeps
+four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two. Double backward is supported (see
+ffn_ext/mlp.py). On the CPU without recompute / token_chunk the modules run eager PyTorch's ops (ffn_ext.mlp).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args
+from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp
 from .mlp import swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
@@ -207,33 +210,68 @@ def _unary_module(act) -> nn.Module:
 
 
 # ---------------------------------------------------------------- FFN modules
-_FFN_ACTIVATIONS = {**{a.name: (lambda a=a: _unary_module(a)) for a in ACTIVATIONS}, "relu": nn.ReLU}
+# FFN's activation names: the table's, and "relu" as nn.ReLU while the table has no entry of that name
+_FFN_ACTIVATIONS = {**{a.name: (lambda a=a: _unary_module(a)) for a in ACTIVATIONS},
+                    **({} if "relu" in BY_NAME else {"relu": nn.ReLU})}
+
+
+def _unary_name(act) -> str | None:
+    """The table name of what an activation module of ffn_ext's computes (GELU, SiLU, the generic one), exactly these
+    types (a subclass may compute something else), else None: then FFN runs its modules."""
+    t = type(act)
+    if t is GELU:
+        entry = _GELUS.get(act.approximate)
+        return None if entry is None else entry.name
+    if t is SiLU:
+        return None if act.inplace else "silu"
+    if t is _Unary:
+        return act.activation
+    return None
 
 
 class FFN(nn.Module):
-    """Standard transformer FFN: down_proj(act(up_proj(x))), d_model -> d_ff -> d_model.
+    """Standard (classic) transformer FFN: down_proj(act(up_proj(x))), d_model -> d_ff -> d_model, on the lean
+    autograd of ffn_ext.plain_mlp.
 
-    activation: an activation of the table ("gelu": exact erf GELU, "gelu_tanh": tanh GELU, "silu") or "relu";
-    case-insensitive."""
+    activation: an activation of the table by name ("gelu": exact erf GELU, "gelu_tanh": tanh GELU, "silu", ...;
+    case-insensitive; "relu" is nn.ReLU while the table has no ReLU). Training keeps one [tokens, d_ff] tensor
+    (up_proj's output; eager PyTorch keeps two: it and act's output) and recomputes the activation in backward.
+    recompute=True keeps none (only x), token_chunk=N bounds every tensor inside by N x d_ff elements, forward and
+    backward; both are attributes, settable at any time. On the CPU without either option it runs eager PyTorch's
+    ops (ffn_ext.plain_mlp). Hooks on the submodules, a projection that is not a plain nn.Linear or an `act`
+    replaced by a module that is not one of ffn_ext's unary activations (GELU, SiLU) make it run its submodules,
+    as GatedFFN."""
+
+    recompute, token_chunk = False, None  # class defaults: older pickles load
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, recompute: bool = False, token_chunk: int | None = None):
         super().__init__()
         key = activation.lower() if isinstance(activation, str) else activation
         if key not in _FFN_ACTIVATIONS:
             raise ValueError(f"ffn_ext.FFN: unknown activation {activation!r}; expected one of "
                              f"{sorted(_FFN_ACTIVATIONS)} (for a gated FFN use ffn_ext.GatedFFN, SwiGLUFFN or "
                              "GeGLUFFN)")
+        _options("FFN", recompute, token_chunk)
         self.activation = key
+        self.recompute, self.token_chunk = recompute, token_chunk
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.act = _FFN_ACTIVATIONS[key]()
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        mods = self._modules
+        u, act, d = mods["up_proj"], mods["act"], mods["down_proj"]
+        name = _unary_name(act)
+        if name is not None and fusable((u, d), (act,)):
+            w1, w2, b1, b2 = linear_args(u, d)
+            return plain_mlp(x, w1, w2, b1, b2, name, recompute=self.recompute, token_chunk=self.token_chunk)
+        return d(act(u(x)))
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}"
+        opts = ("recompute=True" if self.recompute else "",
+                "" if self.token_chunk is None else f"token_chunk={self.token_chunk}")
+        return f"activation={self.activation!r}" + "".join(", " + o for o in opts if o)
 
 
 _FUSED_ACTS = frozenset((Gated, SwiGLU, GeGLU))  # exactly these types: a subclass may compute something else

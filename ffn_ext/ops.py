@@ -75,11 +75,15 @@ def _register_dtensor() -> bool:
     and they are not yet; True when it did. Called when the native ops are adopted and when a call fails (a DTensor
     reaching an op without strategies raises NotImplementedError), so that importing torch.distributed.tensor (1.3 s)
     is never ffn_ext's cost. torch.ops.ffn_ext.* called directly on DTensors, with torch.distributed.tensor imported
-    after ffn_ext and no functional API call before, needs `import ffn_ext.distributed`."""
-    if "ffn_ext.distributed" in sys.modules or "torch.distributed.tensor" not in sys.modules:
+    after ffn_ext and no functional API call before, needs ffn_ext.distributed.register_strategies()."""
+    if _dtensor_registrar is None or "torch.distributed.tensor" not in sys.modules:
         return False
-    from . import distributed  # noqa: F401  (registers on import)
-    return True
+    return _dtensor_registrar()
+
+
+# Set by ffn_ext.distributed (a higher layer, imported by the package): registers the strategies once and returns
+# True when it did. A hook, not an import, so that ops depends on nothing above it.
+_dtensor_registrar = None
 
 
 def _has_dtensor(args: tuple) -> bool:

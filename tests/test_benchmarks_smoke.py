@@ -108,7 +108,8 @@ def test_bench_ops_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_ffn_smoke(tmp_path):
-    _run("bench_ffn.py", tmp_path, args=("--no-progress", "--variants", "--token-chunk", "8"))
+    # --lean-cpu: the lean autograd's saved bytes and peaks (on the CPU by default the modules run eager's ops)
+    _run("bench_ffn.py", tmp_path, args=("--no-progress", "--variants", "--token-chunk", "8", "--lean-cpu"))
     data = json.loads((tmp_path / "ffn.json").read_text())
     assert "| model |" in (tmp_path / "ffn.md").read_text()
     assert not data["errors"], data["errors"]
@@ -137,6 +138,21 @@ def test_bench_ffn_smoke(tmp_path):
             res[(model, "ffn_ext")]["activation_bytes"] / res[(model, "eager")]["activation_bytes"])
     if _has_matplotlib():
         assert (tmp_path / "ffn.png").stat().st_size > 1000
+
+
+def test_bench_ffn_classic_smoke(tmp_path):
+    """--classic: ffn_ext.FFN against the eager fc2(act(fc1(x))); on the CPU its default row saves what eager saves
+    (eager's ops) and the lean row 1 [tokens, d_ff] tensor of eager's 2, recompute and token_chunk none."""
+    _run("bench_ffn.py", tmp_path, args=("--no-progress", "--classic", "--variants", "--token-chunk", "8"))
+    data = json.loads((tmp_path / "classic_ffn.json").read_text())
+    assert not data["errors"], data["errors"]
+    res = {r["impl"]: r for r in data["results"]}
+    assert set(res) == {"ffn_ext", "eager", "recompute", "chunk", "lean"}, sorted(res)
+    assert res["eager"]["activation_tf_units"] == pytest.approx(2.0)
+    assert res["ffn_ext"]["activation_tf_units"] == pytest.approx(2.0)
+    assert res["lean"]["activation_tf_units"] == pytest.approx(1.0)
+    assert res["recompute"]["activation_bytes"] == 0 == res["chunk"]["activation_bytes"]
+    assert {r["mlp"] for r in data["results"]} == {"FFN (GELU erf)"}
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """ffn_ext under torch.distributed, 2 ranks on the gloo backend (CPU), one process group for all the checks (a spawn
 costs seconds): DTensor sharding of every op of the table (forward and backward ops, both packed layouts) against
-the single-process result, the tensor-parallel plan of the gated FFNs, and FSDP2's fully_shard.
+the single-process result, the tensor-parallel plan of the gated and classic FFNs (tp_plan's module hooks, and the
+lean autograd on DTensor weights: tp_gated_mlp / tp_plain_mlp, shard_gated_ffns / shard_plain_ffns), and FSDP2's
+fully_shard. The ranks run the MLPs' lean autograd on the CPU (ffn_ext.mlp._ATEN_ON_CPU off), the device path.
 
 Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
 from __future__ import annotations
@@ -42,16 +44,15 @@ def _op_cases():
 
 
 def _check_registered_on_first_call(mesh):
-    """Without `import ffn_ext.distributed`, the functional API's first call on DTensors registers the strategies
-    (ffn_ext.ops._register_dtensor): torch.distributed.tensor was imported after ffn_ext here."""
-    import sys
-
+    """Without register_strategies() called, the functional API's first call on DTensors registers the strategies
+    (ffn_ext.ops._register_dtensor, through the hook ffn_ext.distributed sets): torch.distributed.tensor was imported
+    after ffn_ext here."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import ffn_ext
 
-    if "ffn_ext.distributed" in sys.modules:
-        return ["ffn_ext.distributed was imported before the check (it tests the registration on a first call)"]
+    if ffn_ext.distributed._registered:
+        return ["the strategies were registered before the check (it tests the registration on a first call)"]
     torch.manual_seed(0)
     g, u = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     got = ffn_ext.swiglu(distribute_tensor(g, mesh, [Shard(0)]), distribute_tensor(u, mesh, [Shard(0)]))
@@ -134,6 +135,8 @@ def _ffn(kind, seed):
     torch.manual_seed(seed)
     if kind == "swiglu":
         return ffn_ext.SwiGLUFFN(8, 12).double()
+    if kind == "plain":  # the classic FFN (GELU), with biases: fc1's is sharded, fc2's replicated
+        return ffn_ext.FFN(8, 12, bias=True).double()
     return ffn_ext.GeGLUFFN(8, 12, approximate="tanh").double()
 
 
@@ -145,7 +148,7 @@ def _check_tp_plan(mesh):
     from ffn_ext.distributed import tp_plan
 
     failures = []
-    for kind in ("swiglu", "geglu"):
+    for kind in ("swiglu", "geglu", "plain"):
         for local in (True, False):
             try:
                 ref, tp = _ffn(kind, 2), _ffn(kind, 2)
@@ -209,11 +212,29 @@ def _check_tp_gated_mlp(mesh):
     return failures
 
 
+def _sharded_equals_reference(ref, shard, mesh, opts, function):
+    """A copy of module `ref` with the options `opts`, placed by `shard` (shard_gated_ffns / shard_plain_ffns):
+    output, x's gradient and the weights' gradients equal ref's, and the lean `function` is in the graph."""
+    model = copy.deepcopy(ref)
+    model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
+    assert shard(torch.nn.Sequential(model), mesh) == 1
+    torch.manual_seed(8)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    xt = x.detach().clone().requires_grad_()
+    y_ref, y = ref(x), model(xt)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    assert any(function in n for n in _graph_names(y)), sorted(_graph_names(y))
+    y_ref.square().sum().backward()
+    y.square().sum().backward()
+    torch.testing.assert_close(xt.grad, x.grad, **TOL)
+    for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+
+
 def _check_shard_gated_ffns(mesh):
     """shard_gated_ffns: SwiGLUFFN and GeGLUFFN (with bias, and with recompute / token_chunk) with DTensor weights
     and no hooks run tp_gated_mlp (the lean autograd in the graph): output, x's gradient and the weights' gradients
-    equal the single-process module's; one SGD step too."""
-    import ffn_ext
+    equal the single-process module's."""
     from ffn_ext.distributed import shard_gated_ffns
 
     failures = []
@@ -221,32 +242,74 @@ def _check_shard_gated_ffns(mesh):
         try:
             ref = _ffn(kind, 7)
             ref.down_proj.bias = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
-            model = copy.deepcopy(ref)
-            model.recompute, model.token_chunk = opts.get("recompute", False), opts.get("token_chunk")
-            assert shard_gated_ffns(torch.nn.Sequential(model), mesh) == 1
-            torch.manual_seed(8)
-            x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
-            xt = x.detach().clone().requires_grad_()
-            y_ref, y = ref(x), model(xt)
-            torch.testing.assert_close(y, y_ref, **TOL)
-            assert any("GatedMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
-            y_ref.square().sum().backward()
-            y.square().sum().backward()
-            torch.testing.assert_close(xt.grad, x.grad, **TOL)
-            for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-                torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL, msg=k)
+            _sharded_equals_reference(ref, shard_gated_ffns, mesh, opts, "GatedMLP")
         except Exception:
             failures.append(f"shard_gated_ffns {kind} {opts}: {traceback.format_exc(limit=-3)}")
     return failures
 
 
+def _check_tp_plain_mlp(mesh):
+    """tp_plain_mlp (the lean autograd on each rank's d_ff shard, partial outputs summed), nn.Linear and Conv1D
+    layouts, with and without biases, recompute and token_chunk: output, x's gradient and the weights' gradients
+    (DTensors) equal the single-process plain_mlp's; the lean autograd.Function is in the graph."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ffn_ext
+    from ffn_ext.distributed import tp_plain_mlp
+
+    failures = []
+    for transposed, bias, opts in ((False, False, {}), (False, True, {"recompute": True}), (True, True, {}),
+                                   (True, False, {"token_chunk": 4})):
+        try:
+            torch.manual_seed(6)
+            shapes = [(8, 12), (12, 8)] if transposed else [(12, 8), (8, 12)]
+            shapes += [(12,), (8,)] if bias else []
+            full = [torch.randn(*sh, dtype=torch.float64, requires_grad=True) for sh in shapes]
+            x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+            placements = ([Shard(1), Shard(0)] if transposed else [Shard(0), Shard(1)]) + [Shard(0), Replicate()]
+            dts = [distribute_tensor(t.detach(), mesh, [p]).requires_grad_() for t, p in zip(full, placements)]
+            args = lambda ts: (*ts[:2], *(ts[2:] if bias else [None, None]))
+            y_ref = ffn_ext.plain_mlp(x, *args(full), activation="gelu_tanh", transposed=transposed)
+            xt = x.detach().clone().requires_grad_()
+            y = tp_plain_mlp(xt, *args(dts), activation="gelu_tanh", transposed=transposed, **opts)
+            torch.testing.assert_close(y, y_ref, **TOL)
+            y_ref.square().sum().backward()
+            y.square().sum().backward()
+            torch.testing.assert_close(xt.grad, x.grad, **TOL)
+            for t, d in zip(full, dts):
+                torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
+            assert any("PlainMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
+        except Exception:
+            failures.append(f"tp_plain_mlp transposed={transposed} bias={bias} {opts}: "
+                            f"{traceback.format_exc(limit=-3)}")
+    return failures
+
+
+def _check_shard_plain_ffns(mesh):
+    """shard_plain_ffns: ffn_ext.FFN (biases; recompute / token_chunk) with DTensor weights and no hooks runs
+    tp_plain_mlp: output and every gradient equal the single-process module's."""
+    from ffn_ext.distributed import shard_plain_ffns
+
+    failures = []
+    for opts in ({}, {"recompute": True}, {"token_chunk": 4}):
+        try:
+            _sharded_equals_reference(_ffn("plain", 7), shard_plain_ffns, mesh, opts, "PlainMLP")
+        except Exception:
+            failures.append(f"shard_plain_ffns {opts}: {traceback.format_exc(limit=-3)}")
+    return failures
+
+
 def _check_fsdp2(mesh):
-    """fully_shard(SwiGLUFFN): one SGD step on each rank's own batch equals the single-process step on the mean of
-    both ranks' losses."""
+    """fully_shard(SwiGLUFFN) and fully_shard(FFN): one SGD step on each rank's own batch equals the single-process
+    step on the mean of both ranks' losses."""
+    return [f for kind in ("swiglu", "plain") for f in _fsdp2_step(mesh, kind)]
+
+
+def _fsdp2_step(mesh, kind):
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
-    ref, model = _ffn("swiglu", 4), _ffn("swiglu", 4)
+    ref, model = _ffn(kind, 4), _ffn(kind, 4)
     fully_shard(model, mesh=mesh)
     torch.manual_seed(5)
     xs = [torch.randn(3, 8, dtype=torch.float64) for _ in range(WORLD)]
@@ -257,7 +320,7 @@ def _check_fsdp2(mesh):
     model(xs[rank]).square().sum().backward()
     opt.step()
     for (k, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref, **TOL, msg=k)
+        torch.testing.assert_close(p.full_tensor(), p_ref, **TOL, msg=f"{kind} {k}")
     return []
 
 
@@ -274,12 +337,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         device = "cuda"
     dist.init_process_group(BACKEND, rank=rank, world_size=WORLD)
     failures = []
+    import ffn_ext.mlp
+
+    ffn_ext.mlp._ATEN_ON_CPU = False  # the lean autograd on the CPU too (spawned ranks do not inherit the fixture's)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device, (WORLD,))
         for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan,
-                      _check_tp_gated_mlp, _check_shard_gated_ffns, _check_fsdp2):
+                      _check_tp_gated_mlp, _check_shard_gated_ffns, _check_tp_plain_mlp, _check_shard_plain_ffns,
+                      _check_fsdp2):
             try:
                 failures += check(mesh)
             except Exception:
@@ -317,10 +384,12 @@ def test_tp_plan_names_every_gated_ffn_and_refuses_a_fused_gate_up():
     import ffn_ext
     from ffn_ext.distributed import tp_plan
 
-    model = torch.nn.Sequential(ffn_ext.SwiGLUFFN(8, 12), torch.nn.Linear(8, 8), ffn_ext.GeGLUFFN(8, 12))
+    model = torch.nn.Sequential(ffn_ext.SwiGLUFFN(8, 12), torch.nn.Linear(8, 8), ffn_ext.GeGLUFFN(8, 12),
+                                ffn_ext.FFN(8, 12))
     plan = tp_plan(model)
     assert {k: type(v) for k, v in plan.items()} == {
-        f"{i}.{n}": ColwiseParallel if n != "down_proj" else RowwiseParallel
-        for i in (0, 2) for n in ("gate_proj", "up_proj", "down_proj")}
+        **{f"{i}.{n}": ColwiseParallel if n != "down_proj" else RowwiseParallel
+           for i in (0, 2) for n in ("gate_proj", "up_proj", "down_proj")},
+        "3.up_proj": ColwiseParallel, "3.down_proj": RowwiseParallel}
     with pytest.raises(ValueError, match="fused gate_up"):
         tp_plan(ffn_ext.SwiGLUFFN(8, 12, fused_gate_up=True))
