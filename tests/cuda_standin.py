@@ -77,7 +77,6 @@ NO_STANDIN = {
 _CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
 _T = torch.Tensor
-_NO_OPS = {_T.record_stream}  # stream bookkeeping: nothing to do for host tensors
 _SELF = {_T.pin_memory}  # host memory already
 # what a CUDA tensor's properties say (method-wrappers: a new object per attribute access, equal and hashed alike)
 _GETTERS = {_T.device.__get__: _CUDA, _T.is_cuda.__get__: True, _T.is_cpu.__get__: False}
@@ -107,8 +106,6 @@ class _CudaOnHost(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _GETTERS:
             return _GETTERS[func]
-        if func in _NO_OPS:
-            return None
         if func in _SELF:
             return args[0]
         if func is torch.device:  # a device as a value: it stays cuda (what tensors say they are on)
@@ -190,6 +187,8 @@ def standin(monkeypatch):
             super().__init__("cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)
 
     monkeypatch.setattr(torch, "autocast", _Autocast)
+    # stream bookkeeping: nothing to do for host tensors (patched: its argument parser refuses the stand-in stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     kernels = _EmulatedKernels()
     with kernels, _CudaOnHost():
         yield kernels.calls
