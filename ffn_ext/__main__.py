@@ -1,19 +1,21 @@
-"""python -m ffn_ext: the FFN -> SwiGLU walk, live, and a self-check of the installed ops.
+"""python -m ffn_ext: the FFN -> GELU -> SwiGLU walk, live, and a self-check of the installed ops, in one screen.
 
-1. build information;  2. the Qwen2.5-0.5B MLP shape walk (x (1, 16, 896), d_ff 4864) through ffn_ext.SwiGLUFFN
-with forward hooks, and its training memory;  3. the parameter table for D = 4096 (standard FFN vs SwiGLU);
-4. every op of the op table (ffn_ext/table.py: per activation, gelu, gelu_tanh, silu, its unary, gated and packed
-ops, forward and backward; fp64 / fp32 / bf16) against an fp64 reference from the table's ATen forms (act.aten,
-act.aten_backward) on the best device, with a PASS/FAIL line (exit status 1 on FAIL);  5. a short timing of ffn_ext
-vs ATen eager on that device (swiglu and geglu_tanh forward and backward, swiglu_packed, gelu, SwiGLUFFN).
+1. the build (one line);  2. the walk of the seed articles: the classic FFN (d_model 768, 4x, GELU) next to
+Qwen2.5-0.5B's SwiGLU MLP (896 -> 4864) through ffn_ext.FFN and ffn_ext.SwiGLUFFN with forward hooks: shapes,
+parameters, the 8/3 rule (ffn_ext.sizing) and the [tokens, d_ff] tensors autograd saves for backward, counted
+while it runs, against the eager PyTorch MLP;  3. every op of the op table (ffn_ext/table.py; forward and
+backward, fp64 / fp32 / bf16) against an fp64 reference from the table's ATen forms on the best device: one line per
+activation (its unary ops and the gated ops over it) with the number of op x dtype checks and the worst error as a
+fraction of the tolerance;  4. the FFN layers' fwd+bwd time against the eager PyTorch MLP on that device;
+5. PASS/FAIL (exit status 1 on FAIL) with the time taken.
 
 Options: --device cpu|cuda (default: cuda when available and the CUDA kernels are built, else cpu);
---quick (skip the timing); --threads N (torch CPU threads, default 1).
+--quick (skip the timing); --verbose (the full op x dtype table and the op timings); --threads N (torch CPU
+threads, default 1).
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
-from ffn_ext.table import OPS as TABLE_OPS, join_packed, split_packed
-from ffn_ext.sizing import ffn_params, swiglu_ffn_params, swiglu_hidden_dim
+from ffn_ext.table import BY_NAME, OPS as TABLE_OPS, join_packed, split_packed
+from ffn_ext.sizing import ffn_params, gated_ffn_params, swiglu_hidden_dim
 
 OPS = tuple(TABLE_OPS)  # every op of the table (ffn_ext/table.py): per activation its six, forward and backward
 
@@ -50,38 +52,47 @@ def _dname(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-# ---------------------------------------------------------------- 2. shape walk
-def shape_walk() -> None:
-    d_model, d_ff = 896, 4864
-    print(f"\n== Qwen2.5-0.5B MLP shape walk: d_model {d_model}, d_ff {d_ff} ({d_ff / d_model:.2f}x) ==")
-    torch.manual_seed(0)
-    mlp = ffn_ext.SwiGLUFFN(d_model, d_ff)
-    x = torch.randn(1, 16, d_model)
+# ---------------------------------------------------------------- 2. the walk
+WALK_TOKENS = 16  # x: (1, 16, d_model), as the seed article's Qwen2.5-0.5B walk
+
+
+def _linears(module) -> list:
+    """The module's nn.Linear children in order (up then down; gate, up, down for the gated FFN)."""
+    return [m for m in module.children() if isinstance(m, torch.nn.Linear)]
+
+
+def eager_form(module):
+    """The eager PyTorch MLP with `module`'s weights, as users write it: down(act(up(x))) for ffn_ext.FFN,
+    down(act(gate(x)) * up(x)) for a gated FFN; act is the table entry's ATen form (F.gelu, F.silu, ...)."""
+    name = module.activation
+    act = BY_NAME[name].aten if name in BY_NAME else F.relu  # FFN's "relu" before the table had one
+    if isinstance(module, ffn_ext.GatedFFN):
+        gate, up, down = _linears(module)
+        return lambda x: down(act(gate(x)) * up(x))
+    up, down = _linears(module)
+    return lambda x: down(act(up(x)))
+
+
+def _hooked_shapes(module, x) -> str:
+    """"x (shape) -> child (its output's shape) -> ...", through forward hooks on the children, while module(x)
+    runs (children that run on the same input, as gate_proj and up_proj, are joined with ", ")."""
+    seen = []
 
     def hook(name):
-        def fn(module, inputs, output):
-            shapes = " x ".join(str(tuple(t.shape)) for t in inputs)
-            print(f"  {name:<10} {type(module).__name__:<7} {shapes:>28} -> {tuple(output.shape)}")
+        def fn(mod, inputs, output):
+            src = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+            seen.append((src is x, f"{name} {tuple(output.shape)}"))
         return fn
 
-    handles = [getattr(mlp, n).register_forward_hook(hook(n)) for n in ("gate_proj", "up_proj", "act", "down_proj")]
-    print(f"  input x    {tuple(x.shape)}")
-    with torch.no_grad():
-        y = mlp(x)
-    for h in handles:
-        h.remove()
-    print(f"  output y   {tuple(y.shape)}   params {sum(p.numel() for p in mlp.parameters()):,}"
-          f" = 3 x {d_model} x {d_ff}")
-    print(f"  8/3 rule: swiglu_hidden_dim({d_model}) = {swiglu_hidden_dim(d_model)}; Qwen's {d_ff} is not the 8/3 "
-          f"rule (= swiglu_hidden_dim({d_model}, 256, ffn_dim_multiplier=2.0) = "
-          f"{swiglu_hidden_dim(d_model, 256, 2.0)})")
-
-    # training memory: [tokens, d_ff] tensors autograd keeps, ffn_ext vs the eager composite
-    xg = x.clone().requires_grad_()
-    ours = saved_activation_tensors(lambda: mlp(xg), 16, d_ff)
-    eager = saved_activation_tensors(lambda: mlp.down_proj(F.silu(mlp.gate_proj(xg)) * mlp.up_proj(xg)), 16, d_ff)
-    print(f"  saved for backward, [16, {d_ff}] tensors: ffn_ext {ours[0]} ({ours[1]:,} bytes), "
-          f"eager PyTorch {eager[0]} ({eager[1]:,} bytes)")
+    handles = [m.register_forward_hook(hook(n)) for n, m in module.named_children()]
+    try:
+        with torch.no_grad():
+            module(x)
+    finally:
+        for h in handles:
+            h.remove()
+    first = ", ".join(s for on_x, s in seen if on_x)
+    return " -> ".join([f"x {tuple(x.shape)}", first] + [s for on_x, s in seen if not on_x])
 
 
 def saved_activation_tensors(fn, tokens: int, width: int) -> tuple[int, int]:
@@ -101,21 +112,46 @@ def saved_activation_tensors(fn, tokens: int, width: int) -> tuple[int, int]:
     return len(seen), sum(seen.values())
 
 
-# ---------------------------------------------------------------- 3. parameter table
-def parameter_table(d: int = 4096) -> None:
-    print(f"\n== FFN parameters at d_model D = {d} (no biases) ==")
-    base = ffn_params(d, 4 * d)
-    rows = [
-        ("standard FFN, d_ff = 4D", "2", 4 * d, base),
-        ("SwiGLU, d_ff = 4D (no shrink)", "3", 4 * d, swiglu_ffn_params(d, 4 * d)),
-        ("SwiGLU, d_ff = floor(8D/3)", "3", (8 * d) // 3, swiglu_ffn_params(d, (8 * d) // 3)),
-        ("SwiGLU, 8/3 rule to 256 (LLaMA)", "3", swiglu_hidden_dim(d), swiglu_ffn_params(d)),
-    ]
-    print(f"  {'layout':<34} {'matrices':>8} {'d_ff':>7} {'params':>13} {'vs FFN':>8}")
-    for name, mats, ff, n in rows:
-        print(f"  {name:<34} {mats:>8} {ff:>7} {n:>13,} {100.0 * (n / base - 1):>+7.2f}%")
-    print(f"  8/3 = 2/3 x 4: three matrices at 2/3 the width keep the budget; "
-          f"256 * ceil({8 * d / 3:.1f} / 256) = {swiglu_hidden_dim(d)}")
+def walk_layer(label: str, module, d_model: int, d_ff: int, params: int, out=print) -> tuple[int, int]:
+    """One FFN of the walk: its shapes (hooks), parameters and the [tokens, d_ff] tensors saved for backward by
+    ffn_ext's module and by the eager MLP with its weights; returns (ffn_ext's count, eager's count)."""
+    x = torch.randn(1, WALK_TOKENS, d_model)
+    counted = sum(p.numel() for p in module.parameters())
+    assert counted == params, (label, counted, params)
+    out(f"  {label}\n    {_hooked_shapes(module, x)}")
+    xg = x.clone().requires_grad_()
+    ours = saved_activation_tensors(lambda: module(xg), WALK_TOKENS, d_ff)[0]
+    eager = saved_activation_tensors(lambda: eager_form(module)(xg), WALK_TOKENS, d_ff)[0]
+    lean_ctx = getattr(ffn_ext.mlp, "_lean_on_cpu", None)  # on the CPU the modules run eager's ops by default
+    lean = None
+    if lean_ctx is not None:
+        with lean_ctx():
+            lean = saved_activation_tensors(lambda: module(xg), WALK_TOKENS, d_ff)[0]
+    n = len(_linears(module))
+    name = type(module).__name__
+    mine = f"{name} {ours}" if lean is None or lean == ours else f"{name} {ours} here (eager's ops), {lean} lean"
+    out(f"    params {counted:,} = {n} x {d_model} x {d_ff}; saved [{WALK_TOKENS}, {d_ff}] tensors: eager PyTorch {eager}, "
+        f"{mine}")
+    return ours if lean is None else lean, eager
+
+
+def walk(out=print) -> None:
+    """The seed articles' FFN -> GELU -> SwiGLU walk (module docstring, 2.)."""
+    torch.manual_seed(0)
+    d, d_ff = 768, 3072
+    out(f"\n== The FFN -> SwiGLU walk (x: (1, {WALK_TOKENS}, d_model)) ==")
+    walk_layer(f"classic FFN, GELU, {d} -> {d_ff} (4x)", ffn_ext.FFN(d, d_ff, activation="gelu"), d, d_ff,
+               ffn_params(d, d_ff), out)
+    q, q_ff = 896, 4864
+    walk_layer(f"Qwen2.5-0.5B SwiGLU, {q} -> {q_ff} ({q_ff / q:.2f}x)", ffn_ext.SwiGLUFFN(q, q_ff), q, q_ff,
+               gated_ffn_params(q, q_ff), out)
+    big, m = 4096, swiglu_hidden_dim(4096)
+    out(f"  8/3 rule at D = {big}: FFN (2 matrices at 4D) {ffn_params(big, 4 * big):,} params; SwiGLU (3 at 2/3 the "
+        f"width,")
+    out(f"    256 * ceil({8 * big / 3:.1f} / 256) = {m}) {gated_ffn_params(big, m):,} params "
+        f"({100 * (gated_ffn_params(big, m) / ffn_params(big, 4 * big) - 1):+.2f}%); Qwen's {q_ff} is not the rule:")
+    out(f"    swiglu_hidden_dim({q}) = {swiglu_hidden_dim(q)}; {q_ff} = swiglu_hidden_dim({q}, "
+        f"ffn_dim_multiplier=2.0) = {swiglu_hidden_dim(q, 256, 2.0)}")
 
 
 # ---------------------------------------------------------------- 4. op checks
@@ -263,9 +299,30 @@ def _as_good_as(out, base, ref, dtype) -> bool:
     return True
 
 
+def _fraction(out, ref, dtype, base=None) -> float:
+    """The worst error of out against the fp64 reference as a fraction of the tolerance, atol + rtol |ref| (plus
+    twice ATen's own error in the same dtype when `base` is given: _as_good_as's allowance), element by element; NaN
+    where the reference has NaN is no error, NaN elsewhere is inf."""
+    atol, rtol = TOLERANCES[dtype]
+    worst = 0.0
+    for o, r, b in zip(out, ref, base if base is not None else ref):
+        if o.numel() == 0:
+            continue
+        o = o.double()
+        slack = atol + rtol * r.abs()
+        if base is not None:
+            b = b.double()
+            slack = slack + 2 * torch.where(b.isnan() & r.isnan(), torch.zeros_like(r), (b - r).abs())
+        err = torch.where(o.isnan() & r.isnan(), torch.zeros_like(r), (o - r).abs())
+        worst = max(worst, (err / slack).nan_to_num(nan=float("inf")).max().item())
+    return worst
+
+
 def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), rows=64, cols=1030, cases=None,
-              seed=0, out=print) -> bool:
-    """Every op against an fp64 ATen reference (and ATen in the same dtype, for scale); True when all pass."""
+              seed=0, out=print, record=None) -> bool:
+    """Every op against an fp64 ATen reference (and ATen in the same dtype, for scale); True when all pass. `out`
+    gets the table's lines; `record` (a list), if given, one (case, dtype, fraction of the tolerance, passed by
+    ATen's own error, ok) per check."""
     cases = op_cases() if cases is None else cases
     out(f"  {'op':<28} {'dtype':<9} {'max abs':>10} {'max rel':>10} {'ATen abs':>10} {'ATen rel':>10}  result")
     all_ok, by_aten = True, []
@@ -277,10 +334,15 @@ def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), row
             got = _as_tuple(op(*inputs))
             base = _as_tuple(aten(*inputs))
             ok = all(g.dtype == dtype and g.device == inputs[0].device for g in got)
+            aten_rule = False
             if ok and not _within(got, ref, dtype):
-                ok = _as_good_as(got, base, ref, dtype)
+                ok = aten_rule = _as_good_as(got, base, ref, dtype)
                 by_aten += [f"{name} {_dname(dtype)}"] if ok else []
             all_ok &= ok
+            if record is not None:
+                shapes = all(g.shape == r.shape for g, r in zip(got, ref)) and len(got) == len(ref)
+                frac = _fraction(got, ref, dtype, base if aten_rule else None) if shapes else float("inf")
+                record.append((name, dtype, frac, aten_rule, ok))
             (a_abs, a_rel), (b_abs, b_rel) = _errors(got, ref), _errors(base, ref)
             out(f"  {name:<28} {_dname(dtype):<9} {a_abs:>10.2e} {a_rel:>10.2e} {b_abs:>10.2e} {b_rel:>10.2e}  "
                 f"{'ok' if ok else 'FAIL'}")
@@ -290,73 +352,153 @@ def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), row
     return all_ok
 
 
+_SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def family(case: str) -> str:
+    """The activation a check belongs to (its unary ops and every gated op over it): "swiglu_clamped_packed
+    (interleaved)" -> "silu"."""
+    return TABLE_OPS[case.split(" (")[0]].act.name
+
+
+def family_summary(record, out=print) -> None:
+    """One line per activation of the table: its checks (op x dtype, views and layouts included), the worst error as
+    a fraction of the tolerance (and of the wider allowance where ATen's own error was needed), the failures."""
+    families: dict = {}
+    for rec in record:
+        families.setdefault(family(rec[0]), []).append(rec)
+    width = max(map(len, families), default=0)
+    for fam, recs in families.items():
+        ops = {r[0].split(" (")[0] for r in recs}
+        plain = [r for r in recs if not r[3]]
+        worst = max(plain, key=lambda r: r[2]) if plain else None
+        line = f"  {fam:<{width}} {len(recs):>3} checks ({len(ops)} ops)"
+        if worst is not None:
+            line += f", worst {worst[2]:.2f} of the tolerance: {worst[0]} {_SHORT[worst[1]]}"
+        wider = [r for r in recs if r[3]]
+        if wider:  # above the tolerance, within it plus twice ATen eager's own error (_as_good_as)
+            line += f"; +{len(wider)} by ATen's error"
+        bad = [f"{r[0]} {_dname(r[1])}" for r in recs if not r[4]]
+        out(line + (f"  FAIL: {', '.join(bad)}" if bad else "  ok"))
+
+
 def check_module(device, out=print) -> bool:
-    """SwiGLUFFN (lean autograd) vs the eager composite, fp32: output and all gradients."""
-    torch.manual_seed(1)
-    mlp = ffn_ext.SwiGLUFFN(96, 256, bias=True).to(device)
-    x = torch.randn(3, 50, 96, device=device, requires_grad=True)
-    y = mlp(x)
-    gy = torch.randn_like(y)
-    got = (y, *torch.autograd.grad(y, (x, *mlp.parameters()), gy))
-    y0 = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-    ref = (y0, *torch.autograd.grad(y0, (x, *mlp.parameters()), gy))
-    worst = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
-    ok = worst < 1e-4
-    out(f"  {'SwiGLUFFN fwd+bwd':<28} {'float32':<9} max error / max |ref| over y and 7 grads: {worst:.2e}  "
-        f"{'ok' if ok else 'FAIL'}")
+    """ffn_ext.FFN and ffn_ext.SwiGLUFFN (with biases) against the eager MLP with their weights (eager_form), fp32:
+    the output and every gradient (input, weights, biases), worst error over the largest |reference|."""
+    ok = True
+    for module in (ffn_ext.FFN(96, 256, activation="gelu", bias=True), ffn_ext.SwiGLUFFN(96, 256, bias=True)):
+        torch.manual_seed(1)
+        module = module.to(device)
+        x = torch.randn(3, 50, 96, device=device, requires_grad=True)
+        y = module(x)
+        gy = torch.randn_like(y)
+        leaves = (x, *module.parameters())
+        got = (y, *torch.autograd.grad(y, leaves, gy))
+        y0 = eager_form(module)(x)
+        ref = (y0, *torch.autograd.grad(y0, leaves, gy))
+        worst = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
+        ok &= worst < 1e-4
+        name = f"{type(module).__name__} fwd+bwd"
+        out(f"  {name:<20} float32: worst error / max |ref| over y and {len(leaves)} grads vs eager {worst:.1e}  "
+            f"{'ok' if worst < 1e-4 else 'FAIL'}")
     return ok
 
 
 # ---------------------------------------------------------------- 5. timing
-def _median_ms(fn, device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def _min_ms(fns, device, iters: int, warmup: int) -> list:
+    """The minimum over `iters` rounds of each callable's time (ms), the callables alternating within a round (so
+    that a busy spell of a shared machine hits them alike); CUDA: events, CPU: perf_counter."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    best = [float("inf")] * len(fns)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    for _ in range(iters):
+        for k, fn in enumerate(fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            best[k] = min(best[k], ms)
+    return best
 
 
-def timing(device) -> None:
+def ffn_timing(device, out=print) -> list:
+    """The walk's two FFN layers, fwd and fwd+bwd, against the eager PyTorch MLP with the same weights (eager_form):
+    min of N, alternating. Returns the ratios (eager time / ffn_ext time)."""
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    tokens, d_ff, d_model = (8192, 14336, 4096) if gpu else (256, 2048, 256)
-    iters, warmup = (50, 5) if gpu else (7, 2)
-    where = f"{_label(device)} ({device})" if gpu else f"CPU ({torch.get_num_threads()} thread(s))"
-    print(f"\n== Timing on {where}, {_dname(dtype)}, median of {iters} (ms; tokens {tokens}, d_ff {d_ff}) ==")
-    if not gpu:
-        print("  (CPU: ffn_ext's CPU kernels are the ATen composites, so expect parity here)")
+    # CPU: the walk's 16 tokens, so that a run (1-12 ms) mostly fits in a time slice of a shared machine
+    tokens, iters, warmup = (8192, 30, 5) if gpu else (WALK_TOKENS, 30, 3)
+    where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
+    out(f"\n== FFN layers on {where}, {_dname(dtype)}, {tokens} tokens: min of {iters}, alternating (ms) ==")
+    torch.manual_seed(2)
+    layers = [("FFN 768 -> 3072, GELU", ffn_ext.FFN(768, 3072, activation="gelu")),
+              ("SwiGLUFFN 896 -> 4864", ffn_ext.SwiGLUFFN(896, 4864))]
+    out(f"  {'layer':<24} {'pass':<8} {'ffn_ext':>9} {'eager':>9} {'vs eager':>9}")
+    ratios = []
+    for label, module in layers:
+        module = module.to(device=device, dtype=dtype)
+        eager = eager_form(module)
+        x = torch.randn(tokens, module.down_proj.out_features, device=device, dtype=dtype, requires_grad=True)
+        gy = torch.randn_like(x)
+
+        def train(fwd):
+            return lambda: torch.autograd.backward(fwd(x), gy)
+
+        def infer(fwd):
+            def run():
+                with torch.no_grad():
+                    fwd(x)
+            return run
+
+        for what, wrap in (("fwd", infer), ("fwd+bwd", train)):
+            ours, theirs = _min_ms([wrap(module), wrap(eager)], device, iters, warmup)
+            ratios.append(theirs / ours)
+            out(f"  {label:<24} {what:<8} {ours:>9.3f} {theirs:>9.3f} {theirs / ours:>8.2f}x")
+    return ratios
+
+
+def op_timing(device, out=print, iters=None, warmup=None, size=None) -> None:
+    """--verbose: the ops of Llama/Qwen (swiglu), Gemma (geglu_tanh) and GPT-OSS (the clamped, interleaved
+    SwiGLU) and exact GELU, against their ATen expressions, min of N, alternating."""
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    tokens, d_ff = size or ((8192, 14336) if gpu else (256, 2048))
+    iters = iters or (50 if gpu else 30)
+    warmup = (5 if gpu else 3) if warmup is None else warmup
+    where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
+    out(f"\n== Ops on {where}, {_dname(dtype)}, [{tokens}, {d_ff}]: public API vs the ATen expression, min of "
+        f"{iters}, alternating (ms) ==")
     gen = torch.Generator(device=device).manual_seed(0)
     gate, up, grad = (torch.randn(tokens, d_ff, device=device, dtype=dtype, generator=gen) for _ in range(3))
     gate_up = torch.randn(tokens, 2 * d_ff, device=device, dtype=dtype, generator=gen)
     args = {"unary": (gate,), "gated": (gate, up), "packed": (gate_up,)}
+
+    def fwd_bwd(fn, inputs):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, grad)
+
     rows = []
-    # the gated ops of Llama/Qwen (swiglu) and Gemma (geglu_tanh), then the packed form and exact GELU; the ATen
-    # column is the table's ATen composite (ATen's forward and backward kernels, as eager autograd runs them)
-    for name in ("swiglu", "geglu_tanh", "swiglu_backward", "geglu_tanh_backward", "swiglu_packed", "gelu"):
+    # the gated ops of Llama/Qwen (swiglu) and Gemma (geglu_tanh), the packed form and exact GELU: ffn_ext's public
+    # function (api_op) against the table's ATen form (act(gate) * up with F.silu, F.gelu: what eager users write)
+    for name in ("swiglu", "geglu_tanh", "swiglu_packed", "gelu"):
         spec = TABLE_OPS[name]
-        a = ((grad,) if spec.backward else ()) + args[spec.kind]
-        op, ref = _op(name), aten_reference(spec)
-        rows.append((f"{spec.forward_name} {'bwd' if spec.backward else 'fwd'}",
-                     lambda op=op, a=a: op(*a), lambda ref=ref, a=a: ref(*a)))
+        a, ours, ref = args[spec.kind], api_op(spec), aten_reference(spec)
+        rows.append((f"{name} fwd", lambda f=ours, a=a: f(*a), lambda f=ref, a=a: f(*a)))
+        rows.append((f"{name} fwd+bwd", fwd_bwd(ours, a), fwd_bwd(ref, a)))
     # GPT-OSS's experts: the clamped SwiGLU on the interleaved layout (limit 7, alpha 1.702, up + 1; inputs scaled
-    # so that the clamps act) against transformers' GptOssExperts._apply_gate in ATen ops; fwd+bwd: the forward, then
-    # the gradient of gate_up (autograd's backward for ATen)
+    # so that the clamps act) against transformers' GptOssExperts._apply_gate in ATen ops
     gpt_oss = {"limit": 7.0, "alpha": 1.702, "up_offset": 1.0}
     gu_c = gate_up * 4
-    gu_cg = gu_c.detach().requires_grad_()
 
     def hf_apply_gate(gu):
         g, u = gu[..., ::2], gu[..., 1::2]
@@ -368,22 +510,11 @@ def timing(device) -> None:
         return ffn_ext.swiglu_clamped_packed(gu, layout="interleaved", **gpt_oss)
 
     rows.append(("GPT-OSS clamped interl. fwd", lambda: clamped(gu_c), lambda: hf_apply_gate(gu_c)))
-    rows.append(("GPT-OSS clamped interl. fwd+bwd", lambda: torch.autograd.grad(clamped(gu_cg), gu_cg, grad),
-                 lambda: torch.autograd.grad(hf_apply_gate(gu_cg), gu_cg, grad)))
-    layer_tokens = tokens // 2 if gpu else 128
-    mlp = ffn_ext.SwiGLUFFN(d_model, d_ff if gpu else 1024).to(device=device, dtype=dtype)
-    x = torch.randn(layer_tokens, d_model, device=device, dtype=dtype, generator=gen, requires_grad=True)
-    gy = torch.randn(layer_tokens, d_model, device=device, dtype=dtype, generator=gen)
-
-    def layer(fwd):
-        return lambda: torch.autograd.backward(fwd(), gy)
-
-    rows.append((f"SwiGLUFFN fwd+bwd ({layer_tokens} tok)", layer(lambda: mlp(x)),
-                 layer(lambda: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))))
-    print(f"  {'case':<32} {'ffn_ext':>9} {'ATen':>9} {'speedup':>8}")
+    rows.append(("GPT-OSS clamped interl. fwd+bwd", fwd_bwd(clamped, (gu_c,)), fwd_bwd(hf_apply_gate, (gu_c,))))
+    out(f"  {'case':<32} {'ffn_ext':>9} {'ATen':>9} {'vs ATen':>8}")
     for name, ours, theirs in rows:
-        a, b = _median_ms(ours, device, iters, warmup), _median_ms(theirs, device, iters, warmup)
-        print(f"  {name:<32} {a:>9.3f} {b:>9.3f} {b / a:>7.2f}x")
+        a, b = _min_ms([ours, theirs], device, iters, warmup)
+        out(f"  {name:<32} {a:>9.3f} {b:>9.3f} {b / a:>7.2f}x")
 
 
 # ---------------------------------------------------------------- main
@@ -392,6 +523,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where to check and time the ops (default: cuda if usable, else cpu)")
     parser.add_argument("--quick", action="store_true", help="skip the timing")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every op x dtype check and time the ops one by one")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (default 1: the demo's tensors are small and OpenMP spinning "
                              "on a shared 2-core machine costs more than it gains)")
@@ -401,19 +534,26 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     device = pick_device(args.device)
 
-    print("== ffn_ext build ==")
-    print(ffn_ext.build_summary())
-    shape_walk()
-    parameter_table()
+    info = ffn_ext.build_info()
+    print(f"ffn_ext {ffn_ext.__version__}: {info['native']}, torch {info['torch_version']}, CUDA kernels "
+          f"{info['cuda_kernels']}" + (f" ({info.get('cuda_version')}, {info.get('cuda_archs')})"
+                                       if info["cuda_kernels"] == "yes" else ""))
+    if args.verbose:
+        print(ffn_ext.build_summary())
+    walk()
 
     what = "ffn_ext ops" if ffn_ext.ops._native is not None else "ffn_ext API (NO native library: ATen fallback)"
-    print(f"\n== Op checks ({what}) on {_label(device)} ({device}) against an fp64 ATen reference "
-          f"(ATen columns: ATen eager in the same dtype, for scale) ==")
+    print(f"\n== Op checks ({what}) on {_label(device)} ({device}), fp64 / fp32 / bf16 against an fp64 reference ==")
+    record = []
     # odd row lengths exercise the CUDA kernels' vector tails; the GPU gets more rows
-    ok = check_ops(device, rows=512, cols=4103) if device.type == "cuda" else check_ops(device)
+    shape = dict(rows=512, cols=4103) if device.type == "cuda" else {}
+    ok = check_ops(device, out=print if args.verbose else (lambda line: None), record=record, **shape)
+    family_summary(record)
     ok &= check_module(device)
     if not args.quick:
-        timing(device)
+        ffn_timing(device)
+        if args.verbose:
+            op_timing(device)
     print(f"\n{'PASS' if ok else 'FAIL'}: ffn_ext ops vs ATen on {_label(device)} ({device}) "
           f"[{time.perf_counter() - t0:.1f} s]")
     return 0 if ok else 1

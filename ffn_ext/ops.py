@@ -189,9 +189,66 @@ def _aten_only(args: tuple) -> bool:
     return _compat.has_tangent(args)
 
 
+# ---- the host path: on plain CPU tensors the op IS its ATen expression
+# ffn_ext's CPU kernels are ATen composites written into preallocated outputs (csrc/aten_ops.cpp); ATen's own
+# functional ops are faster than that: F.gelu on [256, 2048] fp32, one thread, min of 40 alternating: 197-205 us,
+# aten.gelu.out into an empty_like 228-233 us (0.87x), ffn_ext.gelu through the native op 212-225 us (0.91-0.93x);
+# and a backward through ATen's autograd reuses the act(gate) its forward saved where ffn_ext's recomputes it. So
+# on CPU the public functions compute the table's ATen expression (act.aten(x), act(gate) * up),
+# under ATen's autograd, after the checks the native op would make (any input they would reject takes the native
+# path, which raises its error). Not on this path: tensor subclasses, other devices, mixed dtypes (promoted first,
+# below), and calls under a torch function or dispatch mode, which see the ffn_ext op as on every other device.
+_Tensor, _STRIDED = torch.Tensor, torch.strided
+_FLOATS = frozenset(_FLOAT_DTYPES)
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _host_form(name: str):
+    """(args, extra) -> forward op `name` as its ATen expression (an activation's act.aten(x); act.aten(gate) * up,
+    packed or not), or NotImplemented where the native op must decide (a layout it would reject, an odd width)."""
+    spec = OPS[name]
+    act = spec.act.aten
+    if spec.kind == "unary":
+        return lambda args, extra: act(args[0])
+    if spec.kind == "gated":
+        return lambda args, extra: act(args[0]) * args[1]
+
+    def packed(args, extra):
+        gu, layout = args[0], extra[0] if extra else "concat"  # (ffn_ext.mlp passes no layout)
+        if gu.dim() == 0 or gu.shape[-1] % 2 or layout not in LAYOUTS:
+            return NotImplemented
+        gate, up = split_packed(gu, layout)
+        return act(gate) * up
+    return packed
+
+
+# Not the ops of a gated op with an ATen form of its own (swiglu_clamped): ATen's autograd of that expression rounds
+# its backward differently from the op's formula (up to 1e-3 relative in fp32 where it cancels), so a compiled graph
+# (which keeps the op) and eager would disagree; for act(gate) * up and the unary ops both give the same bits.
+_HOST = {name: _host_form(name) for name, spec in OPS.items()
+         if not spec.backward and not spec.params and (spec.gated is None or spec.gated.aten is None)}
+
+
+def _on_host(args: tuple) -> bool:
+    """True for plain dense CPU tensors of one floating-point dtype and one shape, outside torch.compile and torch
+    function / dispatch modes: the calls the host path serves."""
+    if _is_compiling():  # first: dynamo cannot trace the mode checks below
+        return False
+    a = args[0]
+    if type(a) is not _Tensor or not a.is_cpu or a.dtype not in _FLOATS or a.layout is not _STRIDED or a.is_nested:
+        return False
+    for b in args[1:]:
+        if type(b) is not _Tensor or not b.is_cpu or b.dtype is not a.dtype or b.layout is not _STRIDED \
+                or b.is_nested or b.shape != a.shape:
+            return False
+    return not (_function_mode() or _dispatch_modes())
+
+
 def _call(name: str, args: tuple, extra: tuple = ()):
     """The op on tensors `args` and its scalar arguments `extra` (a gated op's parameters, then a packed op's
     layout: every one, in schema order, _KEYWORDS[name]), by the cheapest path that serves them:
+    0. plain CPU tensors (_on_host): the op's ATen expression, under ATen's autograd (_host_form; why above);
     1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no __torch_function__ mode, not
        under torch.compile. It calls the op through the dispatcher as ATen's own bindings do: on a CPU core
        ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors; benchmarks/host_overhead.py). It returns
@@ -202,6 +259,11 @@ def _call(name: str, args: tuple, extra: tuple = ()):
        library, torch.func transforms and forward-mode AD (_transformed).
     Bad tensor kinds get the clear error on every path. Floating-point inputs of different dtypes are promoted to
     their common dtype first (_promoted), as ATen's act(gate) * up promotes."""
+    host = _HOST.get(name)
+    if host is not None and _on_host(args):
+        out = host(args, extra)
+        if out is not NotImplemented:
+            return out
     try:
         fast = _fast.get(name)
         if fast is not None and not _is_compiling():

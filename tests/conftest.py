@@ -7,8 +7,11 @@ latter): SOURCE_TREE is the checkout (None outside one) and tests that read its 
 subprocesses get package_env(), which puts the package under test, not the current directory's, first on the path.
 
 Markers (registered here, so that a copy of tests/ outside the tree knows them):
-  cuda   needs a CUDA GPU. Skips when torch.cuda.is_available() is False; FAILS when a GPU is present but the loaded
-         ffn_ext has no CUDA kernels (a wrong build must not pass silently as "skipped").
+  cuda   needs a CUDA GPU. FAILS when a GPU is present but the loaded ffn_ext has no CUDA kernels (a wrong build must
+         not pass silently as "skipped"). Without a GPU, the first cuda-marked parametrization of each test function
+         runs in the CUDA stand-in (tests/cuda_standin.py: CPU tensors in the GPU's place, the CUDA launch emulated),
+         so that no CUDA test's Python goes unrun; the others skip. A function that cannot run so is named in
+         cuda_standin.NO_STANDIN with the reason, which its skip message gives.
   large  tensors past 2**31 elements (tens of GiB): skip unless FFN_EXT_RUN_LARGE=1.
   slow   builds or subprocesses.
   cpu_default  runs with the MLPs' CPU default (eager PyTorch's ops when no memory option is asked, see
@@ -24,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cuda_standin
 import ffn_ext
 from optable import DEVICES, RecordOps  # noqa: F401  (tests/test_transforms.py imports RecordOps from here)
 
@@ -71,12 +75,39 @@ def cuda_ready() -> bool:
     return torch.cuda.is_available()
 
 
+def standin_key(item) -> str:
+    """The NO_STANDIN key of a test item: "file::function" (the function's name, without its parameters)."""
+    return f"{item.path.name}::{getattr(item, 'originalname', item.name)}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without a GPU: marks the first cuda-marked item of each test function to run in the CUDA stand-in."""
+    if torch.cuda.is_available() or not cuda_standin.available():
+        return
+    seen = set()
+    for item in items:
+        key = standin_key(item)
+        if item.get_closest_marker("cuda") is None or key in seen or key in cuda_standin.NO_STANDIN:
+            continue
+        seen.add(key)
+        item.stash[STANDIN] = True
+
+
+STANDIN = pytest.StashKey[bool]()
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("large") is not None and os.environ.get(LARGE_ENV, "0") != "1":
         pytest.skip(f"large test (tensors past 2**31 elements): set {LARGE_ENV}=1 to run it")
     if item.get_closest_marker("cuda") is not None:
         if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+            if item.stash.get(STANDIN, False):
+                return
+            reason = cuda_standin.NO_STANDIN.get(standin_key(item))
+            pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False" + (
+                f"; no stand-in run: {reason}" if reason else
+                "; this function's first cuda parametrization runs in the CUDA stand-in" if cuda_standin.available()
+                else f"; no stand-in here (no ffn_ext._C._emulate_cuda, or {cuda_standin.STANDIN_ENV}=0)"))
         if not ffn_ext.has_cuda_kernels():
             pytest.fail(
                 "a CUDA GPU is present but the loaded ffn_ext has no CUDA kernels (wrong build: rebuild with a CUDA "
@@ -98,3 +129,15 @@ def _seed(request):
     """Every test starts from a seed derived from its id: fresh random inputs, reproducible per test."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A stand-in item's test body runs inside cuda_standin.standin() (fixtures outside it; the test makes its
+    tensors itself)."""
+    if not item.stash.get(STANDIN, False):
+        return (yield)
+    with pytest.MonkeyPatch.context() as mp, cuda_standin.standin(mp) as calls:
+        result = yield
+    assert calls, f"{item.nodeid} ran in the CUDA stand-in but no ffn_ext kernel was called"
+    return result

@@ -24,6 +24,13 @@ from optable import (DEVICES, FORWARD_OPS, N_INPUTS, PACKINGS, PARAM_OPS, Record
 
 pytestmark = pytest.mark.skipif(not api._fast, reason="no native library with fast entry points is loaded")
 
+
+@pytest.fixture(autouse=True)
+def _native_paths_only(monkeypatch):
+    """These tests are about the native paths: plain CPU tensors would take the host path (the ATen expression,
+    ops._on_host; tests/test_host_path.py) first, so it is off here."""
+    monkeypatch.setattr(api, "_on_host", lambda args: False)
+
 API = {name: N_INPUTS[name] for name in FORWARD_OPS}  # every forward op of the table has a fast entry point
 
 

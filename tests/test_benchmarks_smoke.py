@@ -238,3 +238,21 @@ def test_device_check_script_is_well_formed(tmp_path):
         assert sass_ok and proc.returncode == 0 and "failed stages: 0" in summary, summary
     else:
         assert not sass_ok and proc.returncode == 1 and "failed stages: 1" in summary, summary
+
+
+def test_bench_cpu_quick(tmp_path):
+    """benchmarks/bench_cpu.py --quick (tiny shapes, 1 thread, min of 3): every implementation, fwd and fwd+bwd,
+    a positive time and ratio each, the worst ratio named in the markdown."""
+    script = ROOT / "benchmarks" / "bench_cpu.py"
+    if not script.is_file():
+        pytest.skip("benchmarks/bench_cpu.py is not next to the tests (copied without benchmarks/)")
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--reps", "2", "--out", str(tmp_path)], cwd=ROOT,
+                          env=package_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    impls = {r["impl"] for r in data["rows"]}
+    assert {"SwiGLUFFN", "GeGLUFFN (tanh)", "GatedFFN (gelu)", "FFN (gelu)", "swiglu_mlp"} <= impls, impls
+    assert {r["pass"] for r in data["rows"]} == {"fwd", "fwd+bwd"}
+    assert all(_positive(r[k]) for r in data["rows"] for k in ("ffn_ext_ms", "eager_ms", "ratio"))
+    assert data["worst"]["ratio"] == min(r["ratio"] for r in data["rows"])
+    assert "**Worst ratio:" in (tmp_path / "cpu.md").read_text()

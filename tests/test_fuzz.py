@@ -35,7 +35,6 @@ from optable import (ACTIVATIONS, GATED, GATED_IDS, PACKINGS, api_call, aten_res
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
-CUDA = torch.cuda.is_available() and NATIVE and ffn_ext.has_cuda_kernels()
 HOST_MATH = NATIVE and hasattr(getattr(ffn_ext.ops._native, "_host_math", None), "__call__")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -357,7 +356,6 @@ _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
 N_UNARY, N_GATED, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (1100, 950, 950, 550))
 N_CUDA = max(1, int(400 * _SCALE))
 HOST_MATH_SKIP = pytest.mark.skipif(not HOST_MATH, reason="needs the native library (ffn_ext._C._host_math)")
-CUDA_SKIP = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU and the ffn_ext CUDA kernels")
 per_activation = pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 per_gated = pytest.mark.parametrize("g", GATED, ids=GATED_IDS)
 
@@ -406,7 +404,6 @@ def test_fuzz_host_math_limits(act, data):
 
 
 @pytest.mark.cuda
-@CUDA_SKIP
 @per_activation
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
@@ -415,7 +412,6 @@ def test_fuzz_unary_cuda(act, data):
 
 
 @pytest.mark.cuda
-@CUDA_SKIP
 @per_gated
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())
@@ -424,7 +420,6 @@ def test_fuzz_gated_cuda(g, data):
 
 
 @pytest.mark.cuda
-@CUDA_SKIP
 @per_gated
 @settings(max_examples=N_CUDA, **SETTINGS)
 @given(data=st.data())

@@ -10,7 +10,7 @@ import torch
 
 import ffn_ext
 from ffn_ext import __main__ as demo
-from ffn_ext.table import OPS as TABLE_OPS
+from ffn_ext.table import ACTIVATIONS, OPS as TABLE_OPS
 from conftest import package_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,35 +32,80 @@ def test_main_exits_zero_with_pass(full_run):
     assert "FAIL" not in full_run.stdout
 
 
+def test_main_fits_one_screen(full_run):
+    lines = full_run.stdout.strip().splitlines()
+    assert len(lines) <= 45, f"{len(lines)} lines:\n" + full_run.stdout
+    assert max(map(len, lines)) <= 132, max(lines, key=len)
+
+
 def test_main_key_lines(full_run):
     out = full_run.stdout
-    assert "cuda_kernels" in out and "native" in out  # build_summary()
-    # the shape walk, through the forward hooks
-    assert re.search(r"gate_proj\s+Linear\s+\(1, 16, 896\) -> \(1, 16, 4864\)", out)
-    assert re.search(r"up_proj\s+Linear\s+\(1, 16, 896\) -> \(1, 16, 4864\)", out)
-    assert re.search(r"act\s+SwiGLU\s+\(1, 16, 4864\) x \(1, 16, 4864\) -> \(1, 16, 4864\)", out)
-    assert re.search(r"down_proj\s+Linear\s+\(1, 16, 4864\) -> \(1, 16, 896\)", out)
-    one = 16 * 4864 * 4
-    assert f"ffn_ext 2 ({2 * one:,} bytes), eager PyTorch 4 ({4 * one:,} bytes)" in out
-    # the parameter table
-    assert re.search(r"standard FFN, d_ff = 4D\s+2\s+16384\s+134,217,728", out)
-    assert re.search(r"SwiGLU, 8/3 rule to 256 \(LLaMA\)\s+3\s+11008\s+135,266,304", out)
-    # every op of the table (two per activation, four per gated op), every dtype, each gated op on chunk views,
-    # each packed op in the interleaved layout, and the module
-    n_acts = len({s.act.name for s in TABLE_OPS.values() if s.kind == "unary"})
-    n_gated = len({s.gated.name for s in TABLE_OPS.values() if s.gated is not None})
-    assert set(demo.OPS) == set(TABLE_OPS) and len(demo.OPS) == 2 * n_acts + 4 * n_gated
+    assert out.startswith(f"ffn_ext {ffn_ext.__version__}: ") and "CUDA kernels" in out.splitlines()[0]
+    # the walk: shapes through the forward hooks, parameters, the saved [tokens, d_ff] tensors as measured
+    assert "x (1, 16, 768) -> " in out and "(1, 16, 3072)" in out and re.search(r"down_proj \(1, 16, 768\)", out)
+    assert re.search(r"x \(1, 16, 896\) -> gate_proj \(1, 16, 4864\), up_proj \(1, 16, 4864\) -> act \(1, 16, "
+                     r"4864\) -> down_proj \(1, 16, 896\)", out)
+    assert "params 4,718,592 = 2 x 768 x 3072" in out and "params 13,074,432 = 3 x 896 x 4864" in out
+    classic = re.search(r"\[16, 3072\] tensors: eager PyTorch (\d+), FFN (\d+)(?: here \(eager's ops\), (\d+) lean)?",
+                        out)
+    gated = re.search(r"\[16, 4864\] tensors: eager PyTorch (\d+), SwiGLUFFN (\d+)(?: here \(eager's ops\), (\d+) "
+                      r"lean)?", out)
+    assert classic and gated, out
+    assert int(classic.group(1)) == 2 and int(gated.group(1)) == 4  # eager keeps z, act(z) / gate, act, up, h
+    lean_classic, lean_gated = (int(m.group(3) or m.group(2)) for m in (classic, gated))
+    assert lean_gated == 2 and lean_classic <= 2  # the lean autograd (1 for the classic FFN on plain_mlp)
+    assert "134,217,728 params" in out and "= 11008) 135,266,304 params (+0.78%)" in out
+    assert "swiglu_hidden_dim(896) = 2560" in out and "ffn_dim_multiplier=2.0) = 4864" in out
+    # one line per activation of the table, its checks counted from the table
+    for act in ACTIVATIONS:
+        ops = [n for n, s in TABLE_OPS.items() if s.act.name == act.name]
+        n = 3 * (len(ops) + sum(1 for n in ops if TABLE_OPS[n].kind == "gated" and not TABLE_OPS[n].backward)
+                 + sum(1 for n in ops if TABLE_OPS[n].kind == "packed"))
+        m = re.search(rf"^  {re.escape(act.name)}\s+(\d+) checks \({len(ops)} ops\), worst ([\d.]+) of the tolerance.*"
+                      r"ok$", out, re.M)
+        assert m and int(m.group(1)) == n and float(m.group(2)) <= 1.0, (act.name, n, out)
+    for module in ("FFN", "SwiGLUFFN"):
+        assert re.search(rf"^  {module} fwd\+bwd\s+float32: .* ok$", out, re.M), module
+    # the FFN layers' timing, labelled with the device; no op table by default
+    assert re.search(r"== FFN layers on " + ("GPU" if GPU else "CPU"), out)
+    for layer in (r"FFN 768 -> 3072, GELU", r"SwiGLUFFN 896 -> 4864"):
+        for what in ("fwd", r"fwd\+bwd"):
+            assert re.search(rf"{layer}\s+{what}\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), (layer, what)
+    assert "max abs" not in out and "== Ops on" not in out
+
+
+def test_verbose_table_has_every_op_and_dtype(capsys):
+    """--verbose: the full op x dtype table (in-process, the checks only: --quick), every line ok."""
+    assert demo.main(["--quick", "--verbose", "--device", "cpu", "--threads", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "max abs" in out and "torch_version" in out  # the table's header, build_summary()
     for op in [*demo.OPS, *(f"{s.name} \\(chunk views\\)" for s in TABLE_OPS.values() if s.kind == "gated"
                             and not s.backward),
                *(f"{s.name} \\(interleaved\\)" for s in TABLE_OPS.values() if s.kind == "packed")]:
         for dtype in ("float64", "float32", "bfloat16"):
             assert re.search(rf"^\s+{op}\s+{dtype}\s+\S+\s+\S+\s+\S+\s+\S+\s+ok$", out, re.M), (op, dtype)
-    assert re.search(r"SwiGLUFFN fwd\+bwd\s+float32 .* ok$", out, re.M)
-    # the timing, labelled with the device
-    assert re.search(r"== Timing on " + ("GPU" if GPU else "CPU"), out)
-    for case in ("swiglu fwd", "geglu_tanh fwd", "swiglu bwd", "geglu_tanh bwd", "swiglu_packed fwd", "gelu fwd",
+
+
+def test_op_timing_runs(capsys):
+    """--verbose's op timing (the public API against the ATen expression): every case, a ratio each."""
+    demo.op_timing(torch.device("cpu"), iters=1, warmup=0, size=(8, 64))
+    out = capsys.readouterr().out
+    for case in ("swiglu fwd", r"swiglu fwd\+bwd", "geglu_tanh fwd", "swiglu_packed fwd", "gelu fwd",
                  r"GPT-OSS clamped interl\. fwd", r"GPT-OSS clamped interl\. fwd\+bwd"):
         assert re.search(case + r"\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), case
+
+
+def test_family_summary_counts_and_fails():
+    """The per-activation line: counts, the worst fraction, and a failure named."""
+    lines = []
+    record = [("gelu", torch.float32, 0.5, False, True), ("geglu (chunk views)", torch.bfloat16, 0.9, False, True),
+              ("gelu_backward", torch.float64, 2.0, True, True), ("silu", torch.float32, 3.0, False, False)]
+    demo.family_summary(record, out=lines.append)
+    gelu = next(line for line in lines if line.strip().startswith("gelu "))
+    assert "3 checks (3 ops)" in gelu and "worst 0.90 of the tolerance: geglu (chunk views) bf16" in gelu
+    assert "; +1 by ATen's error" in gelu and gelu.endswith("ok")
+    silu = next(line for line in lines if line.strip().startswith("silu"))
+    assert "FAIL: silu float32" in silu
 
 
 def test_cases_cover_the_table_with_aten_references():

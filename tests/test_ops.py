@@ -45,6 +45,7 @@ from optable import (
     make_inputs,
     make_layout,
     needs_native,
+    op,
     ops_of,
     params_of,
     poison_cuda_cache,
