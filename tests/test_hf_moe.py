@@ -318,12 +318,12 @@ def test_other_experts_forms_and_clamped_mlps_match(name, monkeypatch):
 
 # ---------------------------------------------------------------- what is not patched is named, once
 def test_unpatched_experts_are_named_in_one_warning_and_strict_raises():
-    """Qwen2-MoE with hidden_act="relu": its routed experts and its shared-expert MLP are left unpatched, named in ONE
+    """Qwen2-MoE with hidden_act="relu6" (an activation ffn_ext lacks): its routed experts and its shared-expert MLP are left unpatched, named in ONE
     RuntimeWarning; strict=True raises ValueError naming them and patches nothing; the model computes what it did."""
-    model = _tiny("qwen2_moe", hidden_act="relu")
+    model = _tiny("qwen2_moe", hidden_act="relu6")
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
     ref = model(ids).logits
-    with pytest.raises(ValueError, match=r"activation ReLU is not one ffn_ext implements.*Qwen2MoeExperts at "
+    with pytest.raises(ValueError, match=r"activation ReLU6 is not one ffn_ext implements.*Qwen2MoeExperts at "
                                          r"'model.layers.0.mlp.experts' and 1 more.*Qwen2MoeMLP.*strict=True"):
         ffn_ext.patch_hf_model(model, strict=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -346,7 +346,7 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
         def _apply_gate(self, gate_up):
             return super()._apply_gate(gate_up) * 2
 
-    jet_config = types.SimpleNamespace(**{**CONFIG, "activation_function": "relu", "num_experts_per_tok": 2})
+    jet_config = types.SimpleNamespace(**{**CONFIG, "activation_function": "relu6", "num_experts_per_tok": 2})
 
     class MyJet(_class("JetMoeMoE", "jetmoe")):
         def forward(self, layer_input):
@@ -372,7 +372,7 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
     msg = str(caught[0].message)
     for part in (r"clamp the activation's output.*no ffn_ext op clamps after it.*Step3p7Experts at 'step'",
                  r"MoE experts modules whose gating ffn_ext does not compute.*MyGate at 'mine', MyJet at 'jet_sub'",
-                 r"activation ReLU is not one ffn_ext implements.*JetMoeMoE at 'jet_relu'",
+                 r"activation ReLU6 is not one ffn_ext implements.*JetMoeMoE at 'jet_relu'",
                  r"clamped gating with activation GELUActivation \(gelu\).*DeepseekV4Experts at 'gelu'",
                  r"clamp limit swiglu_limit = None is not a number > 0.*HYV4Experts at 'no_limit'",
                  r"self-check.*MiniMaxM3VLExperts at 'odd'"):
