@@ -549,7 +549,9 @@ def test_backward_peak_memory_below_eager(packed, act):
     g = torch.randn(tokens, d_model)
     peak, peak_eager = _fwd_bwd_peak(ours, x, params, g), _fwd_bwd_peak(eager, x, params, g)
     assert peak <= 5 * unit + small, (peak / unit, peak_eager / unit)
-    assert peak_eager >= 7 * unit, (peak / unit, peak_eager / unit)
+    # eager reaches 7 units with a one-op activation (gelu, silu); relu's autograd keeps its output, not its input
+    # (6.35 units measured), so the claim that holds for every entry is: below eager
+    assert peak < peak_eager and (peak_eager >= 7 * unit or act.name == "relu"), (peak / unit, peak_eager / unit)
 
 
 def test_autocast_cpu_bf16():
@@ -683,7 +685,9 @@ def test_gated_ffn_saves_two_tensors_not_four(act):
     n, nbytes, y = _saved_activations(lambda: mlp(x), tokens, d_ff)
     n0, nbytes0, _ = _saved_activations(lambda: _eager_act(act, mlp, x), tokens, d_ff)
     assert (n, nbytes) == (2, 2 * one)
-    assert (n0, nbytes0) == (4, 4 * one)
+    # eager (the entry's eager form) keeps 4 with a one-op activation (gate, act(gate), up, h), 3 with relu (whose
+    # autograd keeps its output: act(gate) only), more with a composite (quick_gelu's x * sigmoid(1.702 x): 5)
+    assert n0 > n and nbytes0 == n0 * one
     y.sum().backward()
     assert mlp.down_proj.weight.grad is not None
     w_gu, _ = _packed_weights(mlp)
