@@ -219,7 +219,8 @@ def _host_form(name: str):
         if gu.dim() == 0 or gu.shape[-1] % 2 or layout not in LAYOUTS:
             return NotImplemented
         gate, up = split_packed(gu, layout)
-        return act(gate) * up
+        # the op's [..., M] result is a fresh contiguous tensor; ATen's over interleaved views is strided
+        return (act(gate) * up).contiguous()
     return packed
 
 

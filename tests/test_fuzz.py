@@ -22,6 +22,7 @@ import time
 from collections import Counter
 
 import pytest
+import optable
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -103,6 +104,18 @@ def aten_same_dtype(name, ins, params=None):
     """ATen's own results on the same dtype (the CPU path's semantics for non-finite inputs)."""
     out = aten_result(name, *ins, params=params)
     return list(out) if isinstance(out, tuple) else [out]
+
+
+def aten_autograd(name, ins, params=None):
+    """For a backward op: ATen's autograd of the forward op's ATen composite on the same inputs (what the public API
+    computes on plain CPU tensors, ops._on_host), as a list; [] for other ops. Its non-finite results may differ
+    from the composite's backward formula (relu's keeps grad where x is NaN)."""
+    if not name.endswith("_backward"):
+        return []
+    with torch.enable_grad():
+        grad, leaves = ins[0], [t.detach().requires_grad_() for t in ins[1:]]
+        out = optable._aten(name[: -len("_backward")], leaves, "concat", params)  # aten_result detaches
+        return [list(torch.autograd.grad(out, leaves, grad, allow_unused=True))]
 
 
 def _opmath(dtype):
@@ -329,7 +342,7 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None
             # strided inputs, ATen on contiguous copies, or the mathematical limit.
             refs, scales, _ = reference(name, [t.double() for t in ins], _opmath(dtype), params)
             cands = [aten_same_dtype(name, ins, params), aten_same_dtype(name, [t.contiguous() for t in ins], params),
-                     refs]
+                     refs] + aten_autograd(name, ins, params)
             rtol, atol = TOL[dtype]
             for k, o in enumerate(got):
                 o64 = o.cpu().double()
