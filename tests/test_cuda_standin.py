@@ -55,7 +55,7 @@ def test_no_standin_names_cuda_test_functions():
         assert isinstance(reason, str) and len(reason) > 20, key
 
 
-@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, or no ffn_ext._C._emulate_cuda")
+@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0")
 def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(request):
     """Over this session's items (all of them in a full run): each cuda-marked function has one stand-in item or a
     NO_STANDIN reason, never both."""
@@ -70,7 +70,7 @@ def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(reque
             assert flags.count(True) == 1, (key, flags)
 
 
-@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, or no ffn_ext._C._emulate_cuda")
+@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0")
 def test_standin_runs_the_emulated_launch(monkeypatch):
     """Inside the stand-in "cuda" tensors are host tensors that say cuda, and every ffn_ext op (torch.ops, the
     public API, the autograd backward) runs ffn_ext._C._emulate_cuda: the same bits as calling it directly."""
