@@ -36,6 +36,9 @@ SMS = 132  # the lent H200's multiprocessors: the launch shape the emulation tak
 # test function ("file::function") -> why its Python cannot run without a GPU. Each name must be a cuda-marked test
 # function (tests/test_cuda_standin.py checks both ways).
 NO_STANDIN = {
+    **{f"test_quant.py::{f}": "the quantizing kernels are not row ops: _emulate_cuda runs the op table's launcher "
+       "only; their per-lane code runs emulated by tests/test_quant_math.py (_emulate_quant)"
+       for f in ("test_recipes_bit_identical", "test_fuzzed_shapes", "test_formula_properties", "test_opcheck")},
     "test_ops.py::test_cuda_large_swiglu_packed_bf16":
         "tensors past 2**31 elements: 8.6 GB and ~4e9 emulated threads on the host (marked large as well)",
     "test_ops.py::test_cuda_large_swiglu_chunk_bf16":

@@ -107,7 +107,10 @@ def test_saves_one_tokens_by_dff_tensor_eager_two(act, transposed):
     assert _big(shapes, tokens, d_ff) == [(2, 37, d_ff)], shapes
     y.sum().backward()
     eager, _ = _saved(_eager(act, *ps, transposed), x)
-    assert len(_big(eager, tokens, d_ff)) == 2, eager
+    # eager (the entry's eager form) keeps z and act(z) with a one-op activation whose backward reads its input
+    # (gelu, silu: 2), only act(z) with relu (its backward reads its output, also fc2's input: 1, no saving there),
+    # more with a composite form (relu2's square(relu(z)), quick_gelu's z * sigmoid(1.702 z))
+    assert len(_big(eager, tokens, d_ff)) >= 1, eager
     for opts in ({"recompute": True}, {"token_chunk": 8}):
         shapes, y = _saved(_ours(act, *ps, transposed, **opts), x)
         assert _big(shapes, tokens, d_ff) == [], (opts, shapes)
