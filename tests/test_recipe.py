@@ -32,12 +32,13 @@ struct ScratchLeaky : ActBase<ScratchLeaky> {
 
 """
 ACT_LINE = ("  X(scratch_leaky, ScratchLeaky, at::leaky_relu_out(out, x, 0.0625),                        \\\n"
-            "    at::leaky_relu_backward_out(out, grad, x, 0.0625, false))                             \\\n")
+            "    at::mul_out(out, grad, at::where(x > 0, at::ones_like(x),                             \\\n"
+            "                            at::where(x <= 0, at::full_like(x, 0.0625), x))))            \\\n")
 GATED_LINE = "  X(scratch_leaky_glu, Glu<math::ScratchLeaky>, NONE) \\\n"
 ENTRY = """    Activation(
         name="scratch_leaky", gated="scratch_leaky_glu",
         aten=lambda x: F.leaky_relu(x, 0.0625),
-        aten_backward=lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.0625, False),
+        aten_backward=lambda g, x: g * torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x)),  # NaN in, NaN out
         formula=lambda x: (torch.where(x < 0, 0.0625 * x, x),
                            torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x))),
         cancel=lambda x: (torch.zeros_like(x), torch.zeros_like(x)),
