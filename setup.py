@@ -11,6 +11,7 @@ Environment: FFN_EXT_FORCE_CPU=1 builds CPU-only; TORCH_CUDA_ARCH_LIST picks the
 "8.0;9.0+PTX"); MAX_JOBS limits parallel compile jobs. Sources and flags: csrc/build.json. Making an sdist
 (`setup.py sdist`, `python -m build --sdist`) needs no torch.
 """
+
 import importlib.util
 import json
 import os
@@ -70,14 +71,22 @@ install_requires = ["torch>=2.13"]  # an sdist's: the oldest torch CI tests; a w
 
 if needs_torch:
     if importlib.util.find_spec("torch") is None:
-        sys.exit(ISOLATION_MESSAGE.format(what="torch is not importable in this build environment (with plain `pip "
-                                               "install .` or `python -m build`: pip's isolated one)."))
+        sys.exit(
+            ISOLATION_MESSAGE.format(
+                what="torch is not importable in this build environment (with plain `pip "
+                "install .` or `python -m build`: pip's isolated one)."
+            )
+        )
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     if "pip-build-env" in str(Path(torch.__file__).resolve()):
-        sys.exit(ISOLATION_MESSAGE.format(what=f"torch comes from pip's isolated build environment "
-                                               f"({Path(torch.__file__).parent}), not from yours."))
+        sys.exit(
+            ISOLATION_MESSAGE.format(
+                what=f"torch comes from pip's isolated build environment "
+                f"({Path(torch.__file__).parent}), not from yours."
+            )
+        )
 
     torch_version = build.torch_base_version(torch.__version__)
     install_requires = [f"torch=={torch_version}"]  # the binary loads only with this torch

@@ -18,6 +18,7 @@ The grid spans d_model 64..4096, d_ff 256..14336 and 1..4096 tokens at its corne
 fwd+bwd run is estimated (from a matmul rate measured at the start) above --max-run-s is skipped, and the output
 says which. Writes cpu.json and cpu.md (the ratio per row and the worst ratio) into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,6 +86,7 @@ def _llama(weights):
 def implementations(d_model: int, d_ff: int, dtype) -> list:
     """(name, ffn_ext callable, eager callable, parameters) for every implementation at this shape, on one set of
     weights per form (gated, classic)."""
+
     def p(*shape):
         return torch.nn.Parameter(torch.randn(*shape, dtype=dtype) / shape[-1] ** 0.5)
 
@@ -95,24 +97,46 @@ def implementations(d_model: int, d_ff: int, dtype) -> list:
     tanh = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
     impls = [
         ("SwiGLUFFN", _gated_module(ffn_ext.SwiGLUFFN, gated_w), lambda x: down(F.silu(gate(x)) * up(x)), gated_w),
-        ("GeGLUFFN (tanh)", _gated_module(ffn_ext.GeGLUFFN, gated_w, approximate="tanh"),
-         lambda x: down(tanh(gate(x)) * up(x)), gated_w),
-        ("GatedFFN (gelu)", _gated_module(ffn_ext.GatedFFN, gated_w, activation="gelu"),
-         lambda x: down(F.gelu(gate(x)) * up(x)), gated_w),
+        (
+            "GeGLUFFN (tanh)",
+            _gated_module(ffn_ext.GeGLUFFN, gated_w, approximate="tanh"),
+            lambda x: down(tanh(gate(x)) * up(x)),
+            gated_w,
+        ),
+        (
+            "GatedFFN (gelu)",
+            _gated_module(ffn_ext.GatedFFN, gated_w, activation="gelu"),
+            lambda x: down(F.gelu(gate(x)) * up(x)),
+            gated_w,
+        ),
     ]
     ffn, (fc1, fc2) = _classic_module(classic_w)
     impls.append(("FFN (gelu)", ffn, lambda x: fc2(F.gelu(fc1(x))), classic_w))
     impls += [
-        ("swiglu_mlp", lambda x: ffn_ext.swiglu_mlp(x, wg, wu, wd),
-         lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd), gated_w),
-        ("geglu_mlp (tanh)", lambda x: ffn_ext.geglu_mlp(x, wg, wu, wd, approximate="tanh"),
-         lambda x: F.linear(tanh(F.linear(x, wg)) * F.linear(x, wu), wd), gated_w),
+        (
+            "swiglu_mlp",
+            lambda x: ffn_ext.swiglu_mlp(x, wg, wu, wd),
+            lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd),
+            gated_w,
+        ),
+        (
+            "geglu_mlp (tanh)",
+            lambda x: ffn_ext.geglu_mlp(x, wg, wu, wd, approximate="tanh"),
+            lambda x: F.linear(tanh(F.linear(x, wg)) * F.linear(x, wu), wd),
+            gated_w,
+        ),
     ]
     plain = getattr(ffn_ext, "plain_mlp", None)
     if plain is not None:
         w1, w2 = classic_w
-        impls.append(("plain_mlp (gelu)", lambda x: plain(x, w1, w2, activation="gelu"),
-                      lambda x: F.linear(F.gelu(F.linear(x, w1)), w2), classic_w))
+        impls.append(
+            (
+                "plain_mlp (gelu)",
+                lambda x: plain(x, w1, w2, activation="gelu"),
+                lambda x: F.linear(F.gelu(F.linear(x, w1)), w2),
+                classic_w,
+            )
+        )
     try:
         llama, eager = _llama(gated_w)
         impls.append(("LlamaMLP (patched)", llama, eager, gated_w))
@@ -141,6 +165,7 @@ def measure(ours, eager, params, x, reps: int, warmup: int) -> dict:
         def run():
             with torch.no_grad():
                 f(x)
+
         return run
 
     def train(f):
@@ -180,10 +205,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes, 1 thread, 3 reps: a smoke test")
     ap.add_argument("--threads", default=None, help="comma-separated torch thread counts (default 1,2; quick: 1)")
     ap.add_argument("--reps", type=int, default=None, help="runs per case, the minimum is kept (default 30)")
-    ap.add_argument("--max-run-s", type=float, default=0.3,
-                    help="skip shapes whose single fwd+bwd run is estimated above this (default 0.3 s)")
-    ap.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results/"
-                    "<date>_<device>/)")
+    ap.add_argument(
+        "--max-run-s",
+        type=float,
+        default=0.3,
+        help="skip shapes whose single fwd+bwd run is estimated above this (default 0.3 s)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="output directory (default benchmarks/results/<date>_<device>/)"
+    )
     args = ap.parse_args(argv)
     dtype = torch.float32
     pairs, tokens = (QUICK_PAIRS, QUICK_TOKENS) if args.quick else (PAIRS, TOKENS)
@@ -200,9 +230,12 @@ def main(argv=None) -> int:
         for t in tokens:
             est = estimate_s(d, f, t, rate)
             (shapes if est <= args.max_run_s else skipped).append((d, f, t, est))
-    print(f"matmul rate {rate / 1e9:.1f} GFLOP/s (1 thread); {len(shapes)} shapes, skipped {len(skipped)} whose single "
-          f"fwd+bwd run is estimated above {args.max_run_s} s: "
-          + (", ".join(f"{d}x{f}x{t} ({e:.1f} s)" for d, f, t, e in skipped) or "none"), file=sys.stderr)
+    print(
+        f"matmul rate {rate / 1e9:.1f} GFLOP/s (1 thread); {len(shapes)} shapes, skipped {len(skipped)} whose single "
+        f"fwd+bwd run is estimated above {args.max_run_s} s: "
+        + (", ".join(f"{d}x{f}x{t} ({e:.1f} s)" for d, f, t, e in skipped) or "none"),
+        file=sys.stderr,
+    )
     rows = []
     for d, f, t, _ in shapes:
         impls = implementations(d, f, dtype)
@@ -212,31 +245,73 @@ def main(argv=None) -> int:
             for name, ours, eager, params in impls:
                 res = measure(ours, eager, params, x, reps, warmup)
                 for what, (a, b) in res.items():
-                    rows.append({"impl": name, "d_model": d, "d_ff": f, "tokens": t, "threads": n_threads,
-                                 "pass": what, "ffn_ext_ms": a * 1e3, "eager_ms": b * 1e3, "ratio": b / a})
-                print(f"{name:<20} {d:>5} {f:>6} {t:>5} {n_threads}t  " + "  ".join(
-                    f"{w} {r[1] / r[0]:.3f}x" for w, r in res.items()), file=sys.stderr, flush=True)
+                    rows.append(
+                        {
+                            "impl": name,
+                            "d_model": d,
+                            "d_ff": f,
+                            "tokens": t,
+                            "threads": n_threads,
+                            "pass": what,
+                            "ffn_ext_ms": a * 1e3,
+                            "eager_ms": b * 1e3,
+                            "ratio": b / a,
+                        }
+                    )
+                print(
+                    f"{name:<20} {d:>5} {f:>6} {t:>5} {n_threads}t  "
+                    + "  ".join(f"{w} {r[1] / r[0]:.3f}x" for w, r in res.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
         del impls
     worst = min(rows, key=lambda r: r["ratio"]) if rows else None
-    payload = {"meta": common.metadata(dev, "quick" if args.quick else "full", sys.argv), "reps": reps,
-               "timing": f"CPU wall-clock, min of {reps} runs, ffn_ext and eager alternating", "rows": rows,
-               "skipped": [{"d_model": d, "d_ff": f, "tokens": t, "estimated_s": e} for d, f, t, e in skipped],
-               "worst": worst, "seconds": time.perf_counter() - t_start}
+    payload = {
+        "meta": common.metadata(dev, "quick" if args.quick else "full", sys.argv),
+        "reps": reps,
+        "timing": f"CPU wall-clock, min of {reps} runs, ffn_ext and eager alternating",
+        "rows": rows,
+        "skipped": [{"d_model": d, "d_ff": f, "tokens": t, "estimated_s": e} for d, f, t, e in skipped],
+        "worst": worst,
+        "seconds": time.perf_counter() - t_start,
+    }
     headers = ["impl", "d_model", "d_ff", "tokens", "threads", "pass", "ffn_ext ms", "eager ms", "ratio"]
-    table = [[r["impl"], r["d_model"], r["d_ff"], r["tokens"], r["threads"], r["pass"], f"{r['ffn_ext_ms']:.3f}",
-              f"{r['eager_ms']:.3f}", f"{r['ratio']:.3f}"] for r in rows]
-    lines = [f"# CPU: ffn_ext vs the eager PyTorch MLP ({common.cpu_name()}, torch {torch.__version__})", "",
-             f"{payload['timing']}; ratio = eager / ffn_ext (>= 1: ffn_ext as fast or faster); fp32.", "",
-             f"Command: `{' '.join(['python'] + sys.argv)}`", ""]
+    table = [
+        [
+            r["impl"],
+            r["d_model"],
+            r["d_ff"],
+            r["tokens"],
+            r["threads"],
+            r["pass"],
+            f"{r['ffn_ext_ms']:.3f}",
+            f"{r['eager_ms']:.3f}",
+            f"{r['ratio']:.3f}",
+        ]
+        for r in rows
+    ]
+    lines = [
+        f"# CPU: ffn_ext vs the eager PyTorch MLP ({common.cpu_name()}, torch {torch.__version__})",
+        "",
+        f"{payload['timing']}; ratio = eager / ffn_ext (>= 1: ffn_ext as fast or faster); fp32.",
+        "",
+        f"Command: `{' '.join(['python'] + sys.argv)}`",
+        "",
+    ]
     if worst is not None:
-        lines.append(f"**Worst ratio: {worst['ratio']:.3f}** ({worst['impl']}, {worst['d_model']} -> {worst['d_ff']}, "
-                     f"{worst['tokens']} tokens, {worst['threads']} thread(s), {worst['pass']}); rows below 0.98: "
-                     f"{sum(r['ratio'] < 0.98 for r in rows)} of {len(rows)}.")
+        lines.append(
+            f"**Worst ratio: {worst['ratio']:.3f}** ({worst['impl']}, {worst['d_model']} -> {worst['d_ff']}, "
+            f"{worst['tokens']} tokens, {worst['threads']} thread(s), {worst['pass']}); rows below 0.98: "
+            f"{sum(r['ratio'] < 0.98 for r in rows)} of {len(rows)}."
+        )
         lines.append("")
     if skipped:
-        lines.append(f"Skipped (single fwd+bwd run estimated above {args.max_run_s} s at "
-                     f"{rate / 1e9:.1f} GFLOP/s): " + ", ".join(f"{d} -> {f} x {t} tokens ({e:.1f} s)"
-                                                             for d, f, t, e in skipped) + ".")
+        lines.append(
+            f"Skipped (single fwd+bwd run estimated above {args.max_run_s} s at "
+            f"{rate / 1e9:.1f} GFLOP/s): "
+            + ", ".join(f"{d} -> {f} x {t} tokens ({e:.1f} s)" for d, f, t, e in skipped)
+            + "."
+        )
         lines.append("")
     lines.append(common.markdown_table(headers, table))
     markdown = "\n".join(lines)

@@ -22,6 +22,7 @@ forward+backward above what was allocated before. The ffn_ext side is ffn_ext.Sw
 results say which. Writes ffn.md, ffn.json and ffn.png into the output directory (--classic: classic_ffn.*;
 with --memory-only: classic_ffn_memory.*).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
@@ -40,19 +40,37 @@ from ffn_ext import mlp as ffn_mlp  # noqa: E402
 from ffn_ext.table import BY_NAME  # noqa: E402
 
 # model -> (d_model, d_ff, activation of ffn_ext's op table); silu: SwiGLU (Llama, Qwen2), gelu_tanh: GeGLU (Gemma)
-MODELS = {"qwen2.5-0.5b": (896, 4864, "silu"), "llama-7b": (4096, 11008, "silu"), "llama-3-8b": (4096, 14336, "silu"),
-          "gemma-2-2b": (2304, 9216, "gelu_tanh"), "tiny": (64, 176, "silu"), "tiny-geglu": (64, 176, "gelu_tanh")}
+MODELS = {
+    "qwen2.5-0.5b": (896, 4864, "silu"),
+    "llama-7b": (4096, 11008, "silu"),
+    "llama-3-8b": (4096, 14336, "silu"),
+    "gemma-2-2b": (2304, 9216, "gelu_tanh"),
+    "tiny": (64, 176, "silu"),
+    "tiny-geglu": (64, 176, "gelu_tanh"),
+}
 # the classic FFN, fc2(act(fc1(x))) with biases: 768 -> 3072 is BERT-base / ViT-B (erf) and GPT-2 (tanh), 1024 ->
 # 4096 ViT-L (erf) and CLIP-L's width
-CLASSIC = {"classic-768-gelu": (768, 3072, "gelu"), "classic-768-gelu_tanh": (768, 3072, "gelu_tanh"),
-           "classic-1024-gelu": (1024, 4096, "gelu"), "classic-1024-gelu_tanh": (1024, 4096, "gelu_tanh"),
-           "classic-tiny": (64, 256, "gelu")}
+CLASSIC = {
+    "classic-768-gelu": (768, 3072, "gelu"),
+    "classic-768-gelu_tanh": (768, 3072, "gelu_tanh"),
+    "classic-1024-gelu": (1024, 4096, "gelu"),
+    "classic-1024-gelu_tanh": (1024, 4096, "gelu_tanh"),
+    "classic-tiny": (64, 256, "gelu"),
+}
 MODELS.update(CLASSIC)
 MLP_NAME = {"silu": "SwiGLU", "gelu": "GeGLU (erf)", "gelu_tanh": "GeGLU (tanh)"}
 CLASSIC_NAME = {"gelu": "FFN (GELU erf)", "gelu_tanh": "FFN (GELU tanh)"}
-IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "eager MLP", "compile": "torch.compile(eager)",
-              "fused": "ffn_ext fused_gate_up", "recompute": "ffn_ext recompute", "chunk": "ffn_ext token_chunk",
-              "liger": "Liger SwiGLUMLP", "liger_tiled": "Liger TiledSwiGLUMLP", "lean": "ffn_ext lean autograd"}
+IMPL_LABEL = {
+    "ffn_ext": "ffn_ext",
+    "eager": "eager MLP",
+    "compile": "torch.compile(eager)",
+    "fused": "ffn_ext fused_gate_up",
+    "recompute": "ffn_ext recompute",
+    "chunk": "ffn_ext token_chunk",
+    "liger": "Liger SwiGLUMLP",
+    "liger_tiled": "Liger TiledSwiGLUMLP",
+    "lean": "ffn_ext lean autograd",
+}
 # --variants: ffn_ext's module with these options (token_chunk: a quarter of the tokens, at least 1)
 VARIANTS = {"fused": {"fused_gate_up": True}, "recompute": {"recompute": True}, "chunk": {"token_chunk": 4}}
 
@@ -74,18 +92,25 @@ def liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes):
             notes.append("Liger skipped: its Triton kernels need CUDA")
         return {}
     import types
+
     cfg = types.SimpleNamespace(hidden_size=d_model, intermediate_size=d_ff, hidden_act="silu")
     out = {"liger": LigerSwiGLUMLP(cfg).to(dev, dtype)}
     try:
         from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP
+
         out["liger_tiled"] = LigerTiledSwiGLUMLP(cfg, num_shards=4).to(dev, dtype)
     except Exception as e:  # noqa: BLE001
         notes.append(f"Liger's tiled MLP skipped ({type(e).__name__}: {str(e)[:120]})")
     return out
+
+
 # ffn_ext's FFN module per activation: (attribute, keyword arguments); GeGLUFFN is looked up with getattr, so that
 # an ffn_ext without it falls back to the local module (and says so)
-FFN_EXT_MODULES = {"silu": ("SwiGLUFFN", {}), "gelu": ("GeGLUFFN", {"approximate": "none"}),
-                   "gelu_tanh": ("GeGLUFFN", {"approximate": "tanh"})}
+FFN_EXT_MODULES = {
+    "silu": ("SwiGLUFFN", {}),
+    "gelu": ("GeGLUFFN", {"approximate": "none"}),
+    "gelu_tanh": ("GeGLUFFN", {"approximate": "tanh"}),
+}
 
 
 class EagerMLP(nn.Module):
@@ -151,10 +176,11 @@ def make_ffn_ext_module(d_model, d_ff, activation, dev, dtype, notes):
             mod = cls(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw)
             return mod, f"ffn_ext.{name}" + "".join(f"({k}={v!r})" for k, v in kw.items())
         except Exception as e:  # noqa: BLE001
-            notes.append(f"ffn_ext.{name}({d_model}, {d_ff}, {kw}) failed ({type(e).__name__}: {e}); local module "
-                         "used")
-    return (LocalGatedFFN(d_model, d_ff, activation, device=dev, dtype=dtype),
-            f"local module (nn.Linear x3 + ffn_ext.gated(activation={activation!r}))")
+            notes.append(f"ffn_ext.{name}({d_model}, {d_ff}, {kw}) failed ({type(e).__name__}: {e}); local module used")
+    return (
+        LocalGatedFFN(d_model, d_ff, activation, device=dev, dtype=dtype),
+        f"local module (nn.Linear x3 + ffn_ext.gated(activation={activation!r}))",
+    )
 
 
 def plan_for(mode, dev, classic=False):
@@ -166,18 +192,30 @@ def plan_for(mode, dev, classic=False):
             return [(m, t, "bf16") for m in CLASSIC if m != "classic-tiny" for t in (512, 4096, 16384)]
         if mode == "full":
             return [(m, t, "fp32") for m in CLASSIC if m != "classic-tiny" for t in (512, 4096)]
-        return [("classic-768-gelu", 512, "fp32"), ("classic-768-gelu_tanh", 512, "fp32"),
-                ("classic-1024-gelu", 512, "fp32")]
+        return [
+            ("classic-768-gelu", 512, "fp32"),
+            ("classic-768-gelu_tanh", 512, "fp32"),
+            ("classic-1024-gelu", 512, "fp32"),
+        ]
     if mode == "smoke":
         return [("tiny", 32, "fp32"), ("tiny-geglu", 32, "fp32")]
     if dev.type == "cuda":
         if mode == "full":
-            return [(m, t, d) for d in ("bf16", "fp16") for m in ("qwen2.5-0.5b", "llama-7b", "gemma-2-2b")
-                    for t in (1024, 4096, 16384)]
+            return [
+                (m, t, d)
+                for d in ("bf16", "fp16")
+                for m in ("qwen2.5-0.5b", "llama-7b", "gemma-2-2b")
+                for t in (1024, 4096, 16384)
+            ]
         return [("qwen2.5-0.5b", 4096, "bf16"), ("llama-7b", 4096, "bf16"), ("gemma-2-2b", 4096, "bf16")]
     if mode == "full":
-        return [("qwen2.5-0.5b", 256, "fp32"), ("qwen2.5-0.5b", 1024, "fp32"), ("llama-7b", 64, "fp32"),
-                ("gemma-2-2b", 64, "fp32"), ("qwen2.5-0.5b", 256, "bf16")]
+        return [
+            ("qwen2.5-0.5b", 256, "fp32"),
+            ("qwen2.5-0.5b", 1024, "fp32"),
+            ("llama-7b", 64, "fp32"),
+            ("gemma-2-2b", 64, "fp32"),
+            ("qwen2.5-0.5b", 256, "bf16"),
+        ]
     return [("qwen2.5-0.5b", 128, "fp32"), ("llama-7b", 16, "fp32"), ("gemma-2-2b", 16, "fp32")]
 
 
@@ -193,8 +231,10 @@ def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes, memory_on
 
     sets = list(zip(x_sets, grad_sets))
     none = {"median_ms": None, "p10_ms": None, "p90_ms": None, "reps": 0}
-    out = {"fwd": none if memory_only else common.time_fn(fwd, sets, dev, target_ms=target_ms, min_reps=3),
-           "fwd+bwd": none if memory_only else common.time_fn(fwd_bwd, sets, dev, target_ms=target_ms, min_reps=3)}
+    out = {
+        "fwd": none if memory_only else common.time_fn(fwd, sets, dev, target_ms=target_ms, min_reps=3),
+        "fwd+bwd": none if memory_only else common.time_fn(fwd_bwd, sets, dev, target_ms=target_ms, min_reps=3),
+    }
     x, g = sets[0]
     with common.SavedTensors(exclude=[x, *params]) as saved:
         y = module(x)
@@ -203,8 +243,9 @@ def measure(impl, module, x_sets, grad_sets, dev, target_ms, tf_bytes, memory_on
     out["activation_tf_units"] = saved.extra_bytes / tf_bytes
     out["saved_total_bytes"] = saved.total_bytes
     # the peak of forward+backward above what existed before (x, g, the weights): what the layer allocates
-    out["peak_extra_bytes"] = common.peak_extra_bytes(lambda: fwd_bwd(x, g), dev, existing=[x, g, *params],
-                                                      cpu=impl != "compile")
+    out["peak_extra_bytes"] = common.peak_extra_bytes(
+        lambda: fwd_bwd(x, g), dev, existing=[x, g, *params], cpu=impl != "compile"
+    )
     return out
 
 
@@ -214,8 +255,10 @@ def run(args) -> dict:
     use_compile = not args.no_compile and mode != "smoke"
     notes: list[str] = []
     if dev.type == "cpu":
-        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate); peak MiB "
-                     "on CPU: the storages ops create during forward+backward (a dispatch mode; n/a for compile)")
+        notes.append(
+            "CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites (the GEMMs dominate); peak MiB "
+            "on CPU: the storages ops create during forward+backward (a dispatch mode; n/a for compile)"
+        )
     if mode == "smoke":
         notes.append("smoke run: tiny width, numbers are meaningless")
         if dev.type == "cpu":  # as bench_ops: OpenMP waits on a busy machine cost more than these tiny GEMMs
@@ -224,8 +267,10 @@ def run(args) -> dict:
     if args.lean_cpu:
         ffn_mlp._ATEN_ON_CPU = False
         if dev.type == "cpu":
-            notes.append("--lean-cpu: ffn_ext's MLPs run their lean autograd on the CPU (the device path), not their "
-                         "CPU default (eager PyTorch's ops)")
+            notes.append(
+                "--lean-cpu: ffn_ext's MLPs run their lean autograd on the CPU (the device path), not their "
+                "CPU default (eager PyTorch's ops)"
+            )
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
     if use_compile:
@@ -237,8 +282,9 @@ def run(args) -> dict:
     if args.models:
         plan = [(m.strip(), t, d) for m in args.models.split(",") for t, d in dict.fromkeys((t, d) for _, t, d in plan)]
     if args.tokens:
-        plan = [(m, int(t), d) for m, _, d in dict.fromkeys((m, 0, d) for m, _, d in plan)
-                for t in args.tokens.split(",")]
+        plan = [
+            (m, int(t), d) for m, _, d in dict.fromkeys((m, 0, d) for m, _, d in plan) for t in args.tokens.split(",")
+        ]
     target_ms = args.target_ms or {"smoke": 5.0, "quick": 150.0 if dev.type == "cuda" else 30.0, "full": 400.0}[mode]
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -268,26 +314,29 @@ def run(args) -> dict:
         if args.variants and classic:
             chunk = args.token_chunk or max(1, tokens // 4)
             for v, opts in (("recompute", {"recompute": True}), ("chunk", {"token_chunk": chunk})):
-                mods[v] = ffn_ext.FFN(d_model, d_ff, activation=activation, bias=True, device=dev, dtype=dtype,
-                                      **opts)
+                mods[v] = ffn_ext.FFN(d_model, d_ff, activation=activation, bias=True, device=dev, dtype=dtype, **opts)
                 mods[v].load_state_dict(eager.state_dict())
             if dev.type == "cpu" and not args.lean_cpu:
                 mods["lean"] = LeanOnCPU(ours)
         elif args.variants and activation in FFN_EXT_MODULES:
             name, kw = FFN_EXT_MODULES[activation]
             for v, opts in VARIANTS.items():
-                opts = {k: ((args.token_chunk or max(1, tokens // o)) if k == "token_chunk" else o)
-                        for k, o in opts.items()}
+                opts = {
+                    k: ((args.token_chunk or max(1, tokens // o)) if k == "token_chunk" else o) for k, o in opts.items()
+                }
                 mods[v] = getattr(ffn_ext, name)(d_model, d_ff, bias=False, device=dev, dtype=dtype, **kw, **opts)
                 mods[v].load_state_dict(eager.state_dict())
             for v, m in liger_modules(d_model, d_ff, activation, tokens, dev, dtype, notes).items():
                 m.load_state_dict(eager.state_dict())
                 mods[v] = m
         k = 2
-        x_sets = [torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype)
-                  .requires_grad_(True) for _ in range(k)]
-        grad_sets = [torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype)
-                     for _ in range(k)]
+        x_sets = [
+            torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype).requires_grad_(True)
+            for _ in range(k)
+        ]
+        grad_sets = [
+            torch.randn(tokens, d_model, generator=gen, device=dev, dtype=torch.float32).to(dtype) for _ in range(k)
+        ]
         # the implementations must agree before their times mean anything
         with torch.no_grad():
             ref = eager(x_sets[0]).float()
@@ -305,24 +354,49 @@ def run(args) -> dict:
                 continue
             fb = r.pop("fwd+bwd")
             fw = r.pop("fwd")
-            results.append({"model": model, "mlp": (CLASSIC_NAME if classic else MLP_NAME)[activation],
-                            "activation": activation,
-                            "d_model": d_model, "d_ff": d_ff, "tokens": tokens, "dtype": dname,
-                            "impl": name, "module": ffn_kind if name == "ffn_ext" else type(m).__name__, "median_ms": fb["median_ms"], "p10_ms": fb["p10_ms"],
-                            "p90_ms": fb["p90_ms"], "reps": fb["reps"], "fwd_median_ms": fw["median_ms"],
-                            "fwd_reps": fw["reps"], "tf_bytes": tokens * d_ff * es, **r})
+            results.append(
+                {
+                    "model": model,
+                    "mlp": (CLASSIC_NAME if classic else MLP_NAME)[activation],
+                    "activation": activation,
+                    "d_model": d_model,
+                    "d_ff": d_ff,
+                    "tokens": tokens,
+                    "dtype": dname,
+                    "impl": name,
+                    "module": ffn_kind if name == "ffn_ext" else type(m).__name__,
+                    "median_ms": fb["median_ms"],
+                    "p10_ms": fb["p10_ms"],
+                    "p90_ms": fb["p90_ms"],
+                    "reps": fb["reps"],
+                    "fwd_median_ms": fw["median_ms"],
+                    "fwd_reps": fw["reps"],
+                    "tf_bytes": tokens * d_ff * es,
+                    **r,
+                }
+            )
             bar.update()
         del mods, eager, ours, x_sets, grad_sets
     bar.close()
     index = {(r["model"], r["tokens"], r["dtype"], r["impl"]): r for r in results}
     for r in results:
-        r["speedup_vs"] = {p: index[key]["median_ms"] / r["median_ms"] for p in ("ffn_ext", "eager", "compile")
-                           if p != r["impl"] and (key := (r["model"], r["tokens"], r["dtype"], p)) in index
-                           and r["median_ms"] and index[key]["median_ms"]}
+        r["speedup_vs"] = {
+            p: index[key]["median_ms"] / r["median_ms"]
+            for p in ("ffn_ext", "eager", "compile")
+            if p != r["impl"]
+            and (key := (r["model"], r["tokens"], r["dtype"], p)) in index
+            and r["median_ms"]
+            and index[key]["median_ms"]
+        }
         e = index.get((r["model"], r["tokens"], r["dtype"], "eager"))
-        r["activation_vs_eager"] = r["activation_bytes"] / e["activation_bytes"] if e and e["activation_bytes"] else None
-        r["peak_vs_eager"] = (r["peak_extra_bytes"] / e["peak_extra_bytes"]
-                              if e and r["peak_extra_bytes"] and e["peak_extra_bytes"] else None)
+        r["activation_vs_eager"] = (
+            r["activation_bytes"] / e["activation_bytes"] if e and e["activation_bytes"] else None
+        )
+        r["peak_vs_eager"] = (
+            r["peak_extra_bytes"] / e["peak_extra_bytes"]
+            if e and r["peak_extra_bytes"] and e["peak_extra_bytes"]
+            else None
+        )
     meta = common.metadata(dev, mode, sys.argv)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
     meta["ffn_ext_module"] = "; ".join(f"{m}: {k}" for m, k in ffn_kinds.items())
@@ -337,21 +411,32 @@ def targets(results, dev):
         if model in CLASSIC:
             out += classic_targets(results, model, dev)
             continue
-        rows = [r for r in results if r["model"] == model and r["impl"] == "ffn_ext"
-                and r["activation_vs_eager"] is not None]
+        rows = [
+            r
+            for r in results
+            if r["model"] == model and r["impl"] == "ffn_ext" and r["activation_vs_eager"] is not None
+        ]
         if not rows:
             continue
         rows.sort(key=lambda r: (r["dtype"] == "bf16", r["tokens"]))
         r = rows[-1]
-        out.append(common.make_target(
-            f"{model}: {r['module']} activation memory <= 0.5x eager's [tokens, d_ff] bytes",
-            r["activation_vs_eager"], 0.5, False, "x",
-            f"{r['activation_tf_units']:.3g} vs "
-            f"{r['activation_tf_units'] / r['activation_vs_eager']:.3g} [tokens, d_ff] tensors, "
-            f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}", True))
+        out.append(
+            common.make_target(
+                f"{model}: {r['module']} activation memory <= 0.5x eager's [tokens, d_ff] bytes",
+                r["activation_vs_eager"],
+                0.5,
+                False,
+                "x",
+                f"{r['activation_tf_units']:.3g} vs "
+                f"{r['activation_tf_units'] / r['activation_vs_eager']:.3g} [tokens, d_ff] tensors, "
+                f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}",
+                True,
+            )
+        )
     if not out:
-        out.append(common.make_target("gated FFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None,
-                                      0.5, False))
+        out.append(
+            common.make_target("gated FFN activation memory <= 0.5x eager's [tokens, d_ff] bytes", None, 0.5, False)
+        )
     return out
 
 
@@ -365,37 +450,93 @@ def classic_targets(results, model, dev):
             continue
         where = f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}"
         if r["impl"] == lean and r["activation_vs_eager"] is not None:
-            out.append(common.make_target(f"{model}: lean FFN saves <= 0.5x eager's [tokens, d_ff] bytes",
-                                          r["activation_vs_eager"], 0.5, False, "x",
-                                          f"{r['activation_tf_units']:.3g} [tokens, d_ff] tensors, {where}", True))
+            out.append(
+                common.make_target(
+                    f"{model}: lean FFN saves <= 0.5x eager's [tokens, d_ff] bytes",
+                    r["activation_vs_eager"],
+                    0.5,
+                    False,
+                    "x",
+                    f"{r['activation_tf_units']:.3g} [tokens, d_ff] tensors, {where}",
+                    True,
+                )
+            )
             if r["tokens"] == 4096 and r["peak_vs_eager"] is not None:
-                out.append(common.make_target(f"{model}: lean FFN fwd+bwd peak <= 0.75x eager's",
-                                              r["peak_vs_eager"], 0.75, False, "x", where, True))
+                out.append(
+                    common.make_target(
+                        f"{model}: lean FFN fwd+bwd peak <= 0.75x eager's",
+                        r["peak_vs_eager"],
+                        0.75,
+                        False,
+                        "x",
+                        where,
+                        True,
+                    )
+                )
         if r["impl"] == "ffn_ext" and r["speedup_vs"].get("eager") is not None:
-            out.append(common.make_target(f"{model}: ffn_ext.FFN fwd+bwd >= 0.98x eager", r["speedup_vs"]["eager"],
-                                          0.98, True, "x", where + " (medians; the target: min of 30, 1 thread)",
-                                          False))
+            out.append(
+                common.make_target(
+                    f"{model}: ffn_ext.FFN fwd+bwd >= 0.98x eager",
+                    r["speedup_vs"]["eager"],
+                    0.98,
+                    True,
+                    "x",
+                    where + " (medians; the target: min of 30, 1 thread)",
+                    False,
+                )
+            )
     return out
 
 
 def markdown(payload):
     meta = payload["meta"]
-    lines = [f"# ffn_ext FFN benchmark — {meta['device_name']} ({meta['device_type'].upper()})", "",
-             f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
-             f" commit {meta['git_commit']}; timing: {meta['timing']}; ffn_ext side: {meta['ffn_ext_module']}", ""]
+    lines = [
+        f"# ffn_ext FFN benchmark — {meta['device_name']} ({meta['device_type'].upper()})",
+        "",
+        f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
+        f" commit {meta['git_commit']}; timing: {meta['timing']}; ffn_ext side: {meta['ffn_ext_module']}",
+        "",
+    ]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
-    headers = ["model", "MLP", "d_model→d_ff", "tokens", "dtype", "impl", "fwd ms", "fwd+bwd ms", "× eager", "× compile",
-               "activations MiB", "[T,d_ff] units", "vs eager", "peak MiB", "peak vs eager"]
+    headers = [
+        "model",
+        "MLP",
+        "d_model→d_ff",
+        "tokens",
+        "dtype",
+        "impl",
+        "fwd ms",
+        "fwd+bwd ms",
+        "× eager",
+        "× compile",
+        "activations MiB",
+        "[T,d_ff] units",
+        "vs eager",
+        "peak MiB",
+        "peak vs eager",
+    ]
     rows = []
     for r in payload["results"]:
         sv = r["speedup_vs"]
-        rows.append([r["model"], r["mlp"], f"{r['d_model']}→{r['d_ff']}", r["tokens"], r["dtype"], IMPL_LABEL[r["impl"]],
-                     common.fmt(r["fwd_median_ms"], ".4g"), common.fmt(r["median_ms"], ".4g"),
-                     common.fmt(sv.get("eager")), common.fmt(sv.get("compile")),
-                     common.fmt(r["activation_bytes"] / common.MiB, ".4g"),
-                     common.fmt(r["activation_tf_units"], ".3g"), common.fmt(r["activation_vs_eager"]),
-                     common.fmt(r["peak_extra_bytes"] / common.MiB, ".4g") if r["peak_extra_bytes"] is not None
-                     else "n/a", common.fmt(r["peak_vs_eager"])])
+        rows.append(
+            [
+                r["model"],
+                r["mlp"],
+                f"{r['d_model']}→{r['d_ff']}",
+                r["tokens"],
+                r["dtype"],
+                IMPL_LABEL[r["impl"]],
+                common.fmt(r["fwd_median_ms"], ".4g"),
+                common.fmt(r["median_ms"], ".4g"),
+                common.fmt(sv.get("eager")),
+                common.fmt(sv.get("compile")),
+                common.fmt(r["activation_bytes"] / common.MiB, ".4g"),
+                common.fmt(r["activation_tf_units"], ".3g"),
+                common.fmt(r["activation_vs_eager"]),
+                common.fmt(r["peak_extra_bytes"] / common.MiB, ".4g") if r["peak_extra_bytes"] is not None else "n/a",
+                common.fmt(r["peak_vs_eager"]),
+            ]
+        )
     lines += [common.markdown_table(headers, rows), ""]
     if payload["errors"]:
         lines += ["Errors:", ""] + [f"- {e}" for e in payload["errors"]] + [""]
@@ -408,16 +549,35 @@ def main(argv=None) -> int:
     common.add_common_args(p)
     p.add_argument("--tokens", default=None, help="comma-separated token counts (replaces the mode's)")
     p.add_argument("--models", default=None, help=f"comma-separated models (replaces the mode's): {', '.join(MODELS)}")
-    p.add_argument("--token-chunk", type=int, default=None, help="token_chunk of the --variants module (default: a "
-                   "quarter of the tokens)")
-    p.add_argument("--memory-only", action="store_true", help="measure saved bytes and peak memory only (no "
-                   "timing): long sequences on CPU")
-    p.add_argument("--lean-cpu", action="store_true", help="ffn_ext's MLPs run their lean autograd on the CPU too "
-                   "(by default they run eager PyTorch's ops there when no memory option is asked)")
-    p.add_argument("--classic", action="store_true", help="the classic FFN (ffn_ext.FFN) at 768 -> 3072 and 1024 -> "
-                   "4096, GELU erf and tanh, instead of the gated FFNs")
-    p.add_argument("--variants", action="store_true", help="also ffn_ext's module with fused_gate_up=True, "
-                   "recompute=True and token_chunk=tokens/4, and Liger's MLPs where installed (CUDA)")
+    p.add_argument(
+        "--token-chunk",
+        type=int,
+        default=None,
+        help="token_chunk of the --variants module (default: a quarter of the tokens)",
+    )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure saved bytes and peak memory only (no timing): long sequences on CPU",
+    )
+    p.add_argument(
+        "--lean-cpu",
+        action="store_true",
+        help="ffn_ext's MLPs run their lean autograd on the CPU too "
+        "(by default they run eager PyTorch's ops there when no memory option is asked)",
+    )
+    p.add_argument(
+        "--classic",
+        action="store_true",
+        help="the classic FFN (ffn_ext.FFN) at 768 -> 3072 and 1024 -> "
+        "4096, GELU erf and tanh, instead of the gated FFNs",
+    )
+    p.add_argument(
+        "--variants",
+        action="store_true",
+        help="also ffn_ext's module with fused_gate_up=True, "
+        "recompute=True and token_chunk=tokens/4, and Liger's MLPs where installed (CUDA)",
+    )
     args = p.parse_args(argv)
     payload = run(args)
     import plot

@@ -22,6 +22,7 @@ which peers were skipped and why. MoE cases: the packed op of a MoE model's expe
 moved are counted per op (see BYTES_PER_ELEMENT and benchmarks/README.md) and compared with a device copy of N
 elements measured in the same run. Writes ops.md, ops.json and plots into the output directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repository root on sys.path)
-
 import torch  # noqa: E402
 
 import ffn_ext  # noqa: E402
@@ -46,8 +46,14 @@ OPS = tuple(BOPS)  # gelu, gelu_tanh, silu, geglu, geglu_tanh, swiglu, geglu_pac
 CLAMPED = tuple(op for op, b in BOPS.items() if "limit" in b.params)
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 IMPLS = ("ffn_ext", "eager", "compile", "liger", "vllm", "te")
-IMPL_LABEL = {"ffn_ext": "ffn_ext", "eager": "ATen eager", "compile": "torch.compile", "liger": "Liger",
-              "vllm": "vLLM", "te": "TE"}
+IMPL_LABEL = {
+    "ffn_ext": "ffn_ext",
+    "eager": "ATen eager",
+    "compile": "torch.compile",
+    "liger": "Liger",
+    "vllm": "vLLM",
+    "te": "TE",
+}
 FORWARD_ONLY = {"vllm"}  # peers without a backward: timed forward only
 
 # Elements moved per output element N, by a kernel that reads each input once and writes each output once:
@@ -67,8 +73,7 @@ DECODE = ("16x4864", (16, 4864))
 # MoE experts: the activation of the routed experts runs on tokens x top-k rows of the [rows, 2I] gate_up
 # projection (transformers 5.x *Experts, grouped_mm). (model, top-k, I, op): GPT-OSS-20B (top-4 of 32 experts,
 # I = 2880, the clamped SwiGLU, interleaved) and Qwen3-30B-A3B (top-8 of 128, I = 768, SwiGLU, concat).
-MOE = (("GPT-OSS-20B", 4, 2880, "swiglu_clamped_packed_interleaved"),
-       ("Qwen3-30B-A3B", 8, 768, "swiglu_packed"))
+MOE = (("GPT-OSS-20B", 4, 2880, "swiglu_clamped_packed_interleaved"), ("Qwen3-30B-A3B", 8, 768, "swiglu_packed"))
 
 
 def moe_sizes(tokens: int) -> list:
@@ -92,15 +97,24 @@ def sizes_for(mode: str, dev: torch.device) -> tuple:
         if mode == "full":
             allsz = [DECODE] + [pow2_size(k) for k in range(12, 29, 2)]
             return {d: allsz for d in ("fp32", "fp16", "bf16")}, None, ("bf16", 4096)
-        return ({"bf16": [DECODE, pow2_size(20), pow2_size(24), pow2_size(28)],
-                 "fp16": [DECODE, pow2_size(24)],
-                 "fp32": [DECODE, pow2_size(24)]}, None, ("bf16", 4096))
+        return (
+            {
+                "bf16": [DECODE, pow2_size(20), pow2_size(24), pow2_size(28)],
+                "fp16": [DECODE, pow2_size(24)],
+                "fp32": [DECODE, pow2_size(24)],
+            },
+            None,
+            ("bf16", 4096),
+        )
     # CPU: wall-clock, small sizes; torch.compile (C++ codegen, slow to compile on few cores) at a few sizes only
     if mode == "full":
         allsz = [DECODE] + [pow2_size(k) for k in (12, 16, 20, 22)]
         return {d: allsz for d in ("fp32", "bf16", "fp16")}, None, ("fp32", 64)
-    return ({"fp32": [DECODE, pow2_size(16), pow2_size(20)], "bf16": [DECODE, pow2_size(20)]},
-            {("fp32", "2^16")}, ("fp32", 64))
+    return (
+        {"fp32": [DECODE, pow2_size(16), pow2_size(20)], "bf16": [DECODE, pow2_size(20)]},
+        {("fp32", "2^16")},
+        ("fp32", 64),
+    )
 
 
 # ---------------------------------------------------------------- implementations
@@ -133,9 +147,11 @@ def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
     elif dev.type != "cuda":
         notes.append("vLLM swigluoai_and_mul skipped: CUDA only")
     else:
-        impls["vllm"] = {op: (lambda gu, p=BOPS[op].params: vllm(gu, p["limit"], p["alpha"]))
-                         for op in CLAMPED if BOPS[op].kind == "packed" and BOPS[op].layout == "interleaved"
-                         and BOPS[op].params["up_offset"] == 1.0}
+        impls["vllm"] = {
+            op: (lambda gu, p=BOPS[op].params: vllm(gu, p["limit"], p["alpha"]))
+            for op in CLAMPED
+            if BOPS[op].kind == "packed" and BOPS[op].layout == "interleaved" and BOPS[op].params["up_offset"] == 1.0
+        }
     make_te, why = common.te_clamped_swiglu()
     if make_te is None:
         notes.append(f"TransformerEngine ClampedSwiGLU skipped: {why}")
@@ -154,8 +170,10 @@ def build_impls(dev: torch.device, use_compile: bool, notes: list) -> dict:
         if te:
             impls["te"] = te
             if any(BOPS[op].layout == "interleaved" for op in te):
-                notes.append("TE on the interleaved layout: ClampedSwiGLU(glu_interleave_size=1), which "
-                             "de-interleaves with a copy forward and backward")
+                notes.append(
+                    "TE on the interleaved layout: ClampedSwiGLU(glu_interleave_size=1), which "
+                    "de-interleaves with a copy forward and backward"
+                )
     return impls
 
 
@@ -179,9 +197,11 @@ def clamp_activity(dev: torch.device) -> str:
     b = BOPS[CLAMPED[0]]
     x = torch.randn(1 << 20, generator=torch.Generator(device=dev).manual_seed(1), device=dev) * b.scale
     lim = b.params["limit"]
-    return (f"clamped ops ({', '.join(CLAMPED)}; {', '.join(f'{k}={v}' for k, v in b.params.items())}): "
-            f"inputs randn x {b.scale:g}, so {100 * (x > lim).float().mean().item():.1f}% of gate is above the "
-            f"limit and {100 * (x.abs() > lim).float().mean().item():.1f}% of up outside [-limit, limit]")
+    return (
+        f"clamped ops ({', '.join(CLAMPED)}; {', '.join(f'{k}={v}' for k, v in b.params.items())}): "
+        f"inputs randn x {b.scale:g}, so {100 * (x > lim).float().mean().item():.1f}% of gate is above the "
+        f"limit and {100 * (x.abs() > lim).float().mean().item():.1f}% of up outside [-limit, limit]"
+    )
 
 
 def input_bytes(op: str, numel: int, es: int, direction: str) -> int:
@@ -192,18 +212,23 @@ def input_bytes(op: str, numel: int, es: int, direction: str) -> int:
 
 def runner(fn, direction: str):
     if direction == "fwd":
+
         def run(*ins):
             with torch.no_grad():
                 return fn(*ins)
+
         return run
     if direction == "fwd+bwd":
+
         def run(*args):
             *ins, grad = args
             return torch.autograd.grad(fn(*ins), ins, grad)
+
         return run
 
     def run(y, ins, grad):  # bwd: the graph was recorded once per input set
         return torch.autograd.grad(y, ins, grad, retain_graph=True)
+
     return run
 
 
@@ -234,9 +259,11 @@ def agreement(impls: dict, ops, dev: torch.device, gen: torch.Generator) -> list
                 errors.append(f"{impl} {op}: fails on a small fp32 input: {type(e).__name__}: {str(e)[:300]}")
                 continue
             if not err <= 1e-4:
-                errors.append(f"{impl} {op}: differs from ATen eager (max error / max |ref| {err:.3g} over the "
-                              + ("output" if impl in FORWARD_ONLY else "output and the input gradients")
-                              + ", fp32 3x40)")
+                errors.append(
+                    f"{impl} {op}: differs from ATen eager (max error / max |ref| {err:.3g} over the "
+                    + ("output" if impl in FORWARD_ONLY else "output and the input gradients")
+                    + ", fp32 3x40)"
+                )
     return errors
 
 
@@ -272,8 +299,13 @@ def bench_case(op, direction, impl, fn, shape, dtype, dev, n_sets, gen, target_m
 def bench_copy(numel, dtype, dev, gen, target_ms):
     es = torch.empty((), dtype=dtype).element_size()
     k = common.num_sets(2 * numel * es, dev)
-    sets = [(torch.empty(numel, device=dev, dtype=dtype),
-             torch.randn(numel, generator=gen, device=dev, dtype=torch.float32).to(dtype)) for _ in range(k)]
+    sets = [
+        (
+            torch.empty(numel, device=dev, dtype=dtype),
+            torch.randn(numel, generator=gen, device=dev, dtype=torch.float32).to(dtype),
+        )
+        for _ in range(k)
+    ]
     res = common.time_fn(lambda dst, src: dst.copy_(src), sets, dev, target_ms=target_ms)
     res["gbps"] = 2 * numel * es / (res["median_ms"] * 1e-3) / 1e9
     return res
@@ -285,8 +317,10 @@ def run(args) -> dict:
     use_compile = not args.no_compile and mode != "smoke"
     notes: list[str] = []
     if dev.type == "cpu":
-        notes.append("CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites, so CPU numbers say "
-                     "nothing about the CUDA kernels")
+        notes.append(
+            "CPU run: wall-clock medians; ffn_ext's CPU ops are ATen composites, so CPU numbers say "
+            "nothing about the CUDA kernels"
+        )
     if dev.type == "cuda" and not ffn_ext.has_cuda_kernels():
         notes.append("WARNING: the loaded ffn_ext has no CUDA kernels; 'ffn_ext' rows are the ATen fallback")
     if mode == "smoke":
@@ -313,8 +347,11 @@ def run(args) -> dict:
     else:
         ops = list(OPS)
     if use_compile and compile_only is not None:
-        notes.append("torch.compile measured only at " + ", ".join(f"{d} {s}" for d, s in sorted(compile_only))
-                     + " (compiling on CPU is slow)")
+        notes.append(
+            "torch.compile measured only at "
+            + ", ".join(f"{d} {s}" for d, s in sorted(compile_only))
+            + " (compiling on CPU is slow)"
+        )
     target_ms = args.target_ms or {"smoke": 5.0, "quick": 40.0 if dev.type == "cuda" else 20.0, "full": 150.0}[mode]
     impls = build_impls(dev, use_compile, notes)
     torch.manual_seed(args.seed)
@@ -324,10 +361,11 @@ def run(args) -> dict:
         notes.append(clamp_activity(dev))
     moe = {sname: model for sname, _, op, model in moe_sizes(moe_tokens) if op in ops}
     if moe:
-        notes.append(f"MoE cases ({moe_dtype}, size 'MoE TxKxI'): the routed experts' activation on T tokens x "
-                     "top-K rows of [rows, 2I] -> [rows, I]: " + "; ".join(
-                         f"{model} ({op}): {moe_tokens} x top-{k}, I = {i}"
-                         for model, k, i, op in MOE if op in ops))
+        notes.append(
+            f"MoE cases ({moe_dtype}, size 'MoE TxKxI'): the routed experts' activation on T tokens x "
+            "top-K rows of [rows, 2I] -> [rows, I]: "
+            + "; ".join(f"{model} ({op}): {moe_tokens} x top-{k}, I = {i}" for model, k, i, op in MOE if op in ops)
+        )
 
     def add_cases(dname, sname, shape, case_ops):
         for op in case_ops:
@@ -371,18 +409,37 @@ def run(args) -> dict:
             continue
         bytes_moved = BYTES_PER_ELEMENT[op][direction] * numel * es
         gbps = bytes_moved / (r["median_ms"] * 1e-3) / 1e9
-        results.append({"op": op, "direction": direction, "dtype": dname, "size": sname, "shape": list(shape),
-                        "numel": numel, "impl": impl, "bytes_moved": bytes_moved, "gbps": gbps,
-                        "copy_gbps": copy_gbps, "frac_copy": gbps / copy_gbps, **r,
-                        **({"moe": moe[sname]} if sname in moe else {})})
+        results.append(
+            {
+                "op": op,
+                "direction": direction,
+                "dtype": dname,
+                "size": sname,
+                "shape": list(shape),
+                "numel": numel,
+                "impl": impl,
+                "bytes_moved": bytes_moved,
+                "gbps": gbps,
+                "copy_gbps": copy_gbps,
+                "frac_copy": gbps / copy_gbps,
+                **r,
+                **({"moe": moe[sname]} if sname in moe else {}),
+            }
+        )
         bar.update()
     bar.close()
     add_ratios(results)
     meta = common.metadata(dev, mode, sys.argv)
     meta["elapsed_s"] = round(time.time() - t_start, 1)
     meta["ffn_ext_kind"] = "CUDA kernels" if dev.type == "cuda" and ffn_ext.has_cuda_kernels() else "ATen composite"
-    payload = {"meta": meta, "notes": notes, "errors": errors, "bytes_per_element": BYTES_PER_ELEMENT,
-               "results": results, "copy": copies}
+    payload = {
+        "meta": meta,
+        "notes": notes,
+        "errors": errors,
+        "bytes_per_element": BYTES_PER_ELEMENT,
+        "results": results,
+        "copy": copies,
+    }
     payload["targets"] = targets(results, dev)
     return payload
 
@@ -402,9 +459,16 @@ def add_ratios(results: list) -> None:
 def _pick(results, op, direction, impl, size=None, peer=None):
     """The bf16 row at 2**28 (the targets' condition), else the closest available: bf16 first, largest size
     (among the rows that have a time of `peer`, if given; MoE-shaped rows are not candidates)."""
-    rows = [r for r in results if r["op"] == op and r["direction"] == direction and r["impl"] == impl
-            and (size is None or r["size"] == size) and (peer is None or peer in r["speedup_vs"])
-            and not r.get("moe")]
+    rows = [
+        r
+        for r in results
+        if r["op"] == op
+        and r["direction"] == direction
+        and r["impl"] == impl
+        and (size is None or r["size"] == size)
+        and (peer is None or peer in r["speedup_vs"])
+        and not r.get("moe")
+    ]
     if not rows:
         return None
     rows.sort(key=lambda r: (r["dtype"] == "bf16", r["numel"]))
@@ -424,58 +488,115 @@ def targets(results: list, dev: torch.device) -> list:
     for op in measured:
         for direction in ("fwd", "bwd"):
             r = _pick(results, op, direction, "ffn_ext")
-            out.append(common.make_target(
-                f"{op} {direction}: ffn_ext >= 92% of copy bandwidth (H200 bf16 2^28)",
-                r and r["frac_copy"] * 100, 92.0, True, "%", r and where(r), bool(r) and cond(r)))
+            out.append(
+                common.make_target(
+                    f"{op} {direction}: ffn_ext >= 92% of copy bandwidth (H200 bf16 2^28)",
+                    r and r["frac_copy"] * 100,
+                    92.0,
+                    True,
+                    "%",
+                    r and where(r),
+                    bool(r) and cond(r),
+                )
+            )
     speedups = [("swiglu", peer, thr) for peer, thr in (("eager", 1.7), ("compile", 1.0), ("liger", 1.1))]
     # the clamped SwiGLU (issue 15): ATen eager runs GPT-OSS's expression, about seven passes forward
-    speedups += [(op, peer, thr) for op in CLAMPED if any(r["op"] == op for r in results)
-                 for peer, thr in (("eager", 3.0), ("compile", 1.0))]
+    speedups += [
+        (op, peer, thr)
+        for op in CLAMPED
+        if any(r["op"] == op for r in results)
+        for peer, thr in (("eager", 3.0), ("compile", 1.0))
+    ]
     for op, peer, thr in speedups:
         r = _pick(results, op, "fwd+bwd", "ffn_ext", peer=peer)
         v = r and r["speedup_vs"].get(peer)
-        out.append(common.make_target(
-            f"{op} fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)", v, thr, True, "x",
-            (r and where(r)) if v is not None else f"{IMPL_LABEL[peer]} not measured", bool(r) and cond(r)))
+        out.append(
+            common.make_target(
+                f"{op} fwd+bwd: ffn_ext >= {thr}x {IMPL_LABEL[peer]} (H200 bf16 2^28)",
+                v,
+                thr,
+                True,
+                "x",
+                (r and where(r)) if v is not None else f"{IMPL_LABEL[peer]} not measured",
+                bool(r) and cond(r),
+            )
+        )
     for op in measured:
         r = _pick(results, op, "fwd", "ffn_ext", size=DECODE[0])
         v = r and r["speedup_vs"].get("eager")
-        out.append(common.make_target(
-            f"{op} fwd decode 16x4864: ffn_ext latency <= 0.8x ATen eager (H200 bf16)",
-            (1.0 / v) if v else None, 0.8, False, "x", r and where(r),
-            bool(r) and dev.type == "cuda" and r["dtype"] == "bf16"))
+        out.append(
+            common.make_target(
+                f"{op} fwd decode 16x4864: ffn_ext latency <= 0.8x ATen eager (H200 bf16)",
+                (1.0 / v) if v else None,
+                0.8,
+                False,
+                "x",
+                r and where(r),
+                bool(r) and dev.type == "cuda" and r["dtype"] == "bf16",
+            )
+        )
     return out
 
 
 # ---------------------------------------------------------------- report
 def markdown(payload: dict) -> str:
     meta = payload["meta"]
-    lines = [f"# ffn_ext op benchmark — {meta['device_name']} ({meta['device_type'].upper()})", "",
-             f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
-             f" commit {meta['git_commit']}, ffn_ext: {meta['ffn_ext_kind']}; timing: {meta['timing']}", ""]
+    lines = [
+        f"# ffn_ext op benchmark — {meta['device_name']} ({meta['device_type'].upper()})",
+        "",
+        f"date {meta['date']}, mode {meta['mode']}, torch {meta['torch_version']}, CUDA {meta['cuda_version']},"
+        f" commit {meta['git_commit']}, ffn_ext: {meta['ffn_ext_kind']}; timing: {meta['timing']}",
+        "",
+    ]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
     # the peers' speedup columns: eager, compile and Liger always, vLLM and TE where measured
-    peers = [p for p in IMPLS[1:] if p in ("eager", "compile", "liger")
-             or any(r["impl"] == p for r in payload["results"])]
-    headers = (["op", "dir", "dtype", "size", "impl", "time µs", "GB/s", "% copy"]
-               + [f"× {IMPL_LABEL[p].replace('ATen ', '').replace('torch.', '')}" for p in peers]
-               + ["peak MiB", "saved MiB (extra)"])
+    peers = [
+        p for p in IMPLS[1:] if p in ("eager", "compile", "liger") or any(r["impl"] == p for r in payload["results"])
+    ]
+    headers = (
+        ["op", "dir", "dtype", "size", "impl", "time µs", "GB/s", "% copy"]
+        + [f"× {IMPL_LABEL[p].replace('ATen ', '').replace('torch.', '')}" for p in peers]
+        + ["peak MiB", "saved MiB (extra)"]
+    )
     rows = []
     for r in payload["results"]:
         sv = r["speedup_vs"]
-        saved = (f"{r['saved_bytes'] / common.MiB:.3g} ({r['saved_extra_bytes'] / common.MiB:.3g})"
-                 if "saved_bytes" in r else "")
-        peak = common.fmt(r["peak_extra_bytes"] / common.MiB) if r.get("peak_extra_bytes") is not None else (
-            "n/a (CPU)" if "saved_bytes" in r else "")
-        rows.append([r["op"], r["direction"], r["dtype"], r["size"], IMPL_LABEL[r["impl"]],
-                     common.fmt(r["median_ms"] * 1e3, ".4g"), common.fmt(r["gbps"], ".4g"),
-                     common.fmt(100 * r["frac_copy"], ".3g")] + [common.fmt(sv.get(p), ".3g") for p in peers]
-                    + [peak, saved])
+        saved = (
+            f"{r['saved_bytes'] / common.MiB:.3g} ({r['saved_extra_bytes'] / common.MiB:.3g})"
+            if "saved_bytes" in r
+            else ""
+        )
+        peak = (
+            common.fmt(r["peak_extra_bytes"] / common.MiB)
+            if r.get("peak_extra_bytes") is not None
+            else ("n/a (CPU)" if "saved_bytes" in r else "")
+        )
+        rows.append(
+            [
+                r["op"],
+                r["direction"],
+                r["dtype"],
+                r["size"],
+                IMPL_LABEL[r["impl"]],
+                common.fmt(r["median_ms"] * 1e3, ".4g"),
+                common.fmt(r["gbps"], ".4g"),
+                common.fmt(100 * r["frac_copy"], ".3g"),
+            ]
+            + [common.fmt(sv.get(p), ".3g") for p in peers]
+            + [peak, saved]
+        )
     lines += [common.markdown_table(headers, rows), ""]
     lines += ["Copy baseline (`dst.copy_(src)`, 2 x N x element size bytes):", ""]
-    lines += [common.markdown_table(["dtype", "size", "time µs", "GB/s"],
-                                    [[c["dtype"], c["size"], common.fmt(c["median_ms"] * 1e3, ".4g"),
-                                      common.fmt(c["gbps"], ".4g")] for c in payload["copy"]]), ""]
+    lines += [
+        common.markdown_table(
+            ["dtype", "size", "time µs", "GB/s"],
+            [
+                [c["dtype"], c["size"], common.fmt(c["median_ms"] * 1e3, ".4g"), common.fmt(c["gbps"], ".4g")]
+                for c in payload["copy"]
+            ],
+        ),
+        "",
+    ]
     if payload["errors"]:
         lines += ["Errors:", ""] + [f"- {e}" for e in payload["errors"]] + [""]
     lines += ["```", common.targets_block(payload["targets"]), "```"]

@@ -6,13 +6,13 @@ as a fraction of copy bandwidth (a clone of the inputs). Shapes: the decode shap
     python benchmarks/bench_quant.py --device cuda            # every recipe, swiglu and quantize
     python benchmarks/bench_quant.py --quick                  # group-128 and row recipes, two shapes
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
 import torch
-
 from common import DTYPES, markdown_table, resolve_device, time_fn
 
 import ffn_ext
@@ -49,20 +49,33 @@ def main(argv=None) -> int:
         copy_ms = time_fn(lambda a, b: (a.clone(), b.clone()), [(gate, up)], dev)["median_ms"]
         for rname, r in recipes.items():
             fused = time_fn(lambda a, b, r=r: ffn_ext.swiglu_quant(a, b, r), [(gate, up)], dev)["median_ms"]
-            unfused = time_fn(lambda a, b, r=r: reference_quantize(ffn_ext.swiglu(a, b), r), [(gate, up)],
-                              dev)["median_ms"]
+            unfused = time_fn(lambda a, b, r=r: reference_quantize(ffn_ext.swiglu(a, b), r), [(gate, up)], dev)[
+                "median_ms"
+            ]
             comp = None
             if not args.no_compile:
                 cf = torch.compile(lambda a, b, r=r: reference_quantize(torch.nn.functional.silu(a) * b, r))
                 comp = time_fn(cf, [(gate, up)], dev)["median_ms"]
             q, s = ffn_ext.swiglu_quant(gate, up, r)
             moved = 2 * gate.nbytes + q.nbytes + s.nbytes
-            rows.append([sname, rname, f"{fused:.4g}", f"{unfused:.4g}", "-" if comp is None else f"{comp:.4g}",
-                         f"{unfused / fused:.2f}x", "-" if comp is None else f"{comp / fused:.2f}x",
-                         f"{(moved / fused) / (4 * gate.nbytes / copy_ms):.2f}"])
+            rows.append(
+                [
+                    sname,
+                    rname,
+                    f"{fused:.4g}",
+                    f"{unfused:.4g}",
+                    "-" if comp is None else f"{comp:.4g}",
+                    f"{unfused / fused:.2f}x",
+                    "-" if comp is None else f"{comp / fused:.2f}x",
+                    f"{(moved / fused) / (4 * gate.nbytes / copy_ms):.2f}",
+                ]
+            )
     print(f"swiglu_quant, {args.dtype}, {dev} ({'CPU wall-clock' if dev.type == 'cpu' else 'CUDA events'}; ms)")
-    print(markdown_table(["shape", "recipe", "fused", "swiglu + quantize", "compile", "vs unfused", "vs compile",
-                          "of copy bw"], rows))
+    print(
+        markdown_table(
+            ["shape", "recipe", "fused", "swiglu + quantize", "compile", "vs unfused", "vs compile", "of copy bw"], rows
+        )
+    )
     return 0
 
 

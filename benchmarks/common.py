@@ -3,6 +3,7 @@
 Nothing here needs a GPU; on CPU every time is a wall-clock median and is labelled CPU. matplotlib and tqdm are
 optional (plots are skipped with a note, the progress bar falls back to a plain stderr counter).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -106,8 +107,13 @@ def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=10)
         commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_DIR,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return (commit + ("+dirty" if dirty else "")) if commit else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -134,8 +140,12 @@ def metadata(dev: torch.device, mode: str, argv: list[str]) -> dict:
     }
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        meta.update(gpu_sms=p.multi_processor_count, gpu_memory_bytes=p.total_memory,
-                    gpu_l2_bytes=getattr(p, "L2_cache_size", None), cudnn=torch.backends.cudnn.version())
+        meta.update(
+            gpu_sms=p.multi_processor_count,
+            gpu_memory_bytes=p.total_memory,
+            gpu_l2_bytes=getattr(p, "L2_cache_size", None),
+            cudnn=torch.backends.cudnn.version(),
+        )
     return meta
 
 
@@ -165,8 +175,15 @@ def synchronize(dev: torch.device) -> None:
 
 
 # ---------------------------------------------------------------- timing
-def time_fn(fn, arg_sets: list, dev: torch.device, target_ms: float = 100.0, min_reps: int = 5,
-            max_reps: int = 2000, warmup: int = 3) -> dict:
+def time_fn(
+    fn,
+    arg_sets: list,
+    dev: torch.device,
+    target_ms: float = 100.0,
+    min_reps: int = 5,
+    max_reps: int = 2000,
+    warmup: int = 3,
+) -> dict:
     """Median time of fn(*arg_sets[i % len(arg_sets)]) in milliseconds.
 
     CUDA: one pair of CUDA events around every call (so launch overhead of multi-kernel implementations counts,
@@ -252,6 +269,7 @@ class _LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import weakref
+
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
@@ -351,8 +369,9 @@ def bench_ops() -> dict:
         out[op] = BenchOp(op, kind, act, None if kind == "unary" else GATED_BY_NAME[act.gated])
     for name in INTERLEAVED_PLAIN:
         g = GATED_BY_NAME[name]
-        out[name + "_packed_interleaved"] = BenchOp(name + "_packed_interleaved", "packed", g.act, g,
-                                                    layout="interleaved")
+        out[name + "_packed_interleaved"] = BenchOp(
+            name + "_packed_interleaved", "packed", g.act, g, layout="interleaved"
+        )
     for g in GATED:
         if not g.params:
             continue
@@ -360,8 +379,9 @@ def bench_ops() -> dict:
         scale = CLAMP_SCALE if "limit" in params else 1.0
         out[g.name] = BenchOp(g.name, "gated", g.act, g, params, scale=scale)
         for layout, suffix in (("concat", ""), ("interleaved", "_interleaved")):
-            out[g.name + "_packed" + suffix] = BenchOp(g.name + "_packed" + suffix, "packed", g.act, g, params,
-                                                       layout=layout, scale=scale)
+            out[g.name + "_packed" + suffix] = BenchOp(
+                g.name + "_packed" + suffix, "packed", g.act, g, params, layout=layout, scale=scale
+            )
     return out
 
 
@@ -373,9 +393,11 @@ def split(gate_up, layout: str):
 
 def chunked(fn):
     """fn(g, u) as a function of gate_up: g, u = gate_up.chunk(2, -1)."""
+
     def packed(gu):
         g, u = gu.chunk(2, dim=-1)
         return fn(g, u)
+
     return packed
 
 
@@ -402,11 +424,14 @@ def eager_fn(op: str):
         def gated(g, u):
             return gpt_oss_apply_gate(g, u, p["limit"], p["alpha"], p["up_offset"])
     elif b.params:
+
         def gated(g, u):
             return b.gated.forward(g, u, **b.params)
     else:
+
         def gated(g, u):
             return f(g) * u
+
     if b.kind == "gated":
         return gated
     if b.layout == "concat" and not b.params:
@@ -414,6 +439,7 @@ def eager_fn(op: str):
 
     def packed(gu):
         return gated(*split(gu, b.layout))
+
     return packed
 
 
@@ -453,8 +479,10 @@ def ffn_ext_label(op: str) -> str:
 # ---------------------------------------------------------------- optional peers
 # Liger-Kernel's gated activations, by the table's activation name: (module, autograd Function) computing
 # act(a) * b. LigerGELUMulFunction is the tanh GeGLU (Gemma's MLP); Liger has no exact-erf GeGLU.
-LIGER_GATED = {"silu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
-               "gelu_tanh": ("liger_kernel.ops.geglu", "LigerGELUMulFunction")}
+LIGER_GATED = {
+    "silu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+    "gelu_tanh": ("liger_kernel.ops.geglu", "LigerGELUMulFunction"),
+}
 
 
 def _why_not(e: Exception, package: str, what: str) -> str:
@@ -491,6 +519,7 @@ def vllm_swigluoai() -> tuple:
         out = torch.empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,), dtype=gate_up.dtype, device=gate_up.device)
         op(out, gate_up, alpha, limit)
         return out
+
     return swigluoai, None
 
 
@@ -516,6 +545,7 @@ def te_clamped_swiglu() -> tuple:
             if up_offset != 1.0:
                 raise
             return cls(**kw)
+
     return make, None
 
 
@@ -552,13 +582,22 @@ def targets_block(targets: list[dict]) -> str:
     lines = ["Targets (reported, not asserted):"]
     for t in targets:
         status = {True: "MET", False: "NOT MET", None: "n/a"}[t["met"]]
-        lines.append(f"  [{status:>7}] {t['target']}: measured {t['measured_str']}"
-                     + (f"  ({t['note']})" if t.get("note") else ""))
+        lines.append(
+            f"  [{status:>7}] {t['target']}: measured {t['measured_str']}"
+            + (f"  ({t['note']})" if t.get("note") else "")
+        )
     return "\n".join(lines)
 
 
-def make_target(target: str, value, threshold: float, higher_is_better: bool, unit: str = "",
-                note: str = "", spec_conditions_met: bool = True) -> dict:
+def make_target(
+    target: str,
+    value,
+    threshold: float,
+    higher_is_better: bool,
+    unit: str = "",
+    note: str = "",
+    spec_conditions_met: bool = True,
+) -> dict:
     if value is None:
         met = None
         measured_str = "not measured"
@@ -567,9 +606,16 @@ def make_target(target: str, value, threshold: float, higher_is_better: bool, un
         measured_str = f"{value:.3g}{unit}"
     if not spec_conditions_met and value is not None:
         note = (note + "; " if note else "") + "measured outside the target's conditions"
-    return {"target": target, "measured": value, "measured_str": measured_str, "threshold": threshold,
-            "higher_is_better": higher_is_better, "met": met, "note": note,
-            "conditions_met": spec_conditions_met}
+    return {
+        "target": target,
+        "measured": value,
+        "measured_str": measured_str,
+        "threshold": threshold,
+        "higher_is_better": higher_is_better,
+        "met": met,
+        "note": note,
+        "conditions_met": spec_conditions_met,
+    }
 
 
 def write_outputs(out_dir: Path, stem: str, payload: dict, markdown: str) -> list[Path]:
@@ -596,17 +642,25 @@ def add_common_args(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="fewer sizes and dtypes (default)")
     g.add_argument("--full", action="store_true", help="every size and dtype (GPU: minutes)")
-    g.add_argument("--smoke", action="store_true", help="tiny sizes, fp32, no torch.compile: a CI check of the "
-                   "pipeline (numbers are meaningless)")
+    g.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, fp32, no torch.compile: a CI check of the pipeline (numbers are meaningless)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default benchmarks/results/<YYYY-MM-DD>_<device-slug>/)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default benchmarks/results/<YYYY-MM-DD>_<device-slug>/)",
+    )
     p.add_argument("--dtypes", default=None, help="comma-separated subset of fp32,fp16,bf16")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--target-ms", type=float, default=None,
-                   help="approximate measuring time per timed case (after warm-up)")
+    p.add_argument(
+        "--target-ms", type=float, default=None, help="approximate measuring time per timed case (after warm-up)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -28,6 +28,7 @@ issue a call, "total µs" includes waiting for the GPU: when they are about equa
 host (host-bound, as intended at this size); when total is much larger the row is GPU-bound and its issue time
 is not its cost. Medians over rounds; inputs do not require grad (inference).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repository root on sys.path)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -75,8 +75,12 @@ def make_args(op, shape, dtype, dev):
     if kind == "packed":
         cols *= 2
     n_in = 2 if kind == "gated" else 1
-    return tuple(torch.randn(rows, cols, dtype=torch.float32, device="cpu" if dev.type == "meta" else dev)
-                 .to(dtype=dtype, device=dev) for _ in range(n_in))
+    return tuple(
+        torch.randn(rows, cols, dtype=torch.float32, device="cpu" if dev.type == "meta" else dev).to(
+            dtype=dtype, device=dev
+        )
+        for _ in range(n_in)
+    )
 
 
 def measure(rows, args, dev, rounds: int, calls: int) -> list[dict]:
@@ -98,8 +102,15 @@ def measure(rows, args, dev, rounds: int, calls: int) -> list[dict]:
                 t2 = time.perf_counter()
                 issue[label].append((t1 - t0) / calls * 1e6)
                 total[label].append((t2 - t0) / calls * 1e6)
-    return [{"layer": label, "issue_us": statistics.median(issue[label]), "issue_min_us": min(issue[label]),
-             "total_us": statistics.median(total[label])} for label, _ in rows]
+    return [
+        {
+            "layer": label,
+            "issue_us": statistics.median(issue[label]),
+            "issue_min_us": min(issue[label]),
+            "total_us": statistics.median(total[label]),
+        }
+        for label, _ in rows
+    ]
 
 
 def run(args) -> dict:
@@ -124,36 +135,54 @@ def run(args) -> dict:
         tokens, d_model, d_ff = (1, 8, 16) if args.smoke else (1, 896, 4864)
         mlp = ffn_ext.SwiGLUFFN(d_model, d_ff, device=dev, dtype=dtype)
         g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        rows = [(EAGER_MLP, lambda x: d(F.silu(g(x)) * u(x))),
-                ("ffn_ext.SwiGLUFFN", mlp)]
+        rows = [(EAGER_MLP, lambda x: d(F.silu(g(x)) * u(x))), ("ffn_ext.SwiGLUFFN", mlp)]
         x = torch.randn(tokens, d_model, device=dev, dtype=dtype)
         for r in measure(rows, (x,), dev, rounds, calls):
             results.append({"op": f"MLP {tokens}x{d_model}->{d_ff}", **r})
     meta = common.metadata(dev, mode, sys.argv)
     if dev.type == "meta":
         meta["device_name"] = "meta tensors"
-    meta.update(shape=list(shape), dtype=args.dtype, rounds=rounds, calls_per_round=calls,
-                timing="time.perf_counter around back-to-back calls; median over rounds")
+    meta.update(
+        shape=list(shape),
+        dtype=args.dtype,
+        rounds=rounds,
+        calls_per_round=calls,
+        timing="time.perf_counter around back-to-back calls; median over rounds",
+    )
     return {"meta": meta, "notes": notes, "results": results}
 
 
 def markdown(payload: dict) -> str:
     meta = payload["meta"]
     shape = "x".join(map(str, meta["shape"]))
-    lines = [f"# ffn_ext host time per call — {meta['device_name']}", "",
-             f"torch {meta['torch_version']}, commit {meta['git_commit']}, {meta['dtype']} {shape}, "
-             f"{meta['rounds']} rounds x {meta['calls_per_round']} calls, no grad; {meta['timing']}", ""]
+    lines = [
+        f"# ffn_ext host time per call — {meta['device_name']}",
+        "",
+        f"torch {meta['torch_version']}, commit {meta['git_commit']}, {meta['dtype']} {shape}, "
+        f"{meta['rounds']} rounds x {meta['calls_per_round']} calls, no grad; {meta['timing']}",
+        "",
+    ]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
     table = []
     for op in dict.fromkeys(r["op"] for r in payload["results"]):
         rs = [r for r in payload["results"] if r["op"] == op]
         base = next((r["issue_us"] for r in rs if r["layer"] in BASELINES), None)
         for r in rs:
-            table.append([op, r["layer"], common.fmt(r["issue_us"], ".2f"), common.fmt(r["issue_min_us"], ".2f"),
-                          common.fmt(r["total_us"], ".2f"),
-                          common.fmt(None if base is None else r["issue_us"] - base, "+.2f")])
-    lines.append(common.markdown_table(["op", "layer", "issue µs (median)", "issue µs (min)", "total µs",
-                                        "issue − eager µs"], table))
+            table.append(
+                [
+                    op,
+                    r["layer"],
+                    common.fmt(r["issue_us"], ".2f"),
+                    common.fmt(r["issue_min_us"], ".2f"),
+                    common.fmt(r["total_us"], ".2f"),
+                    common.fmt(None if base is None else r["issue_us"] - base, "+.2f"),
+                ]
+            )
+    lines.append(
+        common.markdown_table(
+            ["op", "layer", "issue µs (median)", "issue µs (min)", "total µs", "issue − eager µs"], table
+        )
+    )
     return "\n".join(lines)
 
 

@@ -10,12 +10,12 @@ The packed backward runs the gated backward's kernel (another layout), so it is 
 form, the clamped SwiGLU on the interleaved layout (common.bench_ops' swiglu_clamped_packed_interleaved), whose
 forward and backward run last: the new kernels of issue 15, on inputs scaled so that the clamps act.
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (also puts the repository root on sys.path)
-
 import torch  # noqa: E402
 
 n = 1 << 26
@@ -26,22 +26,30 @@ ops, aten = torch.ops.ffn_ext, torch.ops.aten
 cases = []
 for op, (kind, act) in common.table_ops().items():
     if kind == "unary":
-        cases += [(f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(x)),
-                  (f"aten {op}", lambda f=act.aten: f(x)),
-                  (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(g, x)),
-                  (f"aten {op}_backward", lambda f=act.aten_backward: f(g, x))]
+        cases += [
+            (f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(x)),
+            (f"aten {op}", lambda f=act.aten: f(x)),
+            (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(g, x)),
+            (f"aten {op}_backward", lambda f=act.aten_backward: f(g, x)),
+        ]
     elif kind == "gated":
-        cases += [(f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(g, u)),
-                  (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(x, g, u))]
+        cases += [
+            (f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(g, u)),
+            (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(x, g, u)),
+        ]
     else:
         cases.append((f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(gu)))
 # GPT-OSS's experts: the clamped SwiGLU (limit 7, alpha 1.702, up + 1) on the interleaved [g0, u0, g1, u1, ...] layout
 gpt_oss = common.bench_ops()["swiglu_clamped_packed_interleaved"]
 gu_c = gu * gpt_oss.scale
 kw = dict(gpt_oss.params, layout=gpt_oss.layout)
-cases += [("ffn_ext swiglu_clamped_packed interleaved", lambda: ops.swiglu_clamped_packed(gu_c, **kw)),
-          ("ffn_ext swiglu_clamped_packed_backward interleaved",
-           lambda: ops.swiglu_clamped_packed_backward(g.view(1 << 13, 1 << 13), gu_c, **kw))]
+cases += [
+    ("ffn_ext swiglu_clamped_packed interleaved", lambda: ops.swiglu_clamped_packed(gu_c, **kw)),
+    (
+        "ffn_ext swiglu_clamped_packed_backward interleaved",
+        lambda: ops.swiglu_clamped_packed_backward(g.view(1 << 13, 1 << 13), gu_c, **kw),
+    ),
+]
 for name, fn in cases:
     torch.cuda.nvtx.range_push(name)
     fn()

@@ -8,17 +8,25 @@ drawn as the ceiling (MoE-shaped cases as unconnected stars at their size); one 
 over ATen eager vs size.
 ffn: time of forward+backward and saved activation memory per implementation and model (SwiGLU, GeGLU).
 """
+
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-IMPL_STYLE = {"ffn_ext": ("ffn_ext", "tab:red", "o"), "eager": ("ATen eager", "tab:blue", "s"),
-              "compile": ("torch.compile", "tab:green", "^"), "liger": ("Liger", "tab:purple", "D"),
-              "vllm": ("vLLM", "tab:orange", "v"), "te": ("TransformerEngine", "tab:brown", "P"),
-              "fused": ("ffn_ext fused_gate_up", "tab:pink", "x"), "recompute": ("ffn_ext recompute", "tab:olive", "*"),
-              "chunk": ("ffn_ext token_chunk", "tab:cyan", "h"), "liger_tiled": ("Liger tiled", "tab:gray", "d")}
+IMPL_STYLE = {
+    "ffn_ext": ("ffn_ext", "tab:red", "o"),
+    "eager": ("ATen eager", "tab:blue", "s"),
+    "compile": ("torch.compile", "tab:green", "^"),
+    "liger": ("Liger", "tab:purple", "D"),
+    "vllm": ("vLLM", "tab:orange", "v"),
+    "te": ("TransformerEngine", "tab:brown", "P"),
+    "fused": ("ffn_ext fused_gate_up", "tab:pink", "x"),
+    "recompute": ("ffn_ext recompute", "tab:olive", "*"),
+    "chunk": ("ffn_ext token_chunk", "tab:cyan", "h"),
+    "liger_tiled": ("Liger tiled", "tab:gray", "d"),
+}
 
 
 def _plt():
@@ -62,26 +70,48 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
     ops = list(dict.fromkeys(r["op"] for r in res))  # the benchmark's order (the op table's)
     files = []
     for op in ops:
-        fig, axes = plt.subplots(len(dtypes), len(dirs), figsize=(4.2 * len(dirs), 3.2 * len(dtypes)),
-                                 squeeze=False, sharex=True)
+        fig, axes = plt.subplots(
+            len(dtypes), len(dirs), figsize=(4.2 * len(dirs), 3.2 * len(dtypes)), squeeze=False, sharex=True
+        )
         for i, dt in enumerate(dtypes):
-            cp = sorted((c for c in copies if c["dtype"] == dt and not c["size"].startswith("MoE")),
-                        key=lambda c: c["numel"])
+            cp = sorted(
+                (c for c in copies if c["dtype"] == dt and not c["size"].startswith("MoE")), key=lambda c: c["numel"]
+            )
             for j, d in enumerate(dirs):
                 ax = axes[i][j]
                 if cp:
-                    ax.plot([c["numel"] for c in cp], [c["gbps"] for c in cp], "k--", lw=1.2,
-                            label="copy (ceiling)")
+                    ax.plot([c["numel"] for c in cp], [c["gbps"] for c in cp], "k--", lw=1.2, label="copy (ceiling)")
                 for impl, (lab, col, mk) in IMPL_STYLE.items():
-                    pts = sorted(((r["numel"], r["gbps"]) for r in res if r["op"] == op and r["dtype"] == dt
-                                  and r["direction"] == d and r["impl"] == impl and not r.get("moe")))
+                    pts = sorted(
+                        (r["numel"], r["gbps"])
+                        for r in res
+                        if r["op"] == op
+                        and r["dtype"] == dt
+                        and r["direction"] == d
+                        and r["impl"] == impl
+                        and not r.get("moe")
+                    )
                     if pts:
                         ax.plot(*zip(*pts), color=col, marker=mk, ms=4, label=lab)
-                    moe = [r for r in res if r["op"] == op and r["dtype"] == dt and r["direction"] == d
-                           and r["impl"] == impl and r.get("moe")]
+                    moe = [
+                        r
+                        for r in res
+                        if r["op"] == op
+                        and r["dtype"] == dt
+                        and r["direction"] == d
+                        and r["impl"] == impl
+                        and r.get("moe")
+                    ]
                     if moe:
-                        ax.plot([r["numel"] for r in moe], [r["gbps"] for r in moe], color=col, marker="*", ms=9,
-                                ls="none", label=f"{lab}, {moe[0]['moe']} MoE")
+                        ax.plot(
+                            [r["numel"] for r in moe],
+                            [r["gbps"] for r in moe],
+                            color=col,
+                            marker="*",
+                            ms=9,
+                            ls="none",
+                            label=f"{lab}, {moe[0]['moe']} MoE",
+                        )
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"{op} {d} {dt}", fontsize=9)
                 ax.grid(alpha=0.3)
@@ -102,9 +132,16 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
                 if impl == "eager":
                     continue
                 for d, ls, mk in (("fwd", "-", "o"), ("bwd", "--", "s"), ("fwd+bwd", ":", "^")):
-                    pts = sorted((r["numel"], r["speedup_vs"]["eager"]) for r in res
-                                 if r["op"] == op and r["dtype"] == dt and r["direction"] == d
-                                 and r["impl"] == impl and "eager" in r["speedup_vs"] and not r.get("moe"))
+                    pts = sorted(
+                        (r["numel"], r["speedup_vs"]["eager"])
+                        for r in res
+                        if r["op"] == op
+                        and r["dtype"] == dt
+                        and r["direction"] == d
+                        and r["impl"] == impl
+                        and "eager" in r["speedup_vs"]
+                        and not r.get("moe")
+                    )
                     if pts:
                         ax.plot(*zip(*pts), color=col, ls=ls, marker=mk, ms=4, label=f"{lab} {d}")
             ax.axhline(1.0, color="k", lw=0.8)
@@ -167,15 +204,21 @@ def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
 def _plot_ffn_memory(plt, res, meta, out_dir):
     """Peak memory of forward+backward against tokens, per model and implementation (where there are 2+ token
     counts): ffn_memory.png."""
-    models = [m for m in dict.fromkeys(r["model"] for r in res)
-              if len({r["tokens"] for r in res if r["model"] == m and r["peak_extra_bytes"]}) > 1]
+    models = [
+        m
+        for m in dict.fromkeys(r["model"] for r in res)
+        if len({r["tokens"] for r in res if r["model"] == m and r["peak_extra_bytes"]}) > 1
+    ]
     if not models:
         return []
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         for impl, (lab, col, mk) in IMPL_STYLE.items():
-            pts = sorted((r["tokens"], r["peak_extra_bytes"] / 2**20) for r in res
-                         if r["model"] == model and r["impl"] == impl and r["peak_extra_bytes"])
+            pts = sorted(
+                (r["tokens"], r["peak_extra_bytes"] / 2**20)
+                for r in res
+                if r["model"] == model and r["impl"] == impl and r["peak_extra_bytes"]
+            )
             if pts:
                 ax.plot(*zip(*pts), marker=mk, color=col, label=lab)
         ax.set_xscale("log", base=2)

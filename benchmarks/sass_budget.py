@@ -9,6 +9,7 @@ A command line over ffn_ext.sass (the same as `python -m ffn_ext.sass`), which h
 vector-path tracer, the calibration against Nsight Compute and the kernel list derived from ffn_ext.table; its
 docstring says how the count is made and what it predicts. tests/test_sass.py checks every kernel with it.
 """
+
 from __future__ import annotations
 
 import sys

@@ -12,9 +12,9 @@ namespace aten_impl {
 
 // An activation's ATen composite, by its functor: forward into `out`, backward (grad * act'(x)) into `out`.
 template <class Act> struct Aten;
-#define FFN_EXT_ATEN_ACT(name, Act, aten_forward, aten_backward)                                     \
-  template <> struct Aten<math::Act> {                                                             \
-    static void forward(at::Tensor out, const at::Tensor& x) { aten_forward; }                     \
+#define FFN_EXT_ATEN_ACT(name, Act, aten_forward, aten_backward) \
+  template <> struct Aten<math::Act> { \
+    static void forward(at::Tensor out, const at::Tensor& x) { aten_forward; } \
     static void backward(at::Tensor out, const at::Tensor& grad, const at::Tensor& x) { aten_backward; } \
   };
 FFN_EXT_ACTIVATIONS(FFN_EXT_ATEN_ACT)
@@ -126,37 +126,37 @@ void warn_cpu_only_build() {
 template <bool Warn, class Library>
 void impl_all(Library& m) {
   using T = const at::Tensor&;
-#define FFN_EXT_WARN if constexpr (Warn) warn_cpu_only_build()
-#define FFN_EXT_ATEN_IMPL_ACT(name, Act, ...)                                   \
-  m.impl(#name, [](T x) {                                                       \
-    FFN_EXT_WARN;                                                               \
-    return unary<math::Act>("ffn_ext." #name, x);                               \
-  });                                                                           \
-  m.impl(#name "_backward", [](T g, T x) {                                      \
-    FFN_EXT_WARN;                                                               \
-    return unary_backward<math::Act>("ffn_ext." #name "_backward", g, x);       \
-  });                                                                           \
-  m.impl(#name "_backward_recompute", [](T g, T x) {                            \
-    FFN_EXT_WARN;                                                               \
+#define FFN_EXT_WARN \
+  if constexpr (Warn) warn_cpu_only_build()
+#define FFN_EXT_ATEN_IMPL_ACT(name, Act, ...) \
+  m.impl(#name, [](T x) { \
+    FFN_EXT_WARN; \
+    return unary<math::Act>("ffn_ext." #name, x); \
+  }); \
+  m.impl(#name "_backward", [](T g, T x) { \
+    FFN_EXT_WARN; \
+    return unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); \
+  }); \
+  m.impl(#name "_backward_recompute", [](T g, T x) { \
+    FFN_EXT_WARN; \
     return unary_backward_recompute<math::Act>("ffn_ext." #name "_backward_recompute", g, x); \
   });
-#define FFN_EXT_ATEN_IMPL_GATED(name, Gate, P)                                  \
-  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                           \
-    FFN_EXT_WARN;                                                               \
-    return gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);   \
-  });                                                                           \
-  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {          \
-    FFN_EXT_WARN;                                                               \
+#define FFN_EXT_ATEN_IMPL_GATED(name, Gate, P) \
+  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { \
+    FFN_EXT_WARN; \
+    return gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up); \
+  }); \
+  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) { \
+    FFN_EXT_WARN; \
     return gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
-  });                                                                           \
+  }); \
   m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
-    FFN_EXT_WARN;                                                               \
+    FFN_EXT_WARN; \
     return gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout); \
-  });                                                                           \
+  }); \
   m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
-    FFN_EXT_WARN;                                                               \
-    return gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, g, gu, \
-                                             layout);                           \
+    FFN_EXT_WARN; \
+    return gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, g, gu, layout); \
   });
   FFN_EXT_ACTIVATIONS(FFN_EXT_ATEN_IMPL_ACT)
   FFN_EXT_GATED(FFN_EXT_ATEN_IMPL_GATED)

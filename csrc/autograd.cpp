@@ -304,7 +304,8 @@ Pair recompute_no_autograd(T grad, T x) {
   const bool grad_mode = at::GradMode::is_enabled() && (grad.requires_grad() || x.requires_grad());
   TORCH_CHECK(!grad_mode && !has_tangent_(grad) && !has_tangent_(x), ActOps<Act>::name("_backward_recompute"),
               " has no autograd formula (it serves a backward pass); call it under torch.no_grad() or with inputs "
-              "that do not require grad, or differentiate ", ActOps<Act>::name("_backward"), " instead");
+              "that do not require grad, or differentiate ",
+              ActOps<Act>::name("_backward"), " instead");
   return call_below(h, grad, x);
 }
 
@@ -316,23 +317,23 @@ FFN_EXT_GATED(FFN_EXT_GATED_NAME)
 #undef FFN_EXT_GATED_NAME
 
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
-#define FFN_EXT_AUTOGRAD_ACT(name, Act, ...)                                        \
-  m.impl(#name, [](T x) { return run<UnaryFn<math::Act>>(x); });                   \
-  m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); });     \
+#define FFN_EXT_AUTOGRAD_ACT(name, Act, ...) \
+  m.impl(#name, [](T x) { return run<UnaryFn<math::Act>>(x); }); \
+  m.impl(#name "_backward", [](T g, T x) { return run<UnaryBackwardFn<math::Act>>(g, x); }); \
   m.impl(#name "_backward_recompute", [](T g, T x) { return recompute_no_autograd<math::Act>(g, x); });
-#define FFN_EXT_AUTOGRAD_GATED(name, Gate, P)                                                                  \
-  {                                                                                                          \
-    using Ops = GatedOps<k_##name, math::Gate>;                                                              \
+#define FFN_EXT_AUTOGRAD_GATED(name, Gate, P) \
+  { \
+    using Ops = GatedOps<k_##name, math::Gate>; \
     m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { return run<GatedFn<Ops>>(gate, up, FFN_EXT_P_MAKE_##P); }); \
-    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                     \
-      return run<GatedBackwardFn<Ops>>(g, gate, up, FFN_EXT_P_MAKE_##P);                                     \
-    });                                                                                                      \
-    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, Str layout) {                                        \
-      return run<GatedPackedFn<Ops>>(gu, FFN_EXT_P_MAKE_##P, layout);                                        \
-    });                                                                                                      \
-    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, Str layout) {                          \
-      return run<GatedPackedBackwardFn<Ops>>(g, gu, FFN_EXT_P_MAKE_##P, layout);                             \
-    });                                                                                                      \
+    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) { \
+      return run<GatedBackwardFn<Ops>>(g, gate, up, FFN_EXT_P_MAKE_##P); \
+    }); \
+    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, Str layout) { \
+      return run<GatedPackedFn<Ops>>(gu, FFN_EXT_P_MAKE_##P, layout); \
+    }); \
+    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, Str layout) { \
+      return run<GatedPackedBackwardFn<Ops>>(g, gu, FFN_EXT_P_MAKE_##P, layout); \
+    }); \
   }
   FFN_EXT_ACTIVATIONS(FFN_EXT_AUTOGRAD_ACT)
   FFN_EXT_GATED(FFN_EXT_AUTOGRAD_GATED)

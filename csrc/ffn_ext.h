@@ -36,8 +36,8 @@ at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at
 std::tuple<at::Tensor, at::Tensor> alloc_unary_backward_recompute(const char* op, const at::Tensor& grad,
                                                                   const at::Tensor& x);
 at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up);  // swiglu, geglu, ...
-std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
-                                                        const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate,
+                                                        const at::Tensor& up);
 at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up);
 at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up);
 

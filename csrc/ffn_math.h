@@ -20,8 +20,8 @@
 
 #include <torch/version.h>
 
-#include <cmath>
 #include <math.h>  // ::isinf on the host
+#include <cmath>
 
 #if defined(__CUDACC__)
 #define FFN_HD __host__ __device__ __forceinline__
@@ -105,7 +105,7 @@ struct GeluTail {
 };
 template <bool Fast> FFN_HD GeluTail gelu_tail(float x) {
   constexpr float kK = 0.305f;
-  constexpr float c[8] = {0.304905593f, 0.306978787f, 0.259237663f, 0.303356378f,
+  constexpr float c[8] = {0.304905593f,   0.306978787f, 0.259237663f,  0.303356378f,
                           -0.0951938281f, 0.465523286f, -0.383484861f, 0.091991237f};
   // phi(x) = 2**(x^2 * (-log2(e) / 2) + log2(1 / sqrt(2 pi)))
   const float pdf = exp2_<Fast>(x * x * -0.72134752044448170368f + -1.3257480647361594510f);
@@ -302,7 +302,9 @@ struct PlainLayout {
 template <class Act>
 struct UnaryFwd : PlainLayout {  // in: x
   static constexpr int NI = 1, NO = 1;
-  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const { out[0] = Act::template f<Fast>(in[0]); }
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
+    out[0] = Act::template f<Fast>(in[0]);
+  }
 };
 template <class Act>
 struct UnaryBwd : PlainLayout {  // in: grad, x

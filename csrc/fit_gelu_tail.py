@@ -9,12 +9,13 @@ by Lawson's iteratively reweighted least squares on Chebyshev points, in float64
     python csrc/fit_gelu_tail.py            # prints K, the coefficients and the fit's error
 The result is checked in tests/test_host_math.py (every bfloat16 and float16 value through the header's code).
 """
+
 import math
 
 import torch
 
-K = 0.305        # chosen by scanning 0.26..0.40: smallest error at degree 7
-DEGREE = 7       # 8 coefficients: 7 FFMA in Horner's scheme; degree 8 gains nothing visible after float rounding
+K = 0.305  # chosen by scanning 0.26..0.40: smallest error at degree 7
+DEGREE = 7  # 8 coefficients: 7 FFMA in Horner's scheme; degree 8 gains nothing visible after float rounding
 A_MAX = 14.0
 
 
@@ -32,7 +33,7 @@ def fit(points=4000, iterations=300):
     V = torch.stack([u**i for i in range(DEGREE + 1)], 1)
     w = torch.full_like(u, 1.0 / points)
     for _ in range(iterations):  # Lawson: weights grow where the error is largest -> minimax
-        s = (w.sqrt() / f)
+        s = w.sqrt() / f
         c = torch.linalg.lstsq(V * s[:, None], f * s).solution
         err = ((V @ c - f) / f).abs()
         w = w * err

@@ -15,19 +15,19 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 }  // namespace
 
 using T = const at::Tensor&;
-#define FFN_EXT_API_ACT(name, ...)                                               \
-  at::Tensor name(T x) {                                                         \
-    static const auto op = typed_op<at::Tensor(T)>("ffn_ext::" #name);           \
-    return op.call(x);                                                           \
+#define FFN_EXT_API_ACT(name, ...) \
+  at::Tensor name(T x) { \
+    static const auto op = typed_op<at::Tensor(T)>("ffn_ext::" #name); \
+    return op.call(x); \
   }
-#define FFN_EXT_API_GATED(name, Gate, P)                                                                        \
-  at::Tensor name(T gate, T up FFN_EXT_P_DECL_##P) {                                                            \
-    static const auto op = typed_op<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name);                    \
-    return op.call(gate, up FFN_EXT_P_ARGS_##P);                                                                \
-  }                                                                                                             \
-  at::Tensor name##_packed(T gate_up FFN_EXT_P_DECL_##P, c10::string_view layout) {                            \
+#define FFN_EXT_API_GATED(name, Gate, P) \
+  at::Tensor name(T gate, T up FFN_EXT_P_DECL_##P) { \
+    static const auto op = typed_op<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name); \
+    return op.call(gate, up FFN_EXT_P_ARGS_##P); \
+  } \
+  at::Tensor name##_packed(T gate_up FFN_EXT_P_DECL_##P, c10::string_view layout) { \
     static const auto op = typed_op<at::Tensor(T FFN_EXT_P_DECL_##P, c10::string_view)>("ffn_ext::" #name "_packed"); \
-    return op.call(gate_up FFN_EXT_P_ARGS_##P, layout);                                                         \
+    return op.call(gate_up FFN_EXT_P_ARGS_##P, layout); \
   }
 FFN_EXT_ACTIVATIONS(FFN_EXT_API_ACT)
 FFN_EXT_GATED(FFN_EXT_API_GATED)

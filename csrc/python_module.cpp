@@ -67,10 +67,12 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
     }
   }
   std::tuple<Extra...> extra;
-  const bool parsed = std::apply([&](auto&... e) {
-    Py_ssize_t k = NT;
-    return (from_py(args[k++], e) && ...);
-  }, extra);
+  const bool parsed = std::apply(
+      [&](auto&... e) {
+        Py_ssize_t k = NT;
+        return (from_py(args[k++], e) && ...);
+      },
+      extra);
   if (!parsed) {
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;  // torch.ops parses it and raises the schema's error
@@ -100,8 +102,8 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
 #define FFN_EXT_P_TYPES_NONE
 #define FFN_EXT_P_TYPES_CLAMP , double, double, double
 #define FFN_EXT_FAST_ACT(name, ...) constexpr char k_##name[] = "ffn_ext::" #name;
-#define FFN_EXT_FAST_GATED(name, Gate, P)         \
-  constexpr char k_##name[] = "ffn_ext::" #name;  \
+#define FFN_EXT_FAST_GATED(name, Gate, P) \
+  constexpr char k_##name[] = "ffn_ext::" #name; \
   constexpr char k_##name##_packed[] = "ffn_ext::" #name "_packed";
 FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_ACT)
 FFN_EXT_GATED(FFN_EXT_FAST_GATED)
@@ -117,28 +119,31 @@ PyMethodDef fast_def(const char* name) {
 }
 PyMethodDef fast_methods[] = {
 #define FFN_EXT_FAST_DEF_ACT(name, ...) fast_def<k_##name, 1>("_fast_" #name),
-#define FFN_EXT_FAST_DEF_GATED(name, Gate, P)                 \
+#define FFN_EXT_FAST_DEF_GATED(name, Gate, P) \
   fast_def<k_##name, 2 FFN_EXT_P_TYPES_##P>("_fast_" #name), \
       fast_def<k_##name##_packed, 1 FFN_EXT_P_TYPES_##P, c10::string_view>("_fast_" #name "_packed"),
     FFN_EXT_ACTIVATIONS(FFN_EXT_FAST_DEF_ACT) FFN_EXT_GATED(FFN_EXT_FAST_DEF_GATED)
 #undef FFN_EXT_FAST_DEF_ACT
 #undef FFN_EXT_FAST_DEF_GATED
-    {nullptr, nullptr, 0, nullptr}};
+        {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
-void add_test_paths(pybind11::module& m);  // test_paths.cpp
+void add_test_paths(pybind11::module& m);        // test_paths.cpp
 void add_quant_test_paths(pybind11::module& m);  // test_paths.cpp, the quantizing ops' block
 }  // namespace ffn_ext
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ffn_ext native library: importing it registers the torch.ops.ffn_ext ops";
   if (PyModule_AddFunctions(m.ptr(), ffn_ext::fast_methods) != 0) throw pybind11::error_already_set();
-  m.def("build_info", [] {
-    pybind11::dict d;
-    for (const auto& kv : ffn_ext::build_info()) d[kv.first.c_str()] = kv.second;
-    return d;
-  }, "What this build contains: CUDA kernels or not, CUDA version, architectures, torch version built against.");
+  m.def(
+      "build_info",
+      [] {
+        pybind11::dict d;
+        for (const auto& kv : ffn_ext::build_info()) d[kv.first.c_str()] = kv.second;
+        return d;
+      },
+      "What this build contains: CUDA kernels or not, CUDA version, architectures, torch version built against.");
   ffn_ext::add_test_paths(m);
   ffn_ext::add_quant_test_paths(m);
 }

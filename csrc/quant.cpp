@@ -25,11 +25,15 @@ Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
   TORCH_CHECK_TYPE(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op,
                    ": `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got ", c10::toString(dtype));
   r.dtype = dtype;
-  if (scaling == "tensor") r.scaling = Scaling::kTensor;
-  else if (scaling == "row") r.scaling = Scaling::kRow;
-  else if (scaling == "group") r.scaling = Scaling::kGroup;
-  else TORCH_CHECK_VALUE(false, op, ": `scaling` must be \"tensor\", \"row\" or \"group\", got \"",
-                         std::string(scaling), "\"");
+  if (scaling == "tensor")
+    r.scaling = Scaling::kTensor;
+  else if (scaling == "row")
+    r.scaling = Scaling::kRow;
+  else if (scaling == "group")
+    r.scaling = Scaling::kGroup;
+  else
+    TORCH_CHECK_VALUE(false, op, ": `scaling` must be \"tensor\", \"row\" or \"group\", got \"", std::string(scaling),
+                      "\"");
   TORCH_CHECK_VALUE(r.scaling != Scaling::kGroup || group_size == 32 || group_size == 64 || group_size == 128, op,
                     ": `group_size` must be 32, 64 or 128 (elements per group along the last dim), got ",
                     std::to_string(group_size));
@@ -147,25 +151,23 @@ c10::TypedOperatorHandle<Sig> unfused(const char* name) {
 }
 
 void impl_composite(torch::Library& m) {
-#define FFN_EXT_QUANT_CPU(name, Gate, P)                                                                         \
-  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) -> Out {                      \
-    const char* op = "ffn_ext." #name "_quant";                                                                 \
-    const Recipe r = parse_recipe(op, FFN_EXT_QUANT_ARGS);                                                      \
-    auto [q, s] = alloc_gated(op, FFN_EXT_P_MAKE_##P, r, gate, up);                                            \
-    static const auto h_op = unfused<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name);                  \
-    quantize_aten(h_op.call(gate, up FFN_EXT_P_ARGS_##P), r, q, s);                                             \
-    return {q, s};                                                                                              \
-  });                                                                                                           \
-  m.impl(#name "_packed_quant",                                                                                 \
-         [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) -> Out {                      \
-           const char* op = "ffn_ext." #name "_packed_quant";                                                   \
-           const Recipe r = parse_recipe(op, FFN_EXT_QUANT_ARGS);                                               \
-           auto [q, s] = alloc_packed(op, FFN_EXT_P_MAKE_##P, r, gu, layout);                                  \
-           static const auto h_op =                                                                             \
-               unfused<at::Tensor(T FFN_EXT_P_DECL_##P, c10::string_view)>("ffn_ext::" #name "_packed");       \
-           quantize_aten(h_op.call(gu FFN_EXT_P_ARGS_##P, layout), r, q, s);                                    \
-           return {q, s};                                                                                       \
-         });
+#define FFN_EXT_QUANT_CPU(name, Gate, P) \
+  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) -> Out { \
+    const char* op = "ffn_ext." #name "_quant"; \
+    const Recipe r = parse_recipe(op, FFN_EXT_QUANT_ARGS); \
+    auto [q, s] = alloc_gated(op, FFN_EXT_P_MAKE_##P, r, gate, up); \
+    static const auto h_op = unfused<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name); \
+    quantize_aten(h_op.call(gate, up FFN_EXT_P_ARGS_##P), r, q, s); \
+    return {q, s}; \
+  }); \
+  m.impl(#name "_packed_quant", [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) -> Out { \
+    const char* op = "ffn_ext." #name "_packed_quant"; \
+    const Recipe r = parse_recipe(op, FFN_EXT_QUANT_ARGS); \
+    auto [q, s] = alloc_packed(op, FFN_EXT_P_MAKE_##P, r, gu, layout); \
+    static const auto h_op = unfused<at::Tensor(T FFN_EXT_P_DECL_##P, c10::string_view)>("ffn_ext::" #name "_packed"); \
+    quantize_aten(h_op.call(gu FFN_EXT_P_ARGS_##P, layout), r, q, s); \
+    return {q, s}; \
+  });
   FFN_EXT_GATED(FFN_EXT_QUANT_CPU)
 #undef FFN_EXT_QUANT_CPU
   m.impl("quantize", [](T x, FFN_EXT_QUANT_DECL) -> Out {
@@ -179,29 +181,27 @@ void impl_composite(torch::Library& m) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ffn_ext, m) {
-#define FFN_EXT_QUANT_DEF(name, Gate, P)                                                                        \
-  m.def(#name "_quant(Tensor gate, Tensor up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P                    \
-              ") -> (Tensor, Tensor)");                                                                         \
-  m.def(#name "_packed_quant(Tensor gate_up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P                     \
-              ", str layout=\"concat\") -> (Tensor, Tensor)");
+#define FFN_EXT_QUANT_DEF(name, Gate, P) \
+  m.def(#name "_quant(Tensor gate, Tensor up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P ") -> (Tensor, Tensor)"); \
+  m.def(#name "_packed_quant(Tensor gate_up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P \
+        ", str layout=\"concat\") -> (Tensor, Tensor)");
   FFN_EXT_GATED(FFN_EXT_QUANT_DEF)  // [..., M] x2 -> q [..., M], scale; [..., 2M] -> q [..., M], scale
 #undef FFN_EXT_QUANT_DEF
   m.def("quantize(Tensor x, *, " FFN_EXT_QUANT_SCHEMA ") -> (Tensor, Tensor)");  // [..., K] -> q [..., K], scale
 }
 
 TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
-#define FFN_EXT_QUANT_META(name, Gate, P)                                                                      \
-  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) -> Out {                     \
-    const char* op = "ffn_ext." #name "_quant";                                                                \
-    auto [q, s] = alloc_gated(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gate, up);         \
-    return {q, s};                                                                                             \
-  });                                                                                                          \
-  m.impl(#name "_packed_quant",                                                                                \
-         [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) -> Out {                     \
-           const char* op = "ffn_ext." #name "_packed_quant";                                                  \
-           auto [q, s] = alloc_packed(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gu, layout); \
-           return {q, s};                                                                                      \
-         });
+#define FFN_EXT_QUANT_META(name, Gate, P) \
+  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) -> Out { \
+    const char* op = "ffn_ext." #name "_quant"; \
+    auto [q, s] = alloc_gated(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gate, up); \
+    return {q, s}; \
+  }); \
+  m.impl(#name "_packed_quant", [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) -> Out { \
+    const char* op = "ffn_ext." #name "_packed_quant"; \
+    auto [q, s] = alloc_packed(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gu, layout); \
+    return {q, s}; \
+  });
   FFN_EXT_GATED(FFN_EXT_QUANT_META)
 #undef FFN_EXT_QUANT_META
   m.impl("quantize", [](T x, FFN_EXT_QUANT_DECL) -> Out {
@@ -211,8 +211,8 @@ TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
 }
 
 TORCH_LIBRARY_IMPL(ffn_ext, Autograd, m) {
-#define FFN_EXT_QUANT_AUTOGRAD(name, Gate, P)                                                  \
-  m.impl(#name "_quant", torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());        \
+#define FFN_EXT_QUANT_AUTOGRAD(name, Gate, P) \
+  m.impl(#name "_quant", torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>()); \
   m.impl(#name "_packed_quant", torch::CppFunction::makeFromBoxedFunction<&no_grad_kernel>());
   FFN_EXT_GATED(FFN_EXT_QUANT_AUTOGRAD)
 #undef FFN_EXT_QUANT_AUTOGRAD

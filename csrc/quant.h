@@ -14,10 +14,10 @@
 #include "ffn_ext.h"
 
 // The recipe's schema arguments, their C++ parameters and their names (to pass them on).
-#define FFN_EXT_QUANT_SCHEMA                                                                                \
+#define FFN_EXT_QUANT_SCHEMA \
   "ScalarType dtype, str scaling, int group_size, bool pow2_scales, ScalarType scale_dtype, str scale_layout, " \
   "float? static_scale"
-#define FFN_EXT_QUANT_DECL                                                                                   \
+#define FFN_EXT_QUANT_DECL \
   at::ScalarType dtype, c10::string_view scaling, int64_t group_size, bool pow2_scales, at::ScalarType scale_dtype, \
       c10::string_view scale_layout, std::optional<double> static_scale
 #define FFN_EXT_QUANT_ARGS dtype, scaling, group_size, pow2_scales, scale_dtype, scale_layout, static_scale
@@ -30,10 +30,10 @@ enum class Scaling { kTensor, kRow, kGroup };
 struct Recipe {
   at::ScalarType dtype;  // kFloat8_e4m3fn or kFloat8_e5m2
   Scaling scaling;
-  int64_t group_size;  // kGroup: 32, 64 or 128
-  bool pow2;           // scales rounded up to a power of two
-  at::ScalarType scale_dtype;  // kFloat or kFloat8_e8m0fnu (pow2 only)
-  bool column;         // scale_layout "column": the rows' index varies fastest
+  int64_t group_size;                  // kGroup: 32, 64 or 128
+  bool pow2;                           // scales rounded up to a power of two
+  at::ScalarType scale_dtype;          // kFloat or kFloat8_e8m0fnu (pow2 only)
+  bool column;                         // scale_layout "column": the rows' index varies fastest
   std::optional<double> static_scale;  // kTensor: given, finite and > 0
   float fp8_max() const { return dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f; }
 };

@@ -27,15 +27,15 @@ namespace quant {
 constexpr int kLaneElems = 8;
 
 struct QuantProblem {
-  const void* in[2];       // gate, up; or x (in[0]); or an interleaved pair's first element (in[0])
-  int64_t in_stride[2];    // row strides in elements (unit stride along the row)
-  uint8_t* q;              // [rows, cols], contiguous
-  void* scale;             // float32 or float8_e8m0fnu, [rows, cols / G] with the strides below (elements)
+  const void* in[2];     // gate, up; or x (in[0]); or an interleaved pair's first element (in[0])
+  int64_t in_stride[2];  // row strides in elements (unit stride along the row)
+  uint8_t* q;            // [rows, cols], contiguous
+  void* scale;           // float32 or float8_e8m0fnu, [rows, cols / G] with the strides below (elements)
   int64_t scale_row, scale_col;
   int64_t rows, cols;
-  int lanes;               // lanes per group: G / 8
-  bool vectorized;         // every operand's rows start 16-byte aligned: 16-byte loads
-  float fp8_max;           // 448 (e4m3fn) or 57344 (e5m2): selects the format
+  int lanes;        // lanes per group: G / 8
+  bool vectorized;  // every operand's rows start 16-byte aligned: 16-byte loads
+  float fp8_max;    // 448 (e4m3fn) or 57344 (e5m2): selects the format
   bool pow2, e8m0;
 };
 
@@ -78,7 +78,7 @@ FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col,
   constexpr bool kFast = math::fast_math_for<T>();
   using A = at::opmath_type<T>;
   A a[2][kLaneElems] = {};  // the identity reads one operand
-  if constexpr (Pair) {  // [g0, u0, g1, u1, ...]: 16 elements hold the lane's 8 pairs
+  if constexpr (Pair) {     // [g0, u0, g1, u1, ...]: 16 elements hold the lane's 8 pairs
     rows::Pack<T, 2 * kLaneElems> raw;
     load_elems(raw, static_cast<const T*>(p.in[0]) + row * p.in_stride[0] + 2 * col, p.vectorized);
     A w[2 * kLaneElems];

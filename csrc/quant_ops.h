@@ -36,8 +36,7 @@ struct QuantOps {
   using Out = std::tuple<at::Tensor, at::Tensor>;
 
   static bool fused(const Recipe& r, at::ScalarType dtype) {
-    return r.scaling == Scaling::kGroup &&
-           (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
+    return r.scaling == Scaling::kGroup && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
   }
 
   static QuantProblem problem(const Recipe& r, const at::Tensor& q, const at::Tensor& scale) {
@@ -141,25 +140,24 @@ template <class Launcher>
 void impl_quant_all(torch::Library& m) {
   using T = const at::Tensor&;
   using Q = QuantOps<Launcher>;
-#define FFN_EXT_QUANT_FUSED(name, Gate, P)                                                                      \
-  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) {                            \
-    const char* op = "ffn_ext." #name "_quant";                                                                \
-    static const auto h_op = unfused_op<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name);               \
+#define FFN_EXT_QUANT_FUSED(name, Gate, P) \
+  m.impl(#name "_quant", [](T gate, T up, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P) { \
+    const char* op = "ffn_ext." #name "_quant"; \
+    static const auto h_op = unfused_op<at::Tensor(T, T FFN_EXT_P_DECL_##P)>("ffn_ext::" #name); \
     return Q::template gated<math::Gate>(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gate, up, \
-                                         [&] { return h_op.call(gate, up FFN_EXT_P_ARGS_##P); });              \
-  });                                                                                                          \
-  m.impl(#name "_packed_quant", [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) {     \
-    const char* op = "ffn_ext." #name "_packed_quant";                                                         \
-    static const auto h_op =                                                                                   \
-        unfused_op<at::Tensor(T FFN_EXT_P_DECL_##P, c10::string_view)>("ffn_ext::" #name "_packed");           \
-    return Q::template packed<math::Gate>(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gu,    \
-                                          layout, [&] { return h_op.call(gu FFN_EXT_P_ARGS_##P, layout); });   \
+                                         [&] { return h_op.call(gate, up FFN_EXT_P_ARGS_##P); }); \
+  }); \
+  m.impl(#name "_packed_quant", [](T gu, FFN_EXT_QUANT_DECL FFN_EXT_P_DECL_##P, c10::string_view layout) { \
+    const char* op = "ffn_ext." #name "_packed_quant"; \
+    static const auto h_op = \
+        unfused_op<at::Tensor(T FFN_EXT_P_DECL_##P, c10::string_view)>("ffn_ext::" #name "_packed"); \
+    return Q::template packed<math::Gate>(op, FFN_EXT_P_MAKE_##P, parse_recipe(op, FFN_EXT_QUANT_ARGS), gu, layout, \
+                                          [&] { return h_op.call(gu FFN_EXT_P_ARGS_##P, layout); }); \
   });
   FFN_EXT_GATED(FFN_EXT_QUANT_FUSED)
 #undef FFN_EXT_QUANT_FUSED
-  m.impl("quantize", [](T x, FFN_EXT_QUANT_DECL) {
-    return Q::quantize(parse_recipe("ffn_ext.quantize", FFN_EXT_QUANT_ARGS), x);
-  });
+  m.impl("quantize",
+         [](T x, FFN_EXT_QUANT_DECL) { return Q::quantize(parse_recipe("ffn_ext.quantize", FFN_EXT_QUANT_ARGS), x); });
 }
 
 }  // namespace quant

@@ -28,16 +28,16 @@ std::vector<std::pair<std::string, std::string>> build_info() {
 // test_ops.py). The packed ops pair elements along the last dim, so they are not.
 TORCH_LIBRARY(ffn_ext, m) {
   const std::vector<at::Tag> pointwise{at::Tag::pointwise};
-#define FFN_EXT_DEF_ACT(name, ...)                                       \
-  m.def(#name "(Tensor x) -> Tensor", pointwise);                        \
-  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise);                \
+#define FFN_EXT_DEF_ACT(name, ...) \
+  m.def(#name "(Tensor x) -> Tensor", pointwise); \
+  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise); \
   m.def(#name "_backward_recompute(Tensor grad, Tensor x) -> (Tensor, Tensor)", pointwise);
-#define FFN_EXT_DEF_GATED(name, Gate, P)                                                                      \
-  m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor", pointwise);                      \
-  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)",  \
-        pointwise);                                                                                           \
-  m.def(#name "_packed(Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P ", str layout=\"concat\") -> Tensor");          \
-  m.def(#name "_packed_backward(Tensor grad, Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P                          \
+#define FFN_EXT_DEF_GATED(name, Gate, P) \
+  m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor", pointwise); \
+  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)", \
+        pointwise); \
+  m.def(#name "_packed(Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P ", str layout=\"concat\") -> Tensor"); \
+  m.def(#name "_packed_backward(Tensor grad, Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P \
         ", str layout=\"concat\") -> Tensor");
   FFN_EXT_ACTIVATIONS(FFN_EXT_DEF_ACT)
   FFN_EXT_GATED(FFN_EXT_DEF_GATED)
@@ -46,29 +46,29 @@ TORCH_LIBRARY(ffn_ext, m) {
 // Meta kernels: the checks and output allocation every real kernel also runs (shapes.cpp).
 TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
   using T = const at::Tensor&;
-#define FFN_EXT_META_ACT(name, ...)                                                                      \
-  m.impl(#name, [](T x) { return alloc_unary("ffn_ext." #name, x); });                                   \
+#define FFN_EXT_META_ACT(name, ...) \
+  m.impl(#name, [](T x) { return alloc_unary("ffn_ext." #name, x); }); \
   m.impl(#name "_backward", [](T g, T x) { return alloc_unary_backward("ffn_ext." #name "_backward", g, x); }); \
-  m.impl(#name "_backward_recompute",                                                                   \
+  m.impl(#name "_backward_recompute", \
          [](T g, T x) { return alloc_unary_backward_recompute("ffn_ext." #name "_backward_recompute", g, x); });
-#define FFN_EXT_META_GATED(name, Gate, P)                                                                     \
-  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                         \
-    check_params("ffn_ext." #name, FFN_EXT_P_MAKE_##P);                                                        \
-    return alloc_gated("ffn_ext." #name, gate, up);                                                            \
-  });                                                                                                          \
-  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                        \
-    check_params("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P);                                            \
-    return alloc_gated_backward("ffn_ext." #name "_backward", g, gate, up);                                    \
-  });                                                                                                          \
-  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                              \
-    check_params("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P);                                              \
-    parse_layout("ffn_ext." #name "_packed", layout);                                                          \
-    return alloc_gated_packed("ffn_ext." #name "_packed", gu);                                                 \
-  });                                                                                                          \
-  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                \
-    check_params("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P);                                     \
-    parse_layout("ffn_ext." #name "_packed_backward", layout);                                                 \
-    return alloc_gated_packed_backward("ffn_ext." #name "_packed_backward", g, gu);                            \
+#define FFN_EXT_META_GATED(name, Gate, P) \
+  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { \
+    check_params("ffn_ext." #name, FFN_EXT_P_MAKE_##P); \
+    return alloc_gated("ffn_ext." #name, gate, up); \
+  }); \
+  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) { \
+    check_params("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P); \
+    return alloc_gated_backward("ffn_ext." #name "_backward", g, gate, up); \
+  }); \
+  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
+    check_params("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P); \
+    parse_layout("ffn_ext." #name "_packed", layout); \
+    return alloc_gated_packed("ffn_ext." #name "_packed", gu); \
+  }); \
+  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
+    check_params("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P); \
+    parse_layout("ffn_ext." #name "_packed_backward", layout); \
+    return alloc_gated_packed_backward("ffn_ext." #name "_packed_backward", g, gu); \
   });
   FFN_EXT_ACTIVATIONS(FFN_EXT_META_ACT)
   FFN_EXT_GATED(FFN_EXT_META_GATED)

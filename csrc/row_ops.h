@@ -140,7 +140,8 @@ struct Ops {
                           const at::Tensor& up) {
     check_params(op, prm);
     auto out = alloc_gated(op, gate, up);
-    run_same_shape<Launcher>(math::GatedFwd<Gate>(Gate(for_dtype(prm, gate.scalar_type()))), {gate, up}, std::array<at::Tensor, 1>{out});
+    run_same_shape<Launcher>(math::GatedFwd<Gate>(Gate(for_dtype(prm, gate.scalar_type()))), {gate, up},
+                             std::array<at::Tensor, 1>{out});
     return out;
   }
   template <class Gate>
@@ -243,31 +244,30 @@ template <class Launcher, int Parts = 1, int Part = 0, class Library>
 void impl_all(Library& m) {
   using O = Ops<Launcher>;
   using T = const at::Tensor&;
-#define FFN_EXT_IMPL_ACT(name, Act, ...)                                                                       \
-  if constexpr (kLine_##name % Parts == Part) {                                                               \
-    m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); });                     \
-    m.impl(#name "_backward",                                                                                  \
+#define FFN_EXT_IMPL_ACT(name, Act, ...) \
+  if constexpr (kLine_##name % Parts == Part) { \
+    m.impl(#name, [](T x) { return O::template unary<math::Act>("ffn_ext." #name, x); }); \
+    m.impl(#name "_backward", \
            [](T g, T x) { return O::template unary_backward<math::Act>("ffn_ext." #name "_backward", g, x); }); \
-    m.impl(#name "_backward_recompute", [](T g, T x) {                                                        \
-      return O::template unary_backward_recompute<math::Act>("ffn_ext." #name "_backward_recompute", g, x);   \
-    });                                                                                                        \
+    m.impl(#name "_backward_recompute", [](T g, T x) { \
+      return O::template unary_backward_recompute<math::Act>("ffn_ext." #name "_backward_recompute", g, x); \
+    }); \
   }
-#define FFN_EXT_IMPL_GATED(name, Gate, P)                                                                      \
-  if constexpr (kLine_##name % Parts == Part) {                                                               \
-    m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) {                                                       \
-      return O::template gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up);                    \
-    });                                                                                                        \
-    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) {                                      \
-      return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate,  \
-                                                    up);                                                       \
-    });                                                                                                        \
-    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {                            \
+#define FFN_EXT_IMPL_GATED(name, Gate, P) \
+  if constexpr (kLine_##name % Parts == Part) { \
+    m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { \
+      return O::template gated<math::Gate>("ffn_ext." #name, FFN_EXT_P_MAKE_##P, gate, up); \
+    }); \
+    m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) { \
+      return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
+    }); \
+    m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
       return O::template gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout); \
-    });                                                                                                        \
-    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) {              \
-      return O::template gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward",                \
-                                                           FFN_EXT_P_MAKE_##P, g, gu, layout);                 \
-    });                                                                                                        \
+    }); \
+    m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
+      return O::template gated_packed_backward<math::Gate>("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P, g, \
+                                                           gu, layout); \
+    }); \
   }
   FFN_EXT_ACTIVATIONS(FFN_EXT_IMPL_ACT)
   FFN_EXT_GATED(FFN_EXT_IMPL_GATED)

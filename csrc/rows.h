@@ -207,8 +207,8 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
     // which no head can align: then its body stores are element stores).
     const int64_t mis = (reinterpret_cast<uintptr_t>(out[0]) / sizeof(T)) % VEC;
     const int64_t head = step(PO, 0) == 1 ? std::min<int64_t>(cols, (VEC - mis) % VEC)
-                         : mis % 2           ? 0
-                                             : std::min<int64_t>(cols, (VEC - mis) % VEC / 2);
+                         : mis % 2        ? 0
+                                          : std::min<int64_t>(cols, (VEC - mis) % VEC / 2);
     const int64_t nvec = (cols - head) / VEC;
     const int64_t tail_start = head + nvec * VEC;
 

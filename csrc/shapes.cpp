@@ -56,9 +56,8 @@ void check_input(const char* op, const char* name, const at::Tensor& t) {
                    t.layout());
   TORCH_CHECK_TYPE(!t.is_quantized(), op, ": `", name, "` is a quantized tensor; expected a floating-point tensor");
   const auto st = t.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kDouble || st == at::kFloat || st == at::kHalf || st == at::kBFloat16, op,
-                   ": expected `", name, "` to have dtype float64, float32, float16 or bfloat16, got ",
-                   dtype_name(st));
+  TORCH_CHECK_TYPE(st == at::kDouble || st == at::kFloat || st == at::kHalf || st == at::kBFloat16, op, ": expected `",
+                   name, "` to have dtype float64, float32, float16 or bfloat16, got ", dtype_name(st));
 }
 
 void check_like(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref) {
@@ -100,7 +99,7 @@ at::Tensor empty_like_sizes(const at::Tensor& ref, c10::SymIntArrayRef sizes,
 // strides. The Meta kernels decide with the same function, so fake tensors get the real outputs' strides.
 at::MemoryFormat same_shape_format(std::initializer_list<std::reference_wrapper<const at::Tensor>> ins) {
   const at::Tensor& first = ins.begin()->get();
-  const auto fmt = first.dim() == 4 ? at::MemoryFormat::ChannelsLast
+  const auto fmt = first.dim() == 4   ? at::MemoryFormat::ChannelsLast
                    : first.dim() == 5 ? at::MemoryFormat::ChannelsLast3d
                                       : at::MemoryFormat::Contiguous;
   if (fmt == at::MemoryFormat::Contiguous) return fmt;
@@ -137,8 +136,8 @@ at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor&
   return empty_like_sizes(gate, gate.sym_sizes(), same_shape_format({gate, up}));
 }
 
-std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad,
-                                                        const at::Tensor& gate, const at::Tensor& up) {
+std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate,
+                                                        const at::Tensor& up) {
   check_input(op, "gate", gate);
   check_like(op, "up", up, "gate", gate);
   check_like(op, "grad", grad, "gate", gate);
@@ -156,8 +155,9 @@ at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, c
   check_input(op, "grad", grad);
   // grad must look like the forward output: gate_up's shape with the last dimension halved.
   const auto out_sizes = with_last(gate_up, m);
-  TORCH_CHECK_TYPE(grad.scalar_type() == gate_up.scalar_type(), op, ": expected `grad` to have the dtype of `gate_up` (",
-                   dtype_name(gate_up.scalar_type()), "), got ", dtype_name(grad.scalar_type()));
+  TORCH_CHECK_TYPE(grad.scalar_type() == gate_up.scalar_type(), op,
+                   ": expected `grad` to have the dtype of `gate_up` (", dtype_name(gate_up.scalar_type()), "), got ",
+                   dtype_name(grad.scalar_type()));
   TORCH_CHECK(grad.device() == gate_up.device(), op, ": expected `grad` to be on the device of `gate_up` (",
               gate_up.device(), "), got ", grad.device());
   TORCH_CHECK_VALUE(grad.sym_sizes() == c10::SymIntArrayRef(out_sizes), op,
@@ -200,8 +200,7 @@ void check_params(const char* op, const math::ClampParams& p) {
   // !(x > 0) also rejects NaN
   TORCH_CHECK_VALUE(p.limit > 0, op, ": `limit` must be > 0, got ", std::to_string(p.limit));
   TORCH_CHECK_VALUE(std::isfinite(p.alpha), op, ": `alpha` must be finite, got ", std::to_string(p.alpha));
-  TORCH_CHECK_VALUE(std::isfinite(p.up_offset), op, ": `up_offset` must be finite, got ",
-                    std::to_string(p.up_offset));
+  TORCH_CHECK_VALUE(std::isfinite(p.up_offset), op, ": `up_offset` must be finite, got ", std::to_string(p.up_offset));
 }
 
 }  // namespace ffn_ext

@@ -26,9 +26,9 @@ std::vector<at::Tensor> host_apply(const F& f, const std::vector<at::Tensor>& in
                     std::to_string(inputs.size()));
   std::vector<at::Tensor> ins, outs;
   for (const auto& t : inputs) {
-    TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes() == inputs[0].sizes() &&
-                          t.scalar_type() == inputs[0].scalar_type(),
-                      "_host_math: inputs must be CPU tensors of one shape and dtype");
+    TORCH_CHECK_VALUE(
+        t.device().is_cpu() && t.sizes() == inputs[0].sizes() && t.scalar_type() == inputs[0].scalar_type(),
+        "_host_math: inputs must be CPU tensors of one shape and dtype");
     ins.push_back(t.contiguous());
   }
   for (int o = 0; o < F::NO; ++o) outs.push_back(at::empty_like(ins[0]));
@@ -66,26 +66,29 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
   using V = std::vector<at::Tensor>;
   using Run = V (*)(const std::string&, const V&, const Doubles&);
   static const std::map<std::string, Run> ops = {
-#define FFN_EXT_HOST_ACT(name, Act, ...)                                                         \
-  {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
-     params_from<math::NoParams>(op, prm);                                                      \
-     return host_apply(math::UnaryFwd<math::Act>{}, in);                                        \
-   }},                                                                                           \
-      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
-         params_from<math::NoParams>(op, prm);                                                  \
-         return host_apply(math::UnaryBwd<math::Act>{}, in);                                    \
-       }},                                                                                       \
+#define FFN_EXT_HOST_ACT(name, Act, ...) \
+  {#name, \
+   [](const std::string& op, const V& in, const Doubles& prm) { \
+     params_from<math::NoParams>(op, prm); \
+     return host_apply(math::UnaryFwd<math::Act>{}, in); \
+   }}, \
+      {#name "_backward", \
+       [](const std::string& op, const V& in, const Doubles& prm) { \
+         params_from<math::NoParams>(op, prm); \
+         return host_apply(math::UnaryBwd<math::Act>{}, in); \
+       }}, \
       {#name "_backward_recompute", [](const std::string& op, const V& in, const Doubles& prm) { \
-         params_from<math::NoParams>(op, prm);                                                  \
-         return host_apply(math::UnaryBwdRecompute<math::Act>{}, in);                           \
+         params_from<math::NoParams>(op, prm); \
+         return host_apply(math::UnaryBwdRecompute<math::Act>{}, in); \
        }},
-#define FFN_EXT_HOST_GATED(name, Gate, P)                                                        \
-  {#name, [](const std::string& op, const V& in, const Doubles& prm) {                          \
-     using G = math::Gate;                                                                      \
+#define FFN_EXT_HOST_GATED(name, Gate, P) \
+  {#name, \
+   [](const std::string& op, const V& in, const Doubles& prm) { \
+     using G = math::Gate; \
      return host_apply(math::GatedFwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
-   }},                                                                                           \
-      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) {          \
-         using G = math::Gate;                                                                  \
+   }}, \
+      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) { \
+         using G = math::Gate; \
          return host_apply(math::GatedBwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
        }},
       FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
@@ -113,7 +116,8 @@ struct HostEmulation {
     for (int o = 0; o < F::NO; ++o) {  // an interleaved pair of outputs: 2 cols from the first's pointer
       if (rows::in_pair(F::kPairOut, o) && o != F::kPairOut) continue;
       for (int64_t r = 0; r < p.rows; ++r) {
-        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff, rows::step(F::kPairOut, o) * p.cols * sizeof(T));
+        std::memset(static_cast<T*>(p.out[o]) + r * p.out_stride[o], 0xff,
+                    rows::step(F::kPairOut, o) * p.cols * sizeof(T));
       }
     }
     const rows::LaunchShape s = rows::launch_shape(p.rows, p.cols, VEC, sms);
@@ -135,36 +139,46 @@ std::vector<at::Tensor> emulate_cuda(const std::string& op, const std::vector<at
     V (*run)(S, const V&, const Doubles&, S);
   };
   static const std::map<std::string, Entry> ops = {
-#define FFN_EXT_EMU_ACT(name, Act, ...)                                                                        \
-  {#name, {1, [](S op, const V& a, const Doubles& prm, S) -> V {                                              \
-     params_from<math::NoParams>(op, prm);                                                                     \
-     return {Emu::unary<math::Act>(#name, a[0])};                                                              \
-   }}},                                                                                                        \
-      {#name "_backward", {2, [](S op, const V& a, const Doubles& prm, S) -> V {                              \
-         params_from<math::NoParams>(op, prm);                                                                 \
-         return {Emu::unary_backward<math::Act>(#name, a[0], a[1])};                                           \
-       }}},                                                                                                    \
-      {#name "_backward_recompute", {2, [](S op, const V& a, const Doubles& prm, S) -> V {                    \
-         params_from<math::NoParams>(op, prm);                                                                 \
-         auto [d, h] = Emu::unary_backward_recompute<math::Act>(#name, a[0], a[1]);                            \
-         return {d, h};                                                                                        \
-       }}},
-#define FFN_EXT_EMU_GATED(name, Gate, P)                                                                       \
-  {#name, {2, [](S op, const V& a, const Doubles& prm, S) -> V {                                              \
-     return {Emu::gated<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1])};            \
-   }}},                                                                                                        \
-      {#name "_backward", {3, [](S op, const V& a, const Doubles& prm, S) -> V {                              \
-         auto [dgate, dup] =                                                                                   \
-             Emu::gated_backward<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1], a[2]); \
-         return {dgate, dup};                                                                                  \
-       }}},                                                                                                    \
-      {#name "_packed", {1, [](S op, const V& a, const Doubles& prm, S lay) -> V {                            \
-         return {Emu::gated_packed<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], lay)};  \
-       }}},                                                                                                    \
-      {#name "_packed_backward", {2, [](S op, const V& a, const Doubles& prm, S lay) -> V {                   \
-         return {Emu::gated_packed_backward<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1], \
-                                                        lay)};                                                 \
-       }}},
+#define FFN_EXT_EMU_ACT(name, Act, ...) \
+  {#name, \
+   {1, \
+    [](S op, const V& a, const Doubles& prm, S) -> V { \
+      params_from<math::NoParams>(op, prm); \
+      return {Emu::unary<math::Act>(#name, a[0])}; \
+    }}}, \
+      {#name "_backward", \
+       {2, \
+        [](S op, const V& a, const Doubles& prm, S) -> V { \
+          params_from<math::NoParams>(op, prm); \
+          return {Emu::unary_backward<math::Act>(#name, a[0], a[1])}; \
+        }}}, \
+      {#name "_backward_recompute", {2, [](S op, const V& a, const Doubles& prm, S) -> V { \
+                                       params_from<math::NoParams>(op, prm); \
+                                       auto [d, h] = Emu::unary_backward_recompute<math::Act>(#name, a[0], a[1]); \
+                                       return {d, h}; \
+                                     }}},
+#define FFN_EXT_EMU_GATED(name, Gate, P) \
+  {#name, \
+   {2, \
+    [](S op, const V& a, const Doubles& prm, S) -> V { \
+      return {Emu::gated<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1])}; \
+    }}}, \
+      {#name "_backward", \
+       {3, \
+        [](S op, const V& a, const Doubles& prm, S) -> V { \
+          auto [dgate, dup] = \
+              Emu::gated_backward<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], a[1], a[2]); \
+          return {dgate, dup}; \
+        }}}, \
+      {#name "_packed", \
+       {1, \
+        [](S op, const V& a, const Doubles& prm, S lay) -> V { \
+          return {Emu::gated_packed<math::Gate>(#name, params_from<math::Gate::Params>(op, prm), a[0], lay)}; \
+        }}}, \
+      {#name "_packed_backward", {2, [](S op, const V& a, const Doubles& prm, S lay) -> V { \
+                                    return {Emu::gated_packed_backward<math::Gate>( \
+                                        #name, params_from<math::Gate::Params>(op, prm), a[0], a[1], lay)}; \
+                                  }}},
       FFN_EXT_ACTIVATIONS(FFN_EXT_EMU_ACT) FFN_EXT_GATED(FFN_EXT_EMU_GATED)
 #undef FFN_EXT_EMU_ACT
 #undef FFN_EXT_EMU_GATED
@@ -220,8 +234,8 @@ at::Tensor host_quant_scale(const at::Tensor& amax, double fp8_max, bool pow2) {
 void add_quant_test_paths(pybind11::module& m) {
   m.def("_host_fp8", &host_fp8, pybind11::arg("x"), pybind11::arg("format"),
         "Test path: ffn_math.h's float -> fp8 conversion (codes as uint8) on the host.");
-  m.def("_host_quant_scale", &host_quant_scale, pybind11::arg("amax"), pybind11::arg("fp8_max"),
-        pybind11::arg("pow2"), "Test path: ffn_math.h's scale of a group from its amax, on the host.");
+  m.def("_host_quant_scale", &host_quant_scale, pybind11::arg("amax"), pybind11::arg("fp8_max"), pybind11::arg("pow2"),
+        "Test path: ffn_math.h's scale of a group from its amax, on the host.");
   add_quant_emulation(m);
 }
 }  // namespace ffn_ext
@@ -241,13 +255,13 @@ struct HostQuant {
   }
 };
 
-std::vector<at::Tensor> emulate_quant(const std::string& op, const std::vector<at::Tensor>& in,
-                                      const Doubles& params, const std::string& layout, const std::string& format,
-                                      int64_t group_size, bool pow2, bool e8m0, bool column) {
+std::vector<at::Tensor> emulate_quant(const std::string& op, const std::vector<at::Tensor>& in, const Doubles& params,
+                                      const std::string& layout, const std::string& format, int64_t group_size,
+                                      bool pow2, bool e8m0, bool column) {
   using Q = quant::QuantOps<HostQuant>;
-  const auto r = quant::parse_recipe(op.c_str(), format == "e5m2" ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, "group",
-                                     group_size, pow2, e8m0 ? at::kFloat8_e8m0fnu : at::kFloat,
-                                     column ? "column" : "row", std::nullopt);
+  const auto r =
+      quant::parse_recipe(op.c_str(), format == "e5m2" ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, "group", group_size,
+                          pow2, e8m0 ? at::kFloat8_e8m0fnu : at::kFloat, column ? "column" : "row", std::nullopt);
   for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_quant: inputs must be CPU tensors");
   const auto no_composite = []() -> at::Tensor {
     TORCH_CHECK(false, "_emulate_quant: this recipe and dtype run the composite, not the kernel");
@@ -257,15 +271,16 @@ std::vector<at::Tensor> emulate_quant(const std::string& op, const std::vector<a
     TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: quantize takes 1 input");
     out = Q::quantize(r, in[0]);
   }
-#define FFN_EXT_EMU_QUANT(name, Gate, P)                                                                         \
-  else if (op == #name "_quant") {                                                                               \
-    TORCH_CHECK_VALUE(in.size() == 2, "_emulate_quant: " #name "_quant takes 2 inputs");                        \
-    out = Q::gated<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], in[1],         \
-                               no_composite);                                                                    \
-  } else if (op == #name "_packed_quant") {                                                                      \
-    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: " #name "_packed_quant takes 1 input");                  \
-    out = Q::packed<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], layout,       \
-                                no_composite);                                                                   \
+#define FFN_EXT_EMU_QUANT(name, Gate, P) \
+  else if (op == #name "_quant") { \
+    TORCH_CHECK_VALUE(in.size() == 2, "_emulate_quant: " #name "_quant takes 2 inputs"); \
+    out = \
+        Q::gated<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], in[1], no_composite); \
+  } \
+  else if (op == #name "_packed_quant") { \
+    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: " #name "_packed_quant takes 1 input"); \
+    out = Q::packed<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], layout, \
+                                no_composite); \
   }
   FFN_EXT_GATED(FFN_EXT_EMU_QUANT)
 #undef FFN_EXT_EMU_QUANT

@@ -15,14 +15,31 @@ backward.
 
 The ops are torch.ops.ffn_ext.* (dispatcher ops: autograd, torch.compile, export and fake tensors work).
 """
+
 import torch  # noqa: F401  (load libtorch before the native library)
 
 # ops first: importing it loads the native library (ffn_ext._C, or adopts ops registered before this import; see
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.
-from .ops import (act, build_info, build_summary, gated, gated_packed, geglu, geglu_packed, gelu, has_cuda_kernels,
-                  quick_gelu, relu, relu2, silu, swiglu, swiglu_clamped, swiglu_clamped_packed, swiglu_packed)
-from .mlp import (gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp,
-                  swiglu_mlp_packed)
+from .ops import (
+    act,
+    build_info,
+    build_summary,
+    gated,
+    gated_packed,
+    geglu,
+    geglu_packed,
+    gelu,
+    has_cuda_kernels,
+    quick_gelu,
+    relu,
+    relu2,
+    silu,
+    swiglu,
+    swiglu_clamped,
+    swiglu_clamped_packed,
+    swiglu_packed,
+)
+from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp, swiglu_mlp_packed
 from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 from . import distributed  # noqa: F401  (registers its hooks in ops and mlp; torch.distributed.tensor stays unloaded)
@@ -31,16 +48,71 @@ from .hf import patch_model as patch_hf_model
 from . import jit  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["gelu", "silu", "relu", "relu2", "quick_gelu", "act", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed", "geglu",
-           "geglu_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary", "jit"]
-__all__ += ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN",
-            "gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-            "plain_mlp", "swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params", "hf", "patch_hf_model"]
+__all__ = [
+    "gelu",
+    "silu",
+    "relu",
+    "relu2",
+    "quick_gelu",
+    "act",
+    "swiglu",
+    "swiglu_packed",
+    "swiglu_clamped",
+    "swiglu_clamped_packed",
+    "geglu",
+    "geglu_packed",
+    "gated",
+    "gated_packed",
+    "has_cuda_kernels",
+    "build_info",
+    "build_summary",
+    "jit",
+]
+__all__ += [
+    "GELU",
+    "SiLU",
+    "Gated",
+    "SwiGLU",
+    "GeGLU",
+    "FFN",
+    "GatedFFN",
+    "SwiGLUFFN",
+    "GeGLUFFN",
+    "gated_mlp",
+    "gated_mlp_packed",
+    "swiglu_mlp",
+    "swiglu_mlp_packed",
+    "geglu_mlp",
+    "geglu_mlp_packed",
+    "plain_mlp",
+    "swiglu_hidden_dim",
+    "ffn_params",
+    "gated_ffn_params",
+    "swiglu_ffn_params",
+    "hf",
+    "patch_hf_model",
+]
 
 # FP8 outputs (ffn_ext.quant): the gated ops and the identity writing FP8 values and their scales in one pass
-from .quant import (QuantRecipe, gated_packed_quant, gated_quant, geglu_quant, quantize, swiglu_clamped_quant,
-                    swiglu_quant)
-__all__ += ["QuantRecipe", "quantize", "swiglu_quant", "geglu_quant", "swiglu_clamped_quant", "gated_quant",
-            "gated_packed_quant"]
+from .quant import (
+    QuantRecipe,
+    gated_packed_quant,
+    gated_quant,
+    geglu_quant,
+    quantize,
+    swiglu_clamped_quant,
+    swiglu_quant,
+)
+
+__all__ += [
+    "QuantRecipe",
+    "quantize",
+    "swiglu_quant",
+    "geglu_quant",
+    "swiglu_clamped_quant",
+    "gated_quant",
+    "gated_packed_quant",
+]
 from .fp8 import FP8FFN, FP8GatedFFN, quantize_fp8  # FP8 inference MLPs on F.scaled_mm (ffn_ext.fp8)
+
 __all__ += ["quantize_fp8", "FP8GatedFFN", "FP8FFN"]

@@ -13,6 +13,7 @@ Options: --device cpu|cuda (default: cuda when available and the CUDA kernels ar
 --quick (skip the timing); --verbose (the full op x dtype table and the op timings); --threads N (torch CPU
 threads, default 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,13 +24,14 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
-from ffn_ext.table import BY_NAME, OPS as TABLE_OPS, join_packed, split_packed
 from ffn_ext.sizing import ffn_params, gated_ffn_params, swiglu_hidden_dim
+from ffn_ext.table import BY_NAME, join_packed, split_packed
+from ffn_ext.table import OPS as TABLE_OPS
 
 OPS = tuple(TABLE_OPS)  # every op of the table (ffn_ext/table.py): per activation its six, forward and backward
 
 # allclose tolerances against an fp64 ATen reference (outputs rounded once ~ 2^-9 relative for bf16)
-TOLERANCES = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2 ** -6)}
+TOLERANCES = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2**-6)}
 _REL_FLOOR = 1e-3  # relative errors are reported where |reference| >= this
 
 
@@ -74,7 +76,7 @@ def eager_form(module):
 
 
 def _hooked_shapes(module, x) -> str:
-    """"x (shape) -> child (its output's shape) -> ...", through forward hooks on the children, while module(x)
+    """ "x (shape) -> child (its output's shape) -> ...", through forward hooks on the children, while module(x)
     runs (children that run on the same input, as gate_proj and up_proj, are joined with ", ")."""
     seen = []
 
@@ -82,6 +84,7 @@ def _hooked_shapes(module, x) -> str:
         def fn(mod, inputs, output):
             src = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
             seen.append((src is x, f"{name} {tuple(output.shape)}"))
+
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in module.named_children()]
@@ -101,8 +104,12 @@ def saved_activation_tensors(fn, tokens: int, width: int) -> tuple[int, int]:
     seen = {}
 
     def pack(t):
-        if not isinstance(t, torch.nn.Parameter) and t.dim() >= 2 and t.shape[-1] == width \
-                and t.numel() == tokens * width:
+        if (
+            not isinstance(t, torch.nn.Parameter)
+            and t.dim() >= 2
+            and t.shape[-1] == width
+            and t.numel() == tokens * width
+        ):
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         return t
@@ -130,8 +137,10 @@ def walk_layer(label: str, module, d_model: int, d_ff: int, params: int, out=pri
     n = len(_linears(module))
     name = type(module).__name__
     mine = f"{name} {ours}" if lean is None or lean == ours else f"{name} {ours} here (eager's ops), {lean} lean"
-    out(f"    params {counted:,} = {n} x {d_model} x {d_ff}; saved [{WALK_TOKENS}, {d_ff}] tensors: eager PyTorch {eager}, "
-        f"{mine}")
+    out(
+        f"    params {counted:,} = {n} x {d_model} x {d_ff}; saved [{WALK_TOKENS}, {d_ff}] tensors: eager PyTorch {eager}, "
+        f"{mine}"
+    )
     return ours if lean is None else lean, eager
 
 
@@ -140,18 +149,36 @@ def walk(out=print) -> None:
     torch.manual_seed(0)
     d, d_ff = 768, 3072
     out(f"\n== The FFN -> SwiGLU walk (x: (1, {WALK_TOKENS}, d_model)) ==")
-    walk_layer(f"classic FFN, GELU, {d} -> {d_ff} (4x)", ffn_ext.FFN(d, d_ff, activation="gelu"), d, d_ff,
-               ffn_params(d, d_ff), out)
+    walk_layer(
+        f"classic FFN, GELU, {d} -> {d_ff} (4x)",
+        ffn_ext.FFN(d, d_ff, activation="gelu"),
+        d,
+        d_ff,
+        ffn_params(d, d_ff),
+        out,
+    )
     q, q_ff = 896, 4864
-    walk_layer(f"Qwen2.5-0.5B SwiGLU, {q} -> {q_ff} ({q_ff / q:.2f}x)", ffn_ext.SwiGLUFFN(q, q_ff), q, q_ff,
-               gated_ffn_params(q, q_ff), out)
+    walk_layer(
+        f"Qwen2.5-0.5B SwiGLU, {q} -> {q_ff} ({q_ff / q:.2f}x)",
+        ffn_ext.SwiGLUFFN(q, q_ff),
+        q,
+        q_ff,
+        gated_ffn_params(q, q_ff),
+        out,
+    )
     big, m = 4096, swiglu_hidden_dim(4096)
-    out(f"  8/3 rule at D = {big}: FFN (2 matrices at 4D) {ffn_params(big, 4 * big):,} params; SwiGLU (3 at 2/3 the "
-        f"width,")
-    out(f"    256 * ceil({8 * big / 3:.1f} / 256) = {m}) {gated_ffn_params(big, m):,} params "
-        f"({100 * (gated_ffn_params(big, m) / ffn_params(big, 4 * big) - 1):+.2f}%); Qwen's {q_ff} is not the rule:")
-    out(f"    swiglu_hidden_dim({q}) = {swiglu_hidden_dim(q)}; {q_ff} = swiglu_hidden_dim({q}, "
-        f"ffn_dim_multiplier=2.0) = {swiglu_hidden_dim(q, 256, 2.0)}")
+    out(
+        f"  8/3 rule at D = {big}: FFN (2 matrices at 4D) {ffn_params(big, 4 * big):,} params; SwiGLU (3 at 2/3 the "
+        f"width,"
+    )
+    out(
+        f"    256 * ceil({8 * big / 3:.1f} / 256) = {m}) {gated_ffn_params(big, m):,} params "
+        f"({100 * (gated_ffn_params(big, m) / ffn_params(big, 4 * big) - 1):+.2f}%); Qwen's {q_ff} is not the rule:"
+    )
+    out(
+        f"    swiglu_hidden_dim({q}) = {swiglu_hidden_dim(q)}; {q_ff} = swiglu_hidden_dim({q}, "
+        f"ffn_dim_multiplier=2.0) = {swiglu_hidden_dim(q, 256, 2.0)}"
+    )
 
 
 # ---------------------------------------------------------------- 4. op checks
@@ -220,6 +247,7 @@ def op_cases():
     """name -> (make inputs(rows, cols, dtype, device, gen), ffn_ext op, ATen reference), for every op of the
     table (ffn_ext.table.OPS), each gated op again on chunk(2, -1) views and each packed op again in the
     interleaved layout, right after it."""
+
     def rnd(gen, rows, cols, dtype, device, scale=3.0):
         return (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * scale).to(device=device, dtype=dtype)
 
@@ -244,8 +272,14 @@ def op_cases():
     def packed_bw(r, c, dt, dev, g):
         return rnd(g, r, c, dt, dev, 1.0), rnd(g, r, 2 * c, dt, dev)
 
-    makers = {("unary", False): unary, ("unary", True): unary_bw, ("gated", False): binary,
-              ("gated", True): binary_bw, ("packed", False): packed, ("packed", True): packed_bw}
+    makers = {
+        ("unary", False): unary,
+        ("unary", True): unary_bw,
+        ("gated", False): binary,
+        ("gated", True): binary_bw,
+        ("packed", False): packed,
+        ("packed", True): packed_bw,
+    }
     cases = {}
     for name, spec in TABLE_OPS.items():
         op, ref = _op(name), aten_reference(spec)
@@ -253,8 +287,11 @@ def op_cases():
         if spec.kind == "gated" and not spec.backward:
             cases[f"{name} (chunk views)"] = (views, op, ref)
         if spec.kind == "packed":
-            cases[f"{name} (interleaved)"] = (makers[(spec.kind, spec.backward)], _op(name, "interleaved"),
-                                              aten_reference(spec, "interleaved"))
+            cases[f"{name} (interleaved)"] = (
+                makers[(spec.kind, spec.backward)],
+                _op(name, "interleaved"),
+                aten_reference(spec, "interleaved"),
+            )
     return cases
 
 
@@ -280,8 +317,10 @@ def _errors(out, ref):
 
 def _within(out, ref, dtype) -> bool:
     atol, rtol = TOLERANCES[dtype]
-    return all(o.shape == r.shape and torch.allclose(o.double(), r, rtol=rtol, atol=atol, equal_nan=True)
-               for o, r in zip(out, ref))
+    return all(
+        o.shape == r.shape and torch.allclose(o.double(), r, rtol=rtol, atol=atol, equal_nan=True)
+        for o, r in zip(out, ref)
+    )
 
 
 def _as_good_as(out, base, ref, dtype) -> bool:
@@ -320,8 +359,16 @@ def _fraction(out, ref, dtype, base=None) -> float:
     return worst
 
 
-def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), rows=64, cols=1030, cases=None,
-              seed=0, out=print, record=None) -> bool:
+def check_ops(
+    device,
+    dtypes=(torch.float64, torch.float32, torch.bfloat16),
+    rows=64,
+    cols=1030,
+    cases=None,
+    seed=0,
+    out=print,
+    record=None,
+) -> bool:
     """Every op against an fp64 ATen reference (and ATen in the same dtype, for scale); True when all pass. `out`
     gets the table's lines; `record` (a list), if given, one (case, dtype, fraction of the tolerance, passed by
     ATen's own error, ok) per check."""
@@ -346,11 +393,15 @@ def check_ops(device, dtypes=(torch.float64, torch.float32, torch.bfloat16), row
                 frac = _fraction(got, ref, dtype, base if aten_rule else None) if shapes else float("inf")
                 record.append((name, dtype, frac, aten_rule, ok))
             (a_abs, a_rel), (b_abs, b_rel) = _errors(got, ref), _errors(base, ref)
-            out(f"  {name:<28} {_dname(dtype):<9} {a_abs:>10.2e} {a_rel:>10.2e} {b_abs:>10.2e} {b_rel:>10.2e}  "
-                f"{'ok' if ok else 'FAIL'}")
+            out(
+                f"  {name:<28} {_dname(dtype):<9} {a_abs:>10.2e} {a_rel:>10.2e} {b_abs:>10.2e} {b_rel:>10.2e}  "
+                f"{'ok' if ok else 'FAIL'}"
+            )
     if by_aten:
-        out(f"  ok above the tolerance but within it plus twice ATen eager's own error in the same dtype, element by "
-            f"element: {', '.join(by_aten)}")
+        out(
+            f"  ok above the tolerance but within it plus twice ATen eager's own error in the same dtype, element by "
+            f"element: {', '.join(by_aten)}"
+        )
     return all_ok
 
 
@@ -401,8 +452,10 @@ def check_module(device, out=print) -> bool:
         worst = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
         ok &= worst < 1e-4
         name = f"{type(module).__name__} fwd+bwd"
-        out(f"  {name:<20} float32: worst error / max |ref| over y and {len(leaves)} grads vs eager {worst:.1e}  "
-            f"{'ok' if worst < 1e-4 else 'FAIL'}")
+        out(
+            f"  {name:<20} float32: worst error / max |ref| over y and {len(leaves)} grads vs eager {worst:.1e}  "
+            f"{'ok' if worst < 1e-4 else 'FAIL'}"
+        )
     return ok
 
 
@@ -443,8 +496,10 @@ def ffn_timing(device, out=print) -> list:
     where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
     out(f"\n== FFN layers on {where}, {_dname(dtype)}, {tokens} tokens: min of {iters}, alternating (ms) ==")
     torch.manual_seed(2)
-    layers = [("FFN 768 -> 3072, GELU", ffn_ext.FFN(768, 3072, activation="gelu")),
-              ("SwiGLUFFN 896 -> 4864", ffn_ext.SwiGLUFFN(896, 4864))]
+    layers = [
+        ("FFN 768 -> 3072, GELU", ffn_ext.FFN(768, 3072, activation="gelu")),
+        ("SwiGLUFFN 896 -> 4864", ffn_ext.SwiGLUFFN(896, 4864)),
+    ]
     out(f"  {'layer':<24} {'pass':<8} {'ffn_ext':>9} {'eager':>9} {'vs eager':>9}")
     ratios = []
     for label, module in layers:
@@ -460,6 +515,7 @@ def ffn_timing(device, out=print) -> list:
             def run():
                 with torch.no_grad():
                     fwd(x)
+
             return run
 
         for what, wrap in (("fwd", infer), ("fwd+bwd", train)):
@@ -478,8 +534,10 @@ def op_timing(device, out=print, iters=None, warmup=None, size=None) -> None:
     iters = iters or (50 if gpu else 30)
     warmup = (5 if gpu else 3) if warmup is None else warmup
     where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
-    out(f"\n== Ops on {where}, {_dname(dtype)}, [{tokens}, {d_ff}]: public API vs the ATen expression, min of "
-        f"{iters}, alternating (ms) ==")
+    out(
+        f"\n== Ops on {where}, {_dname(dtype)}, [{tokens}, {d_ff}]: public API vs the ATen expression, min of "
+        f"{iters}, alternating (ms) =="
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     gate, up, grad = (torch.randn(tokens, d_ff, device=device, dtype=dtype, generator=gen) for _ in range(3))
     gate_up = torch.randn(tokens, 2 * d_ff, device=device, dtype=dtype, generator=gen)
@@ -522,14 +580,23 @@ def op_timing(device, out=print, iters=None, warmup=None, size=None) -> None:
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ffn_ext", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="where to check and time the ops (default: cuda if usable, else cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where to check and time the ops (default: cuda if usable, else cpu)",
+    )
     parser.add_argument("--quick", action="store_true", help="skip the timing")
-    parser.add_argument("--verbose", action="store_true",
-                        help="print every op x dtype check and time the ops one by one")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for torch (default 1: the demo's tensors are small and OpenMP spinning "
-                             "on a shared 2-core machine costs more than it gains)")
+    parser.add_argument(
+        "--verbose", action="store_true", help="print every op x dtype check and time the ops one by one"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch (default 1: the demo's tensors are small and OpenMP spinning "
+        "on a shared 2-core machine costs more than it gains)",
+    )
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -537,9 +604,11 @@ def main(argv=None) -> int:
     device = pick_device(args.device)
 
     info = ffn_ext.build_info()
-    print(f"ffn_ext {ffn_ext.__version__}: {info['native']}, torch {info['torch_version']}, CUDA kernels "
-          f"{info['cuda_kernels']}" + (f" ({info.get('cuda_version')}, {info.get('cuda_archs')})"
-                                       if info["cuda_kernels"] == "yes" else ""))
+    print(
+        f"ffn_ext {ffn_ext.__version__}: {info['native']}, torch {info['torch_version']}, CUDA kernels "
+        f"{info['cuda_kernels']}"
+        + (f" ({info.get('cuda_version')}, {info.get('cuda_archs')})" if info["cuda_kernels"] == "yes" else "")
+    )
     if args.verbose:
         print(ffn_ext.build_summary())
     walk()
@@ -556,8 +625,10 @@ def main(argv=None) -> int:
         ffn_timing(device)
         if args.verbose:
             op_timing(device)
-    print(f"\n{'PASS' if ok else 'FAIL'}: ffn_ext ops vs ATen on {_label(device)} ({device}) "
-          f"[{time.perf_counter() - t0:.1f} s]")
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: ffn_ext ops vs ATen on {_label(device)} ({device}) "
+        f"[{time.perf_counter() - t0:.1f} s]"
+    )
     return 0 if ok else 1
 
 

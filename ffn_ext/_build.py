@@ -8,6 +8,7 @@ Sources: in a checkout they are the repository's csrc/; an installed package (wh
 under ffn_ext/_src/ (csrc/** and CMakeLists.txt, laid there by setup.py's build_py), so ffn_ext.jit works from an
 install as from a checkout. Both layouts hold csrc/build.json with paths relative to that root.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,9 +31,8 @@ def source_root() -> Path:
     raise FileNotFoundError(
         f"ffn_ext: no C++/CUDA sources found: neither {CHECKOUT / 'csrc' / 'build.json'} (a source checkout) nor "
         f"{SHIPPED / 'csrc' / 'build.json'} (an installed package) exists. Reinstall ffn_ext from its sdist or a "
-        "checkout (pip install --no-build-isolation ...) to get them.")
-
-
+        "checkout (pip install --no-build-isolation ...) to get them."
+    )
 
 
 def config(root: Path | None = None) -> dict:
@@ -47,8 +47,9 @@ def shipped_files(root: Path) -> list[str]:
     for p in sorted((root / "csrc").rglob("*")):
         if p.is_file() and (p.suffix in (".h", ".cuh", ".hpp", ".cpp", ".cu") or p.name == "build.json"):
             out.append(p.relative_to(root).as_posix())
-    cmake = sorted(q.relative_to(root).as_posix() for q in (root / "cmake").glob("*")) if (root / "cmake").is_dir() \
-        else []
+    cmake = (
+        sorted(q.relative_to(root).as_posix() for q in (root / "cmake").glob("*")) if (root / "cmake").is_dir() else []
+    )
     return out + [rel for rel in ["CMakeLists.txt", *cmake] if (root / rel).is_file()]
 
 
@@ -113,8 +114,12 @@ def build_record(with_cuda: bool, root: Path | None = None) -> dict:
     built for another torch is named with both versions instead of failing to load with a linker message."""
     import torch
 
-    return {"torch_version": torch_base_version(torch.__version__), "torch_cuda": torch.version.cuda,
-            "cuda_kernels": bool(with_cuda), "sources_hash": sources_hash(root)}
+    return {
+        "torch_version": torch_base_version(torch.__version__),
+        "torch_cuda": torch.version.cuda,
+        "cuda_kernels": bool(with_cuda),
+        "sources_hash": sources_hash(root),
+    }
 
 
 def read_record(directory: Path) -> dict | None:
@@ -133,8 +138,10 @@ def rebuild_command() -> str:
     """The command that rebuilds _C against the torch in this environment, for messages."""
     if in_checkout():
         return f"cd {CHECKOUT} && pip install --no-build-isolation -e ."
-    return "pip install --no-build-isolation --no-binary ffn_ext --force-reinstall --no-deps ffn_ext " \
-           "(or, from its sdist or checkout: pip install --no-build-isolation <path>)"
+    return (
+        "pip install --no-build-isolation --no-binary ffn_ext --force-reinstall --no-deps ffn_ext "
+        "(or, from its sdist or checkout: pip install --no-build-isolation <path>)"
+    )
 
 
 def shipped_files_abs(root: Path | None = None) -> list[str]:

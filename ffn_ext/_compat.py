@@ -2,6 +2,7 @@
 torch release moves one of these, this file is what changes. (The C++ side has one more: the fast entry points in
 csrc/python_module.cpp test the FuncTorchDynamicLayerFrontMode dispatch key, which a torch.func transform sets.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,15 +28,20 @@ def vmap_only() -> bool:
 
 def has_tangent(args) -> bool:
     """True when a forward-mode AD level is open and one of args is a dual tensor with a tangent."""
-    return _fwAD._current_level >= 0 and any(isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None
-                                             for t in args)
+    return _fwAD._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None for t in args
+    )
 
 
 def global_module_hooks() -> bool:
     """True when a global nn.Module hook is registered (register_module_forward_hook and friends)."""
     m = _module_mod
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
+    return bool(
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )
 
 
 def module_hooks(mod) -> bool:

@@ -11,6 +11,7 @@ advice.
   both versions and the command that rebuilds.
 - The advice names only what works here: rebuilding in a checkout, ffn_ext.jit.load() when the sources are there.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -31,8 +32,12 @@ class Registered:
     @staticmethod
     def build_info() -> dict:
         has = torch._C._dispatch_has_kernel_for_dispatch_key(PROBE_OP, "CUDA")
-        return {"torch_version_built_against": "unknown (not ffn_ext._C)", "cuda_kernels": "yes" if has else "no",
-                "cuda_version": "", "cuda_archs": ""}
+        return {
+            "torch_version_built_against": "unknown (not ffn_ext._C)",
+            "cuda_kernels": "yes" if has else "no",
+            "cuda_version": "",
+            "cuda_archs": "",
+        }
 
 
 def registered_elsewhere() -> Registered | None:
@@ -58,10 +63,14 @@ def check_installed_C() -> None:
     built = (record.get("torch_version"), record.get("torch_cuda"))
     here = (_build.torch_base_version(torch.__version__), torch.version.cuda)
     if built != here:  # the version, or a CUDA build against a CPU one (or another CUDA) of the same version
+
         def name(version, cuda):
             return f"torch {version} ({f'CUDA {cuda}' if cuda else 'CPU-only'})"
-        raise ImportError(f"ffn_ext._C was built against {name(*built)}, this is {name(torch.__version__, here[1])}; "
-                          f"it loads only with the torch it was built against. Rebuild it: {_build.rebuild_command()}")
+
+        raise ImportError(
+            f"ffn_ext._C was built against {name(*built)}, this is {name(torch.__version__, here[1])}; "
+            f"it loads only with the torch it was built against. Rebuild it: {_build.rebuild_command()}"
+        )
 
 
 def remedy() -> str:
@@ -71,8 +80,10 @@ def remedy() -> str:
         ways.append(f"build the extension with `{_build.rebuild_command()}`")
     try:
         _build.source_root()
-        ways.append("call ffn_ext.jit.load() to compile the package's sources for this torch (a C++ compiler, and "
-                    "nvcc for the CUDA kernels; minutes the first time, cached after)")
+        ways.append(
+            "call ffn_ext.jit.load() to compile the package's sources for this torch (a C++ compiler, and "
+            "nvcc for the CUDA kernels; minutes the first time, cached after)"
+        )
     except FileNotFoundError:
         ways.append(f"reinstall ffn_ext for this torch: {_build.rebuild_command()}")
     return "To get the fused kernels, " + ", or ".join(ways) + "."

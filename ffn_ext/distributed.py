@@ -21,6 +21,7 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
   projection split per rank, as Megatron's / vLLM's MergedColumnParallelLinear: rank r holds rows
   [gate rows of r; up rows of r] of the weight), the packed op runs on the local shards: ``per_rank_packed``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,8 +33,18 @@ from . import modules as _modules
 from . import ops as _ops
 from .table import OPS
 
-__all__ = ["register_strategies", "strategies", "per_rank_packed", "tp_plan", "tp_gated_mlp", "tp_plain_mlp",
-           "shard_gated_ffns", "shard_plain_ffns", "GATED_FFN_PLAN", "PLAIN_FFN_PLAN"]
+__all__ = [
+    "register_strategies",
+    "strategies",
+    "per_rank_packed",
+    "tp_plan",
+    "tp_gated_mlp",
+    "tp_plain_mlp",
+    "shard_gated_ffns",
+    "shard_plain_ffns",
+    "GATED_FFN_PLAN",
+    "PLAIN_FFN_PLAN",
+]
 
 _registered = False
 
@@ -80,8 +91,10 @@ def per_rank_packed(fn, gate_up, *args, **kwargs):
         return fn(gate_up, *args, **kwargs)
     last = gate_up.ndim - 1
     if not any(isinstance(p, Shard) and p.dim in (last, -1) for p in gate_up.placements):
-        raise ValueError("ffn_ext.distributed.per_rank_packed: gate_up is not sharded on its last dim "
-                         f"(placements {gate_up.placements}); call the packed op directly")
+        raise ValueError(
+            "ffn_ext.distributed.per_rank_packed: gate_up is not sharded on its last dim "
+            f"(placements {gate_up.placements}); call the packed op directly"
+        )
     out = fn(gate_up.to_local(), *args, **kwargs)
     return DTensor.from_local(out, gate_up.device_mesh, gate_up.placements, run_check=False)
 
@@ -96,10 +109,12 @@ def _is_gated_ffn(mod) -> bool:
     if isinstance(mod, _modules.GatedFFN) and not separate:
         # a packed gate_up projection (fused_gate_up=True): ColwiseParallel would give rank 0 the global
         # [gate | up]'s first rows (gate only), not its own [gate_shard | up_shard]
-        raise ValueError(f"ffn_ext.distributed.tp_plan: {type(mod).__name__} has no separate gate_proj/up_proj "
-                         "nn.Linear (a fused gate_up projection?); colwise sharding of a packed [gate | up] weight "
-                         "would pair the wrong rows. Use separate projections, or split the packed weight per rank "
-                         "(per_rank_packed)")
+        raise ValueError(
+            f"ffn_ext.distributed.tp_plan: {type(mod).__name__} has no separate gate_proj/up_proj "
+            "nn.Linear (a fused gate_up projection?); colwise sharding of a packed [gate | up] weight "
+            "would pair the wrong rows. Use separate projections, or split the packed weight per rank "
+            "(per_rank_packed)"
+        )
     return separate
 
 
@@ -108,8 +123,9 @@ PLAIN_FFN_PLAN = {"up_proj": "colwise", "down_proj": "rowwise"}
 
 
 def _is_plain_ffn(mod) -> bool:
-    return isinstance(mod, _modules.FFN) and all(isinstance(getattr(mod, n, None), torch.nn.Linear)
-                                                 for n in PLAIN_FFN_PLAN)
+    return isinstance(mod, _modules.FFN) and all(
+        isinstance(getattr(mod, n, None), torch.nn.Linear) for n in PLAIN_FFN_PLAN
+    )
 
 
 def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
@@ -168,8 +184,19 @@ class _SumGradOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu", *,
-                 recompute: bool = False, token_chunk: int | None = None):
+def tp_gated_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    b_gate=None,
+    b_up=None,
+    b_down=None,
+    activation: str = "silu",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+):
     """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
     mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
     b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
@@ -180,13 +207,29 @@ def tp_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, a
     hooks, so the FFN modules (and patched Hugging Face MLPs) call this."""
     from torch.distributed.tensor import Replicate, Shard
 
-    _check_placed("tp_gated_mlp", (("w_gate", w_gate, Shard(0)), ("w_up", w_up, Shard(0)),
-                                   ("w_down", w_down, Shard(1)), ("b_gate", b_gate, Shard(0)),
-                                   ("b_up", b_up, Shard(0)), ("b_down", b_down, Replicate())))
+    _check_placed(
+        "tp_gated_mlp",
+        (
+            ("w_gate", w_gate, Shard(0)),
+            ("w_up", w_up, Shard(0)),
+            ("w_down", w_down, Shard(1)),
+            ("b_gate", b_gate, Shard(0)),
+            ("b_up", b_up, Shard(0)),
+            ("b_down", b_down, Replicate()),
+        ),
+    )
     group = w_gate.device_mesh.get_group()
     local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
-    y = _mlp.gated_mlp(_SumGradOverRanks.apply(x, group), *local[:3], local[3], local[4], None,
-                       activation=activation, recompute=recompute, token_chunk=token_chunk)
+    y = _mlp.gated_mlp(
+        _SumGradOverRanks.apply(x, group),
+        *local[:3],
+        local[3],
+        local[4],
+        None,
+        activation=activation,
+        recompute=recompute,
+        token_chunk=token_chunk,
+    )
     y = _SumOverRanks.apply(y, group)
     return y if b_down is None else y + b_down.to_local()
 
@@ -196,13 +239,25 @@ def _check_placed(fn: str, named: tuple) -> None:
 
     for name, w, want in named:
         if w is not None and (not isinstance(w, DTensor) or tuple(w.placements) != (want,)):
-            raise ValueError(f"ffn_ext.distributed.{fn}: expected `{name}` to be a DTensor placed "
-                             f"[{want}] on a 1-D mesh, got "
-                             f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}")
+            raise ValueError(
+                f"ffn_ext.distributed.{fn}: expected `{name}` to be a DTensor placed "
+                f"[{want}] on a 1-D mesh, got "
+                f"{list(w.placements) if isinstance(w, DTensor) else type(w).__name__}"
+            )
 
 
-def tp_plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu", *, recompute: bool = False,
-                 token_chunk: int | None = None, transposed: bool = False):
+def tp_plain_mlp(
+    x,
+    w_fc1,
+    w_fc2,
+    b_fc1=None,
+    b_fc2=None,
+    activation: str = "gelu",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+    transposed: bool = False,
+):
     """ffn_ext.plain_mlp (the lean autograd: saves x and fc1's output) with tensor-parallel weights on a 1-D mesh:
     fc1 column parallel, fc2 row parallel (nn.Linear layout: w_fc1 and b_fc1 Shard(0), w_fc2 Shard(1); Conv1D
     layout, transposed=True: w_fc1 Shard(1), b_fc1 Shard(0), w_fc2 Shard(0)), b_fc2 Replicate; x a local tensor,
@@ -212,12 +267,21 @@ def tp_plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gel
     from torch.distributed.tensor import Replicate, Shard
 
     s1, s2 = (Shard(1), Shard(0)) if transposed else (Shard(0), Shard(1))
-    _check_placed("tp_plain_mlp", (("w_fc1", w_fc1, s1), ("w_fc2", w_fc2, s2), ("b_fc1", b_fc1, Shard(0)),
-                                   ("b_fc2", b_fc2, Replicate())))
+    _check_placed(
+        "tp_plain_mlp",
+        (("w_fc1", w_fc1, s1), ("w_fc2", w_fc2, s2), ("b_fc1", b_fc1, Shard(0)), ("b_fc2", b_fc2, Replicate())),
+    )
     group = w_fc1.device_mesh.get_group()
     local = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]
-    y = _mlp.plain_mlp(_SumGradOverRanks.apply(x, group), *local, None, activation=activation,
-                       recompute=recompute, token_chunk=token_chunk, transposed=transposed)
+    y = _mlp.plain_mlp(
+        _SumGradOverRanks.apply(x, group),
+        *local,
+        None,
+        activation=activation,
+        recompute=recompute,
+        token_chunk=token_chunk,
+        transposed=transposed,
+    )
     y = _SumOverRanks.apply(y, group)
     return y if b_fc2 is None else y + b_fc2.to_local()
 
@@ -227,8 +291,9 @@ def _place(lin, mesh, place, bias_place) -> None:
 
     for pname, p in list(lin.named_parameters(recurse=False)):
         where = bias_place if pname == "bias" else place
-        lin.register_parameter(pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [where]),
-                                                         requires_grad=p.requires_grad))
+        lin.register_parameter(
+            pname, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [where]), requires_grad=p.requires_grad)
+        )
 
 
 def shard_plain_ffns(model: torch.nn.Module, mesh) -> int:

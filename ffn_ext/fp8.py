@@ -11,6 +11,7 @@ activation is ffn_ext's op followed by ffn_ext.quantize. Forward only (inference
 FP8 weights are buffers. A module whose activation is not one of ffn_ext's (replaced, or a subclass) is left as
 it is, with a warning naming it.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modules import FFN, GatedFFN, Gated, GeGLU, SwiGLU
+from .modules import FFN, Gated, GatedFFN, GeGLU, SwiGLU
 from .quant import QuantRecipe, gated_packed_quant, quantize
 
 __all__ = ["quantize_fp8", "FP8GatedFFN", "FP8FFN", "ROW"]
@@ -72,8 +73,9 @@ class FP8GatedFFN(nn.Module):
         self.down = _FP8Linear(mods["down_proj"].weight, mods["down_proj"].bias)
         if isinstance(act, SwiGLU) and act.clamped:
             self.activation = "swiglu_clamped"
-            self.params = dict(limit=math.inf if act.limit is None else act.limit, alpha=act.alpha,
-                               up_offset=act.up_offset)
+            self.params = dict(
+                limit=math.inf if act.limit is None else act.limit, alpha=act.alpha, up_offset=act.up_offset
+            )
         else:
             self.activation, self.params = act.activation, {}
 
@@ -107,15 +109,19 @@ class FP8FFN(nn.Module):
 def _convert(m: nn.Module, name: str):
     if isinstance(m, GatedFFN):
         if type(m._modules["act"]) in _FUSED_ACTS and all(
-                type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"):
+            type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"
+        ):
             return FP8GatedFFN(m)
     elif type(m) is FFN:
         if all(type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"):
             return FP8FFN(m)
     else:
         return None
-    warnings.warn(f"ffn_ext.quantize_fp8: {name or type(m).__name__} ({type(m).__name__}) is not converted: its "
-                  "projections are not nn.Linear or its activation is not one of ffn_ext's", stacklevel=3)
+    warnings.warn(
+        f"ffn_ext.quantize_fp8: {name or type(m).__name__} ({type(m).__name__}) is not converted: its "
+        "projections are not nn.Linear or its activation is not one of ffn_ext's",
+        stacklevel=3,
+    )
     return None
 
 
@@ -123,8 +129,10 @@ def quantize_fp8(module: nn.Module, recipe: str = "row") -> nn.Module:
     """An FP8 inference version of `module`: a GatedFFN (SwiGLUFFN, GeGLUFFN) or FFN becomes an FP8GatedFFN /
     FP8FFN (returned); any other module has its FFN submodules replaced in place (and is returned)."""
     if recipe != "row":
-        raise ValueError(f"ffn_ext.quantize_fp8: `recipe` must be \"row\" (per-channel weights, per-token "
-                         f"activations, F.scaled_mm RowWise), got {recipe!r}")
+        raise ValueError(
+            f"ffn_ext.quantize_fp8: `recipe` must be \"row\" (per-channel weights, per-token "
+            f"activations, F.scaled_mm RowWise), got {recipe!r}"
+        )
     top = _convert(module, "")
     if top is not None:
         return top

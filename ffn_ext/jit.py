@@ -5,6 +5,7 @@ the sources and flags setup.py and CMake use (csrc/build.json). One process can 
 ffn_ext namespace: when ops are loaded already, load() returns them if they were built from these same sources
 (ffn_ext._C, or an earlier load()), and otherwise says why it cannot load a second build.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,7 +28,10 @@ def _loaded_matches(with_cuda: bool | None) -> tuple[bool, str]:
         record = _build.read_record(Path(native.__file__).parent) or {}
         built = record.get("sources_hash")
         if built is None:
-            return False, f"ffn_ext._C ({native.__file__}) has no build record ({_build.RECORD}) to compare sources with"
+            return (
+                False,
+                f"ffn_ext._C ({native.__file__}) has no build record ({_build.RECORD}) to compare sources with",
+            )
     if built is None:
         return False, f"the ops were registered by {source}, whose sources are unknown"
     here = _build.sources_hash()
@@ -39,8 +43,9 @@ def _loaded_matches(with_cuda: bool | None) -> tuple[bool, str]:
     return True, ""
 
 
-def load(verbose: bool = False, with_cuda: bool | None = None, build_directory: str | None = None,
-         name: str = "ffn_ext_jit"):
+def load(
+    verbose: bool = False, with_cuda: bool | None = None, build_directory: str | None = None, name: str = "ffn_ext_jit"
+):
     """Compiles (cached by torch in build_directory or its default extension dir) and loads the library, then
     makes it ffn_ext's backend. with_cuda=None decides as setup.py does. Returns the loaded module.
 
@@ -56,7 +61,8 @@ def load(verbose: bool = False, with_cuda: bool | None = None, build_directory: 
             f"ffn_ext.jit.load: the ffn_ext ops are already registered in this process by {ops._native_source}, "
             f"and they cannot serve this request: {why}. One process holds one registration of the ffn_ext "
             f"namespace: set {ops.NO_C_ENV}=1 before importing ffn_ext (then load() builds and uses the JIT "
-            "library), or run the JIT build in a separate process.")
+            "library), or run the JIT build in a separate process."
+        )
     if with_cuda is None:
         with_cuda, why = _build.decide_cuda()
         if verbose:
@@ -68,10 +74,15 @@ def load(verbose: bool = False, with_cuda: bool | None = None, build_directory: 
     newest = max(os.path.getmtime(s) for s in [*sources, *_build.shipped_files_abs()] if "csrc" in s)
     fresh = not library.exists() or library.stat().st_mtime < newest
     if fresh and not verbose:
-        what = (f"the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 3.5 on 2 cores)" if with_cuda
-                else "the CPU kernels (no CUDA; 1-2 minutes on 2 cores)")
-        _say(f"compiling {len(sources)} files from {_build.source_root() / 'csrc'}: {what}; cached in {directory} "
-             "(verbose=True shows the compiler)")
+        what = (
+            f"the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 3.5 on 2 cores)"
+            if with_cuda
+            else "the CPU kernels (no CUDA; 1-2 minutes on 2 cores)"
+        )
+        _say(
+            f"compiling {len(sources)} files from {_build.source_root() / 'csrc'}: {what}; cached in {directory} "
+            "(verbose=True shows the compiler)"
+        )
     start = time.time()
     module = cpp_extension.load(
         name=name,

@@ -37,6 +37,7 @@ AD, the plain ops run instead of the autograd.Function (F.linear and the fused a
 ``fusable`` and ``linear_args`` are what the modules (ffn_ext.GatedFFN) and Hugging Face patching (ffn_ext.hf) use
 to decide whether a module's projections may be bypassed and to read their parameters cheaply.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,17 @@ from . import _compat
 from . import ops as _ops
 from .table import ACTIVATIONS, BY_NAME
 
-__all__ = ["gated_mlp", "gated_mlp_packed", "swiglu_mlp", "swiglu_mlp_packed", "geglu_mlp", "geglu_mlp_packed",
-           "plain_mlp", "fusable", "linear_args"]
+__all__ = [
+    "gated_mlp",
+    "gated_mlp_packed",
+    "swiglu_mlp",
+    "swiglu_mlp_packed",
+    "geglu_mlp",
+    "geglu_mlp_packed",
+    "plain_mlp",
+    "fusable",
+    "linear_args",
+]
 
 
 # activation name -> (its gated op, its packed op); _call is the functional API's path to an op (the native fast
@@ -94,8 +104,7 @@ def _acc_mm(acc, a, b, dtype):
     the operands are widened)."""
     if a.dtype != dtype:
         if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
-            return (torch.mm(a.t(), b, out_dtype=dtype) if acc is None
-                    else torch.addmm(acc, a.t(), b, out_dtype=dtype))
+            return torch.mm(a.t(), b, out_dtype=dtype) if acc is None else torch.addmm(acc, a.t(), b, out_dtype=dtype)
         a, b = a.to(dtype), b.to(dtype)
     return a.t().matmul(b) if acc is None else acc.addmm_(a.t(), b)
 
@@ -124,16 +133,16 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
     y = None if functional else xr.new_empty((n, wd.shape[0]))
     with _no_autocast(x):
         for s in range(0, n, chunk):
-            pre = first if s == 0 else _project(xr[s:s + chunk], ws, bs)
+            pre = first if s == 0 else _project(xr[s : s + chunk], ws, bs)
             first = None
             h = _call(op, pre)
             del pre
             if functional:
                 outs.append(F.linear(h, wd, bd))
             elif bd is None:
-                torch.mm(h, wd.t(), out=y[s:s + chunk])
+                torch.mm(h, wd.t(), out=y[s : s + chunk])
             else:
-                torch.addmm(bd, h, wd.t(), out=y[s:s + chunk])
+                torch.addmm(bd, h, wd.t(), out=y[s : s + chunk])
             del h
     y = torch.cat(outs) if functional else y
     return y.reshape(*x.shape[:-1], y.shape[-1]), dtype
@@ -191,10 +200,10 @@ def _backward(ctx, dy, needs):
     """The gradients of (x, *ws, wd, *bs, bd) (needs: which are wanted, in that order)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     saved = ctx.saved_tensors
-    x, ws, wd, bs, pre = saved[0], saved[1:1 + k], saved[1 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
+    x, ws, wd, bs, pre = saved[0], saved[1 : 1 + k], saved[1 + k], saved[2 + k : 2 + 2 * k], saved[2 + 2 * k :]
     if ctx.transposed:
         ws, wd = (ws[0].t(),), wd.t()
-    n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1:1 + k], needs[1 + k], needs[2 + k:2 + 2 * k], needs[2 + 2 * k]
+    n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1 : 1 + k], needs[1 + k], needs[2 + k : 2 + 2 * k], needs[2 + 2 * k]
     rows = x.numel() // max(x.shape[-1], 1)
     if not torch.is_grad_enabled() and ctx.plain:
         step = ctx.chunk if ctx.chunk is not None else _plain_block(rows)
@@ -245,8 +254,8 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     want_pre = n_x or any(n_ws) or any(n_bs)
     tr = ctx.transposed
     for s in range(0, n, step):
-        xs, dys = xr[s:s + step], dyr[s:s + step]
-        pre = tuple(p[s:s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
+        xs, dys = xr[s : s + step], dyr[s : s + step]
+        pre = tuple(p[s : s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
         d_pre = None
         if ctx.plain and want_pre and n_wd:  # d_fc1 and h = act(fc1) from one elementwise step
             d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
@@ -265,18 +274,22 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             for i in range(k):
                 if n_x:
                     if i == 0:
-                        torch.mm(d_pre[0], wsc[0], out=d_x[s:s + step])
+                        torch.mm(d_pre[0], wsc[0], out=d_x[s : s + step])
                     else:
-                        d_x[s:s + step].addmm_(d_pre[i], wsc[i])
+                        d_x[s : s + step].addmm_(d_pre[i], wsc[i])
                 if n_ws[i]:
-                    d_ws[i] = (_acc_mm(d_ws[i], xs, d_pre[i], ws[i].dtype) if tr
-                               else _acc_mm(d_ws[i], d_pre[i], xs, ws[i].dtype))
+                    d_ws[i] = (
+                        _acc_mm(d_ws[i], xs, d_pre[i], ws[i].dtype)
+                        if tr
+                        else _acc_mm(d_ws[i], d_pre[i], xs, ws[i].dtype)
+                    )
                 if n_bs[i]:
                     d_bs[i] = _acc_sum(d_bs[i], d_pre[i], bs[i].dtype)
                 d_pre[i] = None
     if d_x is not None:
         d_x = d_x.reshape(x.shape)
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
+
 
 # The Functions take the activation's table name (a str, so torch.compile treats it as a constant), recompute (bool)
 # and token_chunk (int or None) first; their gradients are None.
@@ -286,8 +299,7 @@ class _GatedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        return _forward(ctx, _OPS[activation][0], recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up),
-                        b_down)
+        return _forward(ctx, _OPS[activation][0], recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -315,8 +327,9 @@ class _PlainMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, activation, recompute, chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2):
-        return _forward(ctx, activation, recompute, chunk, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, plain=True,
-                        transposed=transposed)
+        return _forward(
+            ctx, activation, recompute, chunk, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, plain=True, transposed=transposed
+        )
 
     @staticmethod
     def backward(ctx, dy):
@@ -333,9 +346,11 @@ def _plain(op, x, ws, wd, bs, bd, chunk):
 
 def _no_meta(fn: str, x, weights: tuple) -> None:
     if not x.is_meta and any(w.is_meta for w in weights):
-        raise ValueError(f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
-                         f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call "
-                         "the projections as modules so their hooks (accelerate's offload) bring them in")
+        raise ValueError(
+            f"ffn_ext.{fn}: the weights are on the meta device (not loaded, or offloaded) but x is on "
+            f"{x.device}; F.linear would read uninitialised memory. Load the weights first, or call "
+            "the projections as modules so their hooks (accelerate's offload) bring them in"
+        )
 
 
 # On the CPU the ffn_ext ops are ATen's composites plus a dispatch, and the lean backward's extra elementwise passes
@@ -393,10 +408,12 @@ def _gelu(fn: str, approximate) -> str:
 def _options(fn: str, recompute, token_chunk) -> tuple:
     if not isinstance(recompute, bool):
         raise ValueError(f"ffn_ext.{fn}: `recompute` must be True or False, got {recompute!r}")
-    if token_chunk is not None and (isinstance(token_chunk, bool) or not isinstance(token_chunk, int)
-                                    or token_chunk < 1):
-        raise ValueError(f"ffn_ext.{fn}: `token_chunk` must be None or a positive int (tokens per chunk), got "
-                         f"{token_chunk!r}")
+    if token_chunk is not None and (
+        isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1
+    ):
+        raise ValueError(
+            f"ffn_ext.{fn}: `token_chunk` must be None or a positive int (tokens per chunk), got {token_chunk!r}"
+        )
     return recompute, token_chunk
 
 
@@ -443,57 +460,154 @@ _OPTIONS_DOC = """
     create_graph=True (double backward) the backward of a token_chunk call recomputes the projections whole."""
 
 
-def gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, activation: str = "silu", *,
-              recompute: bool = False, token_chunk: int | None = None):
+def gated_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    b_gate=None,
+    b_up=None,
+    b_down=None,
+    activation: str = "silu",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+):
     """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd, for the table activation
     `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
 
     Weights in nn.Linear layout: w_gate, w_up [d_ff, d_model], w_down [d_model, d_ff]. Without grad mode (no_grad,
     inference_mode), under torch.jit.trace and under torch.func transforms or forward-mode AD, the plain ops run
     instead (_lean_autograd). Weights on the meta device with a real x raise ValueError."""
-    return _run("gated_mlp", _activation("gated_mlp", activation), x, (w_gate, w_up), w_down, (b_gate, b_up),
-                b_down, recompute, token_chunk)
+    return _run(
+        "gated_mlp",
+        _activation("gated_mlp", activation),
+        x,
+        (w_gate, w_up),
+        w_down,
+        (b_gate, b_up),
+        b_down,
+        recompute,
+        token_chunk,
+    )
 
 
-def gated_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, activation: str = "silu", *,
-                     recompute: bool = False, token_chunk: int | None = None):
+def gated_mlp_packed(
+    x,
+    w_gate_up,
+    w_down,
+    b_gate_up=None,
+    b_down=None,
+    activation: str = "silu",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+):
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first (one GEMM for both; the
     backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
-    return _run("gated_mlp_packed", _activation("gated_mlp_packed", activation), x, (w_gate_up,), w_down,
-                (b_gate_up,), b_down, recompute, token_chunk)
+    return _run(
+        "gated_mlp_packed",
+        _activation("gated_mlp_packed", activation),
+        x,
+        (w_gate_up,),
+        w_down,
+        (b_gate_up,),
+        b_down,
+        recompute,
+        token_chunk,
+    )
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, recompute: bool = False,
-               token_chunk: int | None = None) -> torch.Tensor:
+def swiglu_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    b_gate=None,
+    b_up=None,
+    b_down=None,
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd: gated_mlp(...,
     activation="silu")."""
     return _run("swiglu_mlp", "silu", x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk)
 
 
-def swiglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, recompute: bool = False,
-                      token_chunk: int | None = None) -> torch.Tensor:
+def swiglu_mlp_packed(
+    x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, recompute: bool = False, token_chunk: int | None = None
+) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
     gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
     return _run("swiglu_mlp_packed", "silu", x, (w_gate_up,), w_down, (b_gate_up,), b_down, recompute, token_chunk)
 
 
-def geglu_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, approximate: str = "none", *,
-              recompute: bool = False, token_chunk: int | None = None):
+def geglu_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    b_gate=None,
+    b_up=None,
+    b_down=None,
+    approximate: str = "none",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+):
     """down(gelu(x @ w_gate^T + b_gate, approximate) * (x @ w_up^T + b_up)) with the lean autograd; approximate as
     F.gelu's: "none" (exact, erf) or "tanh" (Gemma's gelu_pytorch_tanh): gated_mlp with "gelu" / "gelu_tanh"."""
-    return _run("geglu_mlp", _gelu("geglu_mlp", approximate), x, (w_gate, w_up), w_down, (b_gate, b_up), b_down,
-                recompute, token_chunk)
+    return _run(
+        "geglu_mlp",
+        _gelu("geglu_mlp", approximate),
+        x,
+        (w_gate, w_up),
+        w_down,
+        (b_gate, b_up),
+        b_down,
+        recompute,
+        token_chunk,
+    )
 
 
-def geglu_mlp_packed(x, w_gate_up, w_down, b_gate_up=None, b_down=None, approximate: str = "none", *,
-                     recompute: bool = False, token_chunk: int | None = None):
+def geglu_mlp_packed(
+    x,
+    w_gate_up,
+    w_down,
+    b_gate_up=None,
+    b_down=None,
+    approximate: str = "none",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+):
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
-    return _run("geglu_mlp_packed", _gelu("geglu_mlp_packed", approximate), x, (w_gate_up,), w_down, (b_gate_up,),
-                b_down, recompute, token_chunk)
+    return _run(
+        "geglu_mlp_packed",
+        _gelu("geglu_mlp_packed", approximate),
+        x,
+        (w_gate_up,),
+        w_down,
+        (b_gate_up,),
+        b_down,
+        recompute,
+        token_chunk,
+    )
 
 
-def plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu", *, recompute: bool = False,
-              token_chunk: int | None = None, transposed: bool = False) -> torch.Tensor:
+def plain_mlp(
+    x,
+    w_fc1,
+    w_fc2,
+    b_fc1=None,
+    b_fc2=None,
+    activation: str = "gelu",
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
+    transposed: bool = False,
+) -> torch.Tensor:
     """The classic FFN, fc2(act(fc1(x))) = act(x @ w_fc1^T + b_fc1) @ w_fc2^T + b_fc2, with the lean autograd, for
     the table activation `activation` ("gelu", "gelu_tanh", "silu", ...; a ValueError otherwise).
 
@@ -524,8 +638,17 @@ def plain_mlp(x, w_fc1, w_fc2, b_fc1=None, b_fc2=None, activation: str = "gelu",
         return F.linear(BY_NAME[a].aten(F.linear(x, w_fc1, b_fc1)), w_fc2, b_fc2)
     transposed = _transposed(transposed)
     if type(w_fc1) not in _PLAIN and _tp((w_fc1, w_fc2), x):  # tensor-parallel weights (shard_plain_ffns)
-        return _tp_mlps["plain"](x, w_fc1, w_fc2, b_fc1, b_fc2, activation=a, recompute=recompute,
-                                 token_chunk=token_chunk, transposed=transposed)
+        return _tp_mlps["plain"](
+            x,
+            w_fc1,
+            w_fc2,
+            b_fc1,
+            b_fc2,
+            activation=a,
+            recompute=recompute,
+            token_chunk=token_chunk,
+            transposed=transposed,
+        )
     if _lean_autograd("plain_mlp", x, (w_fc1, w_fc2)):
         return _PlainMLP.apply(a, recompute, token_chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2)
     if transposed:

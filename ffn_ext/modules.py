@@ -15,6 +15,7 @@ act(gate) * up in backward (for the down projection's weight gradient) instead o
 four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two. Double backward is supported (see
 ffn_ext/mlp.py). On the CPU without recompute / token_chunk the modules run eager PyTorch's ops (ffn_ext.mlp).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp
-from .mlp import swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
+from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp, swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
 
@@ -40,8 +40,9 @@ def _gelu_entry(who: str, approximate):
     """The table entry of GELU with nn.GELU's `approximate`, or a ValueError."""
     act = _GELUS.get(approximate) if isinstance(approximate, str) else None
     if act is None:
-        raise ValueError(f"ffn_ext.{who}: approximate must be {' or '.join(map(repr, _GELUS))} (as nn.GELU), got "
-                         f"{approximate!r}")
+        raise ValueError(
+            f"ffn_ext.{who}: approximate must be {' or '.join(map(repr, _GELUS))} (as nn.GELU), got {approximate!r}"
+        )
     return act
 
 
@@ -148,11 +149,15 @@ class SwiGLU(Gated):
     alpha = 1.0
     up_offset = 0.0
 
-    def __init__(self, *, limit: float | None = None, alpha: float = 1.0, up_offset: float = 0.0,
-                 layout: str = "concat") -> None:
+    def __init__(
+        self, *, limit: float | None = None, alpha: float = 1.0, up_offset: float = 0.0, layout: str = "concat"
+    ) -> None:
         super().__init__("silu", layout=layout)
-        check_params("ffn_ext.SwiGLU", GATED_BY_NAME["swiglu_clamped"],
-                     dict(limit=math.inf if limit is None else limit, alpha=alpha, up_offset=up_offset))
+        check_params(
+            "ffn_ext.SwiGLU",
+            GATED_BY_NAME["swiglu_clamped"],
+            dict(limit=math.inf if limit is None else limit, alpha=alpha, up_offset=up_offset),
+        )
         self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
 
     @property
@@ -211,8 +216,10 @@ def _unary_module(act) -> nn.Module:
 
 # ---------------------------------------------------------------- FFN modules
 # FFN's activation names: the table's, and "relu" as nn.ReLU while the table has no entry of that name
-_FFN_ACTIVATIONS = {**{a.name: (lambda a=a: _unary_module(a)) for a in ACTIVATIONS},
-                    **({} if "relu" in BY_NAME else {"relu": nn.ReLU})}
+_FFN_ACTIVATIONS = {
+    **{a.name: (lambda a=a: _unary_module(a)) for a in ACTIVATIONS},
+    **({} if "relu" in BY_NAME else {"relu": nn.ReLU}),
+}
 
 
 def _unary_name(act) -> str | None:
@@ -244,14 +251,26 @@ class FFN(nn.Module):
 
     recompute, token_chunk = False, None  # class defaults: older pickles load
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False,
-                 device=None, dtype=None, *, recompute: bool = False, token_chunk: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        activation: str = "gelu",
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        recompute: bool = False,
+        token_chunk: int | None = None,
+    ):
         super().__init__()
         key = activation.lower() if isinstance(activation, str) else activation
         if key not in _FFN_ACTIVATIONS:
-            raise ValueError(f"ffn_ext.FFN: unknown activation {activation!r}; expected one of "
-                             f"{sorted(_FFN_ACTIVATIONS)} (for a gated FFN use ffn_ext.GatedFFN, SwiGLUFFN or "
-                             "GeGLUFFN)")
+            raise ValueError(
+                f"ffn_ext.FFN: unknown activation {activation!r}; expected one of "
+                f"{sorted(_FFN_ACTIVATIONS)} (for a gated FFN use ffn_ext.GatedFFN, SwiGLUFFN or "
+                "GeGLUFFN)"
+            )
         _options("FFN", recompute, token_chunk)
         self.activation = key
         self.recompute, self.token_chunk = recompute, token_chunk
@@ -269,8 +288,10 @@ class FFN(nn.Module):
         return d(act(u(x)))
 
     def extra_repr(self) -> str:
-        opts = ("recompute=True" if self.recompute else "",
-                "" if self.token_chunk is None else f"token_chunk={self.token_chunk}")
+        opts = (
+            "recompute=True" if self.recompute else "",
+            "" if self.token_chunk is None else f"token_chunk={self.token_chunk}",
+        )
         return f"activation={self.activation!r}" + "".join(", " + o for o in opts if o)
 
 
@@ -334,8 +355,19 @@ class GatedFFN(nn.Module):
 
     fused_gate_up, recompute, token_chunk = False, False, None  # class defaults: older pickles load
 
-    def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False, device=None,
-                 dtype=None, *, fused_gate_up: bool = False, recompute: bool = False, token_chunk: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        activation: str = "silu",
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        fused_gate_up: bool = False,
+        recompute: bool = False,
+        token_chunk: int | None = None,
+    ):
         super().__init__()
         who = type(self).__name__
         act = _entry(who, activation)
@@ -368,18 +400,31 @@ class GatedFFN(nn.Module):
         if "gate_up_proj" in mods:
             gu = mods["gate_up_proj"]
             if fused and act.layout == "concat" and fusable((gu, d), (act,)):
-                return gated_mlp_packed(x, *linear_args(gu, d), activation=act.activation,
-                                        recompute=self.recompute, token_chunk=self.token_chunk)
+                return gated_mlp_packed(
+                    x,
+                    *linear_args(gu, d),
+                    activation=act.activation,
+                    recompute=self.recompute,
+                    token_chunk=self.token_chunk,
+                )
             return d(act(gu(x)))
         g, u = mods["gate_proj"], mods["up_proj"]
         if fused and fusable((g, u, d), (act,)):
-            return gated_mlp(x, *linear_args(g, u, d), activation=act.activation, recompute=self.recompute,
-                             token_chunk=self.token_chunk)
+            return gated_mlp(
+                x,
+                *linear_args(g, u, d),
+                activation=act.activation,
+                recompute=self.recompute,
+                token_chunk=self.token_chunk,
+            )
         return d(act(g(x), u(x)))
 
     def _options_repr(self) -> str:
-        opts = ("fused_gate_up=True" if self.fused_gate_up else "", "recompute=True" if self.recompute else "",
-                "" if self.token_chunk is None else f"token_chunk={self.token_chunk}")
+        opts = (
+            "fused_gate_up=True" if self.fused_gate_up else "",
+            "recompute=True" if self.recompute else "",
+            "" if self.token_chunk is None else f"token_chunk={self.token_chunk}",
+        )
         return "".join(", " + o for o in opts if o)
 
     def extra_repr(self) -> str:
@@ -394,12 +439,31 @@ class SwiGLUFFN(GatedFFN):
     training memory, hooks, wrappers and replaced submodules: as GatedFFN.
     """
 
-    def __init__(self, d_model: int, d_ff: int | None = None, bias: bool = False, multiple_of: int = 256,
-                 device=None, dtype=None, *, fused_gate_up: bool = False, recompute: bool = False,
-                 token_chunk: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int | None = None,
+        bias: bool = False,
+        multiple_of: int = 256,
+        device=None,
+        dtype=None,
+        *,
+        fused_gate_up: bool = False,
+        recompute: bool = False,
+        token_chunk: int | None = None,
+    ):
         d_ff = swiglu_hidden_dim(d_model, multiple_of) if d_ff is None else d_ff
-        super().__init__(d_model, d_ff, "silu", bias=bias, device=device, dtype=dtype, fused_gate_up=fused_gate_up,
-                         recompute=recompute, token_chunk=token_chunk)
+        super().__init__(
+            d_model,
+            d_ff,
+            "silu",
+            bias=bias,
+            device=device,
+            dtype=dtype,
+            fused_gate_up=fused_gate_up,
+            recompute=recompute,
+            token_chunk=token_chunk,
+        )
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}" + self._options_repr()
@@ -411,11 +475,31 @@ class GeGLUFFN(GatedFFN):
     unchanged). fused_gate_up, recompute, token_chunk, training memory, hooks, wrappers and replaced submodules: as
     GatedFFN."""
 
-    def __init__(self, d_model: int, d_ff: int, approximate: str = "none", bias: bool = False, device=None,
-                 dtype=None, *, fused_gate_up: bool = False, recompute: bool = False, token_chunk: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        approximate: str = "none",
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        fused_gate_up: bool = False,
+        recompute: bool = False,
+        token_chunk: int | None = None,
+    ):
         act = _gelu_entry("GeGLUFFN", approximate)
-        super().__init__(d_model, d_ff, act.name, bias=bias, device=device, dtype=dtype, fused_gate_up=fused_gate_up,
-                         recompute=recompute, token_chunk=token_chunk)
+        super().__init__(
+            d_model,
+            d_ff,
+            act.name,
+            bias=bias,
+            device=device,
+            dtype=dtype,
+            fused_gate_up=fused_gate_up,
+            recompute=recompute,
+            token_chunk=token_chunk,
+        )
 
     @property
     def approximate(self) -> str | None:

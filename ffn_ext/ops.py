@@ -5,6 +5,7 @@ when the native library loads: the installed ``ffn_ext._C`` or a JIT build (``ff
 API calls them, and falls back to plain ATen when no native library could be loaded or the tensor's device has no
 ffn_ext kernel.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,27 @@ import warnings
 import torch
 
 from . import _compat
-from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
+from .table import ACTIVATIONS, BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["gelu", "silu", "relu", "relu2", "quick_gelu", "act", "swiglu", "swiglu_packed", "geglu", "geglu_packed", "swiglu_clamped",
-           "swiglu_clamped_packed", "gated", "gated_packed", "has_cuda_kernels", "build_info", "build_summary"]
+__all__ = [
+    "gelu",
+    "silu",
+    "relu",
+    "relu2",
+    "quick_gelu",
+    "act",
+    "swiglu",
+    "swiglu_packed",
+    "geglu",
+    "geglu_packed",
+    "swiglu_clamped",
+    "swiglu_clamped_packed",
+    "gated",
+    "gated_packed",
+    "has_cuda_kernels",
+    "build_info",
+    "build_summary",
+]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
 _API_OPS = tuple(name for name, spec in OPS.items() if not spec.backward)  # those with a fast entry point
@@ -37,8 +55,9 @@ def _adopt(module, source: str) -> None:
             _native, _native_source, _native_error = module, source, None
             _register_vmap_rules()
             _register_dtensor()
-            _fast.update((name, getattr(module, "_fast_" + name)) for name in _API_OPS
-                         if hasattr(module, "_fast_" + name))
+            _fast.update(
+                (name, getattr(module, "_fast_" + name)) for name in _API_OPS if hasattr(module, "_fast_" + name)
+            )
 
 
 def _batch_rule(name: str):
@@ -106,8 +125,11 @@ def _load_installed() -> None:
         from . import _C
     except ImportError as e:
         _native_error = f"ffn_ext._C could not be imported ({e})"
-        warnings.warn(f"{_native_error}; ffn_ext falls back to plain ATen ops (correct, not fused). {_loader.remedy()}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{_native_error}; ffn_ext falls back to plain ATen ops (correct, not fused). {_loader.remedy()}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     _adopt(_C, "ffn_ext._C")
 
@@ -152,11 +174,13 @@ def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.T
     if t.dtype != ref.dtype:
         raise TypeError(f"{op}: expected `{name}` to have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}")
     if t.device != ref.device:
-        raise RuntimeError(f"{op}: expected `{name}` to be on the device of `{ref_name}` ({ref.device}), "
-                           f"got {t.device}")
+        raise RuntimeError(
+            f"{op}: expected `{name}` to be on the device of `{ref_name}` ({ref.device}), got {t.device}"
+        )
     if t.shape != ref.shape:
-        raise ValueError(f"{op}: expected `{name}` to have the shape of `{ref_name}` {list(ref.shape)}, "
-                         f"got {list(t.shape)}")
+        raise ValueError(
+            f"{op}: expected `{name}` to have the shape of `{ref_name}` {list(ref.shape)}, got {list(t.shape)}"
+        )
 
 
 def _native_for(t: torch.Tensor) -> bool:
@@ -221,14 +245,18 @@ def _host_form(name: str):
         gate, up = split_packed(gu, layout)
         # the op's [..., M] result is a fresh contiguous tensor; ATen's over interleaved views is strided
         return (act(gate) * up).contiguous()
+
     return packed
 
 
 # Not the ops of a gated op with an ATen form of its own (swiglu_clamped): ATen's autograd of that expression rounds
 # its backward differently from the op's formula (up to 1e-3 relative in fp32 where it cancels), so a compiled graph
 # (which keeps the op) and eager would disagree; for act(gate) * up and the unary ops both give the same bits.
-_HOST = {name: _host_form(name) for name, spec in OPS.items()
-         if not spec.backward and not spec.params and (spec.gated is None or spec.gated.aten is None)}
+_HOST = {
+    name: _host_form(name)
+    for name, spec in OPS.items()
+    if not spec.backward and not spec.params and (spec.gated is None or spec.gated.aten is None)
+}
 
 
 def _on_host(args: tuple) -> bool:
@@ -240,8 +268,14 @@ def _on_host(args: tuple) -> bool:
     if type(a) is not _Tensor or not a.is_cpu or a.dtype not in _FLOATS or a.layout is not _STRIDED or a.is_nested:
         return False
     for b in args[1:]:
-        if type(b) is not _Tensor or not b.is_cpu or b.dtype is not a.dtype or b.layout is not _STRIDED \
-                or b.is_nested or b.shape != a.shape:
+        if (
+            type(b) is not _Tensor
+            or not b.is_cpu
+            or b.dtype is not a.dtype
+            or b.layout is not _STRIDED
+            or b.is_nested
+            or b.shape != a.shape
+        ):
             return False
     return not (_function_mode() or _dispatch_modes())
 
@@ -338,8 +372,9 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
         if ref.dim() == 0:
             raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
         if ref.shape[-1] % 2:
-            raise ValueError(f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), "
-                             f"got shape {list(ref.shape)}")
+            raise ValueError(
+                f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), got shape {list(ref.shape)}"
+            )
         gate, up = split_packed(ref, layout)
         if not spec.backward:
             return spec.gated.forward(gate, up, **params)
@@ -348,11 +383,14 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
         if grad.dtype != ref.dtype:
             raise TypeError(f"{op}: expected `grad` to have the dtype of `gate_up` ({ref.dtype}), got {grad.dtype}")
         if grad.device != ref.device:
-            raise RuntimeError(f"{op}: expected `grad` to be on the device of `gate_up` ({ref.device}), "
-                               f"got {grad.device}")
+            raise RuntimeError(
+                f"{op}: expected `grad` to be on the device of `gate_up` ({ref.device}), got {grad.device}"
+            )
         if grad.shape != gate.shape:
-            raise ValueError(f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
-                             f"(gate_up's with the last dimension halved), got {list(grad.shape)}")
+            raise ValueError(
+                f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
+                f"(gate_up's with the last dimension halved), got {list(grad.shape)}"
+            )
         return join_packed(*spec.gated.backward(grad, gate, up, **params), layout)
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
@@ -450,8 +488,9 @@ def geglu_packed(gate_up: torch.Tensor, approximate: str = "none", *, layout: st
     return _call(act.gated + "_packed", (gate_up,), (layout,))
 
 
-def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float = 1.0,
-                   up_offset: float = 0.0) -> torch.Tensor:
+def swiglu_clamped(
+    gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0
+) -> torch.Tensor:
     """(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit), fused:
     GPT-OSS's experts (alpha=1.702, up_offset=1.0, limit=7.0) and DeepSeek-V4 (alpha=1.0, up_offset=0.0,
     limit=config.swiglu_limit). limit must be > 0 (ValueError; inf: no clamp). Gradients are those of that
@@ -459,8 +498,9 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, *, limit: float, alpha:
     return _call("swiglu_clamped", (gate, up), (limit, alpha, up_offset))
 
 
-def swiglu_clamped_packed(gate_up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0,
-                          layout: str = "concat") -> torch.Tensor:
+def swiglu_clamped_packed(
+    gate_up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0, layout: str = "concat"
+) -> torch.Tensor:
     """swiglu_clamped of one [..., 2M] tensor in `layout` (as for swiglu_packed; GPT-OSS: "interleaved")."""
     return _call("swiglu_clamped_packed", (gate_up,), (limit, alpha, up_offset, layout))
 

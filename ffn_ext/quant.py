@@ -34,6 +34,7 @@ scale shapes, for h of shape [..., K]:
 
 The ops are torch.ops.ffn_ext.<gated>_quant, <gated>_packed_quant and quantize (forward only, not differentiable).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,18 @@ import torch
 
 from .table import GATED_BY_NAME, activation_for
 
-__all__ = ["QuantRecipe", "FP8_MAX", "AMAX_FLOOR", "reference_quantize", "quantize", "swiglu_quant", "geglu_quant",
-           "swiglu_clamped_quant", "gated_quant", "gated_packed_quant"]
+__all__ = [
+    "QuantRecipe",
+    "FP8_MAX",
+    "AMAX_FLOOR",
+    "reference_quantize",
+    "quantize",
+    "swiglu_quant",
+    "geglu_quant",
+    "swiglu_clamped_quant",
+    "gated_quant",
+    "gated_packed_quant",
+]
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # the largest finite value of each format
 AMAX_FLOOR = 1e-12  # as float32: the smallest amax a scale is computed from (torchao's; vLLM uses 1e-10)
@@ -59,6 +70,7 @@ SCALE_LAYOUTS = ("row", "column")
 class QuantRecipe:
     """How h is quantized to FP8 (see the module's docstring for the formula). Checked when made: a bad recipe is a
     ValueError (TypeError for a dtype of the wrong kind) naming the argument."""
+
     dtype: torch.dtype = torch.float8_e4m3fn
     scaling: str = "group"  # "tensor" | "row" | "group"
     group_size: int = 128  # scaling="group": 128, 64 or 32 elements along the last dim
@@ -69,30 +81,36 @@ class QuantRecipe:
 
     def __post_init__(self):
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in FP8_MAX:
-            raise TypeError(f"QuantRecipe: `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got "
-                            f"{self.dtype!r}")
+            raise TypeError(
+                f"QuantRecipe: `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.dtype!r}"
+            )
         if self.scaling not in SCALINGS:
             raise ValueError(f"QuantRecipe: `scaling` must be one of {SCALINGS}, got {self.scaling!r}")
         if self.scaling == "group" and (isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES):
-            raise ValueError(f"QuantRecipe: `group_size` must be one of {GROUP_SIZES} (elements per group along "
-                             f"the last dim), got {self.group_size!r}")
+            raise ValueError(
+                f"QuantRecipe: `group_size` must be one of {GROUP_SIZES} (elements per group along "
+                f"the last dim), got {self.group_size!r}"
+            )
         if not isinstance(self.pow2_scales, bool):
             raise TypeError(f"QuantRecipe: `pow2_scales` must be a bool, got {self.pow2_scales!r}")
         if not isinstance(self.scale_dtype, torch.dtype) or self.scale_dtype not in SCALE_DTYPES:
-            raise TypeError(f"QuantRecipe: `scale_dtype` must be torch.float32 or torch.float8_e8m0fnu, got "
-                            f"{self.scale_dtype!r}")
+            raise TypeError(
+                f"QuantRecipe: `scale_dtype` must be torch.float32 or torch.float8_e8m0fnu, got {self.scale_dtype!r}"
+            )
         if self.scale_dtype == torch.float8_e8m0fnu and not self.pow2_scales:
-            raise ValueError("QuantRecipe: `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs "
-                             "pow2_scales=True")
+            raise ValueError(
+                "QuantRecipe: `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs pow2_scales=True"
+            )
         if self.scale_layout not in SCALE_LAYOUTS:
             raise ValueError(f"QuantRecipe: `scale_layout` must be one of {SCALE_LAYOUTS}, got {self.scale_layout!r}")
         if self.scale_layout == "column" and self.scaling == "tensor":
-            raise ValueError("QuantRecipe: `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a "
-                             "per-tensor scale has no layout")
+            raise ValueError(
+                "QuantRecipe: `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a "
+                "per-tensor scale has no layout"
+            )
         if self.static_scale is not None:
             if self.scaling != "tensor":
-                raise ValueError(f"QuantRecipe: `static_scale` is for scaling=\"tensor\", got scaling="
-                                 f"{self.scaling!r}")
+                raise ValueError(f"QuantRecipe: `static_scale` is for scaling=\"tensor\", got scaling={self.scaling!r}")
             s = self.static_scale
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or not s > 0:
                 raise ValueError(f"QuantRecipe: `static_scale` must be a finite number > 0, got {s!r}")
@@ -103,9 +121,15 @@ class QuantRecipe:
 
     def op_kwargs(self) -> dict:
         """The recipe as the ops' keyword arguments (torch.ops.ffn_ext.*_quant)."""
-        return dict(dtype=self.dtype, scaling=self.scaling, group_size=int(self.group_size),
-                    pow2_scales=self.pow2_scales, scale_dtype=self.scale_dtype, scale_layout=self.scale_layout,
-                    static_scale=None if self.static_scale is None else float(self.static_scale))
+        return dict(
+            dtype=self.dtype,
+            scaling=self.scaling,
+            group_size=int(self.group_size),
+            pow2_scales=self.pow2_scales,
+            scale_dtype=self.scale_dtype,
+            scale_layout=self.scale_layout,
+            static_scale=None if self.static_scale is None else float(self.static_scale),
+        )
 
 
 def _recipe(op: str, recipe) -> QuantRecipe:
@@ -138,8 +162,9 @@ def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.
     fmax = recipe.fp8_max
     x = h.float()
     if recipe.scaling != "tensor" and x.dim() == 0:
-        raise ValueError(f"{op}: scaling={recipe.scaling!r} needs h with at least 1 dimension ([..., K]), got a "
-                         "0-dim tensor")
+        raise ValueError(
+            f"{op}: scaling={recipe.scaling!r} needs h with at least 1 dimension ([..., K]), got a 0-dim tensor"
+        )
     if recipe.scaling == "tensor":
         if recipe.static_scale is not None:
             scale = torch.tensor(recipe.static_scale, dtype=torch.float32, device=h.device)
@@ -185,13 +210,16 @@ def _check_no_grad(op: str, tensors) -> None:
     if torch.is_grad_enabled():
         for name, t in tensors:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise RuntimeError(f"{op}: `{name}` requires grad; the quantizing ops are forward only (not "
-                                   "differentiable): call them under torch.no_grad() or on detached tensors")
+                raise RuntimeError(
+                    f"{op}: `{name}` requires grad; the quantizing ops are forward only (not "
+                    "differentiable): call them under torch.no_grad() or on detached tensors"
+                )
 
 
 def _native(name: str, t: torch.Tensor):
     """torch.ops.ffn_ext.<name> when the native ops (loaded by ffn_ext.ops) serve t's device, else None."""
     from . import ops
+
     if not (isinstance(t, torch.Tensor) and ops._native_for(t)) or not hasattr(torch.ops.ffn_ext, name):
         return None
     return getattr(torch.ops.ffn_ext, name).default
@@ -228,14 +256,22 @@ def _params(op: str, gated, params: dict) -> dict:
 
 def _gated_quant(gated, gate, up, recipe, params: dict):
     from . import ops
+
     params = _params(f"ffn_ext.{gated.name}_quant", gated, params)
-    return _run(gated.name + "_quant", lambda g, u: ops._call(gated.name, (g, u), tuple(params.values())),
-                (gate, up), ("gate", "up"), recipe, params)
+    return _run(
+        gated.name + "_quant",
+        lambda g, u: ops._call(gated.name, (g, u), tuple(params.values())),
+        (gate, up),
+        ("gate", "up"),
+        recipe,
+        params,
+    )
 
 
 def gated_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None, activation: str = "silu"):
     """(q, scale) of act(gate) * up for any activation of the table by its name (as ffn_ext.gated)."""
     from .ops import _act
+
     return _gated_quant(GATED_BY_NAME[_act(activation).gated], gate, up, recipe, {})
 
 
@@ -250,20 +286,41 @@ def geglu_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None
     return _gated_quant(GATED_BY_NAME[act.gated], gate, up, recipe, {})
 
 
-def swiglu_clamped_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None, *, limit: float,
-                         alpha: float = 1.0, up_offset: float = 0.0):
+def swiglu_clamped_quant(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    recipe: QuantRecipe | None = None,
+    *,
+    limit: float,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
+):
     """(q, scale) of swiglu_clamped(gate, up, limit=, alpha=, up_offset=) (GPT-OSS, DeepSeek-V4)."""
-    return _gated_quant(GATED_BY_NAME["swiglu_clamped"], gate, up, recipe,
-                        dict(limit=limit, alpha=alpha, up_offset=up_offset))
+    return _gated_quant(
+        GATED_BY_NAME["swiglu_clamped"], gate, up, recipe, dict(limit=limit, alpha=alpha, up_offset=up_offset)
+    )
 
 
-def gated_packed_quant(gate_up: torch.Tensor, recipe: QuantRecipe | None = None, activation: str = "silu", *,
-                       layout: str = "concat", **params):
+def gated_packed_quant(
+    gate_up: torch.Tensor,
+    recipe: QuantRecipe | None = None,
+    activation: str = "silu",
+    *,
+    layout: str = "concat",
+    **params,
+):
     """(q, scale) of a gated op over one [..., 2M] tensor in `layout` ("concat" or "interleaved"). `activation`
     names an activation of the table, or a gated op (e.g. "swiglu_clamped", with its keyword `params`)."""
     from . import ops
+
     gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[ops._act(activation).gated]
     name = gated.name + "_packed"
     params = _params(f"ffn_ext.{name}_quant", gated, params)
-    return _run(name + "_quant", lambda gu: ops._call(name, (gu,), tuple(params.values()) + (layout,)),
-                (gate_up,), ("gate_up",), recipe, dict(params, layout=layout))
+    return _run(
+        name + "_quant",
+        lambda gu: ops._call(name, (gu,), tuple(params.values()) + (layout,)),
+        (gate_up,),
+        ("gate_up",),
+        recipe,
+        dict(params, layout=layout),
+    )

@@ -51,6 +51,7 @@ measurement: the device benchmarks measure. (The branch rule above gives the sam
 that calibration, which never took a branch into code with 128-bit accesses, on the kernels of cec8a58 and
 2bfde8d; the kFull body came after.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,9 +66,29 @@ from pathlib import Path
 
 from .table import OPS, Gated, OpSpec
 
-__all__ = ["K_UNROLL", "DTYPES", "DTYPE_SIZE", "H200_INSTR_PER_BYTE", "Kernel", "KernelSpec", "KERNELS",
-           "act_struct", "gate_struct", "expected_kernels", "kernel_of", "cuobjdump", "native_library", "dump",
-           "parse_sass", "parse_resources", "vector_path", "budget", "table", "spill_report", "main"]
+__all__ = [
+    "K_UNROLL",
+    "DTYPES",
+    "DTYPE_SIZE",
+    "H200_INSTR_PER_BYTE",
+    "Kernel",
+    "KernelSpec",
+    "KERNELS",
+    "act_struct",
+    "gate_struct",
+    "expected_kernels",
+    "kernel_of",
+    "cuobjdump",
+    "native_library",
+    "dump",
+    "parse_sass",
+    "parse_resources",
+    "vector_path",
+    "budget",
+    "table",
+    "spill_report",
+    "main",
+]
 
 K_UNROLL = 4  # csrc/rows.h kUnroll: 16-byte vectors per operand and thread in the body
 # the storage type as the Itanium ABI mangles it -> (torch dtype name, bytes)
@@ -75,11 +96,11 @@ DTYPES = {"d": ("float64", 8), "f": ("float32", 4), "N3c104HalfE": ("float16", 2
 DTYPE_SIZE = dict(DTYPES.values())
 H200_INSTR_PER_BYTE = 6.45  # issue ceiling / copy bandwidth, from the 2026-11-30 H200 run (see above)
 
-VECTOR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.[A-Z0-9_]+)*\.128\b")         # 16 bytes: LDG.E.128, STG.E.128...
-SCALAR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.(?!128\b)[A-Z0-9_]+)*\s")      # one element: LDG.E.U16, STG.E.64...
+VECTOR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.[A-Z0-9_]+)*\.128\b")  # 16 bytes: LDG.E.128, STG.E.128...
+SCALAR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.(?!128\b)[A-Z0-9_]+)*\s")  # one element: LDG.E.U16, STG.E.64...
 LOAD_128 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.128\b")
 STORE_128 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.128\b")
-LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")                                 # spills (with a stack frame)
+LOCAL_MEM = re.compile(r"\b(?:LDL|STL)\b")  # spills (with a stack frame)
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 BRANCH = re.compile(r"BRA(?:\.[A-Z0-9_]+)*\s+(?:(!?U?P[T0-9]+),\s*)?(0x[0-9a-f]+)")  # BRA [!P0,] 0x1b60
 FP_MATH = re.compile(r"(?:FFMA|FMUL|FADD|MUFU|DFMA|DMUL|DADD|HFMA2(?!\.MMA)|HMUL2|HADD2)\b")  # HFMA2.MMA: a move
@@ -89,6 +110,7 @@ FP_MATH = re.compile(r"(?:FFMA|FMUL|FADD|MUFU|DFMA|DMUL|DADD|HFMA2(?!\.MMA)|HMUL
 @dataclass(frozen=True)
 class Kernel:
     """One rows_kernel instantiation, decoded from its mangled name."""
+
     shape: str  # UnaryFwd | UnaryBwd | GatedFwd | GatedBwd (whatever the name says: kernel_of does not check)
     act: str | None  # the shape's template argument: an activation ("GeluTanh") for Unary*, a gate for Gated*
     #                  ("Glu<Silu>", "SwigluClamped"); None for a plain functor without one
@@ -113,6 +135,7 @@ class Kernel:
 @dataclass(frozen=True)
 class KernelSpec:
     """What the op table says a kernel computes."""
+
     op: str  # the op it runs (a concat packed op runs its gated op's kernel too: `also`)
     ni: int  # inputs per element (the functor's NI: an interleaved pair counts as its two inputs)
     no: int  # outputs per element (NO, likewise)
@@ -140,8 +163,12 @@ def _pairs(packed: OpSpec, gated: OpSpec) -> tuple[int, int]:
     return pair_in, 0 if gated.n_outputs == packed.n_outputs + 1 else -1
 
 
-_SHAPES = {("unary", False): "UnaryFwd", ("unary", True): "UnaryBwd",
-           ("gated", False): "GatedFwd", ("gated", True): "GatedBwd"}
+_SHAPES = {
+    ("unary", False): "UnaryFwd",
+    ("unary", True): "UnaryBwd",
+    ("gated", False): "GatedFwd",
+    ("gated", True): "GatedBwd",
+}
 
 
 def _kernels() -> dict[str, KernelSpec]:
@@ -151,7 +178,8 @@ def _kernels() -> dict[str, KernelSpec]:
         if spec.kind == "unary":
             shape = "UnaryBwdRecompute" if spec.recompute else _SHAPES[("unary", spec.backward)]
             specs[Kernel(shape, act_struct(spec.act.name), "", 0).functor] = KernelSpec(
-                spec.name, len(spec.args), spec.n_outputs)
+                spec.name, len(spec.args), spec.n_outputs
+            )
             continue
         gated = OPS[spec.gated.name + ("_backward" if spec.backward else "")]  # the (unpacked) gated op
         plain = Kernel(_SHAPES[("gated", spec.backward)], gate_struct(spec.gated), "", 0)
@@ -198,7 +226,7 @@ class _Mangled:
         if m is None or len(self.s) < m.end() + int(m.group()):
             raise ValueError(f"no source name at {self.i}")
         self.i = m.end() + int(m.group())
-        return self.s[m.end():self.i]
+        return self.s[m.end() : self.i]
 
     def template_args(self) -> list:
         args = []
@@ -278,8 +306,11 @@ def kernel_of(mangled: str) -> Kernel | None:
 def cuobjdump() -> str | None:
     """triton's copy (the CUDA build of torch installs it), else $CUDA_HOME/bin, else PATH."""
     spec = importlib.util.find_spec("triton")
-    candidates = [Path(loc) / "backends" / "nvidia" / "bin" / "cuobjdump"
-                  for loc in (spec.submodule_search_locations or [])] if spec else []
+    candidates = (
+        [Path(loc) / "backends" / "nvidia" / "bin" / "cuobjdump" for loc in (spec.submodule_search_locations or [])]
+        if spec
+        else []
+    )
     if os.environ.get("CUDA_HOME"):
         candidates.append(Path(os.environ["CUDA_HOME"]) / "bin" / "cuobjdump")
     for c in candidates:
@@ -300,8 +331,13 @@ def native_library() -> tuple[str | None, str]:
     return native.__file__, ""
 
 
-_FLAGS = {"sass": "--dump-sass", "res": "--dump-resource-usage", "elf": "--list-elf", "ptx": "--list-ptx",
-          "text": "--list-text"}
+_FLAGS = {
+    "sass": "--dump-sass",
+    "res": "--dump-resource-usage",
+    "elf": "--list-elf",
+    "ptx": "--list-ptx",
+    "text": "--list-text",
+}
 
 
 def dump(lib: str, kind: str = "sass", arch: int | None = None, tool: str | None = None) -> str:
@@ -381,8 +417,9 @@ def _step(op: str, predicated: bool, addr: int, index: dict) -> tuple[tuple[int,
     return add, [index[target], nxt] if conditional else [index[target]], conditional
 
 
-def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, path: list | None = None
-                ) -> tuple[int, int, int]:
+def vector_path(
+    ins: list[tuple[int, str]], want_loads: int, want_stores: int, path: list | None = None
+) -> tuple[int, int, int]:
     """(instructions, 128-bit loads, 128-bit stores) on the path described at the top of this file, for a kernel
     whose vector path makes want_loads 128-bit loads and want_stores 128-bit stores. The path never passes an
     unpredicated scalar access (a predicated one is issued with its predicate off, and counted). If `path` is a
@@ -401,8 +438,10 @@ def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, p
             after = set.union(*(can[j] for j in nexts)) if nexts else {(0, 0)}
             can[i] = {(a + add[0], b + add[1]) for a, b in after if a + add[0] <= want[0] and b + add[1] <= want[1]}
     if want not in can[0]:
-        raise RuntimeError(f"no path through the kernel makes {want_loads} 128-bit loads and {want_stores} stores "
-                           "without a scalar access")
+        raise RuntimeError(
+            f"no path through the kernel makes {want_loads} 128-bit loads and {want_stores} stores "
+            "without a scalar access"
+        )
     i, count, done = 0, 0, (0, 0)
     while True:
         op, predicated = ops[i]
@@ -418,7 +457,7 @@ def vector_path(ins: list[tuple[int, str]], want_loads: int, want_stores: int, p
         rest = (want[0] - done[0], want[1] - done[1])
         options = [j for j in nexts if rest in can[j]]  # never empty: rest was in can[i]
         if two_ways and len(options) == 2:  # jump past scalar accesses, else fall through
-            i = options[0] if any(SCALAR_MEM.search(t) for t, _ in ops[i + 1:options[0]]) else options[1]
+            i = options[0] if any(SCALAR_MEM.search(t) for t, _ in ops[i + 1 : options[0]]) else options[1]
         else:
             i = options[0]
 
@@ -427,8 +466,11 @@ def _order(kernel: Kernel) -> tuple:
     """The table's order (KERNELS: unary ops per activation, then gated ops, each forward, backward, packed
     forward and packed backward), then dtype."""
     functors = list(KERNELS)
-    return (functors.index(kernel.functor) if kernel.functor in functors else len(functors), kernel.functor,
-            list(DTYPE_SIZE).index(kernel.dtype))
+    return (
+        functors.index(kernel.functor) if kernel.functor in functors else len(functors),
+        kernel.functor,
+        list(DTYPE_SIZE).index(kernel.dtype),
+    )
 
 
 def budget(sass: str | dict, arch: int) -> list[dict]:
@@ -457,35 +499,56 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
         per_byte = per_elem / ((spec.ni + spec.no) * size)
         # float64 arithmetic issues at half rate on an H200 (and its exp/erf are long): no bound from issue alone
         bound = None if k.dtype == "float64" else min(1.0, H200_INSTR_PER_BYTE / per_byte)
-        rows.append(dict(op=spec.op, also=spec.also, layout="interleaved" if k.interleaved else "",
-                         kernel=k.functor, dtype=k.dtype, instr_per_thread=per_thread,
-                         instr_per_elem=per_elem, instr_per_byte=per_byte, loads=loads, stores=stores,
-                         want_loads=K_UNROLL * spec.ni, want_stores=K_UNROLL * spec.no,
-                         math_before_last_load=math_first, h200_bound=bound, _key=_order(k)))
+        rows.append(
+            dict(
+                op=spec.op,
+                also=spec.also,
+                layout="interleaved" if k.interleaved else "",
+                kernel=k.functor,
+                dtype=k.dtype,
+                instr_per_thread=per_thread,
+                instr_per_elem=per_elem,
+                instr_per_byte=per_byte,
+                loads=loads,
+                stores=stores,
+                want_loads=K_UNROLL * spec.ni,
+                want_stores=K_UNROLL * spec.no,
+                math_before_last_load=math_first,
+                h200_bound=bound,
+                _key=_order(k),
+            )
+        )
     rows.sort(key=lambda r: r.pop("_key"))
     return rows
 
 
 def table(rows: list[dict], arch: int) -> str:
     """budget's rows as a markdown table."""
-    lines = [f"Vector path of each rows_kernel, sm_{arch} SASS (a prediction, not a measurement; see "
-             "ffn_ext/sass.py)", "",
-             "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | 128-bit loads / stores "
-             "| math before the last load |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Vector path of each rows_kernel, sm_{arch} SASS (a prediction, not a measurement; see ffn_ext/sass.py)",
+        "",
+        "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | 128-bit loads / stores "
+        "| math before the last load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b = r["h200_bound"]
         bound = "- (fp64 pipe: half rate)" if b is None else ">= 1 (memory-bound)" if b >= 1 else f"{b:.0%}"
         op = f"{r['op']} ({r['layout']})" if r["layout"] else r["op"]
-        lines.append(f"| {op} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
-                     f"{r['instr_per_byte']:.2f} | {bound} | {r['loads']} / {r['stores']} | "
-                     f"{r['math_before_last_load']} |")
+        lines.append(
+            f"| {op} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
+            f"{r['instr_per_byte']:.2f} | {bound} | {r['loads']} / {r['stores']} | "
+            f"{r['math_before_last_load']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog or "python -m ffn_ext.sass",
-                                 description="Instructions per element on each CUDA kernel's vector path, read from "
-                                 "the SASS (no GPU needed), and the H200 bandwidth they predict.")
+    ap = argparse.ArgumentParser(
+        prog=prog or "python -m ffn_ext.sass",
+        description="Instructions per element on each CUDA kernel's vector path, read from "
+        "the SASS (no GPU needed), and the H200 bandwidth they predict.",
+    )
     ap.add_argument("--lib", help="binary to read (default: the loaded ffn_ext native library)")
     ap.add_argument("--arch", type=int, default=90, help="SASS architecture, e.g. 80 or 90 (default 90)")
     args = ap.parse_args(argv)
@@ -516,14 +579,18 @@ def spill_report(funcs: dict, res: dict, arch: int) -> str:
     if not ours:
         return f"sm_{arch}: no resource usage for the rows_kernels"
     regs = sorted((r.get("REG", 0), str(kernel_of(n))) for n, r in ours.items())
-    lines = [f"sm_{arch} registers per thread: {regs[0][0]} ({regs[0][1]}) to {regs[-1][0]} ({regs[-1][1]}); "
-             f"{sum(r == regs[-1][0] for r, _ in regs)} of {len(regs)} kernels at {regs[-1][0]}"]
+    lines = [
+        f"sm_{arch} registers per thread: {regs[0][0]} ({regs[0][1]}) to {regs[-1][0]} ({regs[-1][1]}); "
+        f"{sum(r == regs[-1][0] for r, _ in regs)} of {len(regs)} kernels at {regs[-1][0]}"
+    ]
     bad = []
     for n, r in sorted(ours.items(), key=lambda kv: str(kernel_of(kv[0]))):
         local = sum(LOCAL_MEM.search(op) is not None for _, op in funcs.get((arch, n), []))
         if r.get("STACK") or r.get("LOCAL") or local:
-            bad.append(f"  {kernel_of(n)}: REG {r.get('REG')}, STACK {r.get('STACK')} bytes, LOCAL {r.get('LOCAL')} "
-                       f"bytes, {local} local loads/stores (LDL/STL)")
+            bad.append(
+                f"  {kernel_of(n)}: REG {r.get('REG')}, STACK {r.get('STACK')} bytes, LOCAL {r.get('LOCAL')} "
+                f"bytes, {local} local loads/stores (LDL/STL)"
+            )
     lines += (["SPILLS (stack or local memory):"] + bad) if bad else ["no stack, local memory or LDL/STL in any kernel"]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ Qwen2.5-0.5B (d_model 896, intermediate 4864) does NOT follow the 8/3 rule: (8/3
 19 * 256 = 5.43 * 896; it is what LLaMA's formula gives with ``ffn_dim_multiplier=2.0`` (int(2 * 2389) = 4778,
 rounded up to a multiple of 256). Small models pick their widths freely; read the width from the config.
 """
+
 from __future__ import annotations
 
 __all__ = ["swiglu_hidden_dim", "ffn_params", "gated_ffn_params", "swiglu_ffn_params"]

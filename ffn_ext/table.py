@@ -18,17 +18,30 @@ Every entry also carries its float64 reference (the value and derivative formula
 CUDA kernels implement, and the size of the terms the kernels' formulas cancel, which the host-math test's tolerance
 needs), written without the cancellations the kernels avoid, and its plain-PyTorch `eager` form.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Activation", "ACTIVATIONS", "BY_NAME", "Param", "Gated", "GATED", "GATED_BY_NAME", "LAYOUTS", "OpSpec",
-           "OPS", "op_spec", "activation_for"]
+__all__ = [
+    "Activation",
+    "ACTIVATIONS",
+    "BY_NAME",
+    "Param",
+    "Gated",
+    "GATED",
+    "GATED_BY_NAME",
+    "LAYOUTS",
+    "OpSpec",
+    "OPS",
+    "op_spec",
+    "activation_for",
+]
 
 _INF = math.inf
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
@@ -41,6 +54,7 @@ class Activation:
     """One activation of the table: its ops, how Python reaches them, its ATen and eager forms, its float64
     reference and its limits. README "Adding an activation": this entry, the functor (csrc/ffn_math.h) and the
     table lines (csrc/include/ffn_ext/ops_table.h) are all an activation is."""
+
     name: str  # its unary ops: <name>, <name>_backward
     gated: str  # its gated ops: <gated>, <gated>_backward, <gated>_packed, <gated>_packed_backward
     aten: Callable  # act(x) with ATen ops: the fallback without the native library
@@ -168,39 +182,75 @@ def _quick_gelu_aten_backward(g, x):
 
 ACTIVATIONS = (
     Activation(
-        name="gelu", gated="geglu", api=("gelu", {"approximate": "none"}),
-        aten=F.gelu, aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
-        hf_names=("gelu", "gelu_python"), formula=_gelu_ref, cancel=_gelu_cancel,
-        doc="exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (F.gelu)"),
+        name="gelu",
+        gated="geglu",
+        api=("gelu", {"approximate": "none"}),
+        aten=F.gelu,
+        aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
+        hf_names=("gelu", "gelu_python"),
+        formula=_gelu_ref,
+        cancel=_gelu_cancel,
+        doc="exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (F.gelu)",
+    ),
     Activation(
-        name="gelu_tanh", gated="geglu_tanh", api=("gelu", {"approximate": "tanh"}),
+        name="gelu_tanh",
+        gated="geglu_tanh",
+        api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
-        formula=_gelu_tanh_ref, cancel=_gelu_tanh_cancel,
-        doc="tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (F.gelu(approximate='tanh'))"),
+        formula=_gelu_tanh_ref,
+        cancel=_gelu_tanh_cancel,
+        doc="tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (F.gelu(approximate='tanh'))",
+    ),
     Activation(
-        name="silu", gated="swiglu", api=("silu", {}),
-        aten=F.silu, aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
-        hf_names=("silu", "swish"), formula=_silu_ref, cancel=_silu_cancel,
-        doc="SiLU (swish), x sigmoid(x) (F.silu)"),
+        name="silu",
+        gated="swiglu",
+        api=("silu", {}),
+        aten=F.silu,
+        aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
+        hf_names=("silu", "swish"),
+        formula=_silu_ref,
+        cancel=_silu_cancel,
+        doc="SiLU (swish), x sigmoid(x) (F.silu)",
+    ),
     Activation(
-        name="relu", gated="reglu", api=("relu", {}),  # ReGLU: the GLU-variants paper's name (Shazeer 2020)
+        name="relu",
+        gated="reglu",
+        api=("relu", {}),  # ReGLU: the GLU-variants paper's name (Shazeer 2020)
         # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
-        aten=F.relu, aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
-        hf_names=("relu",), formula=_relu_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, 1.0),
-        doc="ReLU, max(x, 0) (F.relu; relu'(0) = 0 as ATen's)"),
+        aten=F.relu,
+        aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
+        hf_names=("relu",),
+        formula=_relu_ref,
+        cancel=_no_cancel,
+        limits=(0.0, _INF, 0.0, 1.0),
+        doc="ReLU, max(x, 0) (F.relu; relu'(0) = 0 as ATen's)",
+    ),
     Activation(
-        name="relu2", gated="relu2_glu", api=("relu2", {}),
-        aten=lambda x: torch.square(F.relu(x)), aten_backward=lambda g, x: g * F.relu(x) * 2,
-        hf_names=("relu2",), formula=_relu2_ref, cancel=_no_cancel, limits=(0.0, _INF, 0.0, _INF),
+        name="relu2",
+        gated="relu2_glu",
+        api=("relu2", {}),
+        aten=lambda x: torch.square(F.relu(x)),
+        aten_backward=lambda g, x: g * F.relu(x) * 2,
+        hf_names=("relu2",),
+        formula=_relu2_ref,
+        cancel=_no_cancel,
+        limits=(0.0, _INF, 0.0, _INF),
         times_derivative_ref=lambda m, x: 2.0 * (m * torch.relu(x)),
-        doc="squared ReLU, relu(x)^2 (Primer; Nemotron-H, Arcee AFM; transformers' ReLUSquaredActivation)"),
+        doc="squared ReLU, relu(x)^2 (Primer; Nemotron-H, Arcee AFM; transformers' ReLUSquaredActivation)",
+    ),
     Activation(
-        name="quick_gelu", gated="geglu_quick", api=("quick_gelu", {}),
-        aten=lambda x: x * torch.sigmoid(_QUICK * x), aten_backward=_quick_gelu_aten_backward,
-        hf_names=("quick_gelu",), formula=_quick_gelu_ref, cancel=_quick_gelu_cancel,
-        doc="quick GELU, x sigmoid(1.702 x) (CLIP; transformers' QuickGELUActivation)"),
+        name="quick_gelu",
+        gated="geglu_quick",
+        api=("quick_gelu", {}),
+        aten=lambda x: x * torch.sigmoid(_QUICK * x),
+        aten_backward=_quick_gelu_aten_backward,
+        hf_names=("quick_gelu",),
+        formula=_quick_gelu_ref,
+        cancel=_quick_gelu_cancel,
+        doc="quick GELU, x sigmoid(1.702 x) (CLIP; transformers' QuickGELUActivation)",
+    ),
 )
 BY_NAME = {a.name: a for a in ACTIVATIONS}
 
@@ -221,6 +271,7 @@ def activation_for(function: str, **options) -> Activation:
 @dataclass(frozen=True)
 class Param:
     """A keyword parameter of a gated op (a float in the schema)."""
+
     name: str
     default: float | None  # None: required
     example: float  # the value the tests and the live check pass (chosen so that the parameter matters)
@@ -231,6 +282,7 @@ class Param:
 class Gated:
     """A gated op: act(gate) * up over an activation, or a function of its own of (gate, up) and parameters, whose
     derivatives are the activation's at a transformed gate (terms)."""
+
     name: str  # its ops: <name>, <name>_backward, <name>_packed, <name>_packed_backward
     act: Activation
     params: tuple = ()  # Params, keyword-only, in schema order
@@ -299,8 +351,9 @@ def _clamped_backward(grad, gate, up, limit, alpha=1.0, up_offset=0.0):
     dh = s * (1 + z * (1 - s))
     zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
     pass_g, pass_u = clamp_pass(gate, up, limit)
-    return torch.where(pass_g, grad * (up.clamp(-limit, limit) + up_offset) * dh, zero), \
-        torch.where(pass_u, grad * (g * s), zero)
+    return torch.where(pass_g, grad * (up.clamp(-limit, limit) + up_offset) * dh, zero), torch.where(
+        pass_u, grad * (g * s), zero
+    )
 
 
 def _clamped_terms(gate, up, grad, limit, alpha=1.0, up_offset=0.0):
@@ -314,13 +367,20 @@ def _clamped_terms(gate, up, grad, limit, alpha=1.0, up_offset=0.0):
 
 GATED = tuple(Gated(a.gated, a, doc=f"{a.name}(gate) * up") for a in ACTIVATIONS) + (
     Gated(
-        "swiglu_clamped", BY_NAME["silu"],
-        params=(Param("limit", None, 2.5, "clamp bound, > 0: gate <= limit, -limit <= up <= limit"),
-                Param("alpha", 1.0, 1.702, "gate * sigmoid(alpha * gate)"),
-                Param("up_offset", 0.0, 1.0, "added to the clamped up")),
-        aten=_clamped, aten_backward=_clamped_backward, terms=_clamped_terms, check=_check_clamp,
+        "swiglu_clamped",
+        BY_NAME["silu"],
+        params=(
+            Param("limit", None, 2.5, "clamp bound, > 0: gate <= limit, -limit <= up <= limit"),
+            Param("alpha", 1.0, 1.702, "gate * sigmoid(alpha * gate)"),
+            Param("up_offset", 0.0, 1.0, "added to the clamped up"),
+        ),
+        aten=_clamped,
+        aten_backward=_clamped_backward,
+        terms=_clamped_terms,
+        check=_check_clamp,
         doc="(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit) "
-            "(GPT-OSS: alpha=1.702, up_offset=1, limit=7; DeepSeek-V4: alpha=1, up_offset=0)"),
+        "(GPT-OSS: alpha=1.702, up_offset=1, limit=7; DeepSeek-V4: alpha=1, up_offset=0)",
+    ),
 )
 GATED_BY_NAME = {g.name: g for g in GATED}
 LAYOUTS = ("concat", "interleaved")  # the packed ops' gate_up layouts
@@ -374,8 +434,9 @@ def _specs(act: Activation):
     return (
         OpSpec(act.name, act, "unary", False, ("x",), 1),
         OpSpec(act.name + "_backward", act, "unary", True, ("grad", "x"), 1),
-        OpSpec(act.name + "_backward_recompute", act, "unary", True, ("grad", "x"), 2, recompute=True,
-               differentiable=False),
+        OpSpec(
+            act.name + "_backward_recompute", act, "unary", True, ("grad", "x"), 2, recompute=True, differentiable=False
+        ),
     )
 
 

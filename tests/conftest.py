@@ -18,18 +18,19 @@ Markers (registered here, so that a copy of tests/ outside the tree knows them):
          ffn_ext/mlp.py _ATEN_ON_CPU). Every other test runs the lean autograd on the CPU too (the _lean_on_cpu
          fixture): it is the device path, and its memory contracts and numerics are tested on a CPU-only machine.
 """
+
 from __future__ import annotations
 
 import os
 import zlib
 from pathlib import Path
 
+import cuda_standin
 import pytest
 import torch
-
-import cuda_standin
-import ffn_ext
 from optable import DEVICES, RecordOps  # noqa: F401  (tests/test_transforms.py imports RecordOps from here)
+
+import ffn_ext
 
 # ---------------------------------------------------------------- where things are
 _HERE = Path(__file__).resolve().parent.parent
@@ -104,10 +105,16 @@ def pytest_runtest_setup(item):
             if item.stash.get(STANDIN, False):
                 return
             reason = cuda_standin.NO_STANDIN.get(standin_key(item))
-            pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False" + (
-                f"; no stand-in run: {reason}" if reason else
-                "; this function's first cuda parametrization runs in the CUDA stand-in" if cuda_standin.available()
-                else f"; no stand-in here (no ffn_ext._C._emulate_cuda, or {cuda_standin.STANDIN_ENV}=0)"))
+            pytest.skip(
+                "needs a CUDA GPU: torch.cuda.is_available() is False"
+                + (
+                    f"; no stand-in run: {reason}"
+                    if reason
+                    else "; this function's first cuda parametrization runs in the CUDA stand-in"
+                    if cuda_standin.available()
+                    else f"; no stand-in here (no ffn_ext._C._emulate_cuda, or {cuda_standin.STANDIN_ENV}=0)"
+                )
+            )
         if not ffn_ext.has_cuda_kernels():
             pytest.fail(
                 "a CUDA GPU is present but the loaded ffn_ext has no CUDA kernels (wrong build: rebuild with a CUDA "

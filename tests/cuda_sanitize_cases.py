@@ -10,6 +10,7 @@ widths (scalar head/tail), a transposed input (made contiguous by the op), expan
 tensors. Results are also checked against the CPU path (float64 math, loose tolerances: the point here is memory
 safety, the accuracy tests are tests/test_fuzz.py and the op tests). Exits 0 and prints one summary line.
 """
+
 import sys
 
 import torch
@@ -85,10 +86,18 @@ def main():
                         packed_bw = getattr(OPS, g.name + "_packed_backward")
                         for layout in LAYOUTS:
                             lt = f"{tag} {layout}"
-                            check(f"{g.name}_packed {lt}", packed(x, **p, layout=layout),
-                                  packed(xc.double(), **p, layout=layout), dtype)
-                            check(f"{g.name}_packed_backward {lt}", packed_bw(gm, x, **p, layout=layout),
-                                  packed_bw(gm.cpu().double(), xc.double(), **p, layout=layout), dtype)
+                            check(
+                                f"{g.name}_packed {lt}",
+                                packed(x, **p, layout=layout),
+                                packed(xc.double(), **p, layout=layout),
+                                dtype,
+                            )
+                            check(
+                                f"{g.name}_packed_backward {lt}",
+                                packed_bw(gm, x, **p, layout=layout),
+                                packed_bw(gm.cpu().double(), xc.double(), **p, layout=layout),
+                                dtype,
+                            )
                             calls += 2
         # autograd through the public API (the backward ops run from autograd's engine thread)
         for act in ACTIVATIONS:
@@ -104,8 +113,10 @@ def main():
         ffn_ext.swiglu_clamped_packed(gu, limit=7.0, alpha=1.702, up_offset=1.0, layout="interleaved").sum().backward()
         calls += 2
     torch.cuda.synchronize()
-    print(f"cuda_sanitize_cases: OK, {calls} op calls on {torch.cuda.get_device_name()} "
-          f"(cuda kernels: {ffn_ext.has_cuda_kernels()})")
+    print(
+        f"cuda_sanitize_cases: OK, {calls} op calls on {torch.cuda.get_device_name()} "
+        f"(cuda kernels: {ffn_ext.has_cuda_kernels()})"
+    )
     return 0
 
 

@@ -17,6 +17,7 @@ against the same references as on a GPU. What it cannot check is the device itse
 instructions and approximations (tests/test_sass.py reads the SASS), streams and graphs, several devices, memory
 past the host's. A test that needs those is in NO_STANDIN, with the reason.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,45 +37,40 @@ SMS = 132  # the lent H200's multiprocessors: the launch shape the emulation tak
 # test function ("file::function") -> why its Python cannot run without a GPU. Each name must be a cuda-marked test
 # function (tests/test_cuda_standin.py checks both ways).
 NO_STANDIN = {
-    **{f"test_quant.py::{f}": "the quantizing kernels are not row ops: _emulate_cuda runs the op table's launcher "
-       "only; their per-lane code runs emulated by tests/test_quant_math.py (_emulate_quant)"
-       for f in ("test_recipes_bit_identical", "test_fuzzed_shapes", "test_formula_properties", "test_opcheck")},
-    "test_ops.py::test_cuda_large_swiglu_packed_bf16":
-        "tensors past 2**31 elements: 8.6 GB and ~4e9 emulated threads on the host (marked large as well)",
-    "test_ops.py::test_cuda_large_swiglu_chunk_bf16":
-        "tensors past 2**31 elements: 8.6 GB and ~2e9 emulated threads on the host (marked large as well)",
-    "test_ops.py::test_cuda_large_gelu_fp16":
-        "tensors past 2**31 elements: 4.3 GB and ~2e9 emulated threads on the host (marked large as well)",
-    "test_cuda_safety.py::test_kernels_run_on_the_current_stream":
-        "checks the order of kernels on streams (torch.cuda._sleep, a side stream): host ops have no streams",
-    "test_cuda_safety.py::test_cuda_graph_capture_and_replay":
-        "a CUDA graph replays the captured kernels: nothing on the host records and replays them",
-    "test_cuda_safety.py::test_cuda_graph_capture_with_autograd":
-        "a CUDA graph replays the captured kernels: nothing on the host records and replays them",
-    "test_cuda_safety.py::test_compile_reduce_overhead_matches_eager":
-        "mode='reduce-overhead' is inductor's CUDA graphs: inductor compiles for the real device, not the stand-in",
-    "test_cuda_safety.py::test_second_device_uses_its_own_guard":
-        "two GPUs and the device guard between them: one host device",
-    "test_cuda_safety.py::test_cpu_only_build_serves_cuda_tensors_with_one_warning":
-        "a CPU-only build serving real CUDA tensors (JIT build in a subprocess, outside the stand-in)",
-    "test_validation.py::test_cuda_cpu_device_mismatch_every_op":
-        "an argument on another device than the others: the stand-in puts every tensor on the one host device",
-    "test_validation.py::test_cuda_cpu_device_mismatch_names_the_argument":
-        "an argument on another device than the others: the stand-in puts every tensor on the one host device",
-    "test_api_paths.py::test_plain_tensors_take_the_fast_entry_and_match_torch_ops":
-        "checks that the native fast entry point serves CUDA tensors: it declines under any torch function mode, the "
-        "stand-in's too (its cpu and meta parametrizations run the same Python)",
-    **{name: "torch.compile (and export) refuse to trace under a torch dispatch mode, which the emulated kernels "
-                 "are (its cpu parametrization, where there is one, runs the same Python)"
-       for name in ("test_modules.py::test_compile_fullgraph_matches_eager_cuda",
-                    "test_compile_export.py::test_compile_fullgraph_matches_eager",
-                    "test_compile_export.py::test_compile_dynamic_shapes_and_ops_in_graph",
-                    "test_compile_export.py::test_export_graph_has_ffn_ext_ops")},
-    **{name: "opcheck's fake-tensor and AOT-dispatch checks make meta tensors from the device the inputs report, "
-                 "which in the stand-in is not their storage's (its cpu parametrization runs the same Python)"
-       for name in ("test_opcheck.py::test_opcheck", "test_opcheck.py::test_opcheck_partial_requires_grad_and_bf16")},
-    "test_threads.py::test_concurrent_first_calls_cuda":
-        "first calls from 16 threads in a subprocess, on real CUDA tensors: outside the stand-in",
+    **{
+        f"test_quant.py::{f}": "the quantizing kernels are not row ops: _emulate_cuda runs the op table's launcher "
+        "only; their per-lane code runs emulated by tests/test_quant_math.py (_emulate_quant)"
+        for f in ("test_recipes_bit_identical", "test_fuzzed_shapes", "test_formula_properties", "test_opcheck")
+    },
+    "test_ops.py::test_cuda_large_swiglu_packed_bf16": "tensors past 2**31 elements: 8.6 GB and ~4e9 emulated threads on the host (marked large as well)",
+    "test_ops.py::test_cuda_large_swiglu_chunk_bf16": "tensors past 2**31 elements: 8.6 GB and ~2e9 emulated threads on the host (marked large as well)",
+    "test_ops.py::test_cuda_large_gelu_fp16": "tensors past 2**31 elements: 4.3 GB and ~2e9 emulated threads on the host (marked large as well)",
+    "test_cuda_safety.py::test_kernels_run_on_the_current_stream": "checks the order of kernels on streams (torch.cuda._sleep, a side stream): host ops have no streams",
+    "test_cuda_safety.py::test_cuda_graph_capture_and_replay": "a CUDA graph replays the captured kernels: nothing on the host records and replays them",
+    "test_cuda_safety.py::test_cuda_graph_capture_with_autograd": "a CUDA graph replays the captured kernels: nothing on the host records and replays them",
+    "test_cuda_safety.py::test_compile_reduce_overhead_matches_eager": "mode='reduce-overhead' is inductor's CUDA graphs: inductor compiles for the real device, not the stand-in",
+    "test_cuda_safety.py::test_second_device_uses_its_own_guard": "two GPUs and the device guard between them: one host device",
+    "test_cuda_safety.py::test_cpu_only_build_serves_cuda_tensors_with_one_warning": "a CPU-only build serving real CUDA tensors (JIT build in a subprocess, outside the stand-in)",
+    "test_validation.py::test_cuda_cpu_device_mismatch_every_op": "an argument on another device than the others: the stand-in puts every tensor on the one host device",
+    "test_validation.py::test_cuda_cpu_device_mismatch_names_the_argument": "an argument on another device than the others: the stand-in puts every tensor on the one host device",
+    "test_api_paths.py::test_plain_tensors_take_the_fast_entry_and_match_torch_ops": "checks that the native fast entry point serves CUDA tensors: it declines under any torch function mode, the "
+    "stand-in's too (its cpu and meta parametrizations run the same Python)",
+    **{
+        name: "torch.compile (and export) refuse to trace under a torch dispatch mode, which the emulated kernels "
+        "are (its cpu parametrization, where there is one, runs the same Python)"
+        for name in (
+            "test_modules.py::test_compile_fullgraph_matches_eager_cuda",
+            "test_compile_export.py::test_compile_fullgraph_matches_eager",
+            "test_compile_export.py::test_compile_dynamic_shapes_and_ops_in_graph",
+            "test_compile_export.py::test_export_graph_has_ffn_ext_ops",
+        )
+    },
+    **{
+        name: "opcheck's fake-tensor and AOT-dispatch checks make meta tensors from the device the inputs report, "
+        "which in the stand-in is not their storage's (its cpu parametrization runs the same Python)"
+        for name in ("test_opcheck.py::test_opcheck", "test_opcheck.py::test_opcheck_partial_requires_grad_and_bf16")
+    },
+    "test_threads.py::test_concurrent_first_calls_cuda": "first calls from 16 threads in a subprocess, on real CUDA tensors: outside the stand-in",
 }
 
 _CUDA = torch.device("cuda", 0)
@@ -88,8 +84,11 @@ _GETTERS = {_T.device.__get__: _CUDA, _T.is_cuda.__get__: True, _T.is_cpu.__get_
 def available() -> bool:
     """True when cuda tests can run in the stand-in here: no GPU, ffn_ext._C with _emulate_cuda, not turned off."""
     native = ffn_ext.ops._native
-    return (not torch.cuda.is_available() and getattr(native, "_emulate_cuda", None) is not None
-            and os.environ.get(STANDIN_ENV, "1") != "0")
+    return (
+        not torch.cuda.is_available()
+        and getattr(native, "_emulate_cuda", None) is not None
+        and os.environ.get(STANDIN_ENV, "1") != "0"
+    )
 
 
 def _is_cuda(d) -> bool:
@@ -133,9 +132,9 @@ class _EmulatedKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.name()
         # only real host tensors: fake, meta and wrapper tensors (opcheck's modes) take the op's own kernels
-        if not name.startswith("ffn_ext::") or any(isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor
-                                                                                     or a.device.type != "cpu")
-                                                   for a in args):
+        if not name.startswith("ffn_ext::") or any(
+            isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.device.type != "cpu") for a in args
+        ):
             return func(*args, **kwargs)
         op = name.split("::", 1)[1]
         spec = SPECS[op]
@@ -170,12 +169,28 @@ def _returning(value):
 
 
 _CUDA_STUBS = {
-    **{name: _returning(None) for name in ("synchronize", "empty_cache", "_sleep", "set_device", "manual_seed",
-                                            "manual_seed_all", "reset_peak_memory_stats")},
-    "Stream": _Stream, "current_stream": _returning(_Stream), "default_stream": _returning(_Stream),
-    "stream": _returning(contextlib.nullcontext), "device": _returning(contextlib.nullcontext),
-    "device_count": _returning(1), "current_device": _returning(0), "mem_get_info": _returning((64 << 30, 64 << 30)),
-    "max_memory_allocated": _returning(0), "memory_allocated": _returning(0),
+    **{
+        name: _returning(None)
+        for name in (
+            "synchronize",
+            "empty_cache",
+            "_sleep",
+            "set_device",
+            "manual_seed",
+            "manual_seed_all",
+            "reset_peak_memory_stats",
+        )
+    },
+    "Stream": _Stream,
+    "current_stream": _returning(_Stream),
+    "default_stream": _returning(_Stream),
+    "stream": _returning(contextlib.nullcontext),
+    "device": _returning(contextlib.nullcontext),
+    "device_count": _returning(1),
+    "current_device": _returning(0),
+    "mem_get_info": _returning((64 << 30, 64 << 30)),
+    "max_memory_allocated": _returning(0),
+    "memory_allocated": _returning(0),
 }
 
 
@@ -185,6 +200,7 @@ def standin(monkeypatch):
     docstring). Yields the kernel-call counter (op -> calls)."""
     for name, stub in _CUDA_STUBS.items():
         monkeypatch.setattr(torch.cuda, name, stub, raising=False)
+
     class _Autocast(torch.autocast):  # torch.autocast("cuda", ...) as the host's autocast, same dtype
         def __init__(self, device_type, *args, **kwargs):
             super().__init__("cpu" if _is_cuda(device_type) else device_type, *args, **kwargs)

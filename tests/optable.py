@@ -37,6 +37,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
   make_layout, make_chunk_pair, make_inputs(..., packing=, params=, at_bounds=), input_shapes, LAYOUTS,
   FLOAT_DTYPES, CPU_DTYPES, DEVICES, RecordOps, poison_cuda_cache, as_tuple
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
 from ffn_ext import table as _table
-from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, OPS as SPECS
+from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED
+from ffn_ext.table import OPS as SPECS
 
 try:  # the plain scripts (cuda_sanitize_cases.py) import this module without pytest
     import pytest
@@ -55,13 +57,59 @@ except ImportError:  # pragma: no cover
     pytest = None
 
 __all__ = [
-    "ACTIVATIONS", "ACT_NAMES", "BY_NAME", "GATED", "GATED_IDS", "SPECS", "OPS", "FORWARD_OPS", "BACKWARD_OPS",
-    "UNARY_OPS", "GATED_OPS", "PACKED_OPS", "NO_AUTOGRAD_OPS", "PARAM_OPS", "HOST_OPS", "N_INPUTS", "N_OUTPUTS", "ARG_NAMES",
-    "FLOAT_DTYPES", "CPU_DTYPES", "DEVICES", "LAYOUTS", "PACKINGS", "NATIVE", "needs_native", "op", "call", "spec",
-    "is_packed", "activation_arg", "api_call", "ops_of", "params_of", "applied_params", "op_kwargs", "host_params",
-    "terms", "limit_terms", "unpack", "repack", "reference", "aten_result", "error_scale", "tolerance",
-    "assert_close_to", "assert_matches_reference", "make_layout", "make_chunk_pair", "make_inputs", "input_shapes",
-    "as_tuple", "RecordOps", "poison_cuda_cache",
+    "ACTIVATIONS",
+    "ACT_NAMES",
+    "BY_NAME",
+    "GATED",
+    "GATED_IDS",
+    "SPECS",
+    "OPS",
+    "FORWARD_OPS",
+    "BACKWARD_OPS",
+    "UNARY_OPS",
+    "GATED_OPS",
+    "PACKED_OPS",
+    "NO_AUTOGRAD_OPS",
+    "PARAM_OPS",
+    "HOST_OPS",
+    "N_INPUTS",
+    "N_OUTPUTS",
+    "ARG_NAMES",
+    "FLOAT_DTYPES",
+    "CPU_DTYPES",
+    "DEVICES",
+    "LAYOUTS",
+    "PACKINGS",
+    "NATIVE",
+    "needs_native",
+    "op",
+    "call",
+    "spec",
+    "is_packed",
+    "activation_arg",
+    "api_call",
+    "ops_of",
+    "params_of",
+    "applied_params",
+    "op_kwargs",
+    "host_params",
+    "terms",
+    "limit_terms",
+    "unpack",
+    "repack",
+    "reference",
+    "aten_result",
+    "error_scale",
+    "tolerance",
+    "assert_close_to",
+    "assert_matches_reference",
+    "make_layout",
+    "make_chunk_pair",
+    "make_inputs",
+    "input_shapes",
+    "as_tuple",
+    "RecordOps",
+    "poison_cuda_cache",
 ]
 
 # ---------------------------------------------------------------- ops, from the table
@@ -90,8 +138,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)] if pytest is not
 # The native library (ffn_ext._C or a JIT build) is loaded: the torch.ops.ffn_ext ops exist. Without it
 # (FFN_EXT_NO_C=1) the public API runs the ATen fallback; tests of the dispatcher ops skip (needs_native).
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
-needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native library (torch.ops.ffn_ext ops)") \
-    if pytest is not None else None
+needs_native = (
+    pytest.mark.skipif(not NATIVE, reason="needs the native library (torch.ops.ffn_ext ops)")
+    if pytest is not None
+    else None
+)
 
 
 def op(name: str):
@@ -153,10 +204,14 @@ def ops_of(kind: str | None = None, backward: bool | None = None, act=None, gate
     """The op names of the table with the given kind ("unary", "gated", "packed"), direction, activation and gated
     op (a Gated entry or its name)."""
     g = getattr(gated, "name", gated)
-    return tuple(n for n, s in SPECS.items() if (kind is None or s.kind == kind)
-                 and (backward is None or s.backward == backward)
-                 and (act is None or s.act.name == getattr(act, "name", act))
-                 and (g is None or (s.gated is not None and s.gated.name == g)))
+    return tuple(
+        n
+        for n, s in SPECS.items()
+        if (kind is None or s.kind == kind)
+        and (backward is None or s.backward == backward)
+        and (act is None or s.act.name == getattr(act, "name", act))
+        and (g is None or (s.gated is not None and s.gated.name == g))
+    )
 
 
 def as_tuple(x):
@@ -314,8 +369,9 @@ def limit_terms(name: str, inputs, params: dict | None = None):
     return out
 
 
-def reference(name: str, *inputs: torch.Tensor, inf_limits: bool = False, packing: str = "concat",
-              params: dict | None = None):
+def reference(
+    name: str, *inputs: torch.Tensor, inf_limits: bool = False, packing: str = "concat", params: dict | None = None
+):
     """The result of op `name` on `inputs` (called with op_kwargs(name, packing, params)) in float64 from the same
     input values (upcast exactly), on the inputs' device. A tensor, or a tuple for the gated backward ops, like the
     op.
@@ -376,8 +432,9 @@ def _close(a, e, rtol, atol, spread=None):
     return (a == e) | (a.isnan() & e.isnan()) | (e.isfinite() & ((a - e).abs() <= atol + rtol * bound))
 
 
-def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = "", scale=1.0,
-                    spread=None, alt=None):
+def assert_close_to(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = "", scale=1.0, spread=None, alt=None
+):
     """actual (any float dtype) vs an fp64 expected, with tolerance(dtype) times `scale`; NaN must match NaN.
     spread: error_scale(), added to |expected| for the rtol. alt: alternative expected values (a tensor or a list:
     ATen's results in the same dtype, for the ATen composites), each accepted element by element where it is
@@ -385,8 +442,15 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
     tol = tolerance(dtype)
     rtol, atol = tol["rtol"] * scale, tol["atol"] * scale
     if spread is None and alt is None:
-        torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, equal_nan=True,
-                                   check_device=True, msg=(lambda m: f"{msg}\n{m}") if msg else None)
+        torch.testing.assert_close(
+            actual.double(),
+            expected.double(),
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
+            check_device=True,
+            msg=(lambda m: f"{msg}\n{m}") if msg else None,
+        )
         return
     a, e = actual.double(), expected.double()
     assert a.shape == e.shape and a.device == e.device, (msg, a.shape, e.shape, a.device, e.device)
@@ -399,10 +463,13 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
         sp = torch.zeros_like(e) if spread is None else spread.double()
         raise AssertionError(
             f"{msg}\n{int((~ok).sum())} of {ok.numel()} elements out of tolerance (rtol={rtol:g}, atol={atol:g}, "
-            f"times |expected| + spread); first: " + "; ".join(
+            f"times |expected| + spread); first: "
+            + "; ".join(
                 f"{tuple(i)}: got {a[tuple(i)].item()!r} expected {e[tuple(i)].item()!r} spread "
                 f"{sp[tuple(i)].item():.3g}" + "".join(f" alt {t[tuple(i)].item()!r}" for t in alts)
-                for i in bad))
+                for i in bad
+            )
+        )
 
 
 def _stepped(t):
@@ -417,8 +484,17 @@ def _loop_variants(inputs):
     return (tuple(inputs), tuple(t.contiguous() for t in inputs), tuple(_stepped(t) for t in inputs))
 
 
-def assert_matches_reference(name: str, inputs, out, msg: str = "", inf_limits: bool = False, scale=1.0,
-                             aten=None, packing: str = "concat", params: dict | None = None):
+def assert_matches_reference(
+    name: str,
+    inputs,
+    out,
+    msg: str = "",
+    inf_limits: bool = False,
+    scale=1.0,
+    aten=None,
+    packing: str = "concat",
+    params: dict | None = None,
+):
     """Checks op `name`'s result `out` (tensor or tuple) for `inputs` (called with op_kwargs(name, packing,
     params)): shape, dtype, device, contiguity, and values against reference() within tolerance(dtype) * scale,
     relative to |reference| + error_scale().
@@ -433,8 +509,11 @@ def assert_matches_reference(name: str, inputs, out, msg: str = "", inf_limits: 
     spreads = error_scale(name, *inputs, **kw)
     if aten is None:
         aten = inputs[0].device.type == "cpu" and not inf_limits
-    alts = (list(zip(*(as_tuple(aten_result(name, *ins, **kw)) for ins in _loop_variants(inputs)))) if aten
-            else (None,) * len(outs))
+    alts = (
+        list(zip(*(as_tuple(aten_result(name, *ins, **kw)) for ins in _loop_variants(inputs))))
+        if aten
+        else (None,) * len(outs)
+    )
     dtype = inputs[0].dtype
     for k, (o, r, s, a) in enumerate(zip(outs, refs, spreads, alts)):
         where = f"{name} output {k} {msg}"
@@ -485,8 +564,11 @@ def make_layout(shape, dtype=torch.float32, device="cpu", layout="contiguous", s
     if layout == "padded":
         return _randn(shape[:-1] + (cols + 3,), dtype, device, scale)[..., :cols]
     if layout == "chunk_hi":
-        return _randn(shape[:-1] + (2 * cols,), dtype, device, scale).chunk(2, dim=-1)[1] if cols else \
-            _randn(shape, dtype, device, scale)
+        return (
+            _randn(shape[:-1] + (2 * cols,), dtype, device, scale).chunk(2, dim=-1)[1]
+            if cols
+            else _randn(shape, dtype, device, scale)
+        )
     if nd < 2:
         return make_layout(shape, dtype, device, "step", scale)
     if layout == "transposed":
@@ -511,8 +593,18 @@ def make_chunk_pair(shape, dtype=torch.float32, device="cpu", offset=0, scale=3.
     return t.chunk(2, dim=-1)
 
 
-def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="contiguous", grad_layout=None,
-                scale=3.0, packing: str = "concat", params: dict | None = None, at_bounds: bool = True):
+def make_inputs(
+    name: str,
+    shape,
+    dtype=torch.float32,
+    device="cpu",
+    layout="contiguous",
+    grad_layout=None,
+    scale=3.0,
+    packing: str = "concat",
+    params: dict | None = None,
+    at_bounds: bool = True,
+):
     """Random inputs for op `name` whose output has shape `shape`. Every input gets `layout`, except `grad`
     (backward ops), which gets grad_layout (default: `layout`). layout="chunk": the gated ops (and their
     backward) take gate, up = t.chunk(2, -1); the packed ops take gate_up as the upper half of a [..., 4M] chunk;
@@ -528,16 +620,25 @@ def make_inputs(name: str, shape, dtype=torch.float32, device="cpu", layout="con
     if layout == "chunk":
         if s.kind == "gated":
             pair = make_chunk_pair(shape, dtype, device, scale=scale)
-            ins = pair if not s.backward else \
-                (make_layout(shape, dtype, device, "chunk_hi" if grad_layout == "chunk" else grad_layout,
-                             scale=scale),) + pair
+            ins = (
+                pair
+                if not s.backward
+                else (
+                    make_layout(
+                        shape, dtype, device, "chunk_hi" if grad_layout == "chunk" else grad_layout, scale=scale
+                    ),
+                )
+                + pair
+            )
             return _put_bounds(name, ins, packing, params) if at_bounds else ins
         layout = "chunk_hi"
         grad_layout = "chunk_hi" if grad_layout == "chunk" else grad_layout
     shapes = input_shapes(name, shape)
     names = ARG_NAMES[name]
-    ins = tuple(make_layout(sh, dtype, device, grad_layout if n == "grad" else layout, scale=scale)
-                for sh, n in zip(shapes, names))
+    ins = tuple(
+        make_layout(sh, dtype, device, grad_layout if n == "grad" else layout, scale=scale)
+        for sh, n in zip(shapes, names)
+    )
     return _put_bounds(name, ins, packing, params) if at_bounds else ins
 
 

@@ -10,17 +10,31 @@ Every forward op of the table has a fast entry point (csrc/python_module.cpp), g
 positionally in schema order (ops._KEYWORDS: the parameters, then a packed op's layout; _extra below). A scalar of
 the wrong type makes it decline, and torch.ops raises (or ops._check_extra, the ValueError naming the argument).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from optable import (
+    DEVICES,
+    FORWARD_OPS,
+    N_INPUTS,
+    PACKINGS,
+    PARAM_OPS,
+    RecordOps,
+    api_call,
+    call,
+    is_packed,
+    make_inputs,
+    make_layout,
+    op_kwargs,
+    spec,
+)
 from torch.overrides import TorchFunctionMode
 
 import ffn_ext
 from ffn_ext import ops as api
-from optable import (DEVICES, FORWARD_OPS, N_INPUTS, PACKINGS, PARAM_OPS, RecordOps, api_call, call, is_packed,
-                     make_inputs, make_layout, op_kwargs, spec)
 
 pytestmark = pytest.mark.skipif(not api._fast, reason="no native library with fast entry points is loaded")
 
@@ -30,6 +44,7 @@ def _native_paths_only(monkeypatch):
     """These tests are about the native paths: plain CPU tensors would take the host path (the ATen expression,
     ops._on_host; tests/test_host_path.py) first, so it is off here."""
     monkeypatch.setattr(api, "_on_host", lambda args: False)
+
 
 API = {name: N_INPUTS[name] for name in FORWARD_OPS}  # every forward op of the table has a fast entry point
 
@@ -61,7 +76,7 @@ def test_parameters_and_layouts_take_the_fast_entry(monkeypatch, name):
     """A gated op with parameters, and a packed op in every layout: the fast entry serves the call, dispatching
     exactly the op, with torch.ops' result for the same keyword arguments."""
     spy = Spy(monkeypatch, name)
-    for packing in (PACKINGS if is_packed(name) else (None,)):
+    for packing in PACKINGS if is_packed(name) else (None,):
         args = make_inputs(name, (3, 5), torch.float32, packing=packing or "concat")
         with RecordOps() as rec:
             out = api_call(name, packing)(*args)
@@ -188,36 +203,56 @@ def test_torch_function_mode_and_subclasses_see_the_call(monkeypatch):
     torch.testing.assert_close(out, out_sub.as_subclass(torch.Tensor))
 
 
-@pytest.mark.parametrize("case, exc, pattern", [
-    ("dtype", TypeError, r"ffn_ext\.gelu: expected `x` to have dtype float64, float32, float16 or bfloat16, "
-                         r"got torch\.int64"),
-    ("shape", ValueError, r"ffn_ext\.swiglu: expected `up` to have the shape of `gate`"),
-    ("sparse", TypeError, r"ffn_ext\.gelu: expected `x` to be a dense strided tensor, got layout torch\.sparse_coo"),
-    ("limit", ValueError, r"ffn_ext\.swiglu_clamped: `limit` must be > 0"),
-    ("alpha", ValueError, r"ffn_ext\.swiglu_clamped_packed: `alpha` must be finite"),
-    ("layout", ValueError, r'ffn_ext\.swiglu_packed: `layout` must be "concat" or "interleaved", got "bogus"'),
-    ("limit-str", ValueError, r"ffn_ext\.swiglu_clamped: `limit` must be > 0, got '7'"),
-    ("layout-int", ValueError, r'ffn_ext\.geglu_packed: `layout` must be "concat" or "interleaved", got "1"'),
-])
+@pytest.mark.parametrize(
+    "case, exc, pattern",
+    [
+        (
+            "dtype",
+            TypeError,
+            r"ffn_ext\.gelu: expected `x` to have dtype float64, float32, float16 or bfloat16, "
+            r"got torch\.int64",
+        ),
+        ("shape", ValueError, r"ffn_ext\.swiglu: expected `up` to have the shape of `gate`"),
+        (
+            "sparse",
+            TypeError,
+            r"ffn_ext\.gelu: expected `x` to be a dense strided tensor, got layout torch\.sparse_coo",
+        ),
+        ("limit", ValueError, r"ffn_ext\.swiglu_clamped: `limit` must be > 0"),
+        ("alpha", ValueError, r"ffn_ext\.swiglu_clamped_packed: `alpha` must be finite"),
+        ("layout", ValueError, r'ffn_ext\.swiglu_packed: `layout` must be "concat" or "interleaved", got "bogus"'),
+        ("limit-str", ValueError, r"ffn_ext\.swiglu_clamped: `limit` must be > 0, got '7'"),
+        ("layout-int", ValueError, r'ffn_ext\.geglu_packed: `layout` must be "concat" or "interleaved", got "1"'),
+    ],
+)
 def test_errors_through_the_fast_entry(monkeypatch, case, exc, pattern):
     # The entry raises the op's own error (dtype, shape, a parameter's or the layout's value), or declines (a scalar
     # of the wrong type) or the dispatcher fails, and _call raises the clear error.
-    name = {"shape": "swiglu", "limit": "swiglu_clamped", "limit-str": "swiglu_clamped",
-            "alpha": "swiglu_clamped_packed", "layout": "swiglu_packed", "layout-int": "geglu_packed"}.get(case, "gelu")
+    name = {
+        "shape": "swiglu",
+        "limit": "swiglu_clamped",
+        "limit-str": "swiglu_clamped",
+        "alpha": "swiglu_clamped_packed",
+        "layout": "swiglu_packed",
+        "layout-int": "geglu_packed",
+    }.get(case, "gelu")
     spy = Spy(monkeypatch, name)
     x = torch.randn(3, 4)
-    call = {"dtype": lambda: ffn_ext.gelu(torch.arange(6)),
-            "shape": lambda: ffn_ext.swiglu(x, torch.randn(3, 5)),
-            "sparse": lambda: ffn_ext.gelu(x.to_sparse()),
-            "limit": lambda: ffn_ext.swiglu_clamped(x, x, limit=0.0),
-            "alpha": lambda: ffn_ext.swiglu_clamped_packed(x, limit=7.0, alpha=float("nan")),
-            "layout": lambda: ffn_ext.swiglu_packed(x, layout="bogus"),
-            "limit-str": lambda: ffn_ext.swiglu_clamped(x, x, limit="7"),
-            "layout-int": lambda: ffn_ext.geglu_packed(x, layout=1)}[case]
+    call = {
+        "dtype": lambda: ffn_ext.gelu(torch.arange(6)),
+        "shape": lambda: ffn_ext.swiglu(x, torch.randn(3, 5)),
+        "sparse": lambda: ffn_ext.gelu(x.to_sparse()),
+        "limit": lambda: ffn_ext.swiglu_clamped(x, x, limit=0.0),
+        "alpha": lambda: ffn_ext.swiglu_clamped_packed(x, limit=7.0, alpha=float("nan")),
+        "layout": lambda: ffn_ext.swiglu_packed(x, layout="bogus"),
+        "limit-str": lambda: ffn_ext.swiglu_clamped(x, x, limit="7"),
+        "layout-int": lambda: ffn_ext.geglu_packed(x, layout=1),
+    }[case]
     with pytest.raises(exc, match=pattern):
         call()
-    assert len(spy.results) == 1 and spy.results[0] in (TypeError, ValueError, NotImplementedError, "declined"), \
+    assert len(spy.results) == 1 and spy.results[0] in (TypeError, ValueError, NotImplementedError, "declined"), (
         spy.results
+    )
 
 
 def test_compile_takes_the_torch_ops_path(monkeypatch):

@@ -5,14 +5,11 @@ ffn_ext.silu), the gated ops (ffn_ext.gated(gate, up, activation=...), ffn_ext.s
 with the table's example parameters) and their packed ops (ffn_ext.gated_packed, swiglu_clamped_packed) in both
 layouts (concat, interleaved). ATen's autograd of the table's ATen expression (for swiglu_clamped: GPT-OSS's,
 torch.clamp's gradient at the bounds included) is the reference."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd import gradcheck, gradgradcheck
-
-import ffn_ext
-from ffn_ext.table import split_packed
 from optable import (
     ACTIVATIONS,
     BACKWARD_OPS,
@@ -39,6 +36,10 @@ from optable import (
     spec,
     tolerance,
 )
+from torch.autograd import gradcheck, gradgradcheck
+
+import ffn_ext
+from ffn_ext.table import split_packed
 
 # float64 inputs from N(0, 2^2): they cover the curved parts of the activations.
 SCALE = 2.0
@@ -210,8 +211,10 @@ def _low_precision_vs_aten_autograd(name, dtype, device, packing):
     composite = None
     if device == "cpu":
         bwd = name + "_backward"
-        composite = [w.double() for w in as_tuple(aten_result(bwd, grad_out, *[t.detach() for t in inputs],
-                                                              packing=packing or "concat"))]
+        composite = [
+            w.double()
+            for w in as_tuple(aten_result(bwd, grad_out, *[t.detach() for t in inputs], packing=packing or "concat"))
+        ]
         if is_packed(name):
             composite = [composite[0]]
     for k, (g, w64, w32, ws) in enumerate(zip(grads, want64, want32, want_same)):
@@ -223,8 +226,9 @@ def _low_precision_vs_aten_autograd(name, dtype, device, packing):
         # path, and the fallback without the native library)
         alt = None if composite is None else [composite[k], ws.double()]
         assert_close_to(g, w64, dtype, f"{name} {packing} grad vs fp64 autograd", spread=spread, alt=alt)
-        assert_close_to(g, ws.double(), dtype, f"{name} {packing} grad vs {dtype} ATen autograd", scale=3.0,
-                        spread=spread, alt=alt)
+        assert_close_to(
+            g, ws.double(), dtype, f"{name} {packing} grad vs {dtype} ATen autograd", scale=3.0, spread=spread, alt=alt
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -269,17 +273,25 @@ def test_no_grad_path_records_no_graph_and_matches(device):
     autograd directly (csrc/autograd.cpp, records_grad): same values, no grad_fn; with requires_grad the graph
     is recorded as before."""
     # forward ops through the public API, backward ops through torch.ops; chunk views as inputs
-    calls = [(api_call(n, p) if not spec(n).backward else call(n, p),
-              make_inputs(n, (6, 5), torch.float64, device, "chunk", packing=p or "concat"))
-             for n in FORWARD_OPS + BACKWARD_OPS if n not in NO_AUTOGRAD_OPS for p in _packings(n)]
+    calls = [
+        (
+            api_call(n, p) if not spec(n).backward else call(n, p),
+            make_inputs(n, (6, 5), torch.float64, device, "chunk", packing=p or "concat"),
+        )
+        for n in FORWARD_OPS + BACKWARD_OPS
+        if n not in NO_AUTOGRAD_OPS
+        for p in _packings(n)
+    ]
     for fn, args in calls:
         want = fn(*[a.detach().requires_grad_(True) for a in args])  # same layouts (views stay views)
         with torch.no_grad():
             got_no_grad = fn(*[a.detach().requires_grad_(True) for a in args])
         got_plain = fn(*args)
-        for want_t, a, b in zip(want if isinstance(want, tuple) else (want,),
-                                got_no_grad if isinstance(got_no_grad, tuple) else (got_no_grad,),
-                                got_plain if isinstance(got_plain, tuple) else (got_plain,)):
+        for want_t, a, b in zip(
+            want if isinstance(want, tuple) else (want,),
+            got_no_grad if isinstance(got_no_grad, tuple) else (got_no_grad,),
+            got_plain if isinstance(got_plain, tuple) else (got_plain,),
+        ):
             assert want_t.grad_fn is not None and a.grad_fn is None and b.grad_fn is None, fn
             assert not a.requires_grad and not b.requires_grad
             torch.testing.assert_close(a, want_t.detach(), rtol=0, atol=0)

@@ -3,6 +3,7 @@ in a subprocess write the markdown table, the JSON with sane numbers, and (when 
 plots, for every op of the op table (ffn_ext/table.py: the new gelu_tanh and geglu ops next to gelu, silu and
 swiglu; bench_ops.py also the interleaved layout, the clamped SwiGLU and two MoE shapes); benchmarks/device_check.sh
 is well formed, runs its GPU-free stage, and its GPU stages reach every op."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import package_env
+
 from ffn_ext.table import ACTIVATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +25,16 @@ TABLE_OPS = [a.name for a in ACTIVATIONS] + [a.gated for a in ACTIVATIONS] + [a.
 NEW_OPS = {"gelu_tanh", "geglu", "geglu_tanh", "geglu_packed", "geglu_tanh_packed"}
 # bench_ops.py also times the interleaved layout and the clamped SwiGLU (GPT-OSS's parameters), after the table's ops,
 # and two MoE shapes: (op, size, shape, model) at the smoke run's 2 tokens
-BENCH_OPS = TABLE_OPS + ["swiglu_packed_interleaved", "swiglu_clamped", "swiglu_clamped_packed",
-                         "swiglu_clamped_packed_interleaved"]
-MOE = {("swiglu_clamped_packed_interleaved", "MoE 2x4x2880", (8, 2880), "GPT-OSS-20B"),
-       ("swiglu_packed", "MoE 2x8x768", (16, 768), "Qwen3-30B-A3B")}
+BENCH_OPS = TABLE_OPS + [
+    "swiglu_packed_interleaved",
+    "swiglu_clamped",
+    "swiglu_clamped_packed",
+    "swiglu_clamped_packed_interleaved",
+]
+MOE = {
+    ("swiglu_clamped_packed_interleaved", "MoE 2x4x2880", (8, 2880), "GPT-OSS-20B"),
+    ("swiglu_packed", "MoE 2x8x768", (16, 768), "Qwen3-30B-A3B"),
+}
 
 
 def _eager_saved_per_element(act, n=64, form=None) -> float:
@@ -51,9 +58,14 @@ def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.Complete
     if not (ROOT / "benchmarks" / script).is_file():
         pytest.skip(f"benchmarks/{script} is not next to the tests (copied without benchmarks/)")
     env = package_env()  # the ffn_ext under test, not the checkout's when an install is tested from it
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--device", "cpu",
-                           *args, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--device", "cpu", *args, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -122,8 +134,10 @@ def test_bench_ops_smoke(tmp_path):
         if r["op"].startswith("swiglu_clamped") and r["direction"] == "fwd+bwd":
             assert (r["saved_extra_bytes"] == 0) if r["impl"] == "ffn_ext" else (r["saved_extra_bytes"] > 0), r
     assert len(data["targets"]) >= 10 and all("met" in t for t in data["targets"])
-    assert any(t["target"].startswith("swiglu_clamped_packed_interleaved fwd+bwd: ffn_ext >= 3.0x ATen eager")
-               for t in data["targets"])
+    assert any(
+        t["target"].startswith("swiglu_clamped_packed_interleaved fwd+bwd: ffn_ext >= 3.0x ATen eager")
+        for t in data["targets"]
+    )
     if _has_matplotlib():
         pngs = sorted(p.name for p in tmp_path.glob("*.png"))
         assert {f"ops_bandwidth_{op}.png" for op in BENCH_OPS} | {"ops_speedup_fp32.png"} == set(pngs), pngs
@@ -149,8 +163,10 @@ def test_bench_ffn_smoke(tmp_path):
     assert {r["mlp"] for r in data["results"]} == {"SwiGLU", "GeGLU (tanh)"}
     import ffn_ext
 
-    want = {"tiny": "ffn_ext.SwiGLUFFN",
-            "tiny-geglu": "ffn_ext.GeGLUFFN(approximate='tanh')" if hasattr(ffn_ext, "GeGLUFFN") else "local module"}
+    want = {
+        "tiny": "ffn_ext.SwiGLUFFN",
+        "tiny-geglu": "ffn_ext.GeGLUFFN(approximate='tanh')" if hasattr(ffn_ext, "GeGLUFFN") else "local module",
+    }
     for model in ("tiny", "tiny-geglu"):
         assert res[(model, "ffn_ext")]["module"].startswith(want[model]), res[(model, "ffn_ext")]["module"]
         for r in (res[(model, "ffn_ext")], res[(model, "eager")]):
@@ -159,7 +175,8 @@ def test_bench_ffn_smoke(tmp_path):
         assert res[(model, "eager")]["activation_tf_units"] == pytest.approx(4.0)
         assert res[(model, "ffn_ext")]["activation_tf_units"] == pytest.approx(2.0)
         assert res[(model, "ffn_ext")]["activation_vs_eager"] == pytest.approx(
-            res[(model, "ffn_ext")]["activation_bytes"] / res[(model, "eager")]["activation_bytes"])
+            res[(model, "ffn_ext")]["activation_bytes"] / res[(model, "eager")]["activation_bytes"]
+        )
     if _has_matplotlib():
         assert (tmp_path / "ffn.png").stat().st_size > 1000
 
@@ -230,8 +247,9 @@ def test_device_check_script_is_well_formed(tmp_path):
     for path in ("tests/cuda_sanitize_cases.py", "benchmarks/ncu_cases.py"):
         assert re.search(r"ffn_ext\.table|table_ops\(\)", (ROOT / path).read_text()), path
 
-    env = dict(os.environ, OUT=str(tmp_path), STAGES="sass", PYTHON=sys.executable,
-               PYTHONPATH=package_env()["PYTHONPATH"])
+    env = dict(
+        os.environ, OUT=str(tmp_path), STAGES="sass", PYTHON=sys.executable, PYTHONPATH=package_env()["PYTHONPATH"]
+    )
     proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     summary = (tmp_path / "summary.txt").read_text()
     assert (tmp_path / "device_check.tgz").is_file()
@@ -250,8 +268,14 @@ def test_bench_cpu_quick(tmp_path):
     script = ROOT / "benchmarks" / "bench_cpu.py"
     if not script.is_file():
         pytest.skip("benchmarks/bench_cpu.py is not next to the tests (copied without benchmarks/)")
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--reps", "2", "--out", str(tmp_path)], cwd=ROOT,
-                          env=package_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--reps", "2", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=package_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "cpu.json").read_text())
     impls = {r["impl"] for r in data["rows"]}

@@ -5,6 +5,7 @@ Builds run CPU-only (FFN_EXT_FORCE_CPU=1 / -DFFN_EXT_WITH_CUDA=OFF) in temporary
 registration of the ffn_ext namespace per process), with two parallel jobs. Subprocesses import the ffn_ext under
 test (conftest.package_env), so these tests also check an installed package; the CMake test needs the checkout.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PACKAGE_PARENT, needs_source_tree
 
 import ffn_ext
 from ffn_ext import _build
 from ffn_ext.table import OPS as TABLE_OPS
-from conftest import PACKAGE_PARENT, needs_source_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT = 900  # seconds; a CPU-only build takes 1-3 minutes on 2 cores
@@ -41,10 +42,17 @@ def _env(**extra) -> dict:
 def _run_python(*parts: str, env: dict, timeout: float = BUILD_TIMEOUT, cwd: Path | None = None):
     """Runs the script made of `parts` (each dedented on its own) in a fresh interpreter."""
     code = "\n".join(textwrap.dedent(p) for p in parts)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd or PACKAGE_PARENT,
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"subprocess failed ({r.returncode}):\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n" \
-                              f"{r.stderr[-6000:]}"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd or PACKAGE_PARENT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, (
+        f"subprocess failed ({r.returncode}):\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
+    )
     return r
 
 
@@ -173,8 +181,11 @@ def test_jit_load_next_to_a_loaded_C(tmp_path, monkeypatch, record):
             ffn_ext.jit.load(with_cuda=True)
     else:
         why = "built from other sources" if record == "other sources" else "has no build record"
-        with pytest.raises(RuntimeError, match=rf"already registered in this process by ffn_ext\._C.*{why}.*"
-                                               r"FFN_EXT_NO_C=1"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"already registered in this process by ffn_ext\._C.*{why}.*"
+            r"FFN_EXT_NO_C=1",
+        ):
             ffn_ext.jit.load()
 
 
@@ -214,8 +225,9 @@ def test_cmake_build_cpu_only(tmp_path):
         pytest.skip("cmake >= 3.19 not found")
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     if torch.version.cuda is not None and not Path(cuda_home, "bin", "nvcc").exists():
-        pytest.skip("torch is a CUDA build: its CMake config needs a CUDA toolkit (set CUDA_HOME) even for a "
-                    "CPU-only ffn_ext")
+        pytest.skip(
+            "torch is a CUDA build: its CMake config needs a CUDA toolkit (set CUDA_HOME) even for a CPU-only ffn_ext"
+        )
     build = tmp_path / "build"
     env = _env(CUDA_HOME=cuda_home)
     # The venv's bin (ninja from pip) on PATH.
@@ -224,10 +236,24 @@ def test_cmake_build_cpu_only(tmp_path):
     # libstdc++ linked statically, as the H200 image's toolchain did by itself: there, streaming a number into an
     # error message crashed (here it loses the number); the messages must come out whole anyway.
     static = "-static-libstdc++"
-    cfg = subprocess.run([cmake, "-S", str(ROOT), "-B", str(build), *gen, "-DFFN_EXT_WITH_CUDA=OFF",
-                          f"-DPython3_EXECUTABLE={sys.executable}", f"-DCMAKE_SHARED_LINKER_FLAGS={static}",
-                          f"-DCMAKE_MODULE_LINKER_FLAGS={static}"],
-                         env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    cfg = subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build),
+            *gen,
+            "-DFFN_EXT_WITH_CUDA=OFF",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_SHARED_LINKER_FLAGS={static}",
+            f"-DCMAKE_MODULE_LINKER_FLAGS={static}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+    )
     assert cfg.returncode == 0, f"cmake configure failed:\n{cfg.stdout[-4000:]}\n{cfg.stderr[-6000:]}"
     assert "ffn_ext: CUDA kernels OFF" in cfg.stdout, cfg.stdout[-3000:]
     # the source list came from csrc/build.json
@@ -238,8 +264,13 @@ def test_cmake_build_cpu_only(tmp_path):
             assert src in rules, f"{src} (build.json) is not in the CMake build"
         for src in cfg_json["cuda_sources"]:
             assert src not in rules, f"{src} is built although FFN_EXT_WITH_CUDA=OFF"
-    bld = subprocess.run([cmake, "--build", str(build), "-j", "2", "--target", "ffn_ext_ops", "_C"],
-                         env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    bld = subprocess.run(
+        [cmake, "--build", str(build), "-j", "2", "--target", "ffn_ext_ops", "_C"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+    )
     assert bld.returncode == 0, f"cmake build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
     (lib,) = [p for p in build.glob("libffn_ext_ops.*") if p.suffix in (".so", ".dylib")]
     (mod,) = build.glob("_C*.so")
@@ -287,21 +318,39 @@ def test_cmake_build_cpu_only(tmp_path):
 
     # installed: header, library, ffn_extConfig.cmake; a consumer program through find_package(ffn_ext)
     prefix = tmp_path / "prefix"
-    inst = subprocess.run([cmake, "--install", str(build), "--prefix", str(prefix)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    inst = subprocess.run(
+        [cmake, "--install", str(build), "--prefix", str(prefix)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
-    for rel in ("include/ffn_ext/ops.h", "lib/cmake/ffn_ext/ffn_extConfig.cmake",
-                "lib/cmake/ffn_ext/ffn_extTargets.cmake"):
+    for rel in (
+        "include/ffn_ext/ops.h",
+        "lib/cmake/ffn_ext/ffn_extConfig.cmake",
+        "lib/cmake/ffn_ext/ffn_extTargets.cmake",
+    ):
         assert (prefix / rel).is_file(), f"{rel} not installed: {sorted(map(str, prefix.rglob('*')))}"
     consumer = tmp_path / "consumer"
-    cfg = subprocess.run([cmake, "-S", str(ROOT / "tests" / "cpp_consumer"), "-B", str(consumer), *gen,
-                          # --as-needed: the linker drops libraries nothing references (the default of some
-                          # distributions); <ffn_ext/ops.h>'s functions make the reference
-                          f"-DCMAKE_PREFIX_PATH={prefix}", f"-DCMAKE_EXE_LINKER_FLAGS={static} -Wl,--as-needed"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    cfg = subprocess.run(
+        [
+            cmake,
+            "-S",
+            str(ROOT / "tests" / "cpp_consumer"),
+            "-B",
+            str(consumer),
+            *gen,
+            # --as-needed: the linker drops libraries nothing references (the default of some
+            # distributions); <ffn_ext/ops.h>'s functions make the reference
+            f"-DCMAKE_PREFIX_PATH={prefix}",
+            f"-DCMAKE_EXE_LINKER_FLAGS={static} -Wl,--as-needed",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cfg.returncode == 0, f"consumer configure failed:\n{cfg.stdout[-4000:]}\n{cfg.stderr[-6000:]}"
-    bld = subprocess.run([cmake, "--build", str(consumer), "-j", "2"], env=env, capture_output=True, text=True,
-                         timeout=BUILD_TIMEOUT)
+    bld = subprocess.run(
+        [cmake, "--build", str(consumer), "-j", "2"], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT
+    )
     assert bld.returncode == 0, f"consumer build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
     run = subprocess.run([str(consumer / "consumer")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "CONSUMER_OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
@@ -401,9 +450,17 @@ def test_installed_library_uses_the_shared_libstdcxx():
     native = ffn_ext.ops._native
     if nm is None or native is None or not getattr(native, "__file__", None):
         pytest.skip("needs `nm` and the installed native module ffn_ext._C")
-    out = subprocess.run([nm, "-C", "--defined-only", native.__file__], capture_output=True, text=True,
-                         timeout=120).stdout
-    own = sorted({line.split(" ", 2)[-1] for line in out.splitlines()
-                  if re.search(r" [TtWw] std::(locale::|ostream& std::ostream::_M_insert|codecvt<)", line)})
-    assert not own, (f"{native.__file__} defines libstdc++'s own stream/locale code (a static libstdc++ in the link), "
-                     f"e.g. {own[:3]}; error messages that stream numbers will crash")
+    out = subprocess.run(
+        [nm, "-C", "--defined-only", native.__file__], capture_output=True, text=True, timeout=120
+    ).stdout
+    own = sorted(
+        {
+            line.split(" ", 2)[-1]
+            for line in out.splitlines()
+            if re.search(r" [TtWw] std::(locale::|ostream& std::ostream::_M_insert|codecvt<)", line)
+        }
+    )
+    assert not own, (
+        f"{native.__file__} defines libstdc++'s own stream/locale code (a static libstdc++ in the link), "
+        f"e.g. {own[:3]}; error messages that stream numbers will crash"
+    )

@@ -12,17 +12,27 @@ device kernels against the host math (ffn_ext._C._host_math: the kernels' elemen
 reference, separate and packed in both layouts. The table-driven tests (test_ops, test_autograd, ...) cover the op
 with the table's example parameters; here the parameters are GPT-OSS's and DeepSeek-V4's.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from optable import (
+    FLOAT_DTYPES,
+    NATIVE,
+    RecordOps,
+    assert_close_to,
+    assert_matches_reference,
+    call,
+    error_scale,
+    host_params,
+    reference,
+)
 
 import ffn_ext
 from ffn_ext.table import CLAMP_GRAD_AT_BOUND, clamp_pass, join_packed, split_packed
-from optable import (FLOAT_DTYPES, NATIVE, RecordOps, assert_close_to, assert_matches_reference, call, error_scale,
-                     host_params, reference)
 
 GPT_OSS = dict(limit=7.0, alpha=1.702, up_offset=1.0)  # GptOssExperts: swiglu_limit 7, alpha 1.702, up + 1
 DEEPSEEK_V4 = dict(limit=10.0, alpha=1.0, up_offset=0.0)  # DeepseekV4Experts / MLP: config.swiglu_limit, alpha 1
@@ -48,8 +58,15 @@ def hf_apply_gate(gate_up, limit, alpha=1.0, up_offset=0.0):
 def bound_values(limit, dtype):
     """+-limit, their neighbours in the dtype (just inside, just outside), beyond, inside, and ordinary values."""
     lim = torch.tensor([limit, -limit], dtype=dtype)
-    vals = torch.cat([lim, torch.nextafter(lim, 2 * lim), torch.nextafter(lim, torch.zeros_like(lim)), 2 * lim,
-                      torch.tensor([0.0, 0.5, -1.28, 3.0, -3.0, 30.0, -30.0, 100.0, -100.0], dtype=dtype)])
+    vals = torch.cat(
+        [
+            lim,
+            torch.nextafter(lim, 2 * lim),
+            torch.nextafter(lim, torch.zeros_like(lim)),
+            2 * lim,
+            torch.tensor([0.0, 0.5, -1.28, 3.0, -3.0, 30.0, -30.0, 100.0, -100.0], dtype=dtype),
+        ]
+    )
     return vals
 
 
@@ -102,8 +119,9 @@ def test_packed_equals_transformers_expression(pname, dtype, layout):
     gate, up = grid(p["limit"], dtype, specials=True)
     gate_up = join_packed(gate.view(-1, 25), up.view(-1, 25), layout)  # rows of M = 25: odd
     grad = torch.randn(gate_up.shape[:-1] + (25,), dtype=dtype)
-    ref = (lambda gu: hf_apply_gate(gu, **p)) if layout == "interleaved" else \
-        (lambda gu: hf_gate(*gu.chunk(2, -1), **p))
+    ref = (
+        (lambda gu: hf_apply_gate(gu, **p)) if layout == "interleaved" else (lambda gu: hf_gate(*gu.chunk(2, -1), **p))
+    )
     want = _grads(ref, (gate_up,), grad)
     got = _grads(lambda gu: ffn_ext.swiglu_clamped_packed(gu, layout=layout, **p), (gate_up,), grad)
     for what, a, b in zip(("forward", "dgate_up"), got, want):
@@ -119,9 +137,13 @@ def test_half_types_at_the_bounds(dtype):
     gate, up = grid(p["limit"], dtype)
     grad = torch.randn(gate.shape, dtype=torch.float32).to(dtype)
     got = _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, **p), (gate, up), grad)
-    stops = [(torch.autograd.grad(t.clamp(**kw).sum(), t)[0] == 0) for t, kw in (
-        (gate.clone().requires_grad_(), dict(max=p["limit"])), (up.clone().requires_grad_(),
-                                                                dict(min=-p["limit"], max=p["limit"])))]
+    stops = [
+        (torch.autograd.grad(t.clamp(**kw).sum(), t)[0] == 0)
+        for t, kw in (
+            (gate.clone().requires_grad_(), dict(max=p["limit"])),
+            (up.clone().requires_grad_(), dict(min=-p["limit"], max=p["limit"])),
+        )
+    ]
     assert all(s.any() and not s.all() for s in stops)
     for k, (a, stop) in enumerate(zip(got[1:], stops)):
         assert (a[stop] == 0).all(), f"gradient {k}: nonzero where torch's clamp autograd stops it"
@@ -141,8 +163,9 @@ def test_kernel_math_equals_transformers_expression(pname, dtype):
     want = _grads(lambda g, u: hf_gate(g, u, **p), (gate.double(), up.double()), grad.double())
     (h,) = _C._host_math("swiglu_clamped", [gate, up], host_params("swiglu_clamped", p))
     dgate, dup = _C._host_math("swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p))
-    spreads = error_scale("swiglu_clamped", gate, up, params=p) + \
-        error_scale("swiglu_clamped_backward", grad, gate, up, params=p)
+    spreads = error_scale("swiglu_clamped", gate, up, params=p) + error_scale(
+        "swiglu_clamped_backward", grad, gate, up, params=p
+    )
     for what, a, b, s in zip(("forward", "dgate", "dup"), (h, dgate, dup), want, spreads):
         assert_close_to(a, b, dtype, f"{pname} host math {what}", spread=s)
         assert (a[b == 0] == 0).all(), f"{pname} host math {what}: nonzero where the expression's gradient is 0"
@@ -178,18 +201,20 @@ def test_ops_follow_the_convention_at_the_bound(dtype):
     grad = torch.ones_like(gate)
     want = _grads(lambda g, u: hf_gate(g, u, limit, 1.702, 1.0), (gate, up), grad)
     p = dict(limit=limit, alpha=1.702, up_offset=1.0)
-    results = {"op": call("swiglu_clamped_backward", params=p)(grad, gate, up),
-               "autograd": _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, **p), (gate, up), grad)[1:]}
+    results = {
+        "op": call("swiglu_clamped_backward", params=p)(grad, gate, up),
+        "autograd": _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, **p), (gate, up), grad)[1:],
+    }
     if NATIVE:
-        results["host math"] = _C._host_math("swiglu_clamped_backward", [grad, gate, up],
-                                             host_params("swiglu_clamped", p))
+        results["host math"] = _C._host_math(
+            "swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p)
+        )
     passes = (CLAMP_GRAD_AT_BOUND,) * 2
     expect_dgate = [passes[0], passes[0], True, True, False]
     expect_dup = [True, passes[1], passes[1], passes[1], False]
     for what, (dgate, dup) in results.items():
         assert ((dgate != 0).tolist(), (dup != 0).tolist()) == (expect_dgate, expect_dup), (what, dgate, dup)
         assert torch.equal(dgate == 0, want[1] == 0) and torch.equal(dup == 0, want[2] == 0), what
-
 
 
 @needs_native
@@ -214,10 +239,14 @@ def test_kernel_math_limit_the_dtype_does_not_hold(dtype):
     assert not bad.any(), f"dup stops elsewhere than torch's: gate {g[bad].tolist()}, up {u[bad].tolist()}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (ffn_ext/table.py _clamped_terms, the float64 reference model of gated_terms): it writes the op as "
-    "silu(alpha x) * (c / alpha), so alpha=0 (accepted: `alpha` must only be finite) gives NaN for every element, "
-    "where the op and transformers' expression give (clamp(up) + up_offset) * clamp(gate) / 2."))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG (ffn_ext/table.py _clamped_terms, the float64 reference model of gated_terms): it writes the op as "
+        "silu(alpha x) * (c / alpha), so alpha=0 (accepted: `alpha` must only be finite) gives NaN for every element, "
+        "where the op and transformers' expression give (clamp(up) + up_offset) * clamp(gate) / 2."
+    ),
+)
 def test_reference_model_with_alpha_zero():
     gate = torch.tensor([1.0, -2.0, 3.0, -30.0], dtype=torch.float64)
     up = torch.tensor([0.5, 1.0, -1.0, 4.0], dtype=torch.float64)
@@ -240,8 +269,9 @@ def test_infinite_limit_clamps_nothing(dtype):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
     # with alpha and an offset: the unclamped expression
-    got = _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, limit=math.inf, alpha=1.702, up_offset=1.0), (gate, up),
-                 grad)
+    got = _grads(
+        lambda g, u: ffn_ext.swiglu_clamped(g, u, limit=math.inf, alpha=1.702, up_offset=1.0), (gate, up), grad
+    )
     want = _grads(lambda g, u: (u + 1.0) * g * torch.sigmoid(g * 1.702), (gate, up), grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
@@ -266,8 +296,7 @@ def test_swiglu_module_is_the_models_gating(pname, layout):
     with RecordOps() as rec:
         out = mod(gate_up)
         two = mod(gate, up)
-    assert rec.ops == ["ffn_ext.swiglu_clamped_packed.default", "ffn_ext.swiglu_clamped.default"] or not NATIVE, \
-        rec.ops
+    assert rec.ops == ["ffn_ext.swiglu_clamped_packed.default", "ffn_ext.swiglu_clamped.default"] or not NATIVE, rec.ops
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(two, ref, rtol=1e-12, atol=1e-12)
     w = torch.randn_like(ref)
@@ -289,8 +318,12 @@ def test_swiglu_module_options_and_repr():
     assert alpha_only.clamped and alpha_only.limit is None
     g, u = x.chunk(2, -1)
     torch.testing.assert_close(alpha_only(x), (u + 1.0) * g * torch.sigmoid(1.702 * g), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(ffn_ext.SwiGLU(layout="interleaved")(x),
-                               torch.nn.functional.silu(x[:, ::2]) * x[:, 1::2], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        ffn_ext.SwiGLU(layout="interleaved")(x),
+        torch.nn.functional.silu(x[:, ::2]) * x[:, 1::2],
+        rtol=1e-12,
+        atol=1e-12,
+    )
 
 
 # ---------------------------------------------------------------- CUDA: device vs host math vs reference
@@ -337,14 +370,17 @@ def test_cuda_matches_host_math_and_reference(pname, dtype):
     # op's values (the same functor), (dgate, dup) written in the layout
     m = 63
     n = gate.numel() // m * m
-    rows = (lambda t: t[:n].view(-1, m))
+    rows = lambda t: t[:n].view(-1, m)
     for layout in ("concat", "interleaved"):
         gu = join_packed(rows(g), rows(u), layout)
         hp = call("swiglu_clamped_packed", layout, p)(gu)
         dgu = call("swiglu_clamped_packed_backward", layout, p)(rows(gr), gu)
         dgp, dup_ = split_packed(dgu, layout)
-        for what, a, b, sp in (("forward", hp, rows(h), sp_f[0]), ("dgate", dgp, rows(dg), sp_b[0]),
-                               ("dup", dup_, rows(du), sp_b[1])):
+        for what, a, b, sp in (
+            ("forward", hp, rows(h), sp_f[0]),
+            ("dgate", dgp, rows(dg), sp_b[0]),
+            ("dup", dup_, rows(du), sp_b[1]),
+        ):
             assert torch.equal(a.isnan(), b.isnan()), f"{pname} {layout} {what}: NaN differ"
             assert_close_to(a, b.double(), dtype, f"{pname} packed {layout} {what} vs separate", spread=rows(sp))
 
@@ -366,7 +402,13 @@ def test_cuda_gpt_oss_experts_match_transformers(dtype):
     assert_matches_reference("swiglu_clamped_packed_backward", (grad, gate_up), got[1], **kw)
     ref = reference("swiglu_clamped_packed", gate_up, **kw)
     aten_err = (want[0].double() - ref).abs() / (1e-2 if dtype == torch.bfloat16 else 1e-5)
-    assert_close_to(got[0], want[0].double(), dtype, "forward vs ATen", scale=2.0,
-                    spread=error_scale("swiglu_clamped_packed", gate_up, **kw)[0] + aten_err)
+    assert_close_to(
+        got[0],
+        want[0].double(),
+        dtype,
+        "forward vs ATen",
+        scale=2.0,
+        spread=error_scale("swiglu_clamped_packed", gate_up, **kw)[0] + aten_err,
+    )
     stop = join_packed(*[~m for m in clamp_pass(*split_packed(gate_up.double(), "interleaved"), 7.0)], "interleaved")
     assert (got[1][stop] == 0).all() and (want[1][stop] == 0).all(), "gradients where the clamps stop them"

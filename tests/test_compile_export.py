@@ -6,14 +6,24 @@ arguments).
 
 fullgraph=True turns any graph break into an error, so passing means the ops trace as single graph nodes (their
 fake kernels run under dynamo/AOTAutograd). Compile tests are few: each costs seconds on 2 cores."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
-
-from optable import (ACTIVATIONS, BACKWARD_OPS, DEVICES, FORWARD_OPS, GATED, PACKINGS, api_call, is_packed, op_kwargs,
-                     spec)
+from optable import (
+    ACTIVATIONS,
+    BACKWARD_OPS,
+    DEVICES,
+    FORWARD_OPS,
+    GATED,
+    PACKINGS,
+    api_call,
+    is_packed,
+    op_kwargs,
+    spec,
+)
 
 # the backward ops an op's autograd reaches; the recompute ops serve the classic FFN's backward (plain_mlp, compiled
 # in tests/test_plain_mlp.py), not an op's autograd
@@ -70,8 +80,11 @@ def _compare(model, compiled, xs):
 
 
 def _ffn_ops_in(gm) -> set:
-    return {str(n.target.overloadpacket) if hasattr(n.target, "overloadpacket") else str(n.target)
-            for n in gm.graph.nodes if n.op == "call_function"}
+    return {
+        str(n.target.overloadpacket) if hasattr(n.target, "overloadpacket") else str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    }
 
 
 def _ffn_kwargs_in(gm) -> dict:
@@ -165,8 +178,10 @@ def test_no_recompile_after_the_first_call():
     torch._dynamo.reset()
     ffn_ext.ops._overloads.clear()
     torch.manual_seed(0)
-    for model, x in ((TinyMLP(), lambda: torch.randn(2, 5, 16)),
-                     (ffn_ext.SwiGLUFFN(16, 24), lambda: torch.randn(3, 16))):
+    for model, x in (
+        (TinyMLP(), lambda: torch.randn(2, 5, 16)),
+        (ffn_ext.SwiGLUFFN(16, 24), lambda: torch.randn(3, 16)),
+    ):
         compiled = torch.compile(model, backend="aot_eager")
         _compare(model, compiled, [x()])
         with torch.compiler.set_stance("fail_on_recompile"):
@@ -188,8 +203,9 @@ def test_transforms_under_compile_match_aten():
     compile give the eager transforms' results, which test_transforms checks against ATen's, here on every forward
     op of the table (TinyMLP) and against SwiGLUFFN's ATen expression. Under a transform the functional API and
     the lean autograd take ATen's ops (the C++ autograd::Function refuses functorch), also while traced."""
-    import ffn_ext
     from torch.func import functional_call, grad, jvp, vmap
+
+    import ffn_ext
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -210,8 +226,9 @@ def test_transforms_under_compile_match_aten():
     per_sample = vmap(grad(lambda p, xi: functional_call(ffn, p, (xi,)).square().sum()), in_dims=(None, 0))
     ref = vmap(grad(lambda p, xi: _swiglu_ffn_ref(p, xi).square().sum()), in_dims=(None, 0))
     x = torch.randn(4, 3, 16, dtype=torch.float64)
-    torch.testing.assert_close(torch.compile(per_sample, backend="aot_eager", fullgraph=True)(params, x),
-                               ref(params, x), **tol)
+    torch.testing.assert_close(
+        torch.compile(per_sample, backend="aot_eager", fullgraph=True)(params, x), ref(params, x), **tol
+    )
 
 
 def test_aoti_package_runs_the_ops(tmp_path):

@@ -5,6 +5,7 @@ stand-in, tests/cuda_standin.py).
 
 Memory checking is a separate plain script for compute-sanitizer: tests/cuda_sanitize_cases.py.
 """
+
 import os
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from optable import OPS as OP_NAMES
+from optable import PACKINGS, as_tuple, call, is_packed, spec
 
 import ffn_ext
-from optable import OPS as OP_NAMES, PACKINGS, as_tuple, call, is_packed, spec
 
 OPS = torch.ops.ffn_ext
 pytestmark = pytest.mark.cuda
@@ -38,7 +40,7 @@ def _all_ops(gate_up, grad):
     outs = []
     for k, name in enumerate(OP_NAMES):
         args = {"x": gate if k % 2 == 0 else up, "gate": gate, "up": up, "gate_up": gate_up, "grad": grad}
-        for packing in (PACKINGS if is_packed(name) else (None,)):
+        for packing in PACKINGS if is_packed(name) else (None,):
             outs += as_tuple(call(name, packing)(*[args[a] for a in spec(name).args]))
     return outs
 
@@ -166,8 +168,9 @@ def test_second_device_uses_its_own_guard():
         gu0, grad0 = _inputs(torch.float32, device="cuda:0")
         out0 = _all_ops(gu0, grad0)
     assert all(o.device == torch.device("cuda:0") for o in out0)
-    _assert_all_equal([o.cpu() for o in out0], [o.cpu() for o in _all_ops(gu0.cpu().cuda(1), grad0.cuda(1))],
-                      "cuda:0 vs cuda:1")
+    _assert_all_equal(
+        [o.cpu() for o in out0], [o.cpu() for o in _all_ops(gu0.cpu().cuda(1), grad0.cuda(1))], "cuda:0 vs cuda:1"
+    )
 
 
 _CPU_ONLY_BUILD = textwrap.dedent(r"""
@@ -201,8 +204,9 @@ def test_cpu_only_build_serves_cuda_tensors_with_one_warning(tmp_path):
     """A build without CUDA kernels (JIT, with_cuda=False) still runs CUDA tensors through the ATen composites
     and warns once (TORCH_WARN_ONCE in csrc/aten_ops.cpp)."""
     env = dict(os.environ, FFN_EXT_NO_C="1")
-    r = subprocess.run([sys.executable, "-c", _CPU_ONLY_BUILD, str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", _CPU_ONLY_BUILD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     # TORCH_WARN_ONCE reaches Python as a warning where the caller converts C++ warnings, and is printed to stderr
     # by c10's handler where it does not (torch.ops calls on some torch versions): once in all, either way.

@@ -1,18 +1,19 @@
 """No CUDA test rots unrun: without a GPU every cuda-marked test function runs (its first cuda parametrization) in the
 CUDA stand-in (tests/cuda_standin.py), or is named in cuda_standin.NO_STANDIN with the reason; and the stand-in
 really runs ffn_ext's ops through the emulated CUDA launch."""
+
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
+import cuda_standin
 import pytest
 import torch
 import torch.nn.functional as F
-
-import cuda_standin
-import ffn_ext
 from conftest import STANDIN, standin_key
+
+import ffn_ext
 
 TESTS = Path(__file__).resolve().parent
 
@@ -29,7 +30,7 @@ def _has_cuda_mark(marks) -> bool:
 
 
 def _cuda_functions() -> set:
-    """"file::function" of every test function with a cuda mark (its own, its module's pytestmark, or one of its
+    """ "file::function" of every test function with a cuda mark (its own, its module's pytestmark, or one of its
     parametrizations'): what must run in the stand-in or have a reason."""
     found = set()
     for path in sorted(TESTS.glob("test_*.py")):
@@ -55,7 +56,9 @@ def test_no_standin_names_cuda_test_functions():
         assert isinstance(reason, str) and len(reason) > 20, key
 
 
-@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0")
+@pytest.mark.skipif(
+    not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0"
+)
 def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(request):
     """Over this session's items (all of them in a full run): each cuda-marked function has one stand-in item or a
     NO_STANDIN reason, never both."""
@@ -70,7 +73,9 @@ def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(reque
             assert flags.count(True) == 1, (key, flags)
 
 
-@pytest.mark.skipif(not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0")
+@pytest.mark.skipif(
+    not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0"
+)
 def test_standin_runs_the_emulated_launch(monkeypatch):
     """Inside the stand-in "cuda" tensors are host tensors that say cuda, and every ffn_ext op (torch.ops, the
     public API, the autograd backward) runs ffn_ext._C._emulate_cuda: the same bits as calling it directly."""

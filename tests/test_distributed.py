@@ -5,6 +5,7 @@ lean autograd on DTensor weights: tp_gated_mlp / tp_plain_mlp, shard_gated_ffns 
 fully_shard. The ranks run the MLPs' lean autograd on the CPU (ffn_ext.mlp._ATEN_ON_CPU off), the device path.
 
 Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
 try:
-    from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
     from torch.distributed.fsdp import fully_shard  # noqa: F401
+    from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
 except ImportError as e:  # torch < 2.6
     pytest.skip(f"needs DTensor's register_sharding and FSDP2's fully_shard ({e})", allow_module_level=True)
 
@@ -75,8 +76,12 @@ def _check_ops(mesh):
         torch.manual_seed(0)  # the same inputs on every rank
         full = optable.make_inputs(name, (4, 6), torch.float64, packing=packing or "concat")
         want = optable.as_tuple(fn(*full))
-        layouts = {"replicate": [Replicate()] * n, "shard0": [Shard(0)] * n, "shard_last": [Shard(-1)] * n,
-                   "mixed": [Shard(i % 2) for i in range(n)]}
+        layouts = {
+            "replicate": [Replicate()] * n,
+            "shard0": [Shard(0)] * n,
+            "shard_last": [Shard(-1)] * n,
+            "mixed": [Shard(i % 2) for i in range(n)],
+        }
         if n > 1:
             layouts["partial"] = [Partial()] + [Shard(0)] * (n - 1)
         backward = not optable.spec(name).backward
@@ -116,8 +121,11 @@ def _check_per_rank_packed(mesh):
 
     rank = dist.get_rank()
     torch.manual_seed(1)
-    x, w_gate, w_up = torch.randn(5, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64), \
-        torch.randn(6, 8, dtype=torch.float64)
+    x, w_gate, w_up = (
+        torch.randn(5, 8, dtype=torch.float64),
+        torch.randn(6, 8, dtype=torch.float64),
+        torch.randn(6, 8, dtype=torch.float64),
+    )
     want = ffn_ext.swiglu(x @ w_gate.T, x @ w_up.T)  # [5, 6]
     local = x @ torch.cat([w_gate.chunk(WORLD)[rank], w_up.chunk(WORLD)[rank]]).T  # [5, 2 * 3]: [gate_r | up_r]
     gate_up = DTensor.from_local(local, mesh, [Shard(-1)], run_check=False)
@@ -258,8 +266,12 @@ def _check_tp_plain_mlp(mesh):
     from ffn_ext.distributed import tp_plain_mlp
 
     failures = []
-    for transposed, bias, opts in ((False, False, {}), (False, True, {"recompute": True}), (True, True, {}),
-                                   (True, False, {"token_chunk": 4})):
+    for transposed, bias, opts in (
+        (False, False, {}),
+        (False, True, {"recompute": True}),
+        (True, True, {}),
+        (True, False, {"token_chunk": 4}),
+    ):
         try:
             torch.manual_seed(6)
             shapes = [(8, 12), (12, 8)] if transposed else [(12, 8), (8, 12)]
@@ -280,8 +292,9 @@ def _check_tp_plain_mlp(mesh):
                 torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
             assert any("PlainMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
         except Exception:
-            failures.append(f"tp_plain_mlp transposed={transposed} bias={bias} {opts}: "
-                            f"{traceback.format_exc(limit=-3)}")
+            failures.append(
+                f"tp_plain_mlp transposed={transposed} bias={bias} {opts}: {traceback.format_exc(limit=-3)}"
+            )
     return failures
 
 
@@ -344,9 +357,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device, (WORLD,))
-        for check in (_check_registered_on_first_call, _check_ops, _check_per_rank_packed, _check_tp_plan,
-                      _check_tp_gated_mlp, _check_shard_gated_ffns, _check_tp_plain_mlp, _check_shard_plain_ffns,
-                      _check_fsdp2):
+        for check in (
+            _check_registered_on_first_call,
+            _check_ops,
+            _check_per_rank_packed,
+            _check_tp_plan,
+            _check_tp_gated_mlp,
+            _check_shard_gated_ffns,
+            _check_tp_plain_mlp,
+            _check_shard_plain_ffns,
+            _check_fsdp2,
+        ):
             try:
                 failures += check(mesh)
             except Exception:
@@ -384,12 +405,18 @@ def test_tp_plan_names_every_gated_ffn_and_refuses_a_fused_gate_up():
     import ffn_ext
     from ffn_ext.distributed import tp_plan
 
-    model = torch.nn.Sequential(ffn_ext.SwiGLUFFN(8, 12), torch.nn.Linear(8, 8), ffn_ext.GeGLUFFN(8, 12),
-                                ffn_ext.FFN(8, 12))
+    model = torch.nn.Sequential(
+        ffn_ext.SwiGLUFFN(8, 12), torch.nn.Linear(8, 8), ffn_ext.GeGLUFFN(8, 12), ffn_ext.FFN(8, 12)
+    )
     plan = tp_plan(model)
     assert {k: type(v) for k, v in plan.items()} == {
-        **{f"{i}.{n}": ColwiseParallel if n != "down_proj" else RowwiseParallel
-           for i in (0, 2) for n in ("gate_proj", "up_proj", "down_proj")},
-        "3.up_proj": ColwiseParallel, "3.down_proj": RowwiseParallel}
+        **{
+            f"{i}.{n}": ColwiseParallel if n != "down_proj" else RowwiseParallel
+            for i in (0, 2)
+            for n in ("gate_proj", "up_proj", "down_proj")
+        },
+        "3.up_proj": ColwiseParallel,
+        "3.down_proj": RowwiseParallel,
+    }
     with pytest.raises(ValueError, match="fused gate_up"):
         tp_plan(ffn_ext.SwiGLUFFN(8, 12, fused_gate_up=True))

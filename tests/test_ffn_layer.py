@@ -4,6 +4,7 @@ multiple of N (not of the token count), both give the default path's results (fp
 gradient; bf16 under autocast with the weight gradients accumulated in fp32), under torch.compile and activation
 checkpointing; fused_gate_up modules save and load Hugging Face's names; patched models train the same. CPU only:
 the options are plain PyTorch around the ops (the ops' CUDA kernels are tested elsewhere)."""
+
 from __future__ import annotations
 
 import copy
@@ -14,13 +15,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_modules import _LiveBytes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ffn_ext
 import ffn_ext.mlp as M
 from ffn_ext.table import ACTIVATIONS
-from test_modules import _LiveBytes
 
 ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
 FORMS = ("separate", "packed")
@@ -36,8 +37,10 @@ OPTIONS = [  # (recompute, token_chunk) on 2 x 37 = 74 tokens
 
 def _params(form, d_model, d_ff, bias, dtype=torch.float64, scale=0.3):
     """(ws, wd, bs, bd): leaves that require grad; ws = (w_gate, w_up) or (w_gate_up,)."""
+
     def leaf(*shape):
         return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_()
+
     ws = (leaf(2 * d_ff, d_model),) if form == "packed" else (leaf(d_ff, d_model), leaf(d_ff, d_model))
     bs = tuple(leaf(w.shape[0]) if bias else None for w in ws)
     return ws, leaf(d_model, d_ff), bs, leaf(d_model) if bias else None
@@ -81,6 +84,7 @@ def _saved(fn, x):
     def pack(t):
         shapes.append(tuple(t.shape))
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = fn(x)
     return shapes, y
@@ -163,8 +167,9 @@ def test_default_backward_runs_in_halves_from_split_rows(form):
     one_block = _extra_peak(_mlp(act, form, ws, wd, bs, bd), tokens - 1, d_model, params)
 
     def eager(x):
-        gate, up = (F.linear(x, ws[0]).chunk(2, -1) if form == "packed" else (F.linear(x, ws[0]), F.linear(x, ws[1])))
+        gate, up = F.linear(x, ws[0]).chunk(2, -1) if form == "packed" else (F.linear(x, ws[0]), F.linear(x, ws[1]))
         return F.linear(act.aten(gate) * up, wd)
+
     assert ours <= 3.6 * unit, ours / unit
     assert one_block >= 4.5 * (tokens - 1) * d_ff, one_block / unit  # below the threshold: one block (can fail)
     assert _extra_peak(eager, tokens, d_model, params) >= 5.5 * unit
@@ -194,10 +199,10 @@ def test_chunked_weight_gradients_accumulate_in_the_parameters_dtype():
     ref = a.double().t() @ b.double()
     acc = None
     for s in range(0, 64, 16):
-        acc = M._acc_mm(acc, a[s:s + 16], b[s:s + 16], torch.float32)
+        acc = M._acc_mm(acc, a[s : s + 16], b[s : s + 16], torch.float32)
     assert acc.dtype == torch.float32
     torch.testing.assert_close(acc.double(), ref, rtol=1e-5, atol=1e-4)
-    rounded = sum((a[s:s + 16].t() @ b[s:s + 16]).double() for s in range(0, 64, 16))  # per-chunk bf16: worse
+    rounded = sum((a[s : s + 16].t() @ b[s : s + 16]).double() for s in range(0, 64, 16))  # per-chunk bf16: worse
     assert (rounded - ref).abs().max() > 10 * (acc.double() - ref).abs().max()
 
 
@@ -224,8 +229,12 @@ def test_token_chunk_under_cpu_autocast(form):
 
 def test_bad_options_raise_naming_the_argument():
     x, w = torch.randn(4, 8), torch.randn(12, 8)
-    for kw, name in (({"token_chunk": 0}, "token_chunk"), ({"token_chunk": 2.5}, "token_chunk"),
-                     ({"token_chunk": True}, "token_chunk"), ({"recompute": 1}, "recompute")):
+    for kw, name in (
+        ({"token_chunk": 0}, "token_chunk"),
+        ({"token_chunk": 2.5}, "token_chunk"),
+        ({"token_chunk": True}, "token_chunk"),
+        ({"recompute": 1}, "recompute"),
+    ):
         with pytest.raises(ValueError, match=f"swiglu_mlp: `{name}` must be"):
             ffn_ext.swiglu_mlp(x, w, w, w.t(), **kw)
         with pytest.raises(ValueError, match=f"SwiGLUFFN: `{name}` must be"):
@@ -244,8 +253,9 @@ def _module_pair(cls, bias, **kw):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("cls,kw", [(ffn_ext.SwiGLUFFN, {}), (ffn_ext.GeGLUFFN, {"approximate": "tanh"})],
-                         ids=["swiglu", "geglu_tanh"])
+@pytest.mark.parametrize(
+    "cls,kw", [(ffn_ext.SwiGLUFFN, {}), (ffn_ext.GeGLUFFN, {"approximate": "tanh"})], ids=["swiglu", "geglu_tanh"]
+)
 def test_fused_gate_up_module_equals_separate_and_keeps_llama_names(cls, kw, bias):
     sep, fused = _module_pair(cls, bias, **kw)
     assert set(fused._modules) == {"gate_up_proj", "down_proj", "act"}
@@ -280,8 +290,10 @@ def test_fused_gate_up_module_equals_separate_and_keeps_llama_names(cls, kw, bia
 def test_fused_gate_up_loads_and_saves_a_transformers_llama_mlp():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
-    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4,
-                                   num_key_value_heads=2)
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4, num_key_value_heads=2
+    )
     torch.manual_seed(4)
     hf = LlamaMLP(cfg)
     ours = ffn_ext.SwiGLUFFN(16, 40, fused_gate_up=True, token_chunk=7)
@@ -338,6 +350,7 @@ def test_options_under_compile_fullgraph(fused, chunk):
 
 def test_token_chunk_under_activation_checkpointing():
     from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(7)
     mlp = ffn_ext.SwiGLUFFN(16, 40, dtype=torch.float64, token_chunk=6)
     x = torch.randn(3, 10, 16, dtype=torch.float64, requires_grad=True)
@@ -368,8 +381,16 @@ def test_token_chunk_double_backward():
 # ---------------------------------------------------------------- Hugging Face: patch_hf_model(recompute, token_chunk)
 def test_tiny_llama_patched_with_token_chunk_trains_the_same():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=61, max_position_embeddings=32, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=61,
+        max_position_embeddings=32,
+        pad_token_id=0,
+    )
     torch.manual_seed(9)
     ref = transformers.LlamaForCausalLM(cfg).double()
     model = copy.deepcopy(ref)
@@ -397,15 +418,26 @@ def test_tiny_llama_patched_with_token_chunk_trains_the_same():
 
 def test_patch_options_name_the_modules_they_do_not_apply_to():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=61, num_local_experts=4,
-                                     num_experts_per_tok=2, head_dim=8)
+    cfg = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=61,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+    )
     model = transformers.MixtralForCausalLM(cfg)
     with pytest.raises(ValueError, match=r"token_chunk=8 does not apply to MixtralExperts.*strict=True"):
         ffn_ext.patch_hf_model(model, token_chunk=8, strict=True)
     assert not any(getattr(m, "_ffn_ext_patched", None) for m in model.modules())
-    with pytest.warns(RuntimeWarning, match=r"recompute=True does not apply to MixtralExperts at "
-                                            r"'model.layers.0.mlp.experts'.*\(patched without it\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"recompute=True does not apply to MixtralExperts at "
+        r"'model.layers.0.mlp.experts'.*\(patched without it\)",
+    ):
         assert ffn_ext.patch_hf_model(model, recompute=True) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")

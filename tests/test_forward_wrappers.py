@@ -1,6 +1,7 @@
 """Forward wrappers set on a module instance (accelerate's add_hook_to_module: device alignment, CPU/disk offload
 whose weights live on the meta device until the wrapper runs) must run: SwiGLUFFN and patched HF MLPs then call
 their submodules as modules, patch_model keeps a wrapper the MLP already had, and unpatch_model restores it."""
+
 import functools
 
 import pytest

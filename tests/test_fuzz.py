@@ -16,23 +16,35 @@ Hypothesis is not derandomized: every run draws new cases; a failure prints the 
 the torch seed of the values) and a reproduce blob. The number of cases run is printed by the last test of this
 file (on CPU about 1,100 per activation and 1,900 per gated op; CI runtime about three minutes on 2 cores).
 """
+
 import math
 import os
 import time
 from collections import Counter
 
-import pytest
 import optable
+import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from optable import (  # noqa: E402
+    ACTIVATIONS,
+    GATED,
+    GATED_IDS,
+    PACKINGS,
+    api_call,
+    aten_result,
+    call,
+    host_params,
+    ops_of,
+    spec,
+    terms,
+)
 
 import ffn_ext  # noqa: E402
 from ffn_ext.table import split_packed  # noqa: E402
-from optable import (ACTIVATIONS, GATED, GATED_IDS, PACKINGS, api_call, aten_result, call, host_params,  # noqa: E402
-                     ops_of, spec, terms)
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
@@ -141,23 +153,27 @@ def check_close(out, ref, scale, dtype, what, contiguous=True, either=None):
         fin = fin & ~either
     if wrong.any():
         idx = wrong.nonzero()[:5].tolist()
-        raise AssertionError(f"{what} ({dtype}): {int(wrong.sum())} NaN/inf mismatches; first at "
-                             + "; ".join(f"{tuple(i)}: out={o[tuple(i)].item()!r} ref={ref[tuple(i)].item()!r}"
-                                         for i in idx))
+        raise AssertionError(
+            f"{what} ({dtype}): {int(wrong.sum())} NaN/inf mismatches; first at "
+            + "; ".join(f"{tuple(i)}: out={o[tuple(i)].item()!r} ref={ref[tuple(i)].item()!r}" for i in idx)
+        )
     rtol, atol = TOL[dtype]
     err = (o[fin] - ref[fin]).abs()
     tol = atol + rtol * (ref[fin].abs() + torch.nan_to_num(scale[fin], posinf=0.0))
     bad = ~(err <= tol)
     if bad.any():
         i = bad.nonzero()[0].item()
-        raise AssertionError(f"{what} ({dtype}): {int(bad.sum())}/{err.numel()} elements out of tolerance; first: "
-                             f"out={o[fin][i].item()!r} ref={ref[fin][i].item()!r} tol={tol[i].item():.3g}")
+        raise AssertionError(
+            f"{what} ({dtype}): {int(bad.sum())}/{err.numel()} elements out of tolerance; first: "
+            f"out={o[fin][i].item()!r} ref={ref[fin][i].item()!r} tol={tol[i].item():.3g}"
+        )
 
 
 def check_same(out, ref, dtype, what):
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=rtol, atol=max(atol, 1e-12), equal_nan=True,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        out.cpu(), ref.cpu(), rtol=rtol, atol=max(atol, 1e-12), equal_nan=True, msg=lambda m: f"{what}: {m}"
+    )
 
 
 # ---------------------------------------------------------------- random inputs
@@ -190,7 +206,7 @@ def make(shape, dtype, layout, gen, device, specials=False, big=False):
         n = math.prod(shape)
         return vals([n + 1])[1:].view(shape)
     if layout == "padded_rows":  # rows with a stride larger than their length, starting at an odd column
-        return vals(shape[:-1] + [shape[-1] + 3])[..., 1:shape[-1] + 1]
+        return vals(shape[:-1] + [shape[-1] + 3])[..., 1 : shape[-1] + 1]
     if layout == "transposed" and nd >= 2:
         s = shape[:-2] + [shape[-1], shape[-2]]
         return vals(s).transpose(-1, -2)
@@ -251,8 +267,10 @@ def run_unary(data, act, device, count_key):
 def draw_params(data, g):
     """A gated op's parameters: each drawn from its default (where it has one) and its example value ({} for the
     gated ops without parameters)."""
-    return {p.name: data.draw(st.sampled_from([v for v in (p.default, p.example) if v is not None]), label=p.name)
-            for p in g.params}
+    return {
+        p.name: data.draw(st.sampled_from([v for v in (p.default, p.example) if v is not None]), label=p.name)
+        for p in g.params
+    }
 
 
 def at_bounds(data, gate, up, params, gen):
@@ -294,8 +312,9 @@ def run_gated(data, g, device, count_key):
         gate, up = gv.detach(), uv.detach()  # ATen's CPU results can depend on the layout: compare on what ran
     else:
         outs = {name: [call(name, params=params)(gate, up)], bwd: list(call(bwd, params=params)(grad, gate, up))}
-    _compare(outs, {name: [gate, up], bwd: [grad, gate, up]}, dtype, device, specials,
-             contiguous=not via_api, params=params)  # autograd's .grad takes the leaf's strides
+    _compare(
+        outs, {name: [gate, up], bwd: [grad, gate, up]}, dtype, device, specials, contiguous=not via_api, params=params
+    )  # autograd's .grad takes the leaf's strides
     CASES[count_key] += 1
 
 
@@ -328,8 +347,7 @@ def run_packed(data, g, device, count_key):
     if not via_api:
         assert dgu.is_contiguous()
     outs = {gated: [h], gated + "_backward": [dgate.contiguous(), dup.contiguous()]}
-    _compare(outs, {gated: [gate, up], gated + "_backward": [grad, gate, up]}, dtype, device, specials,
-             params=params)
+    _compare(outs, {gated: [gate, up], gated + "_backward": [grad, gate, up]}, dtype, device, specials, params=params)
     CASES[count_key] += 1
 
 
@@ -341,8 +359,11 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None
             # the limit for gelu(+-inf) in float32), elementwise, so each element may match ATen on the same
             # strided inputs, ATen on contiguous copies, or the mathematical limit.
             refs, scales, _ = reference(name, [t.double() for t in ins], _opmath(dtype), params)
-            cands = [aten_same_dtype(name, ins, params), aten_same_dtype(name, [t.contiguous() for t in ins], params),
-                     refs] + aten_autograd(name, ins, params)
+            cands = [
+                aten_same_dtype(name, ins, params),
+                aten_same_dtype(name, [t.contiguous() for t in ins], params),
+                refs,
+            ] + aten_autograd(name, ins, params)
             rtol, atol = TOL[dtype]
             for k, o in enumerate(got):
                 o64 = o.cpu().double()
@@ -352,8 +373,10 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None
                     c64 = c[k].cpu().double()
                     ok |= (o64 - c64).abs() <= tol + rtol * c64.abs()
                     ok |= (o64 == c64) | (o64.isnan() & c64.isnan())
-                assert bool(ok.all()), (f"{name}[{k}] ({dtype}) vs ATen/limits: {int((~ok).sum())} elements differ; "
-                                        f"out={o64[~ok][:5].tolist()} aten={cands[0][k].double()[~ok][:5].tolist()}")
+                assert bool(ok.all()), (
+                    f"{name}[{k}] ({dtype}) vs ATen/limits: {int((~ok).sum())} elements differ; "
+                    f"out={o64[~ok][:5].tolist()} aten={cands[0][k].double()[~ok][:5].tolist()}"
+                )
             continue
         refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype), params)
         for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
@@ -361,8 +384,9 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None
 
 
 # ---------------------------------------------------------------- the tests
-SETTINGS = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                          HealthCheck.data_too_large])
+SETTINGS = dict(
+    deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 # CPU: N_UNARY cases per activation, N_GATED + N_PACKED per gated op, ~10 s per 1,000 cases on 2 cores.
 # FFN_EXT_FUZZ_SCALE multiplies every count (e.g. 0.1 for a quick run, 10 for a long one).
 _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
@@ -444,10 +468,13 @@ def test_fuzz_case_count(capsys):
     """Runs last in this file: prints how many fuzz cases ran (and fails if the CPU tests ran short)."""
     total = sum(CASES.values())
     with capsys.disabled():
-        print(f"\n[ffn_ext fuzz] {total} cases in {time.perf_counter() - _START:.1f} s: "
-              + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items())))
+        print(
+            f"\n[ffn_ext fuzz] {total} cases in {time.perf_counter() - _START:.1f} s: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(CASES.items()))
+        )
     cpu = sum(v for k, v in CASES.items() if "_cpu[" in k)
-    expected = {f"unary_cpu[{a.name}]" for a in ACTIVATIONS} | \
-        {f"{kind}_cpu[{g.name}]" for kind in ("gated", "packed") for g in GATED}
+    expected = {f"unary_cpu[{a.name}]" for a in ACTIVATIONS} | {
+        f"{kind}_cpu[{g.name}]" for kind in ("gated", "packed") for g in GATED
+    }
     if expected <= set(CASES):  # all CPU fuzz tests ran in this session
         assert cpu >= 0.95 * (len(ACTIVATIONS) * N_UNARY + len(GATED) * (N_GATED + N_PACKED)), CASES

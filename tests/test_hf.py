@@ -1,6 +1,7 @@
 """ffn_ext.hf.patch_model on tiny randomly initialised transformers models (no downloads).
 
 Skips when transformers is not importable (it is a test/extra dependency: pip install transformers)."""
+
 import ast
 import copy
 import functools
@@ -21,9 +22,18 @@ from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-mlp-bias": ("LlamaConfig", "LlamaForCausalLM", {"mlp_bias": True}),
@@ -112,16 +122,33 @@ def test_patched_model_pickles(kind):
 
 
 # Gemma family: GeGLU MLPs with the tanh GELU (hidden_activation / hidden_act "gelu_pytorch_tanh")
-GEMMA_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=16, vocab_size=97, max_position_embeddings=64, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
+GEMMA_TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=97,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 GEMMAS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
-    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",  # per-layer inputs and the global head kept tiny too
-               {"vocab_size_per_layer_input": 97, "hidden_size_per_layer_input": 8, "global_head_dim": 16,
-                "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",  # per-layer inputs and the global head kept tiny too
+        {
+            "vocab_size_per_layer_input": 97,
+            "hidden_size_per_layer_input": 8,
+            "global_head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
 }
 
 
@@ -177,16 +204,42 @@ def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
 # Granite MoE models' shared experts: GraniteMoeSharedMLP, GraniteMoeSWAMLP and GraniteMoeHybridMLP, the packed form
 # under the names input_linear / output_linear / activation (ffn_ext.hf._PACKED_NAMES), next to each layer's routed
 # experts (GraniteMoe*Experts: tests/test_hf_moe.py). GraniteMoeHybrid: a Mamba layer, then an attention layer.
-GRANITE_TINY = dict(hidden_size=32, intermediate_size=16, shared_intermediate_size=24, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                    vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GRANITE_TINY = dict(
+    hidden_size=32,
+    intermediate_size=16,
+    shared_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 GRANITES = {
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "GraniteMoeSharedMLP", {}),
-    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", "GraniteMoeSWAMLP",
-                       {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridMLP",
-                         {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
-                          "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16}),
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        "GraniteMoeSWAMLP",
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridMLP",
+        {
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 16,
+        },
+    ),
 }
 
 
@@ -215,8 +268,10 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(model, strict=True) == len(mlps) + len(experts)
-    assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward)
-               and getattr(m, ffn_ext.hf._MARK) == "packed" for m in mlps)
+    assert all(
+        isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward) and getattr(m, ffn_ext.hf._MARK) == "packed"
+        for m in mlps
+    )
 
     calls, packed = [], ffn_ext.hf.dense.gated_mlp_packed
 
@@ -251,7 +306,8 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert [vars(m)["forward"].names for m in loaded.modules() if type(m).__name__ == mlp_name] == [
-        ("input_linear", "output_linear")] * len(mlps)
+        ("input_linear", "output_linear")
+    ] * len(mlps)
     torch.testing.assert_close(loaded(ids).logits, logits0, atol=1e-5, rtol=1e-5)
     assert ffn_ext.hf.unpatch_model(model) == len(mlps) + len(experts)
     assert not any("forward" in vars(m) for m in mlps)
@@ -284,8 +340,9 @@ def test_granite_shared_mlp_subclasses_and_lookalikes():
     assert "_GatedMLPPacked" in type(net[0](x.requires_grad_()).grad_fn).__name__
 
 
-@pytest.mark.parametrize("hidden_act, cls", [("gelu_10", "ClippedGELUActivation"), ("mish", "MishActivation"),
-                                             ("relu6", "ReLU6")])
+@pytest.mark.parametrize(
+    "hidden_act, cls", [("gelu_10", "ClippedGELUActivation"), ("mish", "MishActivation"), ("relu6", "ReLU6")]
+)
 def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls):
     """gelu_10 (a clamped GELU), mish and relu6 (a clamped ReLU) look like activations of the table but are none of
     them: named, never substituted."""
@@ -293,8 +350,11 @@ def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_ref
     model = _tiny("llama", hidden_act=hidden_act)
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
     ref = model(ids).logits
-    with pytest.warns(RuntimeWarning, match=rf"activation {cls} is not one ffn_ext implements.*: LlamaMLP at "
-                                            r"'model.layers.0.mlp' and 1 more \(left unpatched\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"activation {cls} is not one ffn_ext implements.*: LlamaMLP at "
+        r"'model.layers.0.mlp' and 1 more \(left unpatched\)",
+    ):
         assert ffn_ext.patch_hf_model(model) == 0
     assert all("forward" not in vars(m) for m in _mlps(model))
     with pytest.raises(ValueError, match=f"activation {cls} is not one ffn_ext implements"):
@@ -307,6 +367,7 @@ from optable import RecordOps as _Ops  # noqa: E402  (records the ops that run i
 
 def _hf_act2fn():
     from transformers.activations import ACT2FN
+
     return ACT2FN
 
 
@@ -319,8 +380,9 @@ def test_table_hf_names_are_the_same_function_as_transformers_act2fn():
     equal to rounding, gelu_fast to its 10-digit sqrt(2/pi)), and every other ACT2FN name computes none of the
     table's functions (so hf_names misses none)."""
     act2fn = _hf_act2fn()
-    x = torch.cat([torch.linspace(-12, 12, 4801, dtype=torch.float64),
-                   torch.tensor([-30.0, 30.0], dtype=torch.float64)])
+    x = torch.cat(
+        [torch.linspace(-12, 12, 4801, dtype=torch.float64), torch.tensor([-30.0, 30.0], dtype=torch.float64)]
+    )
     listed = {n for a in ACTIVATIONS for n in a.hf_names}
     assert listed <= set(act2fn), listed - set(act2fn)
     for name in act2fn:
@@ -334,9 +396,28 @@ def test_table_hf_names_are_the_same_function_as_transformers_act2fn():
         assert same == ([entry.name] if entry else []), (name, same)
 
 
-@pytest.mark.parametrize("hidden_act", list(dict.fromkeys(
-    ["gelu", "gelu_python", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast", "gelu_accurate",
-     "silu", "swish", "quick_gelu", "gelu_10", "mish", "relu2"])))
+@pytest.mark.parametrize(
+    "hidden_act",
+    list(
+        dict.fromkeys(
+            [
+                "gelu",
+                "gelu_python",
+                "gelu_pytorch_tanh",
+                "gelu_python_tanh",
+                "gelu_new",
+                "gelu_fast",
+                "gelu_accurate",
+                "silu",
+                "swish",
+                "quick_gelu",
+                "gelu_10",
+                "mish",
+                "relu2",
+            ]
+        )
+    ),
+)
 def test_every_act2fn_activation_is_identified_truthfully(hidden_act):
     """A Llama MLP with each ACT2FN activation: those of the table's hf_names are patched with that entry's gated
     op (recorded) and give the unpatched MLP's output and gradients; the others are left alone, named."""
@@ -344,10 +425,13 @@ def test_every_act2fn_activation_is_identified_truthfully(hidden_act):
 
     act = _table_entry_of(hidden_act)
     torch.manual_seed(6)
-    mlp = LlamaMLP(transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act=hidden_act,
-                                            num_attention_heads=2, mlp_bias=True)).double()
+    mlp = LlamaMLP(
+        transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=40, hidden_act=hidden_act, num_attention_heads=2, mlp_bias=True
+        )
+    ).double()
     ref = copy.deepcopy(mlp)
-    assert (ffn_ext.hf._table_activation(mlp.act_fn) is act)
+    assert ffn_ext.hf._table_activation(mlp.act_fn) is act
     if act is None:
         with pytest.warns(RuntimeWarning, match=f"activation {type(mlp.act_fn).__name__} is not one"):
             assert ffn_ext.patch_hf_model(mlp) == 0
@@ -497,6 +581,7 @@ class MyMLP(nn.Module):
 def test_own_classes_are_patched_when_listed_in_extra_classes():
     """A class of one's own is patched only when listed in extra_classes (a subclass that keeps its forward too);
     unlisted, it is left alone with a warning that names it and says what to do."""
+
     class Sub(MyMLP):  # inherits the listed forward
         pass
 
@@ -547,17 +632,29 @@ LOOKALIKES = {
     "Zamba2MLP": "zamba2",  # adapters added to gate_up; forward(hidden_state, layer_idx)
 }
 LOOKALIKE_CONFIG = types.SimpleNamespace(
-    hidden_size=16, intermediate_size=32, hidden_act="silu", activation="silu", mlp_bias=False, add_bias_linear=False,
-    mlp_multipliers=(2.0, 0.5), swiglu_limit=0.5, residual_dropout=0.5, dropout_rate=0.0, adapter_rank=4,
-    num_mem_blocks=1, hybrid_layer_ids=[0])
+    hidden_size=16,
+    intermediate_size=32,
+    hidden_act="silu",
+    activation="silu",
+    mlp_bias=False,
+    add_bias_linear=False,
+    mlp_multipliers=(2.0, 0.5),
+    swiglu_limit=0.5,
+    residual_dropout=0.5,
+    dropout_rate=0.0,
+    adapter_rank=4,
+    num_mem_blocks=1,
+    hybrid_layer_ids=[0],
+)
 
 
 @pytest.mark.parametrize("name", list(LOOKALIKES))
 def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
     """These once were patched by structure and then computed plain SwiGLU, silently dropping the rest."""
     try:
-        cls = getattr(importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"),
-                      name)
+        cls = getattr(
+            importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"), name
+        )
     except (ImportError, AttributeError):
         pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
     torch.manual_seed(0)
@@ -604,10 +701,12 @@ PACKED_FORMS = [
 # Packed MLPs that compute what no ffn_ext op does (ffn_ext.hf._NAMED): the name of the reason in ffn_ext.hf -> forms,
 # with {drop} a dropout module. Each class of these forms is named in patch_model's warning with that reason.
 NAMED_FORMS = {
-    "_DROPOUT_BETWEEN": ["gate, up = self.{proj}(x).chunk(2, dim=-1)\n"
-                         "return self.{out}(self.{drop}(self.{act}(gate) * up))"],  # ModernBERT
-    "_UP_FIRST": ["x = self.{proj}(x)\nx, gate = x.chunk(2, dim=-1)\nx = self.{act}(gate) * x\nx = self.{out}(x)\n"
-                  "return x"],  # Moonshine's decoder: the up half first
+    "_DROPOUT_BETWEEN": [
+        "gate, up = self.{proj}(x).chunk(2, dim=-1)\nreturn self.{out}(self.{drop}(self.{act}(gate) * up))"
+    ],  # ModernBERT
+    "_UP_FIRST": [
+        "x = self.{proj}(x)\nx, gate = x.chunk(2, dim=-1)\nx = self.{act}(gate) * x\nx = self.{out}(x)\nreturn x"
+    ],  # Moonshine's decoder: the up half first
 }
 # a file whose source matches none of these has no forward of those forms (each form has one of them: checked below);
 # the test parses only the others, whatever their attribute names (parsing every modeling file takes 3x as long)
@@ -623,8 +722,9 @@ def _body(forward: ast.FunctionDef) -> str | None:
     for node in ast.walk(forward):
         if isinstance(node, ast.Name) and node.id == a.args[1].arg:
             node.id = "x"
-    return "\n".join(ast.unparse(s) for s in forward.body
-                     if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
+    return "\n".join(
+        ast.unparse(s) for s in forward.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    )
 
 
 def _canonical(body: str) -> tuple:
@@ -680,8 +780,11 @@ def _expected_names(name: str, kind: str, attrs: dict):
 
 
 def _self_attrs(tree, names) -> set:
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names
-            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr in names and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
 
 
 def _activation_assignments(cls: ast.ClassDef, names) -> dict | None:
@@ -710,8 +813,11 @@ def _transformers_forwards() -> tuple:
             continue
         for node in ast.parse(src).body:
             if isinstance(node, ast.ClassDef):
-                out.extend((path.name, node, fwd, _body(fwd)) for fwd in node.body
-                           if isinstance(fwd, ast.FunctionDef) and fwd.name == "forward")
+                out.extend(
+                    (path.name, node, fwd, _body(fwd))
+                    for fwd in node.body
+                    if isinstance(fwd, ast.FunctionDef) and fwd.name == "forward"
+                )
     return tuple(out)
 
 
@@ -756,8 +862,12 @@ def test_known_classes_compute_plain_gated_mlp():
     bad = {}
     for name, files in acts.items():
         for file, (used, assigned) in files.items():
-            ok = (len(used) == 1 and assigned is not None and set(assigned) == used
-                  and all(len(v) == 1 and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)", v[0]) for v in assigned.values()))
+            ok = (
+                len(used) == 1
+                and assigned is not None
+                and set(assigned) == used
+                and all(len(v) == 1 and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)", v[0]) for v in assigned.values())
+            )
             if not ok:
                 bad.setdefault(name, {})[file] = (used, assigned)
     assert not bad, bad
@@ -773,21 +883,37 @@ def test_the_form_check_finds_plain_gated_mlps_under_new_names():
         fwd = ast.parse("def forward(self, h):\n" + textwrap.indent(src, "    ")).body[0]
         return _form_of(_body(fwd), forms)
 
-    assert form("h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[0]) * a[1]\nh = self.w_out(h)\n"
-                "return h") == ("packed", {"proj": "w_in", "act": "nonlin", "out": "w_out"})
+    assert form(
+        "h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[0]) * a[1]\nh = self.w_out(h)\nreturn h"
+    ) == ("packed", {"proj": "w_in", "act": "nonlin", "out": "w_out"})
     assert form("return self.w2(self.act(self.w1(h)) * self.w3(h))") == (
-        "gated", {"down": "w2", "act": "act", "gate": "w1", "up": "w3"})
+        "gated",
+        {"down": "w2", "act": "act", "gate": "w1", "up": "w3"},
+    )
     assert form("u = self.fc1(h)\ng, u = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)")[0] == "packed"
     named = _forms(tuple(NAMED_FORMS.items()))
-    assert _form_of(_body(ast.parse("def forward(self, h):\n    a, b = self.p(h).chunk(2, dim=-1)\n"
-                                     "    return self.q(self.d(self.f(a) * b))").body[0]), named) == (
-        "_DROPOUT_BETWEEN", {"proj": "p", "out": "q", "drop": "d", "act": "f"})
-    assert _form_of(_body(ast.parse("def forward(self, h):\n    h = self.p(h)\n    h, g = h.chunk(2, dim=-1)\n"
-                                     "    h = self.f(g) * h\n    h = self.q(h)\n    return h").body[0]), named) == (
-        "_UP_FIRST", {"proj": "p", "act": "f", "out": "q"})
-    for other in ("h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[1]) * a[0]\nh = self.w_out(h)\nreturn h",
-                  "return self.w2(self.act(self.w1(h)) * self.w3(h)) * self.scale",
-                  "u = self.fc1(h)\nu, g = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)"):
+    assert _form_of(
+        _body(
+            ast.parse(
+                "def forward(self, h):\n    a, b = self.p(h).chunk(2, dim=-1)\n    return self.q(self.d(self.f(a) * b))"
+            ).body[0]
+        ),
+        named,
+    ) == ("_DROPOUT_BETWEEN", {"proj": "p", "out": "q", "drop": "d", "act": "f"})
+    assert _form_of(
+        _body(
+            ast.parse(
+                "def forward(self, h):\n    h = self.p(h)\n    h, g = h.chunk(2, dim=-1)\n"
+                "    h = self.f(g) * h\n    h = self.q(h)\n    return h"
+            ).body[0]
+        ),
+        named,
+    ) == ("_UP_FIRST", {"proj": "p", "act": "f", "out": "q"})
+    for other in (
+        "h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[1]) * a[0]\nh = self.w_out(h)\nreturn h",
+        "return self.w2(self.act(self.w1(h)) * self.w3(h)) * self.scale",
+        "u = self.fc1(h)\nu, g = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)",
+    ):
         assert form(other) is None, other
 
 
@@ -809,8 +935,11 @@ def test_named_packed_lookalikes_have_their_form():
     for name, files in found.items():
         proj, out, act, reason = named[name]
         for file, form in files.items():
-            if form is None or getattr(ffn_ext.hf, form[0]) != reason or (
-                    (form[1]["proj"], form[1]["out"], form[1]["act"]) != (proj, out, act)):
+            if (
+                form is None
+                or getattr(ffn_ext.hf, form[0]) != reason
+                or ((form[1]["proj"], form[1]["out"], form[1]["act"]) != (proj, out, act))
+            ):
                 wrong.setdefault(name, {})[file] = form
     assert not wrong, wrong
     shaped = {f[:2]: f[2] for f in ffn_ext.hf._PACKED_FORMS + ffn_ext.hf._SHAPED_FORMS}
@@ -819,10 +948,15 @@ def test_named_packed_lookalikes_have_their_form():
 
 
 # ffn_ext.hf._NAMED: class -> its modeling module
-NAMED_MODULES = {"ModernBertMLP": "modernbert", "ModernBertDecoderMLP": "modernbert_decoder",
-                 "MoonshineDecoderMLP": "moonshine", "MoonshineStreamingDecoderMLP": "moonshine_streaming"}
-NAMED_CONFIG = types.SimpleNamespace(hidden_size=16, intermediate_size=24, mlp_bias=True, hidden_activation="gelu",
-                                     mlp_dropout=0.1)
+NAMED_MODULES = {
+    "ModernBertMLP": "modernbert",
+    "ModernBertDecoderMLP": "modernbert_decoder",
+    "MoonshineDecoderMLP": "moonshine",
+    "MoonshineStreamingDecoderMLP": "moonshine_streaming",
+}
+NAMED_CONFIG = types.SimpleNamespace(
+    hidden_size=16, intermediate_size=24, mlp_bias=True, hidden_activation="gelu", mlp_dropout=0.1
+)
 
 
 @pytest.mark.parametrize("name", list(NAMED_MODULES))
@@ -834,8 +968,9 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
     as not known, and patched (self-check passed) when listed."""
     assert NAMED_MODULES.keys() == ffn_ext.hf._NAMED.keys()
     try:
-        cls = getattr(importlib.import_module(f"transformers.models.{NAMED_MODULES[name]}.modeling_"
-                                              f"{NAMED_MODULES[name]}"), name)
+        cls = getattr(
+            importlib.import_module(f"transformers.models.{NAMED_MODULES[name]}.modeling_{NAMED_MODULES[name]}"), name
+        )
     except (ImportError, AttributeError):
         pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
     proj, out, act, reason = ffn_ext.hf._NAMED[name]
@@ -861,8 +996,10 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
         with pytest.warns(RuntimeWarning) as rec:
             assert ffn_ext.patch_hf_model(net, extra_classes=extra) == 0
         (msg,) = [str(w.message) for w in rec if w.category is RuntimeWarning]
-        assert msg == (f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf._UNKNOWN}: "
-                       "GateFirst at '2' (left unpatched)"), msg
+        assert msg == (
+            f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf._UNKNOWN}: "
+            "GateFirst at '2' (left unpatched)"
+        ), msg
         with pytest.raises(ValueError, match=re.escape(f"{reason}: {name} at '0'")):
             ffn_ext.patch_hf_model(net, strict=True, extra_classes=extra)
         assert all(torch.equal(m(x), r) for m, r in zip(net, ref))
@@ -880,13 +1017,35 @@ def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not()
     (fc2(act(fc1(x))), fc1 / fc2 as CLIP's) are not gated-MLP-shaped: they are patched as classic FFNs
     (tests/test_hf_classic.py); strict=True refuses; logits are unchanged."""
     torch.manual_seed(0)
-    bert = transformers.ModernBertModel(transformers.ModernBertConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, vocab_size=97, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)).eval()
-    moon = transformers.MoonshineForConditionalGeneration(transformers.MoonshineConfig(
-        hidden_size=32, intermediate_size=48, encoder_num_hidden_layers=1, decoder_num_hidden_layers=2,
-        encoder_num_attention_heads=2, decoder_num_attention_heads=2, vocab_size=97, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, decoder_start_token_id=1)).eval()
+    bert = transformers.ModernBertModel(
+        transformers.ModernBertConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            vocab_size=97,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        )
+    ).eval()
+    moon = transformers.MoonshineForConditionalGeneration(
+        transformers.MoonshineConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            encoder_num_hidden_layers=1,
+            decoder_num_hidden_layers=2,
+            encoder_num_attention_heads=2,
+            decoder_num_attention_heads=2,
+            vocab_size=97,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        )
+    ).eval()
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
     audio = torch.randn(1, 2000, generator=torch.Generator().manual_seed(2))
 
@@ -897,9 +1056,10 @@ def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not()
 
     enc = [m for m in moon.modules() if type(m).__name__ == "MoonshineEncoderMLP"]
     assert enc and all(ffn_ext.hf._kind(m) is None for m in enc)
-    for model, reason, where in ((bert, ffn_ext.hf._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
-                                 (moon, ffn_ext.hf._UP_FIRST,
-                                  "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more")):
+    for model, reason, where in (
+        (bert, ffn_ext.hf._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
+        (moon, ffn_ext.hf._UP_FIRST, "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more"),
+    ):
         ref = run(model)
         with pytest.warns(RuntimeWarning) as rec:
             assert ffn_ext.patch_hf_model(model) == (0 if model is bert else len(enc))
@@ -916,6 +1076,7 @@ def test_patched_forward_takes_the_input_by_name_and_other_calls_go_to_the_origi
     original forward, so it behaves (and fails) as it did."""
     if kind == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
         mlp = Qwen2_5_VLMLP(types.SimpleNamespace(hidden_size=64, intermediate_size=176, hidden_act="silu"), bias=True)
     else:
         mlp = _tiny(kind).model.layers[0].mlp

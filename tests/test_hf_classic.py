@@ -3,6 +3,7 @@ downloads) patched completely and computing what they computed (logits, every pa
 steps with dropout on, generate()), and the lists of ffn_ext/hf/classic.py checked against transformers' source.
 
 Skips when transformers is not importable (it is a test/extra dependency: pip install transformers)."""
+
 import ast
 import copy
 import functools
@@ -12,17 +13,18 @@ import warnings
 
 import pytest
 import torch
+from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 import ffn_ext
 from ffn_ext.hf import classic
 from ffn_ext.table import ACTIVATIONS
-from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 transformers = pytest.importorskip("transformers")
 
 IDS = dict(vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-LM = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32,
-          **IDS)
+LM = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32, **IDS
+)
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
@@ -36,9 +38,21 @@ def _pixels(size=16, seed=2):
 
 def _qwen3_vl_vision():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-    cfg = transformers.Qwen3VLConfig(vision_config=dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
-        spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]))
+
+    cfg = transformers.Qwen3VLConfig(
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        )
+    )
     return Qwen3VLVisionModel(cfg.vision_config)
 
 
@@ -50,32 +64,93 @@ def _qwen3_vl_inputs():
 # name: (model factory, inputs, transformers' activation name the model uses, how many classic modules it has,
 #        whether it generates)
 MODELS = {
-    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, n_positions=32, **IDS)), lambda: dict(input_ids=_ids()), "gelu_new", 2, True),
-    "gpt_neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**LM)),
-                 lambda: dict(input_ids=_ids()), "gelu", 2, True),
-    "falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, **IDS)), lambda: dict(input_ids=_ids()),
-               "gelu", 2, True),
-    "phi": (lambda: transformers.PhiForCausalLM(transformers.PhiConfig(**LM, resid_pdrop=0.1)),
-            lambda: dict(input_ids=_ids()), "gelu_new", 2, True),
-    "starcoder2": (lambda: transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
-        **LM, num_key_value_heads=1, residual_dropout=0.1)), lambda: dict(input_ids=_ids()), "gelu_pytorch_tanh", 2,
-                   True),
-    "nemotron": (lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**LM, num_key_value_heads=1)),
-                 lambda: dict(input_ids=_ids()), "relu2", 2, True),
-    "clip": (lambda: transformers.CLIPModel(transformers.CLIPConfig(
-        text_config=dict(**TOWER, vocab_size=97, max_position_embeddings=16),
-        vision_config=dict(**TOWER, image_size=16, patch_size=8), projection_dim=16)),
-             lambda: dict(input_ids=_ids(), pixel_values=_pixels()), "quick_gelu", 4, False),
-    "siglip": (lambda: transformers.SiglipModel(transformers.SiglipConfig(
-        text_config=dict(**TOWER, vocab_size=97, max_position_embeddings=16),
-        vision_config=dict(**TOWER, image_size=16, patch_size=8))),
-               lambda: dict(input_ids=_ids(), pixel_values=_pixels()), "gelu_pytorch_tanh", 5, False),
-    "bert": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(**TOWER, vocab_size=97)),
-             lambda: dict(input_ids=_ids()), "gelu", 2, False),
-    "vit": (lambda: transformers.ViTModel(transformers.ViTConfig(**TOWER, image_size=16, patch_size=8)),
-            lambda: dict(pixel_values=_pixels()), "gelu", 2, False),
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, **IDS)
+        ),
+        lambda: dict(input_ids=_ids()),
+        "gelu_new",
+        2,
+        True,
+    ),
+    "gpt_neox": (
+        lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**LM)),
+        lambda: dict(input_ids=_ids()),
+        "gelu",
+        2,
+        True,
+    ),
+    "falcon": (
+        lambda: transformers.FalconForCausalLM(
+            transformers.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, **IDS)
+        ),
+        lambda: dict(input_ids=_ids()),
+        "gelu",
+        2,
+        True,
+    ),
+    "phi": (
+        lambda: transformers.PhiForCausalLM(transformers.PhiConfig(**LM, resid_pdrop=0.1)),
+        lambda: dict(input_ids=_ids()),
+        "gelu_new",
+        2,
+        True,
+    ),
+    "starcoder2": (
+        lambda: transformers.Starcoder2ForCausalLM(
+            transformers.Starcoder2Config(**LM, num_key_value_heads=1, residual_dropout=0.1)
+        ),
+        lambda: dict(input_ids=_ids()),
+        "gelu_pytorch_tanh",
+        2,
+        True,
+    ),
+    "nemotron": (
+        lambda: transformers.NemotronForCausalLM(transformers.NemotronConfig(**LM, num_key_value_heads=1)),
+        lambda: dict(input_ids=_ids()),
+        "relu2",
+        2,
+        True,
+    ),
+    "clip": (
+        lambda: transformers.CLIPModel(
+            transformers.CLIPConfig(
+                text_config=dict(**TOWER, vocab_size=97, max_position_embeddings=16),
+                vision_config=dict(**TOWER, image_size=16, patch_size=8),
+                projection_dim=16,
+            )
+        ),
+        lambda: dict(input_ids=_ids(), pixel_values=_pixels()),
+        "quick_gelu",
+        4,
+        False,
+    ),
+    "siglip": (
+        lambda: transformers.SiglipModel(
+            transformers.SiglipConfig(
+                text_config=dict(**TOWER, vocab_size=97, max_position_embeddings=16),
+                vision_config=dict(**TOWER, image_size=16, patch_size=8),
+            )
+        ),
+        lambda: dict(input_ids=_ids(), pixel_values=_pixels()),
+        "gelu_pytorch_tanh",
+        5,
+        False,
+    ),
+    "bert": (
+        lambda: transformers.BertForMaskedLM(transformers.BertConfig(**TOWER, vocab_size=97)),
+        lambda: dict(input_ids=_ids()),
+        "gelu",
+        2,
+        False,
+    ),
+    "vit": (
+        lambda: transformers.ViTModel(transformers.ViTConfig(**TOWER, image_size=16, patch_size=8)),
+        lambda: dict(pixel_values=_pixels()),
+        "gelu",
+        2,
+        False,
+    ),
     "qwen3_vl_vision": (_qwen3_vl_vision, _qwen3_vl_inputs, "gelu_pytorch_tanh", 2, False),
 }
 
@@ -93,8 +168,11 @@ def _model(kind):
 
 
 def _classic_modules(model):
-    return [m for m in model.modules() if classic.classic_kind(m) is not None
-            and classic.classic_kind(m)[0] in ("classic", "pair")]
+    return [
+        m
+        for m in model.modules()
+        if classic.classic_kind(m) is not None and classic.classic_kind(m)[0] in ("classic", "pair")
+    ]
 
 
 def _out(model, inputs):
@@ -153,8 +231,9 @@ def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monk
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     assert ffn_ext.hf.unpatch_model(model) == count
-    assert not any(type(v).__name__ in ("_BoundForward", "_BoundChunk") for m in model.modules()
-                   for v in vars(m).values())
+    assert not any(
+        type(v).__name__ in ("_BoundForward", "_BoundChunk") for m in model.modules() for v in vars(m).values()
+    )
 
 
 def test_recompute_and_token_chunk_reach_plain_mlp(monkeypatch):
@@ -165,8 +244,9 @@ def test_recompute_and_token_chunk_reach_plain_mlp(monkeypatch):
         ref, inputs, count, _ = _model(kind)
         model = copy.deepcopy(ref)
         seen.clear()
-        monkeypatch.setattr(classic, "plain_mlp", lambda *a, **k: seen.append((k["recompute"], k["token_chunk"]))
-                            or plain(*a, **k))
+        monkeypatch.setattr(
+            classic, "plain_mlp", lambda *a, **k: seen.append((k["recompute"], k["token_chunk"])) or plain(*a, **k)
+        )
         assert ffn_ext.patch_hf_model(model, recompute=True, token_chunk=3) == count
         seen.clear()  # the self-checks'
         with torch.no_grad():
@@ -200,10 +280,25 @@ def test_models_built_under_a_meta_device_context_patch_completely(kind):
 def test_whisper_layers_are_named_with_the_reason():
     """Whisper's FFN is inline in its encoder and decoder layers' forward (with a dropout between the activation and
     fc2, and the attention in the same forward): named in the one warning, not patched; strict=True refuses."""
-    model = transformers.WhisperModel(transformers.WhisperConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
-        vocab_size=97, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+    model = transformers.WhisperModel(
+        transformers.WhisperConfig(
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            num_mel_bins=8,
+            max_source_positions=16,
+            max_target_positions=16,
+            vocab_size=97,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        )
+    )
     with pytest.warns(RuntimeWarning) as rec:
         assert ffn_ext.patch_hf_model(model) == 0
     msgs = [str(w.message) for w in rec if w.category is RuntimeWarning]
@@ -219,6 +314,7 @@ def test_whisper_layers_are_named_with_the_reason():
 def test_an_activation_ffn_ext_lacks_is_named_never_substituted(hidden_act):
     """A classic MLP whose activation is not one of the table's is named with it, never run with another."""
     from transformers.models.vit.modeling_vit import ViTMLP
+
     if hidden_act == "xielu":
         act = transformers.activations.ACT2CLS["xielu"]()
     else:
@@ -274,10 +370,12 @@ CLASSIC_FORMS = [
     "x = self.{fc1}(x)\nx = self.{act}(x)\nx = self.{fc2}(x)\n"
     "x = nn.functional.dropout(x, p=self.{p}, training=self.training)\nreturn x",
 ]
-CHUNK = ("intermediate_output = self.intermediate(x)\nlayer_output = self.output(intermediate_output, x)\n"
-         "return layer_output")
+CHUNK = (
+    "intermediate_output = self.intermediate(x)\nlayer_output = self.output(intermediate_output, x)\n"
+    "return layer_output"
+)
 INTERMEDIATE = "x = self.dense(x)\nx = self.intermediate_act_fn(x)\nreturn x"
-OUTPUT = ("h = self.dense(h)\nh = self.dropout(h)\nh = self.LayerNorm(h + x)\nreturn h")
+OUTPUT = "h = self.dense(h)\nh = self.dropout(h)\nh = self.LayerNorm(h + x)\nreturn h"
 _LINEAR = re.compile(r"(nn\.Linear|Conv1D|FalconLinear)\(.*\)")
 
 
@@ -291,8 +389,9 @@ def _body(fn: ast.FunctionDef, names=("x",)) -> str | None:
     for node in ast.walk(fn):
         if isinstance(node, ast.Name) and node.id in renames:
             node.id = renames[node.id]
-    return "\n".join(ast.unparse(s) for s in fn.body
-                     if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
+    return "\n".join(
+        ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    )
 
 
 def _assigned(cls: ast.ClassDef) -> dict:
@@ -336,15 +435,29 @@ def test_known_classic_classes_are_exactly_those_of_the_forms():
         role = dict(zip(forms[canonical], attrs))
         asg = _assigned(node)
         ok = all(len(asg.get(role[r], [])) == 1 for r in ("fc1", "fc2")) and all(
-            _LINEAR.fullmatch(asg[role[r]][0]) for r in ("fc1", "fc2"))
+            _LINEAR.fullmatch(asg[role[r]][0]) for r in ("fc1", "fc2")
+        )
         if "drop" in role:
             ok = ok and asg.get(role["drop"], [""])[0].startswith("nn.Dropout(")
         if ok:
             drop = role.get("drop") or ("p:" + role["p"] if "p" in role else "")
             found.setdefault(node.name, set()).add((role["fc1"], role["act"], role["fc2"], drop))
-    assert {"GPT2MLP", "GPTNeoXMLP", "FalconMLP", "PhiMLP", "Starcoder2MLP", "CLIPMLP", "SiglipMLP", "ViTMLP",
-            "NemotronMLP", "Qwen3VLVisionMLP", "GPTJMLP", "CodeGenMLP", "GPTBigCodeMLP",
-            "Idefics3VisionMLP"} <= found.keys()
+    assert {
+        "GPT2MLP",
+        "GPTNeoXMLP",
+        "FalconMLP",
+        "PhiMLP",
+        "Starcoder2MLP",
+        "CLIPMLP",
+        "SiglipMLP",
+        "ViTMLP",
+        "NemotronMLP",
+        "Qwen3VLVisionMLP",
+        "GPTJMLP",
+        "CodeGenMLP",
+        "GPTBigCodeMLP",
+        "Idefics3VisionMLP",
+    } <= found.keys()
     missing = sorted(found.keys() - classic._KNOWN_CLASSIC.keys())
     assert not missing, f"classic MLPs missing from _KNOWN_CLASSIC: {missing}"
     extra = sorted(classic._KNOWN_CLASSIC.keys() - found.keys())

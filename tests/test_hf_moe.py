@@ -3,6 +3,7 @@
 transformers 5.x keeps a layer's routed experts in one *Experts module with 3-D parameters (gate_up_proj [E, 2I, H],
 down_proj); its experts implementations (config._experts_implementation: "eager", "grouped_mm", "batched_mm" run on
 the CPU) reach the gating through the class's eager forward or its _apply_gate. Skips without transformers."""
+
 import ast
 import copy
 import importlib
@@ -23,33 +24,107 @@ from ffn_ext import hf
 transformers = pytest.importorskip("transformers")
 
 IMPLS = ("eager", "grouped_mm", "batched_mm")  # the experts implementations that run on the CPU
-BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # name: (config, model, config kwargs, the classes patch_model patches (all its MLP and experts modules),
 #        the attribute of the clamp limit or None)
 MODELS = {
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=8,
-                     layer_types=["sliding_attention", "full_attention"]), {"GptOssExperts"}, "limit"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                       head_dim=8), {"Qwen3MoeExperts"}, None),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                       num_experts=4, num_experts_per_tok=2), {"Qwen2MoeExperts", "Qwen2MoeMLP"}, None),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
-                {"MixtralExperts"}, None),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",  # layer 0 dense, layer 1 MoE + shared expert
-                    dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16,
-                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                         num_key_value_heads=4), {"DeepseekV3Experts", "DeepseekV3MLP"}, None),
-    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM",  # clamped experts and shared expert (MLP)
-                    dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, num_key_value_heads=1,
-                         head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=8,
-                         index_topk=4, sliding_window=8, hc_mult=2, hc_sinkhorn_iters=2, swiglu_limit=2.0,
-                         mlp_layer_types=["hash_moe", "moe"]), {"DeepseekV4Experts", "DeepseekV4MLP"}, "limit"),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            intermediate_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        {"GptOssExperts"},
+        "limit",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
+        {"Qwen3MoeExperts"},
+        None,
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        {"Qwen2MoeExperts", "Qwen2MoeMLP"},
+        None,
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+        {"MixtralExperts"},
+        None,
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",  # layer 0 dense, layer 1 MoE + shared expert
+        dict(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        ),
+        {"DeepseekV3Experts", "DeepseekV3MLP"},
+        None,
+    ),
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",  # clamped experts and shared expert (MLP)
+        dict(
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            q_lora_rank=16,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=8,
+            index_topk=4,
+            sliding_window=8,
+            hc_mult=2,
+            hc_sinkhorn_iters=2,
+            swiglu_limit=2.0,
+            mlp_layer_types=["hash_moe", "moe"],
+        ),
+        {"DeepseekV4Experts", "DeepseekV4MLP"},
+        "limit",
+    ),
 }
 GATING_OPS = ("gated", "gated_packed", "swiglu_clamped", "swiglu_clamped_packed")
 
@@ -92,6 +167,7 @@ class Spy:
             def spy(*args, _orig=orig, _name=name, **kwargs):
                 self.calls.append((_name, args, kwargs))
                 return _orig(*args, **kwargs)
+
             monkeypatch.setattr(ffn_ext.ops, name, spy)
 
     def clamp_hits(self):
@@ -99,8 +175,9 @@ class Spy:
         above = beyond = False
         for name, args, kw in self.calls:
             if name == "swiglu_clamped_packed":
-                g, u = (args[0][..., ::2], args[0][..., 1::2]) if kw["layout"] == "interleaved" else \
-                    args[0].chunk(2, -1)
+                g, u = (
+                    (args[0][..., ::2], args[0][..., 1::2]) if kw["layout"] == "interleaved" else args[0].chunk(2, -1)
+                )
             elif name == "swiglu_clamped":
                 g, u = args
             else:
@@ -170,9 +247,22 @@ def test_moe_models_patch_every_expert_module_and_match(kind, impl, monkeypatch)
 
 # JetMoE: each layer's MoE (JetMoeMoE: router, experts and their gating in one forward, the [S, 2I] projection from a
 # JetMoeParallelExperts submodule); its attention experts (JetMoeMoA) have no gating. Not @use_experts_implementation
-JETMOE = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8, intermediate_size=16,
-              num_local_experts=4, num_experts_per_tok=2, vocab_size=97, max_position_embeddings=64, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2, initializer_range=0.2, output_router_logits=True)
+JETMOE = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_key_value_heads=2,
+    kv_channels=8,
+    intermediate_size=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+    output_router_logits=True,
+)
 
 
 def test_jetmoe_moe_layers_are_patched_and_match(monkeypatch):
@@ -220,11 +310,28 @@ def test_jetmoe_moe_layers_are_patched_and_match(monkeypatch):
 
 
 # ---------------------------------------------------------------- the other forms, module by module
-CONFIG = dict(hidden_size=16, intermediate_size=8, moe_intermediate_size=8, expert_ffn_hidden_size=8,
-              ffn_hidden_size=8, dense_intermediate_size=8, moe_hidden_size=16, num_local_experts=4, num_experts=4,
-              moe_num_experts=4, n_routed_experts=4, n_shared_experts=2, zero_expert_num=1, hidden_act="silu",
-              ffn_act_fn={"name": "silu"}, swiglu_limit=1.0, swiglu_alpha=1.702, post_norm_eps=1e-6, mlp_bias=False,
-              _experts_implementation="eager")
+CONFIG = dict(
+    hidden_size=16,
+    intermediate_size=8,
+    moe_intermediate_size=8,
+    expert_ffn_hidden_size=8,
+    ffn_hidden_size=8,
+    dense_intermediate_size=8,
+    moe_hidden_size=16,
+    num_local_experts=4,
+    num_experts=4,
+    moe_num_experts=4,
+    n_routed_experts=4,
+    n_shared_experts=2,
+    zero_expert_num=1,
+    hidden_act="silu",
+    ffn_act_fn={"name": "silu"},
+    swiglu_limit=1.0,
+    swiglu_alpha=1.702,
+    post_norm_eps=1e-6,
+    mlp_bias=False,
+    _experts_implementation="eager",
+)
 # class: its modeling module, and how it is called ("routed": hidden [T, H], top-k ids and weights)
 MODULES = {
     "AriaExperts": ("aria", "routed"),  # x @ gate_up_proj[e] (is_transposed)
@@ -323,8 +430,11 @@ def test_unpatched_experts_are_named_in_one_warning_and_strict_raises():
     model = _tiny("qwen2_moe", hidden_act="relu6")
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
     ref = model(ids).logits
-    with pytest.raises(ValueError, match=r"activation ReLU6 is not one ffn_ext implements.*Qwen2MoeExperts at "
-                                         r"'model.layers.0.mlp.experts' and 1 more.*Qwen2MoeMLP.*strict=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation ReLU6 is not one ffn_ext implements.*Qwen2MoeExperts at "
+        r"'model.layers.0.mlp.experts' and 1 more.*Qwen2MoeMLP.*strict=True",
+    ):
         ffn_ext.patch_hf_model(model, strict=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -361,8 +471,9 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
     cls = type(odd)
     orig = cls._apply_gate
     monkeypatch.setattr(cls, "_apply_gate", lambda self, gate_up: orig(self, gate_up) + 1)
-    net = nn.ModuleDict(dict(step=step, mine=mine, jet_sub=jet_sub, jet_relu=jet_relu, gelu=gelu, no_limit=no_limit,
-                             odd=odd))
+    net = nn.ModuleDict(
+        dict(step=step, mine=mine, jet_sub=jet_sub, jet_relu=jet_relu, gelu=gelu, no_limit=no_limit, odd=odd)
+    )
     with pytest.raises(ValueError, match="strict=True: nothing patched"):
         ffn_ext.patch_hf_model(net, strict=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -370,12 +481,14 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
         assert ffn_ext.patch_hf_model(net) == 0
     assert len(caught) == 1
     msg = str(caught[0].message)
-    for part in (r"clamp the activation's output.*no ffn_ext op clamps after it.*Step3p7Experts at 'step'",
-                 r"MoE experts modules whose gating ffn_ext does not compute.*MyGate at 'mine', MyJet at 'jet_sub'",
-                 r"activation ReLU6 is not one ffn_ext implements.*JetMoeMoE at 'jet_relu'",
-                 r"clamped gating with activation GELUActivation \(gelu\).*DeepseekV4Experts at 'gelu'",
-                 r"clamp limit swiglu_limit = None is not a number > 0.*HYV4Experts at 'no_limit'",
-                 r"self-check.*MiniMaxM3VLExperts at 'odd'"):
+    for part in (
+        r"clamp the activation's output.*no ffn_ext op clamps after it.*Step3p7Experts at 'step'",
+        r"MoE experts modules whose gating ffn_ext does not compute.*MyGate at 'mine', MyJet at 'jet_sub'",
+        r"activation ReLU6 is not one ffn_ext implements.*JetMoeMoE at 'jet_relu'",
+        r"clamped gating with activation GELUActivation \(gelu\).*DeepseekV4Experts at 'gelu'",
+        r"clamp limit swiglu_limit = None is not a number > 0.*HYV4Experts at 'no_limit'",
+        r"self-check.*MiniMaxM3VLExperts at 'odd'",
+    ):
         assert re.search(part, msg), (part, msg)
 
 
@@ -401,8 +514,14 @@ def test_gatings_that_clamp_after_the_activation_are_named_with_what_they_comput
             return torch.tanh(gate).clamp(max=0.5) * up
 
     torch.manual_seed(0)
-    net = nn.ModuleDict(dict(mlp=mlp_cls(config, 0), unclamped=mlp_cls(config, 1),  # limit 0.0: inf, "no clamp"
-                             experts=_class("Step3p7Experts", "step3p7")(config, swiglu_limit=1.0), flagged=Flagged()))
+    net = nn.ModuleDict(
+        dict(
+            mlp=mlp_cls(config, 0),
+            unclamped=mlp_cls(config, 1),  # limit 0.0: inf, "no clamp"
+            experts=_class("Step3p7Experts", "step3p7")(config, swiglu_limit=1.0),
+            flagged=Flagged(),
+        )
+    )
     with torch.no_grad():
         for p in net.parameters():
             p.copy_(torch.randn_like(p))
@@ -419,9 +538,11 @@ def test_gatings_that_clamp_after_the_activation_are_named_with_what_they_comput
         warnings.simplefilter("always")
         assert ffn_ext.patch_hf_model(net, extra_classes=[mlp_cls]) == 0
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
-    assert re.search(r"clamp\(act_fn\(gate\), max=limit\).*clamps the gate before the activation.*: Step3p7MLP at "
-                     r"'mlp' and 1 more, Step3p7Experts at 'experts', Flagged at 'flagged' \(left unpatched\)$",
-                     str(caught[0].message)), str(caught[0].message)
+    assert re.search(
+        r"clamp\(act_fn\(gate\), max=limit\).*clamps the gate before the activation.*: Step3p7MLP at "
+        r"'mlp' and 1 more, Step3p7Experts at 'experts', Flagged at 'flagged' \(left unpatched\)$",
+        str(caught[0].message),
+    ), str(caught[0].message)
     assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
     for y, y0 in zip(run(), ref):
         torch.testing.assert_close(y, y0, rtol=0, atol=0)
@@ -455,8 +576,11 @@ def test_experts_patch_is_reversible_and_survives_deepcopy_and_pickle():
     loaded = torch.load(buf, weights_only=False)
     for m2 in (clone, loaded):
         torch.testing.assert_close(m2(ids).logits, ref, atol=1e-5, rtol=1e-5)
-        assert all(isinstance(vars(m)["_apply_gate"], hf._BoundGate) and m._apply_gate.__self__ is m
-                   for m in m2.modules() if hf._is_experts(m))
+        assert all(
+            isinstance(vars(m)["_apply_gate"], hf._BoundGate) and m._apply_gate.__self__ is m
+            for m in m2.modules()
+            if hf._is_experts(m)
+        )
     assert ffn_ext.hf.unpatch_model(model) == 2
     assert all("_apply_gate" not in vars(m) and not hasattr(m, hf._MARK) for m in experts)
     torch.testing.assert_close(model(ids).logits, ref, atol=1e-5, rtol=1e-5)
@@ -495,7 +619,8 @@ def test_meta_and_half_precision_moe_models_patch_without_a_false_self_check():
     and bf16 models patch and stay close to the unpatched model."""
     with torch.device("meta"):
         meta = getattr(transformers, MODELS["gpt_oss"][1])(
-            getattr(transformers, MODELS["gpt_oss"][0])(**{**BASE, **MODELS["gpt_oss"][2]}))
+            getattr(transformers, MODELS["gpt_oss"][0])(**{**BASE, **MODELS["gpt_oss"][2]})
+        )
     bf16 = _tiny("gpt_oss").bfloat16()
     ref = copy.deepcopy(bf16)
     for model in (meta, bf16):
@@ -508,8 +633,9 @@ def test_meta_and_half_precision_moe_models_patch_without_a_false_self_check():
 
 # ---------------------------------------------------------------- transformers' source, read with ast
 def _src(body) -> str:
-    return "\n".join(ast.unparse(s) for s in body
-                     if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)))
+    return "\n".join(
+        ast.unparse(s) for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    )
 
 
 def _norm(text: str) -> str:
@@ -565,9 +691,12 @@ for expert_idx in expert_hit:
     final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
 return final_hidden_states
 """
-_LINEAR = dict(one_hot="torch.nn.functional.one_hot",
-               gate_up="gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
-               down="nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])", norm="")
+_LINEAR = dict(
+    one_hot="torch.nn.functional.one_hot",
+    gate_up="gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
+    down="nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])",
+    norm="",
+)
 _CALLS_GATE = {  # eager loops that call self._apply_gate
     """final = torch.zeros_like(hidden_states)
 with torch.no_grad():
@@ -621,19 +750,32 @@ return next_states.to(original_dtype)""",
 # form -> the forward bodies it stands for (what hf._FORMS' replacement reproduces, with ffn_ext for the gating)
 FORMS = {
     "linear": {_LOOP.format(**_LINEAR)},
-    "matmul": {_LOOP.format(**{**_LINEAR, "one_hot": "nn.functional.one_hot",
-                               "gate_up": "gate, up = (current_state @ self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
-                               "down": "current_hidden_states @ self.down_proj[expert_idx]"})},
-    "linear_norm": {_LOOP.format(**{**_LINEAR, "norm": "current_hidden_states = self.post_expert_norm("
-                                                       "current_hidden_states)\n    "})},
+    "matmul": {
+        _LOOP.format(
+            **{
+                **_LINEAR,
+                "one_hot": "nn.functional.one_hot",
+                "gate_up": "gate, up = (current_state @ self.gate_up_proj[expert_idx]).chunk(2, dim=-1)",
+                "down": "current_hidden_states @ self.down_proj[expert_idx]",
+            }
+        )
+    },
+    "linear_norm": {
+        _LOOP.format(
+            **{**_LINEAR, "norm": "current_hidden_states = self.post_expert_norm(current_hidden_states)\n    "}
+        )
+    },
     "gate": set(_CALLS_GATE),
-    "llama4": {"""hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+    "llama4": {
+        """hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
 gate_up = torch.bmm(hidden_states, self.gate_up_proj)
 gate, up = gate_up.chunk(2, dim=-1)
 next_states = torch.bmm(up * self.act_fn(gate), self.down_proj)
 next_states = next_states.view(-1, self.hidden_size)
-return next_states"""},
-    "longcat": {"""final_hidden_states = torch.zeros_like(hidden_states)
+return next_states"""
+    },
+    "longcat": {
+        """final_hidden_states = torch.zeros_like(hidden_states)
 if top_k_index.numel() == 0:
     return final_hidden_states
 expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.total_experts).permute(2, 1, 0)
@@ -652,14 +794,18 @@ for expert_idx_tensor in expert_hit:
         current_hidden_states = F.linear(current_hidden_states, self.down_proj[expert_idx])
     current_hidden_states = current_hidden_states * top_k_weights[token_idx, selection_idx, None]
     final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(hidden_states.dtype))
-return final_hidden_states"""},
-    "dbrx": {"""gate_proj = x.matmul(expert_w1.T)
+return final_hidden_states"""
+    },
+    "dbrx": {
+        """gate_proj = x.matmul(expert_w1.T)
 up_proj = x.matmul(expert_v1.T)
 gate_proj = self.activation_fn(gate_proj)
 intermediate_states = gate_proj * up_proj
 down_proj = intermediate_states.matmul(expert_w2)
-return down_proj"""},
-    "shared": {"""input_shape = hidden_states.shape
+return down_proj"""
+    },
+    "shared": {
+        """input_shape = hidden_states.shape
 hidden_states = hidden_states.reshape(1, -1, input_shape[-1]).expand(self.n_shared_experts, -1, -1)
 gammas = gammas.reshape(-1, self.n_shared_experts, 1).transpose(0, 1)
 gate = torch.bmm(hidden_states, self.gate_proj.transpose(1, 2))
@@ -667,8 +813,10 @@ up = torch.bmm(hidden_states, self.up_proj.transpose(1, 2))
 activated = self.act_fn(gate) * up * gammas
 down = torch.bmm(activated, self.down_proj.transpose(1, 2))
 out = down.float().sum(dim=0).to(hidden_states.dtype)
-return out.view(input_shape)"""},
-    "jetmoe": {"""bsz, length, emb_size = layer_input.size()
+return out.view(input_shape)"""
+    },
+    "jetmoe": {
+        """bsz, length, emb_size = layer_input.size()
 layer_input = layer_input.reshape(-1, emb_size)
 _, batch_index, batch_gates, expert_size, router_logits = self.router(layer_input)
 expert_inputs = layer_input[batch_index]
@@ -681,11 +829,18 @@ zeros = torch.zeros((bsz * length, self.input_size), dtype=expert_outputs.dtype,
 layer_output = zeros.index_add(0, batch_index, expert_outputs)
 layer_output = layer_output.view(bsz, length, self.input_size)
 layer_output = layer_output + self.bias
-return layer_output"""},
+return layer_output"""
+    },
 }
 # each body of FORMS, CLAMPED and GATES has one of these (routed loops, llama4, dbrx, shared, jetmoe, clamps)
-FORM_KEYS = ("[token_idx", "self.gate_up_proj)", "expert_w1", "gammas", "self.input_linear(expert_inputs",
-             "clamp(min=-self.")
+FORM_KEYS = (
+    "[token_idx",
+    "self.gate_up_proj)",
+    "expert_w1",
+    "gammas",
+    "self.input_linear(expert_inputs",
+    "clamp(min=-self.",
+)
 FORM_ACT = {"dbrx": "activation_fn", "jetmoe": "activation"}  # an inline form's activation attribute, if not act_fn
 # clamped MLP forwards (input renamed x) -> the _Gate; the first three gated, the last packed
 CLAMPED = {
@@ -702,8 +857,9 @@ gate, up = gate_up.chunk(2, dim=-1)
 gate = gate.clamp(max=self.swiglu_limit)
 up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
 glu = gate * torch.sigmoid(gate * self.swiglu_alpha)
-return self.down_proj((up + 1.0) * glu)""": hf._Gate(act=None, limit="swiglu_limit", alpha="swiglu_alpha",
-                                                   up_offset=1.0),
+return self.down_proj((up + 1.0) * glu)""": hf._Gate(
+        act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0
+    ),
 }
 # transformers' default _apply_gate, and its experts implementations' calls of it (integrations/moe.py)
 MOE_SOURCE = {
@@ -711,7 +867,7 @@ MOE_SOURCE = {
     "grouped_mm_experts_forward": "proj_out = self._apply_gate(proj_out)",
     "batched_mm_experts_forward": "proj_out = self._apply_gate(proj_out)",
     "use_experts_implementation": "experts_forward = experts_interface.get_interface(self.config."
-                                  "_experts_implementation, original_forward)",
+    "_experts_implementation, original_forward)",
 }
 
 
@@ -767,8 +923,11 @@ def _clamps_after_activation(fn: ast.FunctionDef) -> bool:
         for node in (n for e in _own_expressions(stmt) for n in ast.walk(e)):
             if isinstance(node, ast.Call):
                 f = node.func
-                if isinstance(f, ast.Attribute) and f.attr in ("clamp", "clamp_", "clip", "clip_") and \
-                        activated(f.value):
+                if (
+                    isinstance(f, ast.Attribute)
+                    and f.attr in ("clamp", "clamp_", "clip", "clip_")
+                    and activated(f.value)
+                ):
                     return True
                 if ast.unparse(f) in ("torch.clamp", "torch.clip") and node.args and activated(node.args[0]):
                     return True
@@ -815,8 +974,9 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     _apply_gate clamps an activation's output."""
     for text in [*CLAMPED, *(b for bodies in FORMS.values() for b in bodies)]:
         assert any(k in text for k in FORM_KEYS), text
-    detects = lambda text: _clamps_after_activation(ast.parse("def f(self, x, gate_up):\n" + textwrap.indent(
-        text, "    ")).body[0])  # noqa: E731
+    detects = lambda text: _clamps_after_activation(
+        ast.parse("def f(self, x, gate_up):\n" + textwrap.indent(text, "    ")).body[0]
+    )  # noqa: E731
     assert all(map(detects, CLAMPS_AFTER)) and not any(map(detects, [*CLAMPED, *filter(None, GATES)]))
     clamp_after = set()
     gates = {(_norm(k) if k else None): v for k, v in GATES.items()}
@@ -826,8 +986,9 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     root = pathlib.Path(transformers.__file__).parent
     for path in sorted(root.glob("models/*/modeling_*.py")):
         src = path.read_text()
-        clamps = ("clamp" in src or "clip" in src) and any(k in src for k in ("gate_proj", "gate_up_proj",
-                                                                               "_apply_gate"))
+        clamps = ("clamp" in src or "clip" in src) and any(
+            k in src for k in ("gate_proj", "gate_up_proj", "_apply_gate")
+        )
         if not clamps and not any(k in src for k in FORM_KEYS):  # parsing every modeling file would take seconds
             continue
         for node in ast.parse(src).body:
@@ -837,8 +998,11 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
             own = (fwd, _method(node, "_apply_gate"))
             if clamps and any(f is not None and _clamps_after_activation(f) for f in own):
                 assigned = _init_assignments(node)
-                if _method(node, "_apply_gate") or {"gate_proj", "up_proj"} <= assigned.keys() or \
-                        "gate_up_proj" in assigned:
+                if (
+                    _method(node, "_apply_gate")
+                    or {"gate_proj", "up_proj"} <= assigned.keys()
+                    or "gate_up_proj" in assigned
+                ):
                     clamp_after.add(node.name)
             if fwd is None:
                 continue
@@ -873,17 +1037,25 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
                 projs = ("gate_up_proj", "down_proj") if kind == "packed" else ("gate_proj", "up_proj", "down_proj")
                 if not all(v.startswith("nn.Linear(") for p in projs for v in assigned.get(p, ["?"])):
                     problems.append(f"projections {[assigned.get(p) for p in projs]}")
-            if want_gate.act and not (len(assigned.get(want_gate.act, [])) == 1
-                                      and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)|F\.silu",
-                                                       assigned[want_gate.act][0])):
+            if want_gate.act and not (
+                len(assigned.get(want_gate.act, [])) == 1
+                and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)|F\.silu", assigned[want_gate.act][0])
+            ):
                 problems.append(f"{want_gate.act} = {assigned.get(want_gate.act)}")
             for attr in (want_gate.limit, want_gate.alpha):
                 if isinstance(attr, str) and attr not in assigned:
                     problems.append(f"{attr} not set in __init__")
             if problems:
                 bad.setdefault(node.name, {})[path.name] = problems
-    expected = {"GptOssExperts", "Qwen3MoeExperts", "Qwen2MoeExperts", "MixtralExperts", "DeepseekV3Experts",
-                "DeepseekV4Experts", "DeepseekV4MLP"}
+    expected = {
+        "GptOssExperts",
+        "Qwen3MoeExperts",
+        "Qwen2MoeExperts",
+        "MixtralExperts",
+        "DeepseekV3Experts",
+        "DeepseekV4Experts",
+        "DeepseekV4MLP",
+    }
     assert expected <= found.keys(), expected - found.keys()
     assert not bad, bad
     missing = {n: q for n, q in qualifying.items() if n not in hf._EXPERTS and n not in hf._KNOWN_CLAMPED}

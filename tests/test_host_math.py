@@ -19,6 +19,7 @@ the activation value (grad, up). A kernel that rounded twice (e.g. silu(gate) to
 miss the 0.5-spacing bound on a good share of the elements. Gated ops with parameters run with the table's example
 values (optable.host_params) and get inputs at their clamp bounds.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,14 +27,28 @@ import zlib
 
 import pytest
 import torch
+from optable import (
+    ACTIVATIONS,
+    HOST_OPS,
+    N_INPUTS,
+    N_OUTPUTS,
+    activation_arg,
+    call,
+    host_params,
+    limit_terms,
+    ops_of,
+    params_of,
+    spec,
+)
 
 import ffn_ext
-from optable import (ACTIVATIONS, HOST_OPS, N_INPUTS, N_OUTPUTS, activation_arg, call, host_params, limit_terms,
-                     ops_of, params_of, spec)
 
 _C = getattr(ffn_ext.ops._native, "_host_math", None) and ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(_C is None, reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
-                                                   "or a JIT build); build with `pip install --no-build-isolation -e .`")
+pytestmark = pytest.mark.skipif(
+    _C is None,
+    reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
+    "or a JIT build); build with `pip install --no-build-isolation -e .`",
+)
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 OPS = HOST_OPS  # unary and gated ops, forward and backward
@@ -93,17 +108,21 @@ def check(op, ins64, dtype, what="", outs=None):
         nan_ref = torch.isnan(ref)
         assert torch.equal(torch.isnan(y), nan_ref), (
             f"{name}: NaN where the reference is not (or the reverse) at inputs "
-            f"{[t[torch.isnan(y) ^ nan_ref][:5].tolist() for t in ins64]}")
+            f"{[t[torch.isnan(y) ^ nan_ref][:5].tolist() for t in ins64]}"
+        )
         inf_ref = torch.isinf(stored)
         bad = torch.isinf(y) != inf_ref
         bad |= inf_ref & (y != stored)
-        assert not bad.any(), (f"{name}: infinities differ: got {y[bad][:5].tolist()}, reference "
-                               f"{ref[bad][:5].tolist()} at inputs {[t[bad][:5].tolist() for t in ins64]}")
+        assert not bad.any(), (
+            f"{name}: infinities differ: got {y[bad][:5].tolist()}, reference "
+            f"{ref[bad][:5].tolist()} at inputs {[t[bad][:5].tolist() for t in ins64]}"
+        )
         fin = ~(nan_ref | inf_ref)
         err = (y - ref).abs()[fin]
         fa = torch.finfo(a)
-        tol = (0.5 * spacing(ref, dtype) + K * eps_a * (ref.abs() + s) + TINY[a] * m
-               + K * fa.tiny * fa.eps)  # each operation on subnormals of A may be off by half of the smallest
+        tol = (
+            0.5 * spacing(ref, dtype) + K * eps_a * (ref.abs() + s) + TINY[a] * m + K * fa.tiny * fa.eps
+        )  # each operation on subnormals of A may be off by half of the smallest
         tols.append(tol)
         tol = tol[fin]
         over = err > tol
@@ -112,7 +131,8 @@ def check(op, ins64, dtype, what="", outs=None):
             raise AssertionError(
                 f"{name}: {int(over.sum())} of {int(fin.sum())} elements off by more than the tolerance; worst "
                 f"err/tol = {float((err / tol).max()):.3g}; examples: got {y[fin][i].tolist()}, reference "
-                f"{ref[fin][i].tolist()}, inputs {[t[fin][i].tolist() for t in ins64]}")
+                f"{ref[fin][i].tolist()}, inputs {[t[fin][i].tolist() for t in ins64]}"
+            )
     return tols
 
 
@@ -126,13 +146,13 @@ def value_mix(n, dtype, gen):
     """Ordinary values, both sigmoid tails, large and tiny magnitudes, exact zeros (a few), shuffled."""
     fi = torch.finfo(dtype)
     parts = [
-        torch.randn(n, generator=gen, dtype=torch.float64) * 4,                      # the bulk
-        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 12,        # the curved part
+        torch.randn(n, generator=gen, dtype=torch.float64) * 4,  # the bulk
+        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 12,  # the curved part
         (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 50,
-        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 100,       # float sigmoid tails
-        -80.0 - torch.rand(n // 8, generator=gen, dtype=torch.float64) * 30,          # exp(-x) overflows in float
+        (torch.rand(n // 4, generator=gen, dtype=torch.float64) * 2 - 1) * 100,  # float sigmoid tails
+        -80.0 - torch.rand(n // 8, generator=gen, dtype=torch.float64) * 30,  # exp(-x) overflows in float
         torch.randn(n // 8, generator=gen, dtype=torch.float64) * 1e-3,
-        torch.randn(n // 8, generator=gen, dtype=torch.float64) * fi.tiny * 64,        # subnormal / tiny
+        torch.randn(n // 8, generator=gen, dtype=torch.float64) * fi.tiny * 64,  # subnormal / tiny
         torch.tensor([0.0, -0.0, 1.0, -1.0, -1.2784645427610738, 0.5, -0.5], dtype=torch.float64),
     ]
     if dtype == torch.float64:
@@ -158,8 +178,14 @@ def at_bounds(op, ins, dtype):
     names = spec(op).args
     g, u = names.index("gate"), names.index("up")
     vals = torch.tensor([limit, -limit], dtype=dtype)
-    vals = torch.cat([vals, torch.nextafter(vals, vals * 2), torch.nextafter(vals, torch.zeros_like(vals)),
-                      torch.tensor([0.0, 1.0], dtype=dtype)]).double()
+    vals = torch.cat(
+        [
+            vals,
+            torch.nextafter(vals, vals * 2),
+            torch.nextafter(vals, torch.zeros_like(vals)),
+            torch.tensor([0.0, 1.0], dtype=dtype),
+        ]
+    ).double()
     a, b = torch.meshgrid(vals, vals, indexing="ij")
     k = a.numel()
     ins[g][:k], ins[u][:k] = a.reshape(-1), b.reshape(-1)
@@ -178,8 +204,11 @@ def make_inputs(op, dtype, gen):
             ins.append(grad_like(n, dtype, gen))
         else:  # up
             up = value_mix(4000, dtype, gen)[:n]
-            up = torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)]) \
-                if up.numel() < n else up
+            up = (
+                torch.cat([up, torch.randn(n - up.numel(), generator=gen, dtype=torch.float64)])
+                if up.numel() < n
+                else up
+            )
             ins.append(representable(up.clamp(-1e3, 1e3), dtype))  # keep act(gate) * up inside float16's range
     return at_bounds(op, ins, dtype)
 
@@ -199,8 +228,10 @@ def test_host_math_dense_grid(op, dtype):
     """Every value on a fine grid over [-12, 12] (where the curves bend and the derivatives' zeros sit)."""
     x = representable(torch.linspace(-12, 12, 24001, dtype=torch.float64), dtype).unique()
     gen = torch.Generator().manual_seed(7)
-    ins = [representable(torch.randn(x.numel(), generator=gen, dtype=torch.float64) * 3 + 0.1, dtype)
-           for _ in range(N_INPUTS[op])]
+    ins = [
+        representable(torch.randn(x.numel(), generator=gen, dtype=torch.float64) * 3 + 0.1, dtype)
+        for _ in range(N_INPUTS[op])
+    ]
     ins[activation_arg(op)] = x
     check(op, ins, dtype, "(grid)")
 
@@ -256,10 +287,12 @@ def test_gelu_tail_coefficients_are_the_fit():
     if not (root / "csrc" / "fit_gelu_tail.py").is_file():
         pytest.skip("needs the source checkout's csrc/fit_gelu_tail.py (tests run outside it)")
     header = (root / "csrc" / "ffn_math.h").read_text()
-    body = header[header.index("FFN_HD GeluTail gelu_tail("):]
+    body = header[header.index("FFN_HD GeluTail gelu_tail(") :]
     k = float(re.search(r"kK = ([0-9.e+-]+)f;", body).group(1))
-    c = [float(v) for v in re.findall(r"(-?[0-9.]+(?:e[+-]?[0-9]+)?)f",
-                                       re.search(r"c\[8\] = \{([^}]*)\}", body).group(1))]
+    c = [
+        float(v)
+        for v in re.findall(r"(-?[0-9.]+(?:e[+-]?[0-9]+)?)f", re.search(r"c\[8\] = \{([^}]*)\}", body).group(1))
+    ]
     mod_spec = importlib.util.spec_from_file_location("fit_gelu_tail", root / "csrc" / "fit_gelu_tail.py")
     fit = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(fit)
@@ -299,8 +332,9 @@ def test_documented_limits_at_infinity_and_nan(act, dtype):
     g = torch.tensor([1.5, 1.5, 1.5], dtype=dtype)
     (y,) = _C._host_math(act.name + "_backward", [g, x])
     assert y[0].item() == 1.5 * d_pinf and y[1].item() == 1.5 * d_ninf and math.isnan(y[2].item()), y
-    (y,) = _C._host_math(act.name + "_backward", [torch.tensor([nan, 2.0], dtype=dtype),
-                                                  torch.tensor([0.0, nan], dtype=dtype)])
+    (y,) = _C._host_math(
+        act.name + "_backward", [torch.tensor([nan, 2.0], dtype=dtype), torch.tensor([0.0, nan], dtype=dtype)]
+    )
     assert torch.isnan(y).all(), y
 
     up = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
@@ -415,7 +449,9 @@ def test_host_math_rounds_once_for_half_types(act):
     if inexact.sum() > 1000:
         assert err_once[inexact].mean() < 0.92 * err_twice[inexact].mean(), (err_once.mean(), err_twice.mean())
     correctly_rounded = (h.double() == ref.to(torch.bfloat16).double()).double().mean()
-    assert correctly_rounded > 0.999, f"only {correctly_rounded:.4%} of bfloat16 results are the correctly rounded value"
+    assert correctly_rounded > 0.999, (
+        f"only {correctly_rounded:.4%} of bfloat16 results are the correctly rounded value"
+    )
 
 
 # ---------------------------------------------------------------- the CUDA kernels themselves (GPU only)
@@ -431,8 +467,7 @@ def test_cuda_kernels_match_reference_and_host_math(op, dtype):
     derivative near x = -1.28, last-bit differences of erf/exp grow by the cancellation, within the allowance.)"""
     gen = torch.Generator().manual_seed(zlib.crc32(f"cuda {op} {dtype}".encode()))
     vals = torch.tensor([math.inf, -math.inf, math.nan, 0.0, -0.0, 1.0, -1.0, 5.0, -5.0], dtype=torch.float64)
-    specials = [representable(t.reshape(-1), dtype)
-                for t in torch.meshgrid(*([vals] * N_INPUTS[op]), indexing="ij")]
+    specials = [representable(t.reshape(-1), dtype) for t in torch.meshgrid(*([vals] * N_INPUTS[op]), indexing="ij")]
     sets = [("random", make_inputs(op, dtype, gen)), ("specials", specials)]
     if op in UNARY and dtype in (torch.float16, torch.bfloat16):
         x = every_16bit_value(dtype)
@@ -445,5 +480,7 @@ def test_cuda_kernels_match_reference_and_host_math(op, dtype):
             dev, host = dev.cpu().double(), host.double()
             same = (dev == host) | (torch.isnan(dev) & torch.isnan(host))
             near = (dev - host).abs() <= 2 * tols[k]
-            assert (same | near).all(), (f"{op}[{k}] {dtype} {what}: GPU and host math differ: GPU "
-                                         f"{dev[~(same | near)][:5].tolist()}, host {host[~(same | near)][:5].tolist()}")
+            assert (same | near).all(), (
+                f"{op}[{k}] {dtype} {what}: GPU and host math differ: GPU "
+                f"{dev[~(same | near)][:5].tolist()}, host {host[~(same | near)][:5].tolist()}"
+            )

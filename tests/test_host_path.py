@@ -2,16 +2,17 @@
 function computes its table entry's ATen expression under ATen's autograd (ffn_ext's CPU kernels are ATen composites
 written into preallocated outputs, slower than ATen's functional ops), with the native op's errors, and the native
 op wherever something observes or transforms the call (torch function and dispatch modes, torch.compile)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from optable import FORWARD_OPS, PACKINGS, RecordOps, api_call, call, is_packed, make_inputs, spec
 from torch.overrides import TorchFunctionMode
 
 import ffn_ext
 from ffn_ext import ops as api
 from ffn_ext.table import split_packed
-from optable import FORWARD_OPS, PACKINGS, RecordOps, api_call, call, is_packed, make_inputs, spec
 
 pytestmark = pytest.mark.skipif(api._native is None, reason="needs the native library (the path it replaces)")
 
@@ -29,7 +30,7 @@ def _aten(name, packing, args):
 def _cases(host=True):
     for name in FORWARD_OPS:
         if (name in api._HOST) == host:
-            for packing in (PACKINGS if is_packed(name) else (None,)):
+            for packing in PACKINGS if is_packed(name) else (None,):
                 yield name, packing
 
 
@@ -69,8 +70,9 @@ def test_cpu_calls_are_the_aten_expression(name, packing, dtype):
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, ref_leaves, grad)):
         assert torch.equal(g, w)
-    torch.testing.assert_close(out, native, rtol=0, atol=0) if dtype == torch.float64 else \
-        torch.testing.assert_close(out, native)
+    torch.testing.assert_close(out, native, rtol=0, atol=0) if dtype == torch.float64 else torch.testing.assert_close(
+        out, native
+    )
 
 
 def test_modes_and_compile_see_the_ffn_ext_op():
@@ -107,8 +109,11 @@ def test_promotion_and_the_native_errors():
     assert mixed.dtype == torch.float32 and torch.equal(mixed, spec("swiglu").act.aten(gate) * up.bfloat16().float())
     with pytest.raises(ValueError, match=r"ffn_ext\.swiglu: expected `up` to have the shape of `gate`"):
         ffn_ext.swiglu(gate, up[:, :1])  # would broadcast in ATen's expression
-    with pytest.raises(ValueError, match=r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be "
-                                         r"even"):
+    with pytest.raises(
+        ValueError,
+        match=r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be "
+        r"even",
+    ):
         ffn_ext.swiglu_packed(gate[:, :5])
     with pytest.raises(ValueError, match=r'`layout` must be "concat" or "interleaved", got "bogus"'):
         ffn_ext.swiglu_packed(gate, layout="bogus")

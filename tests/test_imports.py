@@ -2,6 +2,7 @@
 module imports alone in a fresh interpreter, and no import cycle exists among ffn_ext's modules, counting imports
 inside functions (read from the sources with ast, so a cycle is found even where it happens not to break an import
 order). Generic over whatever modules and subpackages ffn_ext has."""
+
 from __future__ import annotations
 
 import ast
@@ -10,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import package_env
 
 import ffn_ext
-from conftest import package_env
 
 PACKAGE = Path(ffn_ext.__file__).resolve().parent
 
@@ -39,7 +40,7 @@ def _resolve(name: str, path: Path, node) -> list:
     else:
         if node.level:
             base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-            base = base[:len(base) - node.level + 1]
+            base = base[: len(base) - node.level + 1]
             mod = ".".join(base + ([node.module] if node.module else []))
         else:
             mod = node.module or ""
@@ -113,8 +114,13 @@ def test_no_import_cycle_among_the_packages_modules():
 
 def test_the_cycle_check_finds_a_cycle():
     """The check itself can fail: the layers as they were (ops -> distributed -> mlp -> ops) are a cycle."""
-    graph = {"ops": {"distributed"}, "distributed": {"mlp", "modules"}, "mlp": {"ops", "distributed"},
-             "modules": {"ops"}, "table": set()}
+    graph = {
+        "ops": {"distributed"},
+        "distributed": {"mlp", "modules"},
+        "mlp": {"ops", "distributed"},
+        "modules": {"ops"},
+        "table": set(),
+    }
     assert _cycles(graph) == [["distributed", "mlp", "modules", "ops"]]
 
 
@@ -130,8 +136,13 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
     names = [n for n in MODULES if n.rpartition(".")[2] != "__main__"]  # importing __main__ runs the main job
     failures = []
     for n in names:
-        r = subprocess.run([sys.executable, "-c", f"import importlib; importlib.import_module({n!r})"],
-                           capture_output=True, text=True, env=package_env(), cwd=str(PACKAGE.parent.parent))
+        r = subprocess.run(
+            [sys.executable, "-c", f"import importlib; importlib.import_module({n!r})"],
+            capture_output=True,
+            text=True,
+            env=package_env(),
+            cwd=str(PACKAGE.parent.parent),
+        )
         if r.returncode != 0:
             failures.append(f"{n}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     assert failures == []

@@ -17,24 +17,39 @@ only where the pair's vectors are aligned (element stores/loads otherwise), so g
 0..7, with odd M (rows alternating alignment) and with row strides; gated ops with parameters run with the table's
 example values (optable.host_params).
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from optable import (
+    GATED,
+    GATED_IDS,
+    HOST_OPS,
+    N_INPUTS,
+    PACKED_OPS,
+    PACKINGS,
+    activation_arg,
+    assert_matches_reference,
+    host_params,
+    is_packed,
+    repack,
+    spec,
+    unpack,
+)
 
 import ffn_ext
-from optable import (GATED, GATED_IDS, HOST_OPS, N_INPUTS, PACKED_OPS, PACKINGS, activation_arg,
-                     assert_matches_reference, host_params, is_packed, repack, spec, unpack)
 
 _C = ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(getattr(_C, "_emulate_cuda", None) is None,
-                                reason="needs the native ffn_ext library with _emulate_cuda (ffn_ext._C)")
+pytestmark = pytest.mark.skipif(
+    getattr(_C, "_emulate_cuda", None) is None,
+    reason="needs the native ffn_ext library with _emulate_cuda (ffn_ext._C)",
+)
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def _rand(shape, dtype, gen, offset=0):
@@ -50,9 +65,11 @@ def _same_bits(got, want, what):
     assert got.is_contiguous(), what
     g, w = got.contiguous().view(BITS[got.dtype]), want.contiguous().view(BITS[want.dtype])
     bad = g != w
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} elements differ from the host math, first at "
-                           f"{torch.nonzero(bad)[:3].tolist()}: got {got[bad][:3].tolist()}, want {want[bad][:3].tolist()}"
-                           f" (all-ones bytes = never written)")
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements differ from the host math, first at "
+        f"{torch.nonzero(bad)[:3].tolist()}: got {got[bad][:3].tolist()}, want {want[bad][:3].tolist()}"
+        f" (all-ones bytes = never written)"
+    )
 
 
 def _host(op, *ins):
@@ -91,7 +108,7 @@ def test_contiguous_and_misaligned_lengths(op, dtype):
         for offsets in [(0,) * 3, (1,) * 3, (0, 1, 1), (1, 0, 1)]:
             ins = [_rand([n], dtype, gen, offsets[i]) for i in range(SAME_SHAPE[op])]
             for sms in (132, 2):
-                check(op, ins, sms, f"n={n} offsets={offsets[:len(ins)]}")
+                check(op, ins, sms, f"n={n} offsets={offsets[: len(ins)]}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -184,8 +201,11 @@ def test_layouts_that_need_a_copy_and_broadcast_rows(op, dtype):
     k = activation_arg(op)
     x = _rand([40, 24], dtype, gen)
     row = _rand([1, 37], dtype, gen)
-    for what, a, shape, sms in (("transposed", x.t(), [24, 40], 132), ("every other column", x[:, ::2], [40, 12], 2),
-                                ("expanded rows", row.expand(9, 37), [9, 37], 132)):
+    for what, a, shape, sms in (
+        ("transposed", x.t(), [24, 40], 132),
+        ("every other column", x[:, ::2], [40, 12], 2),
+        ("expanded rows", row.expand(9, 37), [9, 37], 132),
+    ):
         ins = [_rand(shape, dtype, gen) for _ in range(N_INPUTS[op])]
         ins[k] = a
         check(op, ins, sms, what)

@@ -1,5 +1,5 @@
 """python -m ffn_ext: the full demo in a subprocess (exit status, key lines), and its checker can fail."""
-import os
+
 import re
 import subprocess
 import sys
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import package_env
 
 import ffn_ext
 from ffn_ext import __main__ as demo
-from ffn_ext.table import ACTIVATIONS, OPS as TABLE_OPS
-from conftest import package_env
+from ffn_ext.table import ACTIVATIONS
+from ffn_ext.table import OPS as TABLE_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
@@ -20,8 +21,9 @@ GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
 @pytest.fixture(scope="module")
 def full_run():
     env = package_env(PYTHONWARNINGS="ignore")  # the ffn_ext under test, wherever the tests run from
-    proc = subprocess.run([sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     return proc
 
 
@@ -43,13 +45,20 @@ def test_main_key_lines(full_run):
     assert out.startswith(f"ffn_ext {ffn_ext.__version__}: ") and "CUDA kernels" in out.splitlines()[0]
     # the walk: shapes through the forward hooks, parameters, the saved [tokens, d_ff] tensors as measured
     assert "x (1, 16, 768) -> " in out and "(1, 16, 3072)" in out and re.search(r"down_proj \(1, 16, 768\)", out)
-    assert re.search(r"x \(1, 16, 896\) -> gate_proj \(1, 16, 4864\), up_proj \(1, 16, 4864\) -> act \(1, 16, "
-                     r"4864\) -> down_proj \(1, 16, 896\)", out)
+    assert re.search(
+        r"x \(1, 16, 896\) -> gate_proj \(1, 16, 4864\), up_proj \(1, 16, 4864\) -> act \(1, 16, "
+        r"4864\) -> down_proj \(1, 16, 896\)",
+        out,
+    )
     assert "params 4,718,592 = 2 x 768 x 3072" in out and "params 13,074,432 = 3 x 896 x 4864" in out
-    classic = re.search(r"\[16, 3072\] tensors: eager PyTorch (\d+), FFN (\d+)(?: here \(eager's ops\), (\d+) lean)?",
-                        out)
-    gated = re.search(r"\[16, 4864\] tensors: eager PyTorch (\d+), SwiGLUFFN (\d+)(?: here \(eager's ops\), (\d+) "
-                      r"lean)?", out)
+    classic = re.search(
+        r"\[16, 3072\] tensors: eager PyTorch (\d+), FFN (\d+)(?: here \(eager's ops\), (\d+) lean)?", out
+    )
+    gated = re.search(
+        r"\[16, 4864\] tensors: eager PyTorch (\d+), SwiGLUFFN (\d+)(?: here \(eager's ops\), (\d+) "
+        r"lean)?",
+        out,
+    )
     assert classic and gated, out
     assert int(classic.group(1)) == 2 and int(gated.group(1)) == 4  # eager keeps z, act(z) / gate, act, up, h
     lean_classic, lean_gated = (int(m.group(3) or m.group(2)) for m in (classic, gated))
@@ -59,10 +68,17 @@ def test_main_key_lines(full_run):
     # one line per activation of the table, its checks counted from the table
     for act in ACTIVATIONS:
         ops = [n for n, s in TABLE_OPS.items() if s.act.name == act.name]
-        n = 3 * (len(ops) + sum(1 for n in ops if TABLE_OPS[n].kind == "gated" and not TABLE_OPS[n].backward)
-                 + sum(1 for n in ops if TABLE_OPS[n].kind == "packed"))
-        m = re.search(rf"^  {re.escape(act.name)}\s+(\d+) checks \({len(ops)} ops\), worst ([\d.]+) of the tolerance.*"
-                      r"ok$", out, re.M)
+        n = 3 * (
+            len(ops)
+            + sum(1 for n in ops if TABLE_OPS[n].kind == "gated" and not TABLE_OPS[n].backward)
+            + sum(1 for n in ops if TABLE_OPS[n].kind == "packed")
+        )
+        m = re.search(
+            rf"^  {re.escape(act.name)}\s+(\d+) checks \({len(ops)} ops\), worst ([\d.]+) of the tolerance.*"
+            r"ok$",
+            out,
+            re.M,
+        )
         assert m and int(m.group(1)) == n and float(m.group(2)) <= 1.0, (act.name, n, out)
     for module in ("FFN", "SwiGLUFFN"):
         assert re.search(rf"^  {module} fwd\+bwd\s+float32: .* ok$", out, re.M), module
@@ -79,9 +95,11 @@ def test_verbose_table_has_every_op_and_dtype(capsys):
     assert demo.main(["--quick", "--verbose", "--device", "cpu", "--threads", "0"]) == 0
     out = capsys.readouterr().out
     assert "max abs" in out and "torch_version" in out  # the table's header, build_summary()
-    for op in [*demo.OPS, *(f"{s.name} \\(chunk views\\)" for s in TABLE_OPS.values() if s.kind == "gated"
-                            and not s.backward),
-               *(f"{s.name} \\(interleaved\\)" for s in TABLE_OPS.values() if s.kind == "packed")]:
+    for op in [
+        *demo.OPS,
+        *(f"{s.name} \\(chunk views\\)" for s in TABLE_OPS.values() if s.kind == "gated" and not s.backward),
+        *(f"{s.name} \\(interleaved\\)" for s in TABLE_OPS.values() if s.kind == "packed"),
+    ]:
         for dtype in ("float64", "float32", "bfloat16"):
             assert re.search(rf"^\s+{op}\s+{dtype}\s+\S+\s+\S+\s+\S+\s+\S+\s+ok$", out, re.M), (op, dtype)
 
@@ -90,16 +108,27 @@ def test_op_timing_runs(capsys):
     """--verbose's op timing (the public API against the ATen expression): every case, a ratio each."""
     demo.op_timing(torch.device("cpu"), iters=1, warmup=0, size=(8, 64))
     out = capsys.readouterr().out
-    for case in ("swiglu fwd", r"swiglu fwd\+bwd", "geglu_tanh fwd", "swiglu_packed fwd", "gelu fwd",
-                 r"GPT-OSS clamped interl\. fwd", r"GPT-OSS clamped interl\. fwd\+bwd"):
+    for case in (
+        "swiglu fwd",
+        r"swiglu fwd\+bwd",
+        "geglu_tanh fwd",
+        "swiglu_packed fwd",
+        "gelu fwd",
+        r"GPT-OSS clamped interl\. fwd",
+        r"GPT-OSS clamped interl\. fwd\+bwd",
+    ):
         assert re.search(case + r"\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), case
 
 
 def test_family_summary_counts_and_fails():
     """The per-activation line: counts, the worst fraction, and a failure named."""
     lines = []
-    record = [("gelu", torch.float32, 0.5, False, True), ("geglu (chunk views)", torch.bfloat16, 0.9, False, True),
-              ("gelu_backward", torch.float64, 2.0, True, True), ("silu", torch.float32, 3.0, False, False)]
+    record = [
+        ("gelu", torch.float32, 0.5, False, True),
+        ("geglu (chunk views)", torch.bfloat16, 0.9, False, True),
+        ("gelu_backward", torch.float64, 2.0, True, True),
+        ("silu", torch.float32, 3.0, False, False),
+    ]
     demo.family_summary(record, out=lines.append)
     gelu = next(line for line in lines if line.strip().startswith("gelu "))
     assert "3 checks (3 ops)" in gelu and "worst 0.90 of the tolerance: geglu (chunk views) bf16" in gelu
@@ -114,9 +143,9 @@ def test_cases_cover_the_table_with_aten_references():
     through the forward's ATen form in float64."""
     cases = demo.op_cases()
     assert set(TABLE_OPS) <= set(cases)
-    assert set(cases) - set(TABLE_OPS) == {f"{s.name} (chunk views)" for s in TABLE_OPS.values()
-                                           if s.kind == "gated" and not s.backward} | \
-        {f"{s.name} (interleaved)" for s in TABLE_OPS.values() if s.kind == "packed"}
+    assert set(cases) - set(TABLE_OPS) == {
+        f"{s.name} (chunk views)" for s in TABLE_OPS.values() if s.kind == "gated" and not s.backward
+    } | {f"{s.name} (interleaved)" for s in TABLE_OPS.values() if s.kind == "packed"}
     gen = torch.Generator().manual_seed(0)
     for name, spec in TABLE_OPS.items():
         if not spec.backward:
@@ -138,11 +167,13 @@ def test_checker_accepts_atens_own_error_only(capsys):
     f = torch.nn.functional.gelu
     off = lambda x: f(x) + 1e-4 * (x > 2)  # noqa: E731
     like_aten = lambda x: off(x) if x.dtype == torch.float32 else f(x)  # noqa: E731  (exact in float64)
-    assert demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
-                          cases={"gelu_like_aten": (unary, off, like_aten)})
+    assert demo.check_ops(
+        torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33, cases={"gelu_like_aten": (unary, off, like_aten)}
+    )
     assert "within it plus twice ATen eager's own error" in capsys.readouterr().out
-    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
-                              cases={"gelu_worse_than_aten": (unary, off, f)})
+    assert not demo.check_ops(
+        torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33, cases={"gelu_worse_than_aten": (unary, off, f)}
+    )
 
 
 def test_checker_catches_a_wrong_op(capsys):
@@ -152,12 +183,15 @@ def test_checker_catches_a_wrong_op(capsys):
         "gelu_off_by_1%": (unary, lambda x: torch.nn.functional.gelu(x) * 1.01, torch.nn.functional.gelu),
         "gelu_inf": (unary, lambda x: torch.nn.functional.gelu(x) / (x != x[0, 0]), torch.nn.functional.gelu),
     }
-    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
-                              cases=dict(list(cases.items())[:1]))
-    assert not demo.check_ops(torch.device("cpu"), dtypes=(torch.bfloat16,), rows=4, cols=33,
-                              cases=dict(list(cases.items())[1:]))
-    assert demo.check_ops(torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33,
-                          cases={"gelu": demo.op_cases()["gelu"]})
+    assert not demo.check_ops(
+        torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33, cases=dict(list(cases.items())[:1])
+    )
+    assert not demo.check_ops(
+        torch.device("cpu"), dtypes=(torch.bfloat16,), rows=4, cols=33, cases=dict(list(cases.items())[1:])
+    )
+    assert demo.check_ops(
+        torch.device("cpu"), dtypes=(torch.float32,), rows=4, cols=33, cases={"gelu": demo.op_cases()["gelu"]}
+    )
     out = capsys.readouterr().out
     assert out.count("FAIL") == 2
 

@@ -1,6 +1,7 @@
 """ffn_ext.GELU/SiLU/SwiGLU/GeGLU/Gated, FFN, the gated FFNs (GatedFFN, SwiGLUFFN, GeGLUFFN) and their lean autograd
 (ffn_ext.mlp: gradcheck, saved bytes, peak memory, torch.compile), and sizing. "Every gated activation" tests run over
 ffn_ext/table.py's ACTIVATIONS, against the eager formula with the entry's ATen expression."""
+
 import re
 import warnings
 import weakref
@@ -51,8 +52,14 @@ def test_unary_modules_match_torch(ours, ref, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("ours,ref", [(ffn_ext.GELU(approximate="tanh"), nn.GELU(approximate="tanh")),
-                                      (ffn_ext.SiLU(inplace=True), nn.SiLU(inplace=True))], ids=["tanh", "inplace"])
+@pytest.mark.parametrize(
+    "ours,ref",
+    [
+        (ffn_ext.GELU(approximate="tanh"), nn.GELU(approximate="tanh")),
+        (ffn_ext.SiLU(inplace=True), nn.SiLU(inplace=True)),
+    ],
+    ids=["tanh", "inplace"],
+)
 def test_unary_modules_take_torchs_arguments(ours, ref, device):
     # Drop-ins for nn.GELU(approximate=...) / nn.SiLU(inplace=...): same results, gradients, side effects, repr.
     torch.manual_seed(2)
@@ -185,14 +192,14 @@ def test_gated_module_names_and_errors():
 
 
 # ---------------------------------------------------------------- FFN
-@pytest.mark.parametrize("activation,fn",
-                         [(a.name, a.aten) for a in ACTIVATIONS] + [("GELU", F.gelu)])
+@pytest.mark.parametrize("activation,fn", [(a.name, a.aten) for a in ACTIVATIONS] + [("GELU", F.gelu)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_ffn_matches_composite(activation, fn, bias):
     torch.manual_seed(2)
     ffn = ffn_ext.FFN(48, 160, activation=activation, bias=bias)
     assert set(ffn.state_dict()) == {"up_proj.weight", "down_proj.weight"} | (
-        {"up_proj.bias", "down_proj.bias"} if bias else set())
+        {"up_proj.bias", "down_proj.bias"} if bias else set()
+    )
     x = _rand(2, 9, 48)
     y = ffn(x)
     y0 = ffn.down_proj(fn(ffn.up_proj(x)))
@@ -297,11 +304,19 @@ def test_swiglu_mlp_gradcheck_and_gradgradcheck(bias):
     d, m = 5, 7
     x = _rand(2, 3, d, dtype=torch.float64, scale=1.0)
     ws = [_rand(m, d, dtype=torch.float64), _rand(m, d, dtype=torch.float64), _rand(d, m, dtype=torch.float64)]
-    bs = [_rand(m, dtype=torch.float64), _rand(m, dtype=torch.float64), _rand(d, dtype=torch.float64)] if bias \
+    bs = (
+        [_rand(m, dtype=torch.float64), _rand(m, dtype=torch.float64), _rand(d, dtype=torch.float64)]
+        if bias
         else [None, None, None]
+    )
     args = (x, *ws, *bs)
-    packed = (x, _rand(2 * m, d, dtype=torch.float64), ws[2], _rand(2 * m, dtype=torch.float64) if bias else None,
-              bs[2])
+    packed = (
+        x,
+        _rand(2 * m, d, dtype=torch.float64),
+        ws[2],
+        _rand(2 * m, dtype=torch.float64) if bias else None,
+        bs[2],
+    )
     assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp, args)
     assert torch.autograd.gradcheck(ffn_ext.swiglu_mlp_packed, packed)
     if bias:  # double backward (create_graph=True recomputes gate/up differentiably); once is enough for time
@@ -325,12 +340,20 @@ def test_gated_ffn_aten_fallback(monkeypatch, act):
     assert "_GatedMLP" in type(y.grad_fn).__name__
     y0 = _eager_act(act, mlp, x)
     _close(y, y0)
-    for a, b in zip(torch.autograd.grad(y.sum(), (x, *mlp.parameters())),
-                    torch.autograd.grad(y0.sum(), (x, *mlp.parameters()))):
+    for a, b in zip(
+        torch.autograd.grad(y.sum(), (x, *mlp.parameters())), torch.autograd.grad(y0.sum(), (x, *mlp.parameters()))
+    ):
         _close(a, b)
-    assert torch.autograd.gradcheck(lambda *a: M.gated_mlp_packed(*a, activation=act.name),
-                                    (x[:2, :5].detach().requires_grad_(), _rand(6, 5, dtype=torch.float64),
-                                     _rand(5, 3, dtype=torch.float64), None, None))
+    assert torch.autograd.gradcheck(
+        lambda *a: M.gated_mlp_packed(*a, activation=act.name),
+        (
+            x[:2, :5].detach().requires_grad_(),
+            _rand(6, 5, dtype=torch.float64),
+            _rand(5, 3, dtype=torch.float64),
+            None,
+            None,
+        ),
+    )
 
 
 def test_swiglu_ffn_hooks_and_non_plain_linear_use_module_path():
@@ -541,7 +564,7 @@ def test_backward_peak_memory_below_eager(packed, act):
         ours = lambda x: M.gated_mlp(x, w_g, w_u, w_down, activation=act.name)
 
     def eager(x):
-        gate, up = (F.linear(x, w_gu).chunk(2, -1) if packed else (F.linear(x, params[0]), F.linear(x, params[1])))
+        gate, up = F.linear(x, w_gu).chunk(2, -1) if packed else (F.linear(x, params[0]), F.linear(x, params[1]))
         return F.linear(act.aten(gate) * up, w_down)
 
     unit = tokens * d_ff * 4
@@ -585,8 +608,11 @@ def _eager_act(act, mlp, x):
 
 def _packed_weights(mlp):
     w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().requires_grad_()
-    b_gu = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach() \
-        .requires_grad_()
+    b_gu = (
+        None
+        if mlp.gate_proj.bias is None
+        else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]).detach().requires_grad_()
+    )
     return w_gu, b_gu
 
 
@@ -691,14 +717,16 @@ def test_gated_ffn_saves_two_tensors_not_four(act):
     y.sum().backward()
     assert mlp.down_proj.weight.grad is not None
     w_gu, _ = _packed_weights(mlp)
-    n, nbytes, _ = _saved_activations(lambda: M.gated_mlp_packed(x, w_gu, mlp.down_proj.weight,
-                                                                 activation=act.name), tokens, 2 * d_ff)
+    n, nbytes, _ = _saved_activations(
+        lambda: M.gated_mlp_packed(x, w_gu, mlp.down_proj.weight, activation=act.name), tokens, 2 * d_ff
+    )
     assert (n, nbytes) == (1, 2 * one)
 
 
 def test_geglu_ffn_names_state_dict_and_repr():
     """GeGLUFFN: Gemma's MLP names (gate_proj, up_proj, down_proj, act_fn's place taken by act), so a Gemma MLP's
     state_dict loads; d_ff is required; the activation follows approximate."""
+
     class GemmaStyleMLP(nn.Module):  # GemmaMLP's attribute names and forward, with gelu_pytorch_tanh
         def __init__(self):
             super().__init__()
@@ -717,12 +745,14 @@ def test_geglu_ffn_names_state_dict_and_repr():
     assert mlp.activation == "gelu_tanh" and ffn_ext.GeGLUFFN(32, 80).activation == "gelu"
     assert isinstance(mlp, ffn_ext.GatedFFN) and isinstance(ffn_ext.SwiGLUFFN(8, 16), ffn_ext.GatedFFN)
     assert repr(mlp).startswith("GeGLUFFN(\n  d_model=32, d_ff=80, approximate='tanh'")
-    assert repr(ffn_ext.GatedFFN(8, 16, activation="gelu")).startswith("GatedFFN(\n  d_model=8, d_ff=16, "
-                                                                        "activation='gelu'")
+    assert repr(ffn_ext.GatedFFN(8, 16, activation="gelu")).startswith(
+        "GatedFFN(\n  d_model=8, d_ff=16, activation='gelu'"
+    )
     with pytest.raises(TypeError):
         ffn_ext.GeGLUFFN(32)  # no default width: the 8/3 rule is SwiGLUFFN's
-    assert sum(p.numel() for p in ffn_ext.GeGLUFFN(40, 112, bias=True).parameters()) == \
-        ffn_ext.gated_ffn_params(40, 112, bias=True)
+    assert sum(p.numel() for p in ffn_ext.GeGLUFFN(40, 112, bias=True).parameters()) == ffn_ext.gated_ffn_params(
+        40, 112, bias=True
+    )
 
 
 @pytest.mark.parametrize("act", ACTS)

@@ -2,11 +2,11 @@
 fake/Meta kernels match the real kernel's sizes and strides, autograd registration, and AOT dispatch with dynamic
 shapes. Ops are called with their keyword arguments (optable.op_kwargs: a gated op's example parameters, and for
 the packed ops layout="interleaved" as well as the default)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from optable import DEVICES, GATED, NO_AUTOGRAD_OPS, OPS, PACKINGS, is_packed, make_inputs, op, op_kwargs
 
 # Each opcheck costs seconds (AOT dispatch with dynamic shapes): one case each way. Without grad: 3-D chunk views
@@ -47,8 +47,8 @@ def test_opcheck_can_fail():
     lib = torch.library.Library("ffn_ext_opcheck_probe", "FRAGMENT")
     lib.define("bad(Tensor x) -> Tensor")
     lib.impl("bad", lambda x: x.clone().contiguous(), "CPU")
-    lib._register_fake("bad", lambda x: torch.empty_strided(x.shape, (1, x.shape[0]), dtype=x.dtype,
-                                                             device=x.device))
+    lib._register_fake("bad", lambda x: torch.empty_strided(x.shape, (1, x.shape[0]), dtype=x.dtype, device=x.device))
     with pytest.raises(Exception, match="test_faketensor"):
-        torch.library.opcheck(torch.ops.ffn_ext_opcheck_probe.bad.default, (torch.randn(3, 4),),
-                              test_utils=("test_faketensor",))
+        torch.library.opcheck(
+            torch.ops.ffn_ext_opcheck_probe.bad.default, (torch.randn(3, 4),), test_utils=("test_faketensor",)
+        )

@@ -7,18 +7,16 @@ poisoned with NaN before each case so unwritten output elements show, plus the l
 peeling, multi-block rows, > 65535 rows, chunk views at odd alignments), ATen CUDA agreement, the infinity
 semantics, and (marked `large`) tensors past 2**31 elements.
 """
+
 from __future__ import annotations
 
 import functools
 import math
 
+import optable
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ffn_ext
-import optable
-from ffn_ext.table import join_packed, split_packed
 from optable import (
     ACTIVATIONS,
     BACKWARD_OPS,
@@ -56,15 +54,38 @@ from optable import (
     unpack,
 )
 
+import ffn_ext
+from ffn_ext.table import join_packed, split_packed
+
 ACT_IDS = [a.name for a in ACTIVATIONS]
 
 # Output shapes (for the packed ops: the output [..., M]; gate_up is [..., 2M], so odd last dims give odd M).
 SHAPES = [
-    (0,), (0, 5), (4, 0), (0, 0), (2, 0, 3),  # empty
-    (), (1,), (1, 1),  # 0-dim and one element
-    (3, 7), (5, 1001), (1, 13),  # odd
-    (4, 7), (4, 8), (4, 9), (4, 15), (4, 16), (4, 17), (3, 31), (3, 33), (2, 64), (2, 65),  # around vector widths
-    (2, 3, 5), (3, 2, 17), (2, 1, 9), (1, 4, 16),  # 3-D
+    (0,),
+    (0, 5),
+    (4, 0),
+    (0, 0),
+    (2, 0, 3),  # empty
+    (),
+    (1,),
+    (1, 1),  # 0-dim and one element
+    (3, 7),
+    (5, 1001),
+    (1, 13),  # odd
+    (4, 7),
+    (4, 8),
+    (4, 9),
+    (4, 15),
+    (4, 16),
+    (4, 17),
+    (3, 31),
+    (3, 33),
+    (2, 64),
+    (2, 65),  # around vector widths
+    (2, 3, 5),
+    (3, 2, 17),
+    (2, 1, 9),
+    (1, 4, 16),  # 3-D
 ]
 LAYOUTS_TESTED = ("contiguous", "transposed", "step", "row_step", "padded", "offset", "expanded", "chunk", "scalar")
 
@@ -84,8 +105,13 @@ def _run_case(name, shape, dtype, device, layout, grad_layout=None, poison=False
     inputs = make_inputs(name, shape, dtype, device, layout, grad_layout=grad_layout, packing=packing)
     before = [t.clone() for t in inputs]
     out = call(name, packing if is_packed(name) else None)(*inputs)
-    assert_matches_reference(name, inputs, out, packing=packing,
-                             msg=f"shape={shape} dtype={dtype} layout={layout} grad={grad_layout} packing={packing}")
+    assert_matches_reference(
+        name,
+        inputs,
+        out,
+        packing=packing,
+        msg=f"shape={shape} dtype={dtype} layout={layout} grad={grad_layout} packing={packing}",
+    )
     for k, (a, b) in enumerate(zip(inputs, before)):
         assert torch.equal(a, b), f"{name} modified its input {k} (shape={shape} layout={layout})"
     for o in as_tuple(out):  # outputs are fresh tensors, never views of the inputs
@@ -155,8 +181,30 @@ def test_cpu_packings_differ(name):
 @pytest.mark.parametrize("name", OPS)
 def test_cpu_extreme_finite_values(name, dtype):
     # Large magnitudes (sigmoid/exp overflow regions, erf saturation) and tiny ones, all finite.
-    vals = torch.tensor([-1e4, -300.0, -100.0, -88.5, -30.0, -10.0, -1.2785, -0.7517, -1e-3, -1e-30, 1e-30, 1e-3, 0.5,
-                         10.0, 30.0, 88.5, 100.0, 300.0, 1e4], dtype=torch.float64)
+    vals = torch.tensor(
+        [
+            -1e4,
+            -300.0,
+            -100.0,
+            -88.5,
+            -30.0,
+            -10.0,
+            -1.2785,
+            -0.7517,
+            -1e-3,
+            -1e-30,
+            1e-30,
+            1e-3,
+            0.5,
+            10.0,
+            30.0,
+            88.5,
+            100.0,
+            300.0,
+            1e4,
+        ],
+        dtype=torch.float64,
+    )
     n = vals.numel()
     for packing in _packings(name):
         inputs = make_inputs(name, (2, n), dtype)
@@ -214,7 +262,9 @@ def test_reference_helpers_can_fail():
         for name in OPS:
             s = spec(name)
             inputs = make_inputs(name, (4, 33), dtype, layout="chunk")
-            others = [n for n in ops_of(kind=s.kind, backward=s.backward) if n != name and spec(n).recompute == s.recompute]
+            others = [
+                n for n in ops_of(kind=s.kind, backward=s.backward) if n != name and spec(n).recompute == s.recompute
+            ]
             assert len(others) == (len(ACTIVATIONS) if s.kind == "unary" else len(GATED)) - 1, (name, others)
             for wrong in others:
                 with pytest.raises(AssertionError):
@@ -237,7 +287,7 @@ def test_public_api_reaches_the_op(name):
     # api_call(name) (ffn_ext.gelu(x, approximate=...), ffn_ext.gated(..., activation=...),
     # ffn_ext.swiglu_clamped(..., limit=...), ...) dispatches exactly torch.ops.ffn_ext.<name>, with its result, in
     # every layout of a packed op.
-    for packing in (PACKINGS if is_packed(name) else (None,)):
+    for packing in PACKINGS if is_packed(name) else (None,):
         inputs = make_inputs(name, (3, 6), torch.float32, packing=packing or "concat")
         with RecordOps() as rec:
             out = api_call(name, packing)(*inputs)
@@ -250,10 +300,15 @@ def test_named_api_functions_are_the_gated_ones():
     gate, up = make_chunk_pair((4, 7), torch.float32)
     gate_up = make_layout((4, 14), torch.float32)
     for approximate, act in (("none", "gelu"), ("tanh", "gelu_tanh")):
-        torch.testing.assert_close(ffn_ext.geglu(gate, up, approximate=approximate),
-                                   ffn_ext.gated(gate, up, activation=act), rtol=0, atol=0)
-        torch.testing.assert_close(ffn_ext.geglu_packed(gate_up, approximate=approximate),
-                                   ffn_ext.gated_packed(gate_up, activation=act), rtol=0, atol=0)
+        torch.testing.assert_close(
+            ffn_ext.geglu(gate, up, approximate=approximate), ffn_ext.gated(gate, up, activation=act), rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            ffn_ext.geglu_packed(gate_up, approximate=approximate),
+            ffn_ext.gated_packed(gate_up, activation=act),
+            rtol=0,
+            atol=0,
+        )
         torch.testing.assert_close(ffn_ext.gelu(gate, approximate=approximate), call(act)(gate), rtol=0, atol=0)
     torch.testing.assert_close(ffn_ext.swiglu(gate, up), ffn_ext.gated(gate, up), rtol=0, atol=0)
     torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up), ffn_ext.gated_packed(gate_up), rtol=0, atol=0)
@@ -263,17 +318,32 @@ def test_named_api_functions_are_the_gated_ones():
         torch.testing.assert_close(ffn_ext.swiglu_packed(gate_up, layout=layout), want, rtol=0, atol=0)
         torch.testing.assert_close(ffn_ext.gated_packed(gate_up, layout=layout), want, rtol=0, atol=0)
         for approximate, act in (("none", "gelu"), ("tanh", "gelu_tanh")):
-            torch.testing.assert_close(ffn_ext.geglu_packed(gate_up, approximate, layout=layout),
-                                       ffn_ext.gated_packed(gate_up, act, layout=layout), rtol=0, atol=0)
+            torch.testing.assert_close(
+                ffn_ext.geglu_packed(gate_up, approximate, layout=layout),
+                ffn_ext.gated_packed(gate_up, act, layout=layout),
+                rtol=0,
+                atol=0,
+            )
         p = dict(limit=2.0, alpha=1.702, up_offset=1.0)
-        torch.testing.assert_close(ffn_ext.swiglu_clamped_packed(gate_up, layout=layout, **p),
-                                   call("swiglu_clamped_packed", layout, p)(gate_up), rtol=0, atol=0)
-    torch.testing.assert_close(ffn_ext.swiglu_clamped(gate, up, limit=2.0, alpha=0.5, up_offset=-1.0),
-                               call("swiglu_clamped", params=dict(limit=2.0, alpha=0.5, up_offset=-1.0))(gate, up),
-                               rtol=0, atol=0)
+        torch.testing.assert_close(
+            ffn_ext.swiglu_clamped_packed(gate_up, layout=layout, **p),
+            call("swiglu_clamped_packed", layout, p)(gate_up),
+            rtol=0,
+            atol=0,
+        )
+    torch.testing.assert_close(
+        ffn_ext.swiglu_clamped(gate, up, limit=2.0, alpha=0.5, up_offset=-1.0),
+        call("swiglu_clamped", params=dict(limit=2.0, alpha=0.5, up_offset=-1.0))(gate, up),
+        rtol=0,
+        atol=0,
+    )
     # the parameters' defaults are the schema's (alpha=1, up_offset=0)
-    torch.testing.assert_close(ffn_ext.swiglu_clamped(gate, up, limit=2.0),
-                               call("swiglu_clamped", params=dict(limit=2.0))(gate, up), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ffn_ext.swiglu_clamped(gate, up, limit=2.0),
+        call("swiglu_clamped", params=dict(limit=2.0))(gate, up),
+        rtol=0,
+        atol=0,
+    )
 
 
 # ---------------------------------------------------------------- CUDA: the same matrix, poisoned cache
@@ -295,8 +365,7 @@ def test_cuda_backward_grad_layout_differs(name, grad_layout):
         for shape in [(3, 7), (4, 16), (2, 3, 9), (3, 1001)]:
             for layout in ("chunk", "contiguous", "offset", "padded"):
                 for packing in _packings(name):
-                    _run_case(name, shape, dtype, "cuda", layout, grad_layout=grad_layout, poison=True,
-                              packing=packing)
+                    _run_case(name, shape, dtype, "cuda", layout, grad_layout=grad_layout, poison=True, packing=packing)
 
 
 # Columns that exercise head/tail peeling and rows spanning several blocks (256 threads x 4 x 16 B per block).
@@ -345,10 +414,16 @@ def test_cuda_chunk_views_odd_m_alignments(gated, dtype):
             gate_up = buf[offset:].view(6, 2 * m)
             for packing in PACKINGS:
                 msg = f"m={m} offset={offset} packing={packing}"
-                assert_matches_reference(g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), msg,
-                                         packing=packing)
-                assert_matches_reference(g + "_packed_backward", (grad, gate_up),
-                                         call(g + "_packed_backward", packing)(grad, gate_up), msg, packing=packing)
+                assert_matches_reference(
+                    g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), msg, packing=packing
+                )
+                assert_matches_reference(
+                    g + "_packed_backward",
+                    (grad, gate_up),
+                    call(g + "_packed_backward", packing)(grad, gate_up),
+                    msg,
+                    packing=packing,
+                )
 
 
 @pytest.mark.cuda
@@ -361,8 +436,9 @@ def test_cuda_inputs_misaligned_relative_to_output(name, dtype):
         n = math.prod(shape)
         for shift in range(1, 8):
             poison_cuda_cache(nbytes=32 << 20, small_blocks=4)
-            inputs = tuple(make_layout((n + 8,), dtype, "cuda")[(shift * (k + 1)) % 8:][:n].view(shape)
-                           for k in range(n_in))
+            inputs = tuple(
+                make_layout((n + 8,), dtype, "cuda")[(shift * (k + 1)) % 8 :][:n].view(shape) for k in range(n_in)
+            )
             assert_matches_reference(name, inputs, call(name)(*inputs), f"shape={shape} shift={shift}")
 
 
@@ -374,8 +450,9 @@ def test_cuda_matches_aten_cuda(name, dtype):
     for shape in [(7, 4864), (33, 17), (2, 3, 1001)]:
         for packing in _packings(name):
             kw = dict(packing=packing)
-            inputs = make_inputs(name, shape, dtype, "cuda", "contiguous" if spec(name).kind == "unary" else "chunk",
-                                 **kw)
+            inputs = make_inputs(
+                name, shape, dtype, "cuda", "contiguous" if spec(name).kind == "unary" else "chunk", **kw
+            )
             got = as_tuple(call(name, packing if is_packed(name) else None)(*inputs))
             want = as_tuple(aten_result(name, *inputs, **kw))  # the table's ATen composites on CUDA, same dtype
             refs, spreads = as_tuple(reference(name, *inputs, **kw)), error_scale(name, *inputs, **kw)
@@ -385,12 +462,29 @@ def test_cuda_matches_aten_cuda(name, dtype):
                 assert torch.isfinite(g).all()
                 # twice the tolerance, plus ATen's own error (e.g. the 1 - tanh^2 of its tanh GELU backward cancels)
                 aten_err = (w.double() - r).abs() / rtol
-                assert_close_to(g, w.double(), dtype, f"{name} {shape} {packing} vs ATen CUDA", scale=2.0,
-                                spread=sp + aten_err)
+                assert_close_to(
+                    g, w.double(), dtype, f"{name} {shape} {packing} vs ATen CUDA", scale=2.0, spread=sp + aten_err
+                )
 
 
-SPECIAL = [-math.inf, math.inf, math.nan, -1e4, -100.0, -88.7, -20.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 20.0, 88.7, 100.0,
-           1e4]
+SPECIAL = [
+    -math.inf,
+    math.inf,
+    math.nan,
+    -1e4,
+    -100.0,
+    -88.7,
+    -20.0,
+    -1.0,
+    -0.0,
+    0.0,
+    1e-20,
+    1.0,
+    20.0,
+    88.7,
+    100.0,
+    1e4,
+]
 
 
 @pytest.mark.cuda
@@ -404,14 +498,16 @@ def test_cuda_infinity_semantics(act, dtype):
     f_ninf, f_pinf, d_ninf, d_pinf = act.limits
     name, bwd, g = act.name, act.name + "_backward", act.gated
     y = op(name)(x)
-    assert y[ninf].item() == f_ninf and math.copysign(1.0, y[ninf].item()) == math.copysign(1.0, f_ninf), \
+    assert y[ninf].item() == f_ninf and math.copysign(1.0, y[ninf].item()) == math.copysign(1.0, f_ninf), (
         f"{name}(-inf) must be {f_ninf}"
+    )
     assert y[pinf].item() == f_pinf, f"{name}(+inf) must be {f_pinf}"
     assert math.isnan(y[nan].item()), f"{name}(nan) must be nan"
     assert_close_to(y, reference(name, x, inf_limits=True), dtype, name, spread=error_scale(name, x)[0])
     d = op(bwd)(ones, x)
-    assert d[ninf].item() == d_ninf and d[pinf].item() == d_pinf, \
+    assert d[ninf].item() == d_ninf and d[pinf].item() == d_pinf, (
         f"{bwd}: derivative must be {d_ninf} at -inf, {d_pinf} at +inf"
+    )
     assert math.isnan(d[nan].item())
     assert_close_to(d, reference(bwd, ones, x, inf_limits=True), dtype, bwd, spread=error_scale(bwd, ones, x)[0])
     up = make_layout(x.shape, dtype, "cuda")
@@ -420,13 +516,16 @@ def test_cuda_infinity_semantics(act, dtype):
     assert_close_to(h, reference(g, x, up, inf_limits=True), dtype, g, spread=error_scale(g, x, up)[0])
     grad = make_layout(x.shape, dtype, "cuda")
     dgate, dup = op(g + "_backward")(grad, x, up)
-    assert dgate[ninf].item() == d_ninf * (grad[ninf] * up[ninf]).item() and dup[ninf].item() == f_ninf * grad[ninf].item()
+    assert (
+        dgate[ninf].item() == d_ninf * (grad[ninf] * up[ninf]).item() and dup[ninf].item() == f_ninf * grad[ninf].item()
+    )
     assert_matches_reference(g + "_backward", (grad, x, up), (dgate, dup), inf_limits=True)
     gate_up = torch.cat([x, up]).view(1, -1)
     assert_matches_reference(g + "_packed", (gate_up,), op(g + "_packed")(gate_up), inf_limits=True)
     g1 = grad.view(1, -1)
-    assert_matches_reference(g + "_packed_backward", (g1, gate_up), op(g + "_packed_backward")(g1, gate_up),
-                             inf_limits=True)
+    assert_matches_reference(
+        g + "_packed_backward", (g1, gate_up), op(g + "_packed_backward")(g1, gate_up), inf_limits=True
+    )
 
 
 @pytest.mark.cuda
@@ -441,8 +540,11 @@ def test_cuda_gated_infinity_semantics(gated, dtype):
         return (torch.rand(n, dtype=torch.float64) * (hi - lo) + lo).to(dtype).cuda()
 
     x = torch.tensor(SPECIAL, dtype=torch.float64).to(dtype).cuda()
-    small = torch.tensor([-math.inf, math.inf, math.nan, -5.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 5.0],
-                         dtype=torch.float64).to(dtype).cuda()
+    small = (
+        torch.tensor([-math.inf, math.inf, math.nan, -5.0, -1.0, -0.0, 0.0, 1e-20, 1.0, 5.0], dtype=torch.float64)
+        .to(dtype)
+        .cuda()
+    )
     sg, su = (t.reshape(-1) for t in torch.meshgrid(small, small, indexing="ij"))
     n, k = x.numel(), sg.numel()
     gate = torch.cat([x, rnd(n, -4, 4), sg, rnd(n, 0.5, 4)])  # grad = +-inf below: act and act' > 0.5 there
@@ -450,15 +552,20 @@ def test_cuda_gated_infinity_semantics(gated, dtype):
     grad = torch.cat([rnd(2 * n + k, -3, 3), x])
     g = gated.name
     assert_matches_reference(g, (gate, up), call(g)(gate, up), inf_limits=True)
-    assert_matches_reference(g + "_backward", (grad, gate, up), call(g + "_backward")(grad, gate, up),
-                             inf_limits=True)
+    assert_matches_reference(g + "_backward", (grad, gate, up), call(g + "_backward")(grad, gate, up), inf_limits=True)
     for packing in PACKINGS:
         gate_up = join_packed(gate, up, packing).view(1, -1)
         g1 = grad.view(1, -1)
-        assert_matches_reference(g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), inf_limits=True,
-                                 packing=packing)
-        assert_matches_reference(g + "_packed_backward", (g1, gate_up),
-                                 call(g + "_packed_backward", packing)(g1, gate_up), inf_limits=True, packing=packing)
+        assert_matches_reference(
+            g + "_packed", (gate_up,), call(g + "_packed", packing)(gate_up), inf_limits=True, packing=packing
+        )
+        assert_matches_reference(
+            g + "_packed_backward",
+            (g1, gate_up),
+            call(g + "_packed_backward", packing)(g1, gate_up),
+            inf_limits=True,
+            packing=packing,
+        )
 
 
 @pytest.mark.cuda
@@ -510,14 +617,25 @@ def _check_rows(out, ref_fn, rows=4, samples=32, name=""):
     """out (2-D) vs ref_fn(row_slice) -> float32 recomputation: the first and last `rows` rows in full (within
     one bf16 ulp: the float math of torch and of the kernel may round differently), plus `samples` random rows."""
     last = out[-rows:].float()
-    torch.testing.assert_close(last, ref_fn(slice(out.shape[0] - rows, out.shape[0])), rtol=8e-3, atol=1e-6,
-                               msg=lambda m: f"{name} last rows: {m}")
+    torch.testing.assert_close(
+        last,
+        ref_fn(slice(out.shape[0] - rows, out.shape[0])),
+        rtol=8e-3,
+        atol=1e-6,
+        msg=lambda m: f"{name} last rows: {m}",
+    )
     first = out[:rows].float()
-    torch.testing.assert_close(first, ref_fn(slice(0, rows)), rtol=8e-3, atol=1e-6,
-                               msg=lambda m: f"{name} first rows: {m}")
+    torch.testing.assert_close(
+        first, ref_fn(slice(0, rows)), rtol=8e-3, atol=1e-6, msg=lambda m: f"{name} first rows: {m}"
+    )
     for rr in torch.randint(0, out.shape[0], (samples,)).tolist():
-        torch.testing.assert_close(out[rr : rr + 1].float(), ref_fn(slice(rr, rr + 1)), rtol=8e-3, atol=1e-6,
-                                   msg=lambda m: f"{name} row {rr}: {m}")
+        torch.testing.assert_close(
+            out[rr : rr + 1].float(),
+            ref_fn(slice(rr, rr + 1)),
+            rtol=8e-3,
+            atol=1e-6,
+            msg=lambda m: f"{name} row {rr}: {m}",
+        )
     assert not torch.isnan(out).any().item(), f"{name}: NaN in the output (an unwritten element?)"
 
 
@@ -590,14 +708,19 @@ def test_cuda_large_gelu_fp16():
     dx = torch.ops.ffn_ext.gelu_backward(g, x)
     ref = torch.ops.aten.gelu_backward(g[idx].float(), x[idx].float())
     torch.testing.assert_close(dx[idx].float(), ref, rtol=2e-3, atol=1e-5)
-    torch.testing.assert_close(dx[-5000:].float(), torch.ops.aten.gelu_backward(g[-5000:].float(), x[-5000:].float()),
-                               rtol=2e-3, atol=1e-5)
+    torch.testing.assert_close(
+        dx[-5000:].float(), torch.ops.aten.gelu_backward(g[-5000:].float(), x[-5000:].float()), rtol=2e-3, atol=1e-5
+    )
     assert not torch.isnan(dx).any().item()
 
 
 # ---------------------------------------------------------------- mixed dtypes and autocast (issue 16)
-_MIXED = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
-          (torch.bfloat16, torch.float16)]
+_MIXED = [
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float64),
+    (torch.bfloat16, torch.float16),
+]
 _GATED_FORWARD = [n for n in optable.FORWARD_OPS if optable.spec(n).kind == "gated"]
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

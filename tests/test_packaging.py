@@ -3,6 +3,7 @@ stopping at once with the command to run, a _C built for another torch named at 
 ships for ffn_ext.jit, and the public C++ header covering the table. CI's packaging stage (.ci/run) builds the
 sdist, a wheel from it, installs it into a clean venv and runs these tests (and others) from outside the tree.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_source_tree
 
-import ffn_ext
 from ffn_ext import _build, _loader
 from ffn_ext.table import OPS
-from conftest import needs_source_tree
 
 
 def _setup_py(root: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "setup.py", *args], cwd=root, env=env or dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "setup.py", *args],
+        cwd=root,
+        env=env or dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_sdist_holds_every_tracked_file(tmp_path):
@@ -37,10 +43,13 @@ def test_sdist_holds_every_tracked_file(tmp_path):
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
     # untracked new files (a session's work in progress) are not expected in it, only what git knows and exists
     want = {f for f in tracked if not f.startswith(".ci/") and f != ".gitignore" and (root / f).is_file()}
-    code = ("import sys; sys.modules['torch'] = None  # an sdist must not need torch\n"
-            "from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys; sys.modules['torch'] = None  # an sdist must not need torch\n"
+        "from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     name = r.stdout.strip().splitlines()[-1]
     with tarfile.open(tmp_path / name) as tar:
@@ -61,7 +70,7 @@ def test_wheel_requires_the_torch_it_was_built_against(tmp_path):
     requires = re.findall(r"^Requires-Dist: (torch\S*)\s*$", meta.read_text(), re.M)
     assert requires == [f"torch=={_build.torch_base_version(torch.__version__)}"], requires
     assert re.search(r"^License-Expression: Apache-2.0$", meta.read_text(), re.M)
-    pkg_info = (root / "ffn_ext.egg-info" / "PKG-INFO")
+    pkg_info = root / "ffn_ext.egg-info" / "PKG-INFO"
     r = _setup_py(root, "-q", "egg_info")
     assert r.returncode == 0 and "Requires-Dist: torch>=2.13" in pkg_info.read_text(), r.stderr[-2000:]
 
@@ -79,8 +88,14 @@ def test_isolated_build_stops_at_once_with_the_command(tmp_path):
         if (site / name).exists():
             (shim / name).symlink_to(site / name)
     env = dict(os.environ, PYTHONPATH=str(shim), SETUPTOOLS_USE_DISTUTILS="local")
-    r = subprocess.run([sys.executable, "-S", "setup.py", "dist_info", "--output-dir", str(tmp_path / "out")],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-S", "setup.py", "dist_info", "--output-dir", str(tmp_path / "out")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0, r.stdout[-2000:]
     msg = r.stderr
     assert "torch is not importable" in msg and "pip install --no-build-isolation ." in msg, msg[-3000:]
@@ -101,12 +116,14 @@ def test_C_built_for_another_torch_is_named_not_loaded(tmp_path, monkeypatch):
     assert "pip install --no-build-isolation" in text, text
     # the same version, but a CUDA build against a CPU-only one (or the reverse)
     other_cuda = None if torch.version.cuda else "12.8"
-    (tmp_path / _build.RECORD).write_text(json.dumps({"torch_version": _build.torch_base_version(torch.__version__),
-                                                      "torch_cuda": other_cuda}))
+    (tmp_path / _build.RECORD).write_text(
+        json.dumps({"torch_version": _build.torch_base_version(torch.__version__), "torch_cuda": other_cuda})
+    )
     with pytest.raises(ImportError, match="CPU-only" if torch.version.cuda else "CUDA 12.8"):
         _loader.check_installed_C()
-    (tmp_path / _build.RECORD).write_text(json.dumps({"torch_version": _build.torch_base_version(torch.__version__),
-                                                      "torch_cuda": torch.version.cuda}))
+    (tmp_path / _build.RECORD).write_text(
+        json.dumps({"torch_version": _build.torch_base_version(torch.__version__), "torch_cuda": torch.version.cuda})
+    )
     _loader.check_installed_C()  # the torch it was built against: loads
     (tmp_path / _build.RECORD).unlink()
     for p in tmp_path.glob("_C*"):

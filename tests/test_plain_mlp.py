@@ -3,6 +3,7 @@ recomputes act(z) in backward), its memory options (recompute, token_chunk), GPT
 on it; every activation of the table, against the eager formula with the entry's ATen expression in float64. The
 compositions (double backward, compile, autocast, checkpoint, torch.func, jit.trace) as the gated MLP's. The CPU
 default path (eager PyTorch's ops, tests marked cpu_default) is checked to run exactly those ops."""
+
 from __future__ import annotations
 
 import copy
@@ -12,13 +13,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from optable import RecordOps
+from test_ffn_layer import OPTIONS as GATED_OPTIONS
+from test_ffn_layer import _Largest, _saved
+from test_modules import _LiveBytes
 
 import ffn_ext
 import ffn_ext.mlp as M
 from ffn_ext.table import ACTIVATIONS
-from optable import RecordOps
-from test_ffn_layer import OPTIONS as GATED_OPTIONS, _Largest, _saved
-from test_modules import _LiveBytes
 
 ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
 LAYOUTS = [pytest.param(False, id="linear"), pytest.param(True, id="conv1d")]
@@ -27,8 +29,10 @@ OPTIONS = [pytest.param(False, None, id="default"), *GATED_OPTIONS]  # (recomput
 
 def _weights(d_model, d_ff, bias, transposed, dtype=torch.float64, scale=0.3):
     """(w_fc1, w_fc2, b_fc1, b_fc2): leaves that require grad, in nn.Linear or (transposed) Conv1D layout."""
+
     def leaf(*shape):
         return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_()
+
     w1, w2 = (leaf(d_model, d_ff), leaf(d_ff, d_model)) if transposed else (leaf(d_ff, d_model), leaf(d_model, d_ff))
     return w1, w2, leaf(d_ff) if bias else None, leaf(d_model) if bias else None
 
@@ -36,9 +40,11 @@ def _weights(d_model, d_ff, bias, transposed, dtype=torch.float64, scale=0.3):
 def _eager(act, w1, w2, b1, b2, transposed):
     """The eager MLP: what nn.Linear / GPT-2's Conv1D and the activation's ATen function compute."""
     if transposed:
+
         def lin(t, w, b):
             y = t.matmul(w)
             return y if b is None else y + b
+
         return lambda x: lin(act.aten(lin(x, w1, b1)), w2, b2)
     return lambda x: F.linear(act.aten(F.linear(x, w1, b1)), w2, b2)
 
@@ -178,8 +184,9 @@ def test_gradcheck_and_double_backward(act, transposed):
     fn = lambda x, w1, w2, b1, b2: ffn_ext.plain_mlp(x, w1, w2, b1, b2, act.name, transposed=transposed)
     assert torch.autograd.gradcheck(fn, (x, *ps))
     assert torch.autograd.gradgradcheck(fn, (x, *ps))
-    chunked = lambda x, w1, w2, b1, b2: ffn_ext.plain_mlp(x, w1, w2, b1, b2, act.name, transposed=transposed,
-                                                          token_chunk=4)
+    chunked = lambda x, w1, w2, b1, b2: ffn_ext.plain_mlp(
+        x, w1, w2, b1, b2, act.name, transposed=transposed, token_chunk=4
+    )
     assert torch.autograd.gradgradcheck(chunked, (x, *ps))
 
 
@@ -220,6 +227,7 @@ def test_autocast_bf16_weight_gradients_in_fp32(chunk):
 
 def test_activation_checkpointing():
     from torch.utils.checkpoint import checkpoint
+
     ffn = ffn_ext.FFN(16, 40, bias=True, dtype=torch.float64, token_chunk=6)
     x = torch.randn(3, 10, 16, dtype=torch.float64, requires_grad=True)
     y = checkpoint(ffn, x, use_reentrant=False)
@@ -241,15 +249,20 @@ def test_torch_func_grad_vmap_and_functional_call(transposed):
     ours = lambda w1: _ours(act, w1, *ps[1:], transposed)
     eager = lambda w1: _eager(act, w1, *ps[1:], transposed)
     w1 = ps[0].detach()
-    torch.testing.assert_close(torch.func.grad(loss)(w1, ours), torch.func.grad(loss)(w1, eager), rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(
+        torch.func.grad(loss)(w1, ours), torch.func.grad(loss)(w1, eager), rtol=1e-12, atol=1e-12
+    )
     xs = torch.randn(3, 4, 6, dtype=torch.float64)
-    torch.testing.assert_close(torch.func.vmap(_ours(act, *ps, transposed))(xs),
-                               _eager(act, *ps, transposed)(xs), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.func.vmap(_ours(act, *ps, transposed))(xs), _eager(act, *ps, transposed)(xs), rtol=1e-12, atol=1e-12
+    )
     ffn = ffn_ext.FFN(6, 10, activation=act.name, bias=True, dtype=torch.float64)
     new = {k: torch.randn_like(v) for k, v in ffn.state_dict().items()}
-    want = F.linear(act.aten(F.linear(x, new["up_proj.weight"], new["up_proj.bias"])), new["down_proj.weight"],
-                    new["down_proj.bias"])
+    want = F.linear(
+        act.aten(F.linear(x, new["up_proj.weight"], new["up_proj.bias"])),
+        new["down_proj.weight"],
+        new["down_proj.bias"],
+    )
     torch.testing.assert_close(torch.func.functional_call(ffn, new, (x,)), want, rtol=1e-12, atol=1e-12)
 
 
@@ -288,8 +301,9 @@ def test_ffn_runs_the_lean_autograd_and_matches_eager_fp64(act, bias):
     y0 = ffn.down_proj(act.aten(ffn.up_proj(x)))
     torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
     gy = torch.randn_like(y)
-    for a, b in zip(torch.autograd.grad(y, [x, *ffn.parameters()], gy),
-                    torch.autograd.grad(y0, [x, *ffn.parameters()], gy)):
+    for a, b in zip(
+        torch.autograd.grad(y, [x, *ffn.parameters()], gy), torch.autograd.grad(y0, [x, *ffn.parameters()], gy)
+    ):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -375,8 +389,7 @@ def test_cpu_default_plain_mlp_conv1d_and_dtensor_free_host_path():
     x = torch.randn(5, 8, requires_grad=True)
     y = _ours(act, *ps, True)(x)
     assert not any("MLP" in n for n in _graph_names(y))
-    torch.testing.assert_close(y, F.linear(act.aten(F.linear(x, ps[0].t(), ps[2])), ps[1].t(), ps[3]), rtol=0,
-                               atol=0)
+    torch.testing.assert_close(y, F.linear(act.aten(F.linear(x, ps[0].t(), ps[2])), ps[1].t(), ps[3]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="meta device"):
         ffn_ext.plain_mlp(x, ps[0].to("meta"), ps[1].to("meta"), transposed=True)
 
@@ -387,8 +400,10 @@ def test_cpu_default_patched_hf_mlp_runs_eager_pytorchs_ops():
     bitwise the same results."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
-    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4,
-                                   num_key_value_heads=2)
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4, num_key_value_heads=2
+    )
     ref = LlamaMLP(cfg)
     mlp = copy.deepcopy(ref)
     assert ffn_ext.patch_hf_model(mlp) == 1

@@ -2,17 +2,18 @@
 ffn_ext's unfused output, on every recipe, fp8 dtype, scale layout and gated form of the table (separate, packed
 in both layouts, strided), on fuzzed shapes with all-zero, NaN and inf groups; the recipe's and the inputs' errors;
 opcheck (Meta kernels: fake tensors, compile, export)."""
+
 from __future__ import annotations
 
 import zlib
 
 import pytest
 import torch
+from optable import DEVICES, GATED, PACKINGS
 
 import ffn_ext
 from ffn_ext import quant
 from ffn_ext.quant import QuantRecipe, reference_quantize
-from optable import DEVICES, GATED, PACKINGS
 
 FP8 = tuple(quant.FP8_MAX)
 
@@ -22,8 +23,11 @@ def recipes(dtypes=FP8):
     power-of-two scales (float32 or e8m0), in row and column layout where a layout applies."""
     out = []
     for dt in dtypes:
-        out += [QuantRecipe(dt, "tensor"), QuantRecipe(dt, "tensor", static_scale=0.37),
-                QuantRecipe(dt, "tensor", pow2_scales=True, scale_dtype=torch.float8_e8m0fnu)]
+        out += [
+            QuantRecipe(dt, "tensor"),
+            QuantRecipe(dt, "tensor", static_scale=0.37),
+            QuantRecipe(dt, "tensor", pow2_scales=True, scale_dtype=torch.float8_e8m0fnu),
+        ]
         for scaling, g in [("row", 128), ("group", 32), ("group", 64), ("group", 128)]:
             for pow2, sdt in [(False, torch.float32), (True, torch.float32), (True, torch.float8_e8m0fnu)]:
                 for lay in ("row", "column"):
@@ -34,8 +38,10 @@ def recipes(dtypes=FP8):
 def rid(r: QuantRecipe) -> str:
     dt = "e4m3" if r.dtype == torch.float8_e4m3fn else "e5m2"
     s = r.scaling + (str(r.group_size) if r.scaling == "group" else "") + ("-static" if r.static_scale else "")
-    return f"{dt}-{s}{'-pow2' if r.pow2_scales else ''}{'-e8m0' if r.scale_dtype != torch.float32 else ''}" \
-           f"{'-col' if r.scale_layout == 'column' else ''}"
+    return (
+        f"{dt}-{s}{'-pow2' if r.pow2_scales else ''}{'-e8m0' if r.scale_dtype != torch.float32 else ''}"
+        f"{'-col' if r.scale_layout == 'column' else ''}"
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +52,10 @@ def assert_same(actual, expected, msg=""):
     (q, s), (eq, es) = actual, expected
     assert q.dtype == eq.dtype and s.dtype == es.dtype, msg
     assert q.shape == eq.shape and s.shape == es.shape, msg
+
     def layout(t):  # the strides that mean something: of dims longer than 1, in a non-empty tensor
         return [st for st, n in zip(t.stride(), t.shape) if n > 1] if t.numel() else []
+
     assert layout(s) == layout(es), f"{msg}: scale strides {s.stride()} != {es.stride()}"
     assert torch.equal(bits(q.cpu()), bits(eq.cpu())), f"{msg}: q differs"
     # scales bit for bit, except that a NaN scale's sign and payload are not defined (float arithmetic on another
@@ -70,7 +78,7 @@ def rand_h(shape, dtype, device, gen, specials=True):
         i = torch.randint(0, n, (4,), generator=gen)
         flat[i[0]], flat[i[1]], flat[i[2]] = float("nan"), float("inf"), -float("inf")
         z = int(torch.randint(0, max(1, n - 32), (1,), generator=gen))
-        flat[z:z + 32] = 0.0
+        flat[z : z + 32] = 0.0
     return x.to(dtype).to(device)
 
 
@@ -104,7 +112,7 @@ def run_form(name, g, packing, recipe, shape, dtype, device, gen, strided=False)
         return opf(x, **kw), reference_quantize(x, recipe)
     if packing is None:
         big = rand_h(shape[:-1] + (2 * shape[-1] + (3 if strided else 0),), dtype, device, gen)
-        gate, up = big[..., :shape[-1]], big[..., -shape[-1]:]  # chunk views: rows strided, offsets apart
+        gate, up = big[..., : shape[-1]], big[..., -shape[-1] :]  # chunk views: rows strided, offsets apart
         if not strided:
             gate, up = gate.contiguous(), up.contiguous()
         h = _unfused(g.name, None, params)(gate, up)
@@ -166,8 +174,8 @@ def test_formula_properties(device):
         ok = torch.isfinite(h)
         ok[1, :128] = False
         ok[2, 128:] = False
-        rel = 2.0 ** -3 if dt == torch.float8_e4m3fn else 2.0 ** -2  # half the spacing at the top binade, x2
-        assert ((deq - h).abs()[ok] <= rel * h.abs()[ok] + s.repeat_interleave(128, -1)[ok] * 2.0 ** -9 * fmax).all()
+        rel = 2.0**-3 if dt == torch.float8_e4m3fn else 2.0**-2  # half the spacing at the top binade, x2
+        assert ((deq - h).abs()[ok] <= rel * h.abs()[ok] + s.repeat_interleave(128, -1)[ok] * 2.0**-9 * fmax).all()
         _, s2 = ffn_ext.quantize(h, QuantRecipe(dt, "group", 128, pow2_scales=True))
         fin = torch.isfinite(s2)
         assert torch.equal(torch.frexp(s2[fin])[0], torch.full_like(s2[fin], 0.5)) and (s2[fin] >= s[fin]).all()
@@ -177,8 +185,9 @@ def test_floor_and_static_scale():
     r = QuantRecipe(torch.float8_e4m3fn, "row")
     q, s = ffn_ext.quantize(torch.zeros(2, 8), r)
     assert torch.equal(s, torch.full((2, 1), torch.tensor(quant.AMAX_FLOOR, dtype=torch.float32).item() / 448))
-    q, s = ffn_ext.quantize(torch.tensor([1.0, -2.0, 1000.0]), QuantRecipe(torch.float8_e4m3fn, "tensor",
-                                                                          static_scale=0.5))
+    q, s = ffn_ext.quantize(
+        torch.tensor([1.0, -2.0, 1000.0]), QuantRecipe(torch.float8_e4m3fn, "tensor", static_scale=0.5)
+    )
     assert s.shape == () and s.item() == 0.5 and q.float().tolist() == [2.0, -4.0, 448.0]  # 2000 saturates
 
 
@@ -187,38 +196,61 @@ def test_python_api_matches_ops():
     gate, up = torch.randn(5, 256, generator=gen), torch.randn(5, 256, generator=gen)
     r = QuantRecipe(torch.float8_e5m2, "group", 64, pow2_scales=True, scale_dtype=torch.float8_e8m0fnu)
     assert_same(ffn_ext.swiglu_quant(gate, up, r), reference_quantize(ffn_ext.swiglu(gate, up), r))
-    assert_same(ffn_ext.geglu_quant(gate, up, r, approximate="tanh"),
-                reference_quantize(ffn_ext.geglu(gate, up, approximate="tanh"), r))
+    assert_same(
+        ffn_ext.geglu_quant(gate, up, r, approximate="tanh"),
+        reference_quantize(ffn_ext.geglu(gate, up, approximate="tanh"), r),
+    )
     assert_same(ffn_ext.gated_quant(gate, up, r, activation="gelu"), reference_quantize(ffn_ext.geglu(gate, up), r))
-    assert_same(ffn_ext.swiglu_clamped_quant(gate, up, r, limit=1.5, alpha=1.702, up_offset=1.0),
-                reference_quantize(ffn_ext.swiglu_clamped(gate, up, limit=1.5, alpha=1.702, up_offset=1.0), r))
+    assert_same(
+        ffn_ext.swiglu_clamped_quant(gate, up, r, limit=1.5, alpha=1.702, up_offset=1.0),
+        reference_quantize(ffn_ext.swiglu_clamped(gate, up, limit=1.5, alpha=1.702, up_offset=1.0), r),
+    )
     gu = torch.randn(5, 512, generator=gen)
     for layout in PACKINGS:
-        assert_same(ffn_ext.gated_packed_quant(gu, r, activation="silu", layout=layout),
-                    reference_quantize(ffn_ext.swiglu_packed(gu, layout=layout), r))
-        assert_same(ffn_ext.gated_packed_quant(gu, r, activation="swiglu_clamped", layout=layout, limit=2.0),
-                    reference_quantize(ffn_ext.swiglu_clamped_packed(gu, limit=2.0, layout=layout), r))
+        assert_same(
+            ffn_ext.gated_packed_quant(gu, r, activation="silu", layout=layout),
+            reference_quantize(ffn_ext.swiglu_packed(gu, layout=layout), r),
+        )
+        assert_same(
+            ffn_ext.gated_packed_quant(gu, r, activation="swiglu_clamped", layout=layout, limit=2.0),
+            reference_quantize(ffn_ext.swiglu_clamped_packed(gu, limit=2.0, layout=layout), r),
+        )
     q, s = ffn_ext.quantize(gate)  # the default recipe: e4m3, 1x128 groups, float32 scales
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 2) and s.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dtype=torch.int8), "`dtype`"), (dict(dtype=torch.bfloat16), "`dtype`"),
-    (dict(scaling="block"), "`scaling`"), (dict(group_size=0), "`group_size`"), (dict(group_size=100), "`group_size`"),
-    (dict(scale_dtype=torch.float16), "`scale_dtype`"), (dict(scale_dtype=torch.float8_e8m0fnu), "pow2_scales"),
-    (dict(scale_layout="swizzle"), "`scale_layout`"), (dict(scaling="tensor", scale_layout="column"), "`scale_layout`"),
-    (dict(scaling="tensor", static_scale=0.0), "`static_scale`"),
-    (dict(scaling="tensor", static_scale=-1.0), "`static_scale`"),
-    (dict(scaling="tensor", static_scale=float("inf")), "`static_scale`"),
-    (dict(scaling="tensor", static_scale=float("nan")), "`static_scale`"),
-    (dict(scaling="row", static_scale=1.0), "`static_scale`"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dtype=torch.int8), "`dtype`"),
+        (dict(dtype=torch.bfloat16), "`dtype`"),
+        (dict(scaling="block"), "`scaling`"),
+        (dict(group_size=0), "`group_size`"),
+        (dict(group_size=100), "`group_size`"),
+        (dict(scale_dtype=torch.float16), "`scale_dtype`"),
+        (dict(scale_dtype=torch.float8_e8m0fnu), "pow2_scales"),
+        (dict(scale_layout="swizzle"), "`scale_layout`"),
+        (dict(scaling="tensor", scale_layout="column"), "`scale_layout`"),
+        (dict(scaling="tensor", static_scale=0.0), "`static_scale`"),
+        (dict(scaling="tensor", static_scale=-1.0), "`static_scale`"),
+        (dict(scaling="tensor", static_scale=float("inf")), "`static_scale`"),
+        (dict(scaling="tensor", static_scale=float("nan")), "`static_scale`"),
+        (dict(scaling="row", static_scale=1.0), "`static_scale`"),
+    ],
+)
 def test_recipe_errors(kwargs, match):
     # the same argument named by the recipe (Python) and by the ops (C++, called with the raw arguments)
     with pytest.raises((ValueError, TypeError), match=match):
         QuantRecipe(**kwargs)
-    raw = dict(dtype=torch.float8_e4m3fn, scaling="group", group_size=128, pow2_scales=False,
-               scale_dtype=torch.float32, scale_layout="row", static_scale=None)
+    raw = dict(
+        dtype=torch.float8_e4m3fn,
+        scaling="group",
+        group_size=128,
+        pow2_scales=False,
+        scale_dtype=torch.float32,
+        scale_layout="row",
+        static_scale=None,
+    )
     raw.update(kwargs)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         torch.ops.ffn_ext.quantize(torch.randn(2, 128), **raw)
@@ -243,24 +275,35 @@ def test_input_errors():
     with pytest.raises(TypeError, match="`recipe`"):
         ffn_ext.quantize(torch.randn(2, 128), "row")
     x = torch.randn(2, 128, requires_grad=True)
-    for call in (lambda: ffn_ext.quantize(x, r), lambda: torch.ops.ffn_ext.quantize(x, **r.op_kwargs()),
-                 lambda: torch.ops.ffn_ext.swiglu_quant(x.detach(), x, **r.op_kwargs())):
+    for call in (
+        lambda: ffn_ext.quantize(x, r),
+        lambda: torch.ops.ffn_ext.quantize(x, **r.op_kwargs()),
+        lambda: torch.ops.ffn_ext.swiglu_quant(x.detach(), x, **r.op_kwargs()),
+    ):
         with pytest.raises(RuntimeError, match="requires grad.*not differentiable"):
             call()
     with torch.no_grad():
         assert_same(ffn_ext.quantize(x, r), reference_quantize(x.detach(), r))
 
 
-OPCHECK = [("quantize", None, None), ("swiglu_quant", GATED[0], None),
-           ("swiglu_clamped_packed_quant", [g for g in GATED if g.params][0], "interleaved")]
+OPCHECK = [
+    ("quantize", None, None),
+    ("swiglu_quant", GATED[0], None),
+    ("swiglu_clamped_packed_quant", [g for g in GATED if g.params][0], "interleaved"),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, g, packing", OPCHECK, ids=[c[0] for c in OPCHECK])
-@pytest.mark.parametrize("recipe", [QuantRecipe(scale_layout="column"),
-                                    QuantRecipe(torch.float8_e5m2, "tensor"),
-                                    QuantRecipe(scaling="row", pow2_scales=True, scale_dtype=torch.float8_e8m0fnu)],
-                         ids=rid)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        QuantRecipe(scale_layout="column"),
+        QuantRecipe(torch.float8_e5m2, "tensor"),
+        QuantRecipe(scaling="row", pow2_scales=True, scale_dtype=torch.float8_e8m0fnu),
+    ],
+    ids=rid,
+)
 def test_opcheck(name, g, packing, recipe, device):
     shape = (3, 5, 256)
     params = g.example if g is not None else {}
@@ -284,8 +327,9 @@ def test_every_gated_op_has_quant_ops():
 _EMU = getattr(ffn_ext.ops._native, "_emulate_quant", None) and ffn_ext.ops._native
 
 
-@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant (ffn_ext._C or a "
-                    "JIT build)")
+@pytest.mark.skipif(
+    _EMU is None, reason="needs the native ffn_ext library with _emulate_quant (ffn_ext._C or a JIT build)"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_kernel_emulation_bit_identical(dtype):
     # the CUDA kernels' per-lane code (quant_kernel.h) run on the host: q and scales equal the reference applied to
@@ -294,12 +338,17 @@ def test_kernel_emulation_bit_identical(dtype):
     gen = torch.Generator().manual_seed(99 + dtype.itemsize)
     group_recipes = [r for r in recipes() if r.scaling == "group"]
     for trial, (name, g, packing) in enumerate(FORMS):
-        for r in group_recipes[trial % 3::5]:
+        for r in group_recipes[trial % 3 :: 5]:
             rows = (1, 7, 33)[trial % 3]
             k = r.group_size * (1, 3, 5)[(trial + rows) % 3]
             params = [float(v) for v in g.example.values()] if g is not None else []
-            kw = dict(format="e4m3fn" if r.dtype == torch.float8_e4m3fn else "e5m2", group_size=r.group_size,
-                      pow2=r.pow2_scales, e8m0=r.scale_dtype != torch.float32, column=r.scale_layout == "column")
+            kw = dict(
+                format="e4m3fn" if r.dtype == torch.float8_e4m3fn else "e5m2",
+                group_size=r.group_size,
+                pow2=r.pow2_scales,
+                e8m0=r.scale_dtype != torch.float32,
+                column=r.scale_layout == "column",
+            )
             if g is None:
                 x = rand_h((rows, k + 1), dtype, "cpu", gen)[:, 1:]  # rows 2 bytes off 16-byte alignment
                 got = _EMU._emulate_quant(name, [x], **kw)
@@ -312,6 +361,7 @@ def test_kernel_emulation_bit_identical(dtype):
             else:
                 gu = rand_h((rows, 2 * k), dtype, "cpu", gen)
                 got = _EMU._emulate_quant(name, [gu], params, packing, **kw)
-                ref = reference_quantize(_EMU._emulate_cuda(g.name + "_packed", [gu], params=params,
-                                                            layout=packing)[0], r)
+                ref = reference_quantize(
+                    _EMU._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0], r
+                )
             assert_same(tuple(got), ref, msg=f"{name} {packing} {rid(r)} {dtype}")

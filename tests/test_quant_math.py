@@ -2,6 +2,7 @@
 paths, bit for bit against torch's own casts: the float32 neighbourhood of every fp8 value and of every midpoint
 between two (ties to even), subnormals, saturation and overflow, +-0, inf, NaN; and the scale of a group from its
 amax against quant.py's reference formula (floor, FLT_MAX, NaN, pow2 rounding up)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ import ffn_ext
 from ffn_ext import quant
 
 _C = getattr(ffn_ext.ops._native, "_host_fp8", None) and ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(_C is None, reason="needs the native ffn_ext library with _host_fp8 (ffn_ext._C "
-                                "or a JIT build)")
+pytestmark = pytest.mark.skipif(
+    _C is None, reason="needs the native ffn_ext library with _host_fp8 (ffn_ext._C or a JIT build)"
+)
 
 FORMATS = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
 
@@ -24,13 +26,20 @@ def neighbourhood(dtype) -> torch.Tensor:
     vals = codes.view(dtype).float()
     vals = vals[torch.isfinite(vals)]
     mids = (vals[1:].double() + vals[:-1].double()) / 2  # exact in float32 (fp8 has 2-3 mantissa bits)
-    top = torch.tensor([float(torch.finfo(dtype).max) * 1.0625, float(torch.finfo(dtype).max) * 1.125,
-                        float(torch.finfo(dtype).max) * 1.5, 1e30, 3.4e38])
+    top = torch.tensor(
+        [
+            float(torch.finfo(dtype).max) * 1.0625,
+            float(torch.finfo(dtype).max) * 1.125,
+            float(torch.finfo(dtype).max) * 1.5,
+            1e30,
+            3.4e38,
+        ]
+    )
     base = torch.cat([vals, mids.float(), top]).view(torch.int32)
     near = (base[:, None] + torch.arange(-4, 5, dtype=torch.int32)).view(-1)
     near = near[near >= 0].view(torch.float32)
     tiny = torch.logspace(-45, -1, 2000, dtype=torch.float64).float()
-    special = torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 2.0 ** -149])
+    special = torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 2.0**-149])
     x = torch.cat([near, tiny, special, torch.randn(20000) * 10.0 ** torch.randint(-8, 6, (20000,)).float()])
     return torch.cat([x, -x])
 
@@ -55,8 +64,12 @@ def test_fp8_conversion_matches_torch(dtype):
 @pytest.mark.parametrize("dtype", list(FORMATS), ids=list(FORMATS.values()))
 @pytest.mark.parametrize("pow2", [False, True])
 def test_scale_matches_reference(dtype, pow2):
-    amax = torch.cat([torch.tensor([0.0, 1e-13, 1e-12, 2e-12, 1.0, 448.0, 3.4e38, float("inf"), float("nan")]),
-                      torch.rand(5000) * 10.0 ** torch.randint(-15, 30, (5000,)).float()])
+    amax = torch.cat(
+        [
+            torch.tensor([0.0, 1e-13, 1e-12, 2e-12, 1.0, 448.0, 3.4e38, float("inf"), float("nan")]),
+            torch.rand(5000) * 10.0 ** torch.randint(-15, 30, (5000,)).float(),
+        ]
+    )
     fmax = quant.FP8_MAX[dtype]
     got = _C._host_quant_scale(amax, fmax, pow2)
     want = amax.clamp(quant.AMAX_FLOOR, quant.FLT_MAX) / fmax

@@ -1,6 +1,7 @@
 """ffn_ext.quantize_fp8 (ffn_ext.fp8): the FP8 MLP through F.scaled_mm RowWise equals, bit for bit, the same
 path written out with quant.py's reference quantization and ffn_ext's unfused ops; and the bf16 MLP within FP8's
 error (the measured relative error is printed with -s)."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,11 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ffn_ext
-from ffn_ext.fp8 import ROW, FP8FFN, FP8GatedFFN, quantize_fp8
+from ffn_ext.fp8 import FP8FFN, ROW, FP8GatedFFN, quantize_fp8
 from ffn_ext.quant import reference_quantize
 
-pytestmark = pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm (RowWise) is "
-                                "not in this torch")
+pytestmark = pytest.mark.skipif(
+    not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm (RowWise) is not in this torch"
+)
 
 RW = None if not hasattr(F, "scaled_mm") else F.ScalingType.RowWise
 
@@ -32,8 +34,9 @@ def gate_up_weights(ffn):
     gu = ffn.gate_up_proj
     if ffn.act.layout == "concat":
         return gu.weight, gu.bias
-    return torch.cat([gu.weight[0::2], gu.weight[1::2]]), None if gu.bias is None else \
-        torch.cat([gu.bias[0::2], gu.bias[1::2]])
+    return torch.cat([gu.weight[0::2], gu.weight[1::2]]), None if gu.bias is None else torch.cat(
+        [gu.bias[0::2], gu.bias[1::2]]
+    )
 
 
 def ref_gated(ffn, x):
@@ -75,8 +78,10 @@ def test_fp8_gated_mlp(kind):
         ref = ref_gated(ffn, x)
         exact = ffn.float()(x.float())
     assert torch.equal(y8, ref)
-    assert torch.equal(m8.gate_up.weight_q.view(torch.uint8),
-                       reference_quantize(gate_up_weights(ffn)[0].detach(), ROW)[0].view(torch.uint8))
+    assert torch.equal(
+        m8.gate_up.weight_q.view(torch.uint8),
+        reference_quantize(gate_up_weights(ffn)[0].detach(), ROW)[0].view(torch.uint8),
+    )
     err = ((y8.float() - exact).norm() / exact.norm()).item()
     bf16 = ffn.to(dt)(x)
     err_bf16 = ((bf16.float() - exact).norm() / exact.norm()).item()
@@ -91,8 +96,9 @@ class _Mul(nn.Module):
 
 def test_fp8_classic_ffn_and_containers():
     torch.manual_seed(4)
-    model = nn.Sequential(ffn_ext.FFN(128, 256, "gelu", dtype=torch.bfloat16),
-                          ffn_ext.SwiGLUFFN(128, 256, dtype=torch.bfloat16))
+    model = nn.Sequential(
+        ffn_ext.FFN(128, 256, "gelu", dtype=torch.bfloat16), ffn_ext.SwiGLUFFN(128, 256, dtype=torch.bfloat16)
+    )
     odd = ffn_ext.SwiGLUFFN(128, 256, dtype=torch.bfloat16)
     odd.act = _Mul()  # not one of ffn_ext's activations: not converted, named in a warning
     model.append(nn.Sequential(odd))

@@ -6,6 +6,7 @@ activation" quotes them).
 
 Run alone: python -m pytest -q -s tests/test_recipe.py (a CPU build of the copy: minutes on 2 cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,11 @@ struct ScratchLeaky : ActBase<ScratchLeaky> {
 };
 
 """
-ACT_LINE = ("  X(scratch_leaky, ScratchLeaky, at::leaky_relu_out(out, x, 0.0625),                        \\\n"
-            "    at::mul_out(out, grad, at::where(x > 0, at::ones_like(x),                             \\\n"
-            "                            at::where(x <= 0, at::full_like(x, 0.0625), x))))            \\\n")
+ACT_LINE = (
+    "  X(scratch_leaky, ScratchLeaky, at::leaky_relu_out(out, x, 0.0625),                        \\\n"
+    "    at::mul_out(out, grad, at::where(x > 0, at::ones_like(x),                             \\\n"
+    "                            at::where(x <= 0, at::full_like(x, 0.0625), x))))            \\\n"
+)
 GATED_LINE = "  X(scratch_leaky_glu, Glu<math::ScratchLeaky>, NONE) \\\n"
 ENTRY = """    Activation(
         name="scratch_leaky", gated="scratch_leaky_glu",
@@ -52,8 +55,15 @@ RECIPE = [
     ("ffn_ext/table.py", ")\nBY_NAME = ", ENTRY),
 ]
 # The table-driven test files the scratch activation runs through (the CPU ones; -k NAME picks its cases).
-TEST_FILES = ["test_host_math.py", "test_launcher_emulation.py", "test_ops.py", "test_autograd.py",
-              "test_opcheck.py", "test_validation.py", "test_modules.py"]
+TEST_FILES = [
+    "test_host_math.py",
+    "test_launcher_emulation.py",
+    "test_ops.py",
+    "test_autograd.py",
+    "test_opcheck.py",
+    "test_validation.py",
+    "test_modules.py",
+]
 
 
 def _git(cwd, *args) -> str:
@@ -97,18 +107,49 @@ def test_scratch_activation_by_the_recipe_alone(tmp_path):
 
     env = dict(os.environ, **{_build.FORCE_CPU_ENV: "1"})
     env.pop("PYTHONPATH", None)
-    build = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
-                           capture_output=True, text=True, timeout=1800)
+    build = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     # the copy's ffn_ext (python -m puts the working directory first on sys.path), with the scratch entry
-    probe = subprocess.run([sys.executable, "-c", "import ffn_ext, torch; from ffn_ext.table import BY_NAME; "
-                            f"print(ffn_ext.__file__, '{NAME}' in BY_NAME, hasattr(torch.ops.ffn_ext, '{NAME}'))"],
-                           cwd=tree, env=env, capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ffn_ext, torch; from ffn_ext.table import BY_NAME; "
+            f"print(ffn_ext.__file__, '{NAME}' in BY_NAME, hasattr(torch.ops.ffn_ext, '{NAME}'))",
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert probe.returncode == 0 and probe.stdout.split()[1:] == ["True", "True"], probe.stdout + probe.stderr
     assert Path(probe.stdout.split()[0]).is_relative_to(tree), probe.stdout
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", NAME,
-                          *[f"tests/{f}" for f in TEST_FILES]], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=1800)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            NAME,
+            *[f"tests/{f}" for f in TEST_FILES],
+        ],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     tail = run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     print(f"recipe: the table-driven tests on {NAME}: {summary}")

@@ -17,6 +17,7 @@ and the binary holds exactly the SASS and PTX the architecture list asked for (T
 default_cuda_archs of csrc/build.json), which must also be what the build reports (build_info()['cuda_archs']).
 Skips when the extension has no CUDA kernels or no cuobjdump is found.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,8 @@ from pathlib import Path
 import pytest
 
 import ffn_ext
-from ffn_ext import _build, sass as S
+from ffn_ext import _build
+from ffn_ext import sass as S
 from ffn_ext.table import ACTIVATIONS, GATED, GATED_BY_NAME, OPS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +62,7 @@ def requested_archs() -> tuple[str, set[int], set[int]]:
     return text, sass, ptx
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dump(kind: str) -> str:
     lib, why = _library()
     if lib is None:
@@ -105,25 +107,35 @@ def test_kernel_list_follows_the_table():
     assert S.gate_struct(GATED_BY_NAME["swiglu"]) == "Glu<Silu>"
     assert S.gate_struct(GATED_BY_NAME["geglu_tanh"]) == "Glu<GeluTanh>"
     assert S.gate_struct(GATED_BY_NAME["swiglu_clamped"]) == "SwigluClamped"
-    want = {f"{shape}<{S.act_struct(a.name)}>" for a in ACTIVATIONS
-            for shape in ("UnaryFwd", "UnaryBwd", "UnaryBwdRecompute")}
+    want = {
+        f"{shape}<{S.act_struct(a.name)}>"
+        for a in ACTIVATIONS
+        for shape in ("UnaryFwd", "UnaryBwd", "UnaryBwdRecompute")
+    }
     for g in GATED:
         gate = S.gate_struct(g)
-        want |= {f"GatedFwd<{gate}>", f"GatedBwd<{gate}>", f"Interleaved<GatedFwd<{gate}>, 0, -1>",
-                 f"Interleaved<GatedBwd<{gate}>, 1, 0>"}
+        want |= {
+            f"GatedFwd<{gate}>",
+            f"GatedBwd<{gate}>",
+            f"Interleaved<GatedFwd<{gate}>, 0, -1>",
+            f"Interleaved<GatedBwd<{gate}>, 1, 0>",
+        }
     assert set(S.KERNELS) == want
     ops_run = [op for k in S.KERNELS.values() for op in (k.op, *k.also)]
     packed = [name for name, spec in OPS.items() if spec.kind == "packed"]
-    assert sorted(ops_run) == sorted([*OPS, *packed]), ("every unary and gated op runs one kernel, every packed op "
-                                                        "two (concat: its gated op's; interleaved: its own)")
-    assert S.KERNELS["GatedBwd<Glu<GeluTanh>>"] == S.KernelSpec("geglu_tanh_backward", 3, 2,
-                                                               ("geglu_tanh_packed_backward",))
+    assert sorted(ops_run) == sorted([*OPS, *packed]), (
+        "every unary and gated op runs one kernel, every packed op two (concat: its gated op's; interleaved: its own)"
+    )
+    assert S.KERNELS["GatedBwd<Glu<GeluTanh>>"] == S.KernelSpec(
+        "geglu_tanh_backward", 3, 2, ("geglu_tanh_packed_backward",)
+    )
     assert S.KERNELS["UnaryFwd<Silu>"] == S.KernelSpec("silu", 1, 1)
     assert S.KERNELS["GatedFwd<SwigluClamped>"] == S.KernelSpec("swiglu_clamped", 2, 1, ("swiglu_clamped_packed",))
     # an interleaved kernel moves its gated op's elements (the pair operand: two per element)
     assert S.KERNELS["Interleaved<GatedFwd<Glu<Silu>>, 0, -1>"] == S.KernelSpec("swiglu_packed", 2, 1)
     assert S.KERNELS["Interleaved<GatedBwd<SwigluClamped>, 1, 0>"] == S.KernelSpec(
-        "swiglu_clamped_packed_backward", 3, 2)
+        "swiglu_clamped_packed_backward", 3, 2
+    )
     assert list(S.KERNELS)[:2] == ["UnaryFwd<Gelu>", "UnaryBwd<Gelu>"]  # the table's order
     assert len(EXPECTED_KERNELS) == (3 * len(ACTIVATIONS) + 4 * len(GATED)) * 4
 
@@ -136,15 +148,18 @@ def test_kernel_inventory(sass):
         names = [n for a, n in sass if a == arch]
         parsed = {n: S.kernel_of(n) for n in names}
         unknown = [n for n, p in parsed.items() if p is None]
-        assert not unknown, (f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel<T, math::Shape<Arg>, VEC> or "
-                             f"<T, math::Interleaved<math::Shape<Arg>, int, int>, VEC>: {unknown}")
+        assert not unknown, (
+            f"sm_{arch}: kernels other than ffn_ext::cuda::rows_kernel<T, math::Shape<Arg>, VEC> or "
+            f"<T, math::Interleaved<math::Shape<Arg>, int, int>, VEC>: {unknown}"
+        )
         found = {(k.functor, k.dtype) for k in parsed.values()}
         assert len(found) == len(names), f"sm_{arch}: duplicate instantiations: {sorted(names)}"
         assert found == EXPECTED_KERNELS, (
             f"sm_{arch}: the binary and ffn_ext.table disagree: in the binary only "
             f"{sorted(found - EXPECTED_KERNELS)}, predicted only {sorted(EXPECTED_KERNELS - found)} (is the C++ "
             "functor of each activation the CamelCase of its table name, and each gated op's gate Glu<Act> or the "
-            "CamelCase of its name? csrc/ops_table.h, ffn_ext/table.py, ffn_ext.sass.gate_struct)")
+            "CamelCase of its name? csrc/ops_table.h, ffn_ext/table.py, ffn_ext.sass.gate_struct)"
+        )
         for k in parsed.values():
             size = k.vec * S.DTYPE_SIZE[k.dtype]
             assert size == 16, f"sm_{arch}: {k} uses {size}-byte packs"
@@ -160,7 +175,7 @@ def test_arch_list_matches_request_and_build_info(sass):
     ptx_archs = {int(a) for a in re.findall(r"\.sm_(\d+)[af]?\.ptx", ptx)}
     assert cubin_archs == _archs_in(sass), (elf, sorted(_archs_in(sass)))
     source = "TORCH_CUDA_ARCH_LIST" if os.environ.get("TORCH_CUDA_ARCH_LIST") else "default_cuda_archs"
-    hint = (f"(expected from {source}={text!r}; rebuild, or set TORCH_CUDA_ARCH_LIST to the list the extension was built with)")
+    hint = f"(expected from {source}={text!r}; rebuild, or set TORCH_CUDA_ARCH_LIST to the list the extension was built with)"
     assert cubin_archs == want_sass, f"SASS for {sorted(cubin_archs)}, expected {sorted(want_sass)} {hint}"
     assert ptx_archs == want_ptx, f"PTX for {sorted(ptx_archs)}, expected {sorted(want_ptx)} {hint}"
     if not os.environ.get(LIB_ENV):
@@ -188,8 +203,9 @@ def test_vector_loads_and_stores_no_local_memory(sass, functor):
         loads = [i for i in ops if S.LOAD_128.search(i)]
         stores = [i for i in ops if S.STORE_128.search(i)]
         local = [i for i in ops if S.LOCAL_MEM.search(i)]
-        assert len(loads) >= spec.ni, (f"{where}: {len(loads)} 128-bit global loads (LDG.*.128), want >= {spec.ni} "
-                                       "(one per input)")
+        assert len(loads) >= spec.ni, (
+            f"{where}: {len(loads)} 128-bit global loads (LDG.*.128), want >= {spec.ni} (one per input)"
+        )
         assert len(stores) >= spec.no, f"{where}: {len(stores)} 128-bit global stores (STG.*.128), want >= {spec.no}"
         assert not local, f"{where}: local memory traffic (spills?): {local[:5]}"
         checked += 1
@@ -230,18 +246,22 @@ def test_vector_path_fits_the_issue_budget(sass):
             where = f"sm_{arch} {r['op']} ({r['kernel']}) {r['dtype']}"
             assert (r["loads"], r["stores"]) == (r["want_loads"], r["want_stores"]), (
                 f"{where}: the traced vector path has {r['loads']} 128-bit loads and {r['stores']} stores, want "
-                f"{r['want_loads']} and {r['want_stores']} (the SASS layout changed, or the tracer lost its way)")
+                f"{r['want_loads']} and {r['want_stores']} (the SASS layout changed, or the tracer lost its way)"
+            )
             assert r["math_before_last_load"] == 0, (
                 f"{where}: {r['math_before_last_load']} floating-point instructions issue before the vector path's "
-                "last 128-bit load: ptxas sank loads below math, so fewer bytes are in flight (csrc/rows.h never())")
+                "last 128-bit load: ptxas sank loads below math, so fewer bytes are in flight (csrc/rows.h never())"
+            )
             if arch == 90 and r["dtype"] != "float64":
                 assert r["instr_per_byte"] <= limit, (
                     f"{where}: {r['instr_per_elem']:.1f} instructions per element, {r['instr_per_byte']:.2f} per "
-                    f"byte moved: above {limit:.2f}, an H200 could not issue them at 92% of copy bandwidth")
+                    f"byte moved: above {limit:.2f}, an H200 could not issue them at 92% of copy bandwidth"
+                )
                 if S.DTYPE_SIZE[r["dtype"]] == 2:
                     assert r["instr_per_byte"] <= S.H200_INSTR_PER_BYTE, (
                         f"{where}: {r['instr_per_byte']:.2f} instructions per byte moved, above the H200 issue "
-                        f"ceiling of {S.H200_INSTR_PER_BYTE}: a 16-bit kernel would be issue-bound")
+                        f"ceiling of {S.H200_INSTR_PER_BYTE}: a 16-bit kernel would be issue-bound"
+                    )
                 checked += 1
     if 90 in _archs_in(sass):
         assert checked == len(S.KERNELS) * 3  # every kernel x 3 dtypes
@@ -253,19 +273,19 @@ def test_vector_path_tracer_on_a_sample():
     128-bit access a branch guards, and stops at the row loop's back edge."""
     sample = [
         (0x00, "S2R R0, SR_TID.X"),
-        (0x10, "@P0 BRA 0x40"),                     # skip the head (scalar code)
+        (0x10, "@P0 BRA 0x40"),  # skip the head (scalar code)
         (0x20, "LDG.E.U16 R2, desc[UR4][R4.64]"),
         (0x30, "STG.E.U16 desc[UR4][R4.64], R2"),
-        (0x40, "@P1 BRA 0x70"),                     # would skip the 128-bit load: fall through
+        (0x40, "@P1 BRA 0x70"),  # would skip the 128-bit load: fall through
         (0x50, "LDG.E.128 R8, desc[UR4][R6.64]"),
         (0x60, "FFMA R8, R8, R9, R10"),
-        (0x70, "@!P2 BRA 0xa0"),                    # scalar store path skipped
+        (0x70, "@!P2 BRA 0xa0"),  # scalar store path skipped
         (0x80, "STG.E.U16 desc[UR4][R6.64], R8"),
         (0x90, "BRA 0xb0"),
-        (0xa0, "STG.E.128.STRONG.GPU desc[UR4][R6.64], R8"),
-        (0xb0, "NOP"),
-        (0xc0, "BRA 0x00"),                         # the row loop: one row only
-        (0xd0, "EXIT"),
+        (0xA0, "STG.E.128.STRONG.GPU desc[UR4][R6.64], R8"),
+        (0xB0, "NOP"),
+        (0xC0, "BRA 0x00"),  # the row loop: one row only
+        (0xD0, "EXIT"),
     ]
     assert S.vector_path(sample, 1, 1) == (8, 1, 1)  # 0x00 0x10 0x40 0x50 0x60 0x70 0xa0 0xc0
 
@@ -276,24 +296,24 @@ def test_vector_path_tracer_takes_the_fast_body():
     counts the fast body only; it does not jump past math (the isinf branch) or past a 128-bit access."""
     sample = [
         (0x00, "ISETP.GE.AND P0, PT, R0, R1, PT"),
-        (0x10, "@!P2 BRA P0, 0x80"),                # to the fast body
-        (0x20, "@P1 LDG.E.U16 R2, desc[UR4][R4.64]"),   # general body: element-wise fallback, predicated
+        (0x10, "@!P2 BRA P0, 0x80"),  # to the fast body
+        (0x20, "@P1 LDG.E.U16 R2, desc[UR4][R4.64]"),  # general body: element-wise fallback, predicated
         (0x30, "@!P1 LDG.E.128 R8, desc[UR4][R6.64]"),
         (0x40, "FFMA R8, R8, R9, R10"),
         (0x50, "@P1 STG.E.U16 desc[UR4][R6.64], R8"),
         (0x60, "@!P1 STG.E.128 desc[UR4][R6.64], R8"),
         (0x70, "BRA 0xe0"),
-        (0x80, "LDG.E.128 R8, desc[UR4][R6.64]"),   # fast body
-        (0x90, "@P3 BRA 0xb0"),                     # x = inf: skips math only, fall through
-        (0xa0, "FFMA R8, R8, R9, R10"),
-        (0xb0, "FMUL R8, R8, R9"),
-        (0xc0, "STG.E.128 desc[UR4][R6.64], R8"),
-        (0xd0, "NOP"),
-        (0xe0, "EXIT"),
+        (0x80, "LDG.E.128 R8, desc[UR4][R6.64]"),  # fast body
+        (0x90, "@P3 BRA 0xb0"),  # x = inf: skips math only, fall through
+        (0xA0, "FFMA R8, R8, R9, R10"),
+        (0xB0, "FMUL R8, R8, R9"),
+        (0xC0, "STG.E.128 desc[UR4][R6.64], R8"),
+        (0xD0, "NOP"),
+        (0xE0, "EXIT"),
     ]
     path = []
     assert S.vector_path(sample, 1, 1, path) == (8, 1, 1)
-    assert [sample[i][0] for i in path] == [0x00, 0x10, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xe0]
+    assert [sample[i][0] for i in path] == [0x00, 0x10, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xE0]
     with pytest.raises(RuntimeError, match="no path"):
         S.vector_path(sample, 2, 1)
 
@@ -323,44 +343,67 @@ code version = [1,8]
     assert S.LOAD_128.search(ops[0]) and S.STORE_128.search(ops[2]) and S.LOCAL_MEM.search(ops[1])
     assert not S.LOAD_128.search("LDG.E.64 R4, [R2.64]") and not S.LOCAL_MEM.search("LDG.E R4, [R2.64]")
     # the names in the binary: math::<Shape><math::<Arg>>, the namespace substitution depends on the dtype
-    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIdNS_4math8UnaryBwdINS2_4GeluEEELi2EEEvNS_4rows10RowProblemIX"
-                       "srT0_2NIEXsrS8_2NOEEES8_") == S.Kernel("UnaryBwd", "Gelu", "float64", 2)
+    assert S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIdNS_4math8UnaryBwdINS2_4GeluEEELi2EEEvNS_4rows10RowProblemIX"
+        "srT0_2NIEXsrS8_2NOEEES8_"
+    ) == S.Kernel("UnaryBwd", "Gelu", "float64", 2)
     # gated kernels: a gate functor, Glu<Act> or one of its own, and the interleaved form with its int arguments
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c104HalfENS_4math8GatedFwdINS4_3GluINS4_4SiluEEEEELi8EEEvNS_4rows"
-                    "10RowProblemIXsrT0_2NIEXsrSC_2NOEEESC_")
+    k = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIN3c104HalfENS_4math8GatedFwdINS4_3GluINS4_4SiluEEEEELi8EEEvNS_4rows"
+        "10RowProblemIXsrT0_2NIEXsrSC_2NOEEESC_"
+    )
     assert k == S.Kernel("GatedFwd", "Glu<Silu>", "float16", 8) and k.functor == "GatedFwd<Glu<Silu>>"
     assert (k.functor, k.dtype) in EXPECTED_KERNELS and not k.interleaved
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedBwdINS2_13SwigluClampedEEELi4EEEvNS_4rows10RowProblem"
-                    "IXsrT0_2NIEXsrS8_2NOEEES8_")
+    k = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedBwdINS2_13SwigluClampedEEELi4EEEvNS_4rows10RowProblem"
+        "IXsrT0_2NIEXsrS8_2NOEEES8_"
+    )
     assert k == S.Kernel("GatedBwd", "SwigluClamped", "float32", 4)
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math11InterleavedINS4_8GatedFwdINS4_3GluINS4_8"
-                    "GeluTanhEEEEELi0ELin1EEELi8EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSE_2NOEEESE_")
+    k = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math11InterleavedINS4_8GatedFwdINS4_3GluINS4_8"
+        "GeluTanhEEEEELi0ELin1EEELi8EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSE_2NOEEESE_"
+    )
     assert k == S.Kernel("GatedFwd", "Glu<GeluTanh>", "bfloat16", 8, 0, -1) and k.interleaved
     assert k.functor == "Interleaved<GatedFwd<Glu<GeluTanh>>, 0, -1>" and (k.functor, k.dtype) in EXPECTED_KERNELS
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIdNS_4math11InterleavedINS2_8GatedBwdINS2_13SwigluClampedEEELi1ELi0E"
-                    "EELi2EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
+    k = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIdNS_4math11InterleavedINS2_8GatedBwdINS2_13SwigluClampedEEELi1ELi0E"
+        "EELi2EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_"
+    )
     assert k == S.Kernel("GatedBwd", "SwigluClamped", "float64", 2, 1, 0)
     assert str(k) == "rows_kernel<float64, Interleaved<GatedBwd<SwigluClamped>, 1, 0>, VEC=2>"
     # a plain functor (the names before the op table) still decodes, and the inventory test would reject it
-    old = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_"
-                      "2NIEXsrS7_2NOEEES7_")
+    old = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math9SwigluBwdELi8EEEvNS0_10RowProblemIXsrT0_"
+        "2NIEXsrS7_2NOEEES7_"
+    )
     assert old == S.Kernel("SwigluBwd", None, "bfloat16", 8) and (old.functor, old.dtype) not in EXPECTED_KERNELS
     # so does an activation where a gate belongs (the names before Glu): decoded as it is, not predicted
-    k = S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math8GatedBwdINS4_8GeluTanhEEELi8EEEvNS_4rows"
-                    "10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_")
+    k = S.kernel_of(
+        "_ZN7ffn_ext4cuda11rows_kernelIN3c108BFloat16ENS_4math8GatedBwdINS4_8GeluTanhEEELi8EEEvNS_4rows"
+        "10RowProblemIXsrT0_2NIEXsrSA_2NOEEESA_"
+    )
     assert k.functor == "GatedBwd<GeluTanh>" and (k.functor, k.dtype) not in EXPECTED_KERNELS
     assert S.kernel_of("_ZN7ffn_ext4cuda11other_kernelIfEEvv") is None
     assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4Si") is None  # truncated
-    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math11InterleavedINS2_8GatedFwdINS2_3GluINS2_4SiluEEEEELi0"
-                       "EEELi4EEEvv") is None  # Interleaved without its two ints
-    assert S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedFwdINS2_3GluINS2_4SiluEEEEELi4EEEvv").act == \
-        "Glu<Silu>"
-    res = S.parse_resources("""
+    assert (
+        S.kernel_of(
+            "_ZN7ffn_ext4cuda11rows_kernelIfNS_4math11InterleavedINS2_8GatedFwdINS2_3GluINS2_4SiluEEEEELi0EEELi4EEEvv"
+        )
+        is None
+    )  # Interleaved without its two ints
+    assert (
+        S.kernel_of("_ZN7ffn_ext4cuda11rows_kernelIfNS_4math8GatedFwdINS2_3GluINS2_4SiluEEEEELi4EEEvv").act
+        == "Glu<Silu>"
+    )
+    res = S.parse_resources(
+        """
 Resource usage:
  Common:
   GLOBAL:0
  Function _ZN7ffn_ext4cuda11rows_kernelIfNS_4math8UnaryFwdINS2_4SiluEEELi4EEEvNS_4rows10RowProblemIXsrT0_2NIEXsrS8_2NOEEES8_:
   REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:568 TEXTURE:0 SURFACE:0 SAMPLER:0
-""".replace("Resource usage:", "Resource usage:\n arch = sm_90"))
-    assert res == {(90, key[1]): {"REG": 40, "STACK": 0, "SHARED": 0, "LOCAL": 0, "TEXTURE": 0, "SURFACE": 0,
-                                  "SAMPLER": 0}}
+""".replace("Resource usage:", "Resource usage:\n arch = sm_90")
+    )
+    assert res == {
+        (90, key[1]): {"REG": 40, "STACK": 0, "SHARED": 0, "LOCAL": 0, "TEXTURE": 0, "SURFACE": 0, "SAMPLER": 0}
+    }

@@ -4,6 +4,7 @@ kernel lookup -- really run concurrently), give correct results, raise nothing, 
 the table (ffn_ext.table.ACTIVATIONS and GATED: the unary, gated and packed ops and their backward ops, the packed
 ones in both layouts, the gated ops with parameters with their example values) is called.
 """
+
 import os
 import subprocess
 import sys
@@ -117,8 +118,13 @@ _SCRIPT = textwrap.dedent(r"""
 
 def _run(n_threads, device, import_in_threads, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(n_threads), device, "1" if import_in_threads else "0"],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(n_threads), device, "1" if import_in_threads else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ERROR" not in r.stdout, r.stdout
     last = r.stdout.strip().splitlines()[-1]

@@ -6,21 +6,22 @@ ffn_ext.gelu/silu/swiglu/geglu/gated/swiglu_clamped/..., the packed ones in both
 them) takes ATen's ops, which support all of them; everywhere else it takes the native op. Results are compared
 with the same transform applied to the ATen reference, on fresh float64 inputs.
 """
+
 from __future__ import annotations
 
 import functools
 import warnings
 
+import optable
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+from conftest import RecordOps
+from optable import PACKINGS, api_call, params_of
 
 import ffn_ext
-from conftest import RecordOps
 from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, split_packed
-import optable
-from optable import PACKINGS, api_call, params_of
 
 torch_func = pytest.importorskip("torch.func")
 
@@ -41,10 +42,24 @@ def _table_ops():
         ops.append((act.name, functools.partial(public, **kw) if kw else public, act.aten, 1, 5))
         gated = {"silu": ffn_ext.swiglu, "gelu": functools.partial(ffn_ext.geglu, **kw)}.get(fn)
         packed = {"silu": ffn_ext.swiglu_packed, "gelu": functools.partial(ffn_ext.geglu_packed, **kw)}.get(fn)
-        ops.append((act.gated, gated or functools.partial(ffn_ext.gated, activation=act.name),
-                    lambda g, u, a=act: a.aten(g) * u, 2, 5))
-        ops.append((act.gated + "_packed", packed or functools.partial(ffn_ext.gated_packed, activation=act.name),
-                    functools.partial(_ref_packed, act=act), 1, 6))
+        ops.append(
+            (
+                act.gated,
+                gated or functools.partial(ffn_ext.gated, activation=act.name),
+                lambda g, u, a=act: a.aten(g) * u,
+                2,
+                5,
+            )
+        )
+        ops.append(
+            (
+                act.gated + "_packed",
+                packed or functools.partial(ffn_ext.gated_packed, activation=act.name),
+                functools.partial(_ref_packed, act=act),
+                1,
+                6,
+            )
+        )
     # the gated ops with parameters (example values), and every packed op in the interleaved layout
     for g in GATED:
         p = params_of(g.name)
@@ -52,8 +67,15 @@ def _table_ops():
             ops.append((g.name, api_call(g.name), lambda a, b, g=g, p=p: g.forward(a, b, **p), 2, 5))
         for packing in PACKINGS:
             if packing != "concat" or g.params:
-                ops.append((f"{g.name}_packed-{packing}", api_call(g.name + "_packed", packing),
-                            lambda t, g=g, p=p, k=packing: g.forward(*split_packed(t, k), **p), 1, 6))
+                ops.append(
+                    (
+                        f"{g.name}_packed-{packing}",
+                        api_call(g.name + "_packed", packing),
+                        lambda t, g=g, p=p, k=packing: g.forward(*split_packed(t, k), **p),
+                        1,
+                        6,
+                    )
+                )
     return ops
 
 
@@ -73,8 +95,10 @@ def _close(got, want):
 def test_grad_jacrev_jvp_match_aten(name, fn, ref, n, last):
     xs = _inputs(n, last)
     argnums = tuple(range(n))
-    _close(torch_func.grad(lambda *a: fn(*a).pow(2).sum(), argnums)(*xs),
-           torch_func.grad(lambda *a: ref(*a).pow(2).sum(), argnums)(*xs))
+    _close(
+        torch_func.grad(lambda *a: fn(*a).pow(2).sum(), argnums)(*xs),
+        torch_func.grad(lambda *a: ref(*a).pow(2).sum(), argnums)(*xs),
+    )
     _close(torch_func.jacrev(fn, argnums)(*xs), torch_func.jacrev(ref, argnums)(*xs))
     tangents = tuple(torch.randn_like(x) for x in xs)
     _close(torch_func.jvp(fn, tuple(xs), tangents), torch_func.jvp(ref, tuple(xs), tangents))
@@ -100,7 +124,7 @@ def test_hessian_of_gelu():
 def test_forward_mode_dual_tensors_get_their_tangent(name, fn, ref, n, last, no_grad):
     xs = _inputs(n, last)
     ts = [torch.randn_like(x) for x in xs]
-    with fwAD.dual_level(), (torch.no_grad() if no_grad else torch.enable_grad()):
+    with fwAD.dual_level(), torch.no_grad() if no_grad else torch.enable_grad():
         got = fwAD.unpack_dual(fn(*[fwAD.make_dual(x, t) for x, t in zip(xs, ts)]))
         want = fwAD.unpack_dual(ref(*[fwAD.make_dual(x, t) for x, t in zip(xs, ts)]))
     assert got.tangent is not None
@@ -115,12 +139,16 @@ def test_module_under_vmap_and_grad():
     tanh = BY_NAME["gelu_tanh"]
     _close(torch_func.vmap(ffn_ext.GeGLU(approximate="tanh"))(x), _ref_packed(x, tanh))
     _close(torch_func.grad(lambda t: ffn_ext.GELU()(t).sum())(x), torch_func.grad(lambda t: F.gelu(t).sum())(x))
-    _close(torch_func.grad(lambda t: ffn_ext.GELU(approximate="tanh")(t).sum())(x),
-           torch_func.grad(lambda t: tanh.aten(t).sum())(x))
+    _close(
+        torch_func.grad(lambda t: ffn_ext.GELU(approximate="tanh")(t).sum())(x),
+        torch_func.grad(lambda t: tanh.aten(t).sum())(x),
+    )
     clamped = ffn_ext.SwiGLU(limit=2.0, alpha=1.702, up_offset=1.0, layout="interleaved")
     g, u = x[..., ::2], x[..., 1::2]
-    _close(torch_func.vmap(clamped)(x),
-           (u.clamp(-2.0, 2.0) + 1.0) * g.clamp(max=2.0) * torch.sigmoid(g.clamp(max=2.0) * 1.702))
+    _close(
+        torch_func.vmap(clamped)(x),
+        (u.clamp(-2.0, 2.0) + 1.0) * g.clamp(max=2.0) * torch.sigmoid(g.clamp(max=2.0) * 1.702),
+    )
 
 
 @pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
@@ -135,7 +163,11 @@ def test_only_gradient_transforms_leave_the_native_op():
         torch_func.vmap(ffn_ext.gelu)(x)
         torch_func.vmap(torch_func.vmap(ffn_ext.swiglu))(x, x)
     assert [o for o in rec.ops if o.startswith("ffn_ext")] == [
-        "ffn_ext.gelu.default", "ffn_ext.silu.default", "ffn_ext.gelu.default", "ffn_ext.swiglu.default"], rec.ops
+        "ffn_ext.gelu.default",
+        "ffn_ext.silu.default",
+        "ffn_ext.gelu.default",
+        "ffn_ext.swiglu.default",
+    ], rec.ops
     with RecordOps() as rec:
         torch_func.grad(lambda t: ffn_ext.gelu(t).sum())(x)
         torch_func.jvp(ffn_ext.gelu, (x,), (x,))
@@ -197,8 +229,10 @@ def test_gated_ffn_under_torch_func_and_forward_ad(packed, act):
         fn = mlp
     ref = lambda x: mlp.down_proj(act.aten(mlp.gate_proj(x)) * mlp.up_proj(x))  # noqa: E731
     x = torch.randn(4, 3, 6, dtype=torch.float64)
-    _close(torch_func.vmap(torch_func.grad(lambda t: fn(t).sum()))(x),
-           torch_func.vmap(torch_func.grad(lambda t: ref(t).sum()))(x))
+    _close(
+        torch_func.vmap(torch_func.grad(lambda t: fn(t).sum()))(x),
+        torch_func.vmap(torch_func.grad(lambda t: ref(t).sum()))(x),
+    )
     params = dict(mlp.named_parameters())
     grads = torch_func.grad(lambda p: torch_func.functional_call(mlp, p, (x,)).pow(2).sum())(params)
     want = torch_func.grad(lambda p: ref_call(mlp, p, x, act).pow(2).sum())(params)

@@ -11,6 +11,7 @@ values (optable.op_kwargs), packed ops in both layouts. No op takes an out= argu
 tensors, so aliased outputs cannot happen; aliased or overlapping *inputs* are allowed (inputs are only read) and
 are tested for correctness.
 """
+
 import math
 import os
 import re
@@ -21,15 +22,12 @@ import warnings
 
 import pytest
 import torch
-
-import ffn_ext
 from optable import (
     ACTIVATIONS,
     FORWARD_OPS,
     GATED,
     GATED_IDS,
     NATIVE,
-    OPS as OP_NAMES,
     PACKINGS,
     PARAM_OPS,
     activation_arg,
@@ -44,6 +42,11 @@ from optable import (
     op_kwargs,
     spec,
 )
+from optable import (
+    OPS as OP_NAMES,
+)
+
+import ffn_ext
 
 OPS = torch.ops.ffn_ext
 CUDA = torch.cuda.is_available() and ffn_ext.build_info().get("native") != "none (ATen fallback)"
@@ -82,83 +85,231 @@ M = torch.empty(3, 4, device="meta")
 BAD_INPUTS = [
     # dtypes
     # mixed floating-point dtypes: the dispatcher ops refuse them; the public API promotes (test_mixed_dtypes_promote)
-    ("swiglu-dtype-mismatch", None, lambda: OPS.swiglu(X, X.double()), TypeError,
-     r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float32\), got torch\.float64"),
-    ("swiglu-dtype-mismatch-half", None,
-     lambda: OPS.swiglu(X.half(), X.bfloat16()), TypeError,
-     r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float16\), got torch\.bfloat16"),
-    ("gelu-int64", lambda: ffn_ext.gelu(X.long()), lambda: OPS.gelu(X.long()), TypeError,
-     r"ffn_ext\.gelu: expected `x` to have dtype float64, float32, float16 or bfloat16, got torch\.int64"),
-    ("silu-int8", lambda: ffn_ext.silu(X.to(torch.int8)), lambda: OPS.silu(X.to(torch.int8)), TypeError,
-     r"ffn_ext\.silu: expected `x` to have dtype float64, float32, float16 or bfloat16, got torch\.int8"),
-    ("silu-bool", lambda: ffn_ext.silu(X > 0), lambda: OPS.silu(X > 0), TypeError,
-     r"ffn_ext\.silu: expected `x` to have dtype .*, got torch\.bool"),
-    ("gelu-complex64", lambda: ffn_ext.gelu(X.to(torch.complex64)), lambda: OPS.gelu(X.to(torch.complex64)),
-     TypeError, r"ffn_ext\.gelu: expected `x` to have dtype .*, got torch\.complex64"),
-    ("swiglu-gate-int", lambda: ffn_ext.swiglu(X.int(), X.int()), lambda: OPS.swiglu(X.int(), X.int()), TypeError,
-     r"ffn_ext\.swiglu: expected `gate` to have dtype .*, got torch\.int32"),
-    ("swiglu-up-int", lambda: ffn_ext.swiglu(X, X.int()), lambda: OPS.swiglu(X, X.int()), TypeError,
-     r"ffn_ext\.swiglu: expected `up` to have dtype .*, got torch\.int32"),
-    ("packed-complex128", lambda: ffn_ext.swiglu_packed(X8.to(torch.complex128)),
-     lambda: OPS.swiglu_packed(X8.to(torch.complex128)), TypeError,
-     r"ffn_ext\.swiglu_packed: expected `gate_up` to have dtype .*, got torch\.complex128"),
+    (
+        "swiglu-dtype-mismatch",
+        None,
+        lambda: OPS.swiglu(X, X.double()),
+        TypeError,
+        r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float32\), got torch\.float64",
+    ),
+    (
+        "swiglu-dtype-mismatch-half",
+        None,
+        lambda: OPS.swiglu(X.half(), X.bfloat16()),
+        TypeError,
+        r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float16\), got torch\.bfloat16",
+    ),
+    (
+        "gelu-int64",
+        lambda: ffn_ext.gelu(X.long()),
+        lambda: OPS.gelu(X.long()),
+        TypeError,
+        r"ffn_ext\.gelu: expected `x` to have dtype float64, float32, float16 or bfloat16, got torch\.int64",
+    ),
+    (
+        "silu-int8",
+        lambda: ffn_ext.silu(X.to(torch.int8)),
+        lambda: OPS.silu(X.to(torch.int8)),
+        TypeError,
+        r"ffn_ext\.silu: expected `x` to have dtype float64, float32, float16 or bfloat16, got torch\.int8",
+    ),
+    (
+        "silu-bool",
+        lambda: ffn_ext.silu(X > 0),
+        lambda: OPS.silu(X > 0),
+        TypeError,
+        r"ffn_ext\.silu: expected `x` to have dtype .*, got torch\.bool",
+    ),
+    (
+        "gelu-complex64",
+        lambda: ffn_ext.gelu(X.to(torch.complex64)),
+        lambda: OPS.gelu(X.to(torch.complex64)),
+        TypeError,
+        r"ffn_ext\.gelu: expected `x` to have dtype .*, got torch\.complex64",
+    ),
+    (
+        "swiglu-gate-int",
+        lambda: ffn_ext.swiglu(X.int(), X.int()),
+        lambda: OPS.swiglu(X.int(), X.int()),
+        TypeError,
+        r"ffn_ext\.swiglu: expected `gate` to have dtype .*, got torch\.int32",
+    ),
+    (
+        "swiglu-up-int",
+        lambda: ffn_ext.swiglu(X, X.int()),
+        lambda: OPS.swiglu(X, X.int()),
+        TypeError,
+        r"ffn_ext\.swiglu: expected `up` to have dtype .*, got torch\.int32",
+    ),
+    (
+        "packed-complex128",
+        lambda: ffn_ext.swiglu_packed(X8.to(torch.complex128)),
+        lambda: OPS.swiglu_packed(X8.to(torch.complex128)),
+        TypeError,
+        r"ffn_ext\.swiglu_packed: expected `gate_up` to have dtype .*, got torch\.complex128",
+    ),
     # shapes
-    ("swiglu-shape-mismatch", lambda: ffn_ext.swiglu(X, rnd(3, 5)), lambda: OPS.swiglu(X, rnd(3, 5)), ValueError,
-     r"ffn_ext\.swiglu: expected `up` to have the shape of `gate` \[3, 4\], got \[3, 5\]"),
-    ("swiglu-no-broadcast", lambda: ffn_ext.swiglu(X, rnd(4)), lambda: OPS.swiglu(X, rnd(4)), ValueError,
-     r"ffn_ext\.swiglu: expected `up` to have the shape of `gate` \[3, 4\], got \[4\]"),
-    ("packed-odd-last-dim", lambda: ffn_ext.swiglu_packed(rnd(3, 5)), lambda: OPS.swiglu_packed(rnd(3, 5)),
-     ValueError, r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be even \(\[\.\.\., 2\*M\]\), "
-     r"got shape \[3, 5\]"),
-    ("packed-0-dim", lambda: ffn_ext.swiglu_packed(torch.tensor(1.0)), lambda: OPS.swiglu_packed(torch.tensor(1.0)),
-     ValueError, r"ffn_ext\.swiglu_packed: expected `gate_up` to have at least 1 dimension \(\[\.\.\., 2\*M\]\), "
-     r"got a 0-dim tensor"),
+    (
+        "swiglu-shape-mismatch",
+        lambda: ffn_ext.swiglu(X, rnd(3, 5)),
+        lambda: OPS.swiglu(X, rnd(3, 5)),
+        ValueError,
+        r"ffn_ext\.swiglu: expected `up` to have the shape of `gate` \[3, 4\], got \[3, 5\]",
+    ),
+    (
+        "swiglu-no-broadcast",
+        lambda: ffn_ext.swiglu(X, rnd(4)),
+        lambda: OPS.swiglu(X, rnd(4)),
+        ValueError,
+        r"ffn_ext\.swiglu: expected `up` to have the shape of `gate` \[3, 4\], got \[4\]",
+    ),
+    (
+        "packed-odd-last-dim",
+        lambda: ffn_ext.swiglu_packed(rnd(3, 5)),
+        lambda: OPS.swiglu_packed(rnd(3, 5)),
+        ValueError,
+        r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be even \(\[\.\.\., 2\*M\]\), "
+        r"got shape \[3, 5\]",
+    ),
+    (
+        "packed-0-dim",
+        lambda: ffn_ext.swiglu_packed(torch.tensor(1.0)),
+        lambda: OPS.swiglu_packed(torch.tensor(1.0)),
+        ValueError,
+        r"ffn_ext\.swiglu_packed: expected `gate_up` to have at least 1 dimension \(\[\.\.\., 2\*M\]\), "
+        r"got a 0-dim tensor",
+    ),
     # devices (no GPU needed: a CPU tensor with a meta tensor)
-    ("swiglu-cpu-meta", lambda: ffn_ext.swiglu(X, M), lambda: OPS.swiglu(X, M), RuntimeError,
-     r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` \(cpu\), got meta"),
-    ("swiglu-meta-cpu", lambda: ffn_ext.swiglu(M, X), lambda: OPS.swiglu(M, X), RuntimeError,
-     r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` \(meta\), got cpu"),
+    (
+        "swiglu-cpu-meta",
+        lambda: ffn_ext.swiglu(X, M),
+        lambda: OPS.swiglu(X, M),
+        RuntimeError,
+        r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` \(cpu\), got meta",
+    ),
+    (
+        "swiglu-meta-cpu",
+        lambda: ffn_ext.swiglu(M, X),
+        lambda: OPS.swiglu(M, X),
+        RuntimeError,
+        r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` \(meta\), got cpu",
+    ),
     # not a tensor
-    ("gelu-None", lambda: ffn_ext.gelu(None), None, TypeError,
-     r"ffn_ext\.gelu: expected `x` to be a torch\.Tensor, got NoneType"),
-    ("swiglu-up-list", lambda: ffn_ext.swiglu(X, [1.0]), None, TypeError,
-     r"ffn_ext\.swiglu: expected `up` to be a torch\.Tensor, got list"),
-    ("packed-ndarray", lambda: ffn_ext.swiglu_packed(X8.numpy()), None, TypeError,
-     r"ffn_ext\.swiglu_packed: expected `gate_up` to be a torch\.Tensor, got ndarray"),
+    (
+        "gelu-None",
+        lambda: ffn_ext.gelu(None),
+        None,
+        TypeError,
+        r"ffn_ext\.gelu: expected `x` to be a torch\.Tensor, got NoneType",
+    ),
+    (
+        "swiglu-up-list",
+        lambda: ffn_ext.swiglu(X, [1.0]),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu: expected `up` to be a torch\.Tensor, got list",
+    ),
+    (
+        "packed-ndarray",
+        lambda: ffn_ext.swiglu_packed(X8.numpy()),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu_packed: expected `gate_up` to be a torch\.Tensor, got ndarray",
+    ),
     # layouts / tensor kinds: the public API checks before dispatch (the dispatcher's own error is in DISPATCHER_ONLY)
-    ("gelu-sparse-coo", lambda: ffn_ext.gelu(X.to_sparse()), None, TypeError,
-     r"ffn_ext\.gelu: expected `x` to be a dense strided tensor, got layout torch\.sparse_coo"),
-    ("silu-sparse-csr", lambda: ffn_ext.silu(_csr(X)), None, TypeError,
-     r"ffn_ext\.silu: expected `x` to be a dense strided tensor, got layout torch\.sparse_csr"),
-    ("swiglu-up-sparse", lambda: ffn_ext.swiglu(X, X.to_sparse()), None, TypeError,
-     r"ffn_ext\.swiglu: expected `up` to be a dense strided tensor, got layout torch\.sparse_coo"),
-    ("packed-sparse", lambda: ffn_ext.swiglu_packed(X8.to_sparse()), None, TypeError,
-     r"ffn_ext\.swiglu_packed: expected `gate_up` to be a dense strided tensor, got layout torch\.sparse_coo"),
-    ("gelu-nested", lambda: ffn_ext.gelu(_nested()), None, TypeError,
-     r"ffn_ext\.gelu: `x` is a nested tensor; expected a dense strided tensor"),
-    ("swiglu-gate-nested", lambda: ffn_ext.swiglu(_nested(), _nested()), None, TypeError,
-     r"ffn_ext\.swiglu: `gate` is a nested tensor; expected a dense strided tensor"),
-    ("gelu-quantized", lambda: ffn_ext.gelu(_quantized(X)), None, TypeError,
-     r"ffn_ext\.gelu: `x` is a quantized tensor; expected a floating-point tensor"),
-    ("packed-quantized", lambda: ffn_ext.swiglu_packed(_quantized(X8)), None, TypeError,
-     r"ffn_ext\.swiglu_packed: `gate_up` is a quantized tensor; expected a floating-point tensor"),
+    (
+        "gelu-sparse-coo",
+        lambda: ffn_ext.gelu(X.to_sparse()),
+        None,
+        TypeError,
+        r"ffn_ext\.gelu: expected `x` to be a dense strided tensor, got layout torch\.sparse_coo",
+    ),
+    (
+        "silu-sparse-csr",
+        lambda: ffn_ext.silu(_csr(X)),
+        None,
+        TypeError,
+        r"ffn_ext\.silu: expected `x` to be a dense strided tensor, got layout torch\.sparse_csr",
+    ),
+    (
+        "swiglu-up-sparse",
+        lambda: ffn_ext.swiglu(X, X.to_sparse()),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu: expected `up` to be a dense strided tensor, got layout torch\.sparse_coo",
+    ),
+    (
+        "packed-sparse",
+        lambda: ffn_ext.swiglu_packed(X8.to_sparse()),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu_packed: expected `gate_up` to be a dense strided tensor, got layout torch\.sparse_coo",
+    ),
+    (
+        "gelu-nested",
+        lambda: ffn_ext.gelu(_nested()),
+        None,
+        TypeError,
+        r"ffn_ext\.gelu: `x` is a nested tensor; expected a dense strided tensor",
+    ),
+    (
+        "swiglu-gate-nested",
+        lambda: ffn_ext.swiglu(_nested(), _nested()),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu: `gate` is a nested tensor; expected a dense strided tensor",
+    ),
+    (
+        "gelu-quantized",
+        lambda: ffn_ext.gelu(_quantized(X)),
+        None,
+        TypeError,
+        r"ffn_ext\.gelu: `x` is a quantized tensor; expected a floating-point tensor",
+    ),
+    (
+        "packed-quantized",
+        lambda: ffn_ext.swiglu_packed(_quantized(X8)),
+        None,
+        TypeError,
+        r"ffn_ext\.swiglu_packed: `gate_up` is a quantized tensor; expected a floating-point tensor",
+    ),
 ]
 
 # torch.ops.ffn_ext.* with tensors whose dispatch key has no ffn_ext kernel: the dispatcher's own error.
 _NO_KERNEL = r"Could not run 'ffn_ext::{op}' with arguments from the '{key}' backend"
 DISPATCHER_ONLY = [
-    ("ops-gelu-sparse-coo", lambda: OPS.gelu(X.to_sparse()), NotImplementedError,
-     _NO_KERNEL.format(op="gelu", key="SparseCPU")),
-    ("ops-silu-sparse-csr", lambda: OPS.silu(_csr(X)), NotImplementedError,
-     _NO_KERNEL.format(op="silu", key="SparseCsrCPU")),
-    ("ops-swiglu-up-sparse", lambda: OPS.swiglu(X, X.to_sparse()), NotImplementedError,
-     _NO_KERNEL.format(op="swiglu", key="SparseCPU")),
+    (
+        "ops-gelu-sparse-coo",
+        lambda: OPS.gelu(X.to_sparse()),
+        NotImplementedError,
+        _NO_KERNEL.format(op="gelu", key="SparseCPU"),
+    ),
+    (
+        "ops-silu-sparse-csr",
+        lambda: OPS.silu(_csr(X)),
+        NotImplementedError,
+        _NO_KERNEL.format(op="silu", key="SparseCsrCPU"),
+    ),
+    (
+        "ops-swiglu-up-sparse",
+        lambda: OPS.swiglu(X, X.to_sparse()),
+        NotImplementedError,
+        _NO_KERNEL.format(op="swiglu", key="SparseCPU"),
+    ),
     # with the C++ Autograd-key kernels (csrc/autograd.cpp) a strided nested tensor fails inside the autograd
     # kernel ("NestedTensorImpl doesn't support sizes") before reaching the NestedTensorCPU key
-    ("ops-gelu-nested", lambda: OPS.gelu(_nested()), RuntimeError,
-     _NO_KERNEL.format(op="gelu", key="NestedTensorCPU") + r"|NestedTensorImpl doesn't support sizes"),
-    ("ops-gelu-quantized", lambda: OPS.gelu(_quantized(X)), NotImplementedError,
-     _NO_KERNEL.format(op="gelu", key="QuantizedCPU")),
+    (
+        "ops-gelu-nested",
+        lambda: OPS.gelu(_nested()),
+        RuntimeError,
+        _NO_KERNEL.format(op="gelu", key="NestedTensorCPU") + r"|NestedTensorImpl doesn't support sizes",
+    ),
+    (
+        "ops-gelu-quantized",
+        lambda: OPS.gelu(_quantized(X)),
+        NotImplementedError,
+        _NO_KERNEL.format(op="gelu", key="QuantizedCPU"),
+    ),
     # an undefined tensor (None): the dispatcher fails before any kernel ("tensor does not have a device")
     ("ops-gelu-None", lambda: OPS.gelu(None), (TypeError, RuntimeError), r"gelu|device"),
     ("ops-gelu-float", lambda: OPS.gelu(1.0), (TypeError, RuntimeError), r"gelu"),
@@ -166,40 +317,99 @@ DISPATCHER_ONLY = [
 
 # Backward ops: wrong grad (shape, dtype, device) and wrong saved inputs; torch.ops only (no public API for these).
 BACKWARD_BAD = [
-    ("gelu_backward-grad-shape", lambda: OPS.gelu_backward(rnd(3, 5), X), ValueError,
-     r"ffn_ext\.gelu_backward: expected `grad` to have the shape of `x` \[3, 4\], got \[3, 5\]"),
-    ("silu_backward-grad-dtype", lambda: OPS.silu_backward(X.half(), X), TypeError,
-     r"ffn_ext\.silu_backward: expected `grad` to have the dtype of `x` \(torch\.float32\), got torch\.float16"),
-    ("silu_backward-grad-device", lambda: OPS.silu_backward(M, X), RuntimeError,
-     r"ffn_ext\.silu_backward: expected `grad` to be on the device of `x` \(cpu\), got meta"),
-    ("gelu_backward-grad-int", lambda: OPS.gelu_backward(X.long(), X), TypeError,
-     r"ffn_ext\.gelu_backward: expected `grad` to have dtype .*, got torch\.int64"),
-    ("gelu_backward-x-bool", lambda: OPS.gelu_backward(X, X > 0), TypeError,
-     r"ffn_ext\.gelu_backward: expected `x` to have dtype .*, got torch\.bool"),
-    ("swiglu_backward-grad-shape", lambda: OPS.swiglu_backward(rnd(4, 3), X, X), ValueError,
-     r"ffn_ext\.swiglu_backward: expected `grad` to have the shape of `gate` \[3, 4\], got \[4, 3\]"),
-    ("swiglu_backward-grad-dtype", lambda: OPS.swiglu_backward(X.double(), X, X), TypeError,
-     r"ffn_ext\.swiglu_backward: expected `grad` to have the dtype of `gate` \(torch\.float32\), got torch\.float64"),
-    ("swiglu_backward-up-shape", lambda: OPS.swiglu_backward(X, X, rnd(3, 1)), ValueError,
-     r"ffn_ext\.swiglu_backward: expected `up` to have the shape of `gate` \[3, 4\], got \[3, 1\]"),
-    ("swiglu_backward-grad-device", lambda: OPS.swiglu_backward(M, X, X), RuntimeError,
-     r"ffn_ext\.swiglu_backward: expected `grad` to be on the device of `gate` \(cpu\), got meta"),
-    ("packed_backward-grad-full-width", lambda: OPS.swiglu_packed_backward(X8, X8), ValueError,
-     r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the forward output's shape \[3, 4\] "
-     r"\(gate_up's with the last dimension halved\), got \[3, 8\]"),
-    ("packed_backward-grad-0-dim", lambda: OPS.swiglu_packed_backward(torch.tensor(1.0), X8), ValueError,
-     r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the forward output's shape \[3, 4\]"),
-    ("packed_backward-grad-dtype", lambda: OPS.swiglu_packed_backward(X.bfloat16(), X8), TypeError,
-     r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the dtype of `gate_up` \(torch\.float32\), "
-     r"got torch\.bfloat16"),
-    ("packed_backward-grad-device", lambda: OPS.swiglu_packed_backward(M, X8), RuntimeError,
-     r"ffn_ext\.swiglu_packed_backward: expected `grad` to be on the device of `gate_up` \(cpu\), got meta"),
-    ("packed_backward-odd-gate_up", lambda: OPS.swiglu_packed_backward(rnd(3, 2), rnd(3, 5)), ValueError,
-     r"ffn_ext\.swiglu_packed_backward: expected the last dimension of `gate_up` to be even"),
-    ("packed_backward-0-dim-gate_up", lambda: OPS.swiglu_packed_backward(torch.tensor(1.0), torch.tensor(1.0)),
-     ValueError, r"ffn_ext\.swiglu_packed_backward: expected `gate_up` to have at least 1 dimension"),
+    (
+        "gelu_backward-grad-shape",
+        lambda: OPS.gelu_backward(rnd(3, 5), X),
+        ValueError,
+        r"ffn_ext\.gelu_backward: expected `grad` to have the shape of `x` \[3, 4\], got \[3, 5\]",
+    ),
+    (
+        "silu_backward-grad-dtype",
+        lambda: OPS.silu_backward(X.half(), X),
+        TypeError,
+        r"ffn_ext\.silu_backward: expected `grad` to have the dtype of `x` \(torch\.float32\), got torch\.float16",
+    ),
+    (
+        "silu_backward-grad-device",
+        lambda: OPS.silu_backward(M, X),
+        RuntimeError,
+        r"ffn_ext\.silu_backward: expected `grad` to be on the device of `x` \(cpu\), got meta",
+    ),
+    (
+        "gelu_backward-grad-int",
+        lambda: OPS.gelu_backward(X.long(), X),
+        TypeError,
+        r"ffn_ext\.gelu_backward: expected `grad` to have dtype .*, got torch\.int64",
+    ),
+    (
+        "gelu_backward-x-bool",
+        lambda: OPS.gelu_backward(X, X > 0),
+        TypeError,
+        r"ffn_ext\.gelu_backward: expected `x` to have dtype .*, got torch\.bool",
+    ),
+    (
+        "swiglu_backward-grad-shape",
+        lambda: OPS.swiglu_backward(rnd(4, 3), X, X),
+        ValueError,
+        r"ffn_ext\.swiglu_backward: expected `grad` to have the shape of `gate` \[3, 4\], got \[4, 3\]",
+    ),
+    (
+        "swiglu_backward-grad-dtype",
+        lambda: OPS.swiglu_backward(X.double(), X, X),
+        TypeError,
+        r"ffn_ext\.swiglu_backward: expected `grad` to have the dtype of `gate` \(torch\.float32\), got torch\.float64",
+    ),
+    (
+        "swiglu_backward-up-shape",
+        lambda: OPS.swiglu_backward(X, X, rnd(3, 1)),
+        ValueError,
+        r"ffn_ext\.swiglu_backward: expected `up` to have the shape of `gate` \[3, 4\], got \[3, 1\]",
+    ),
+    (
+        "swiglu_backward-grad-device",
+        lambda: OPS.swiglu_backward(M, X, X),
+        RuntimeError,
+        r"ffn_ext\.swiglu_backward: expected `grad` to be on the device of `gate` \(cpu\), got meta",
+    ),
+    (
+        "packed_backward-grad-full-width",
+        lambda: OPS.swiglu_packed_backward(X8, X8),
+        ValueError,
+        r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the forward output's shape \[3, 4\] "
+        r"\(gate_up's with the last dimension halved\), got \[3, 8\]",
+    ),
+    (
+        "packed_backward-grad-0-dim",
+        lambda: OPS.swiglu_packed_backward(torch.tensor(1.0), X8),
+        ValueError,
+        r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the forward output's shape \[3, 4\]",
+    ),
+    (
+        "packed_backward-grad-dtype",
+        lambda: OPS.swiglu_packed_backward(X.bfloat16(), X8),
+        TypeError,
+        r"ffn_ext\.swiglu_packed_backward: expected `grad` to have the dtype of `gate_up` \(torch\.float32\), "
+        r"got torch\.bfloat16",
+    ),
+    (
+        "packed_backward-grad-device",
+        lambda: OPS.swiglu_packed_backward(M, X8),
+        RuntimeError,
+        r"ffn_ext\.swiglu_packed_backward: expected `grad` to be on the device of `gate_up` \(cpu\), got meta",
+    ),
+    (
+        "packed_backward-odd-gate_up",
+        lambda: OPS.swiglu_packed_backward(rnd(3, 2), rnd(3, 5)),
+        ValueError,
+        r"ffn_ext\.swiglu_packed_backward: expected the last dimension of `gate_up` to be even",
+    ),
+    (
+        "packed_backward-0-dim-gate_up",
+        lambda: OPS.swiglu_packed_backward(torch.tensor(1.0), torch.tensor(1.0)),
+        ValueError,
+        r"ffn_ext\.swiglu_packed_backward: expected `gate_up` to have at least 1 dimension",
+    ),
 ]
-
 
 
 # ---------------------------------------------------------------- the same errors for every op of the table
@@ -218,46 +428,122 @@ def _table_cases():
         def bad(k, value, exc, msg, what, api=True):
             a = list(args)
             a[k] = value
-            paths = {"fallback"} | ({"ops"} if isinstance(value, torch.Tensor) else set()) | \
-                (set() if sp.backward or not api else {"api"})
+            paths = (
+                {"fallback"}
+                | ({"ops"} if isinstance(value, torch.Tensor) else set())
+                | (set() if sp.backward or not api else {"api"})
+            )
             cases.append((f"{name}-{sp.args[k]}-{what}", name, tuple(a), exc, msg, paths))
 
         for k, arg in enumerate(sp.args):  # dtypes that are not floating point, for every argument
-            bad(k, args[k].long(), TypeError, rf"{nm}: expected `{arg}` to have dtype float64, float32, float16 or "
-                                              rf"bfloat16, got torch\.int64", "int64")
-        bad(r, args[r].to(torch.complex64), TypeError,
-            rf"{nm}: expected `{ref}` to have dtype .*, got torch\.complex64", "complex64")
+            bad(
+                k,
+                args[k].long(),
+                TypeError,
+                rf"{nm}: expected `{arg}` to have dtype float64, float32, float16 or "
+                rf"bfloat16, got torch\.int64",
+                "int64",
+            )
+        bad(
+            r,
+            args[r].to(torch.complex64),
+            TypeError,
+            rf"{nm}: expected `{ref}` to have dtype .*, got torch\.complex64",
+            "complex64",
+        )
         bad(r, None, TypeError, rf"{nm}: expected `{ref}` to be a torch\.Tensor, got NoneType", "None")
         if sp.kind == "packed":
-            bad(r, torch.randn(3, 5), ValueError, rf"{nm}: expected the last dimension of `gate_up` to be even "
-                                                   rf"\(\[\.\.\., 2\*M\]\), got shape \[3, 5\]", "odd")
-            bad(r, torch.tensor(1.0), ValueError, rf"{nm}: expected `gate_up` to have at least 1 dimension "
-                                                   rf"\(\[\.\.\., 2\*M\]\), got a 0-dim tensor", "0-dim")
+            bad(
+                r,
+                torch.randn(3, 5),
+                ValueError,
+                rf"{nm}: expected the last dimension of `gate_up` to be even "
+                rf"\(\[\.\.\., 2\*M\]\), got shape \[3, 5\]",
+                "odd",
+            )
+            bad(
+                r,
+                torch.tensor(1.0),
+                ValueError,
+                rf"{nm}: expected `gate_up` to have at least 1 dimension "
+                rf"\(\[\.\.\., 2\*M\]\), got a 0-dim tensor",
+                "0-dim",
+            )
             if sp.backward:
                 g = args[0]
-                bad(0, torch.randn(3, 8), ValueError, rf"{nm}: expected `grad` to have the forward output's shape "
-                                                       rf"\[3, 4\] \(gate_up's with the last dimension halved\), "
-                                                       rf"got \[3, 8\]", "full-width")
-                bad(0, g.double(), TypeError, rf"{nm}: expected `grad` to have the dtype of `gate_up` "
-                                              rf"\(torch\.float32\), got torch\.float64", "float64")
-                bad(0, g.to("meta"), RuntimeError, rf"{nm}: expected `grad` to be on the device of `gate_up` "
-                                                   rf"\(cpu\), got meta", "meta")
+                bad(
+                    0,
+                    torch.randn(3, 8),
+                    ValueError,
+                    rf"{nm}: expected `grad` to have the forward output's shape "
+                    rf"\[3, 4\] \(gate_up's with the last dimension halved\), "
+                    rf"got \[3, 8\]",
+                    "full-width",
+                )
+                bad(
+                    0,
+                    g.double(),
+                    TypeError,
+                    rf"{nm}: expected `grad` to have the dtype of `gate_up` "
+                    rf"\(torch\.float32\), got torch\.float64",
+                    "float64",
+                )
+                bad(
+                    0,
+                    g.to("meta"),
+                    RuntimeError,
+                    rf"{nm}: expected `grad` to be on the device of `gate_up` "
+                    rf"\(cpu\), got meta",
+                    "meta",
+                )
             continue
         for k, arg in enumerate(sp.args):  # each other argument against the reference one
             if k == r:
                 continue
             t = args[k]
             # the public API promotes mixed floating-point dtypes (test_mixed_dtypes_promote): not its error
-            bad(k, t.double(), TypeError, rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
-                                          rf"\(torch\.float32\), got torch\.float64", "float64", api=False)
-            bad(k, t.half(), TypeError, rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
-                                        rf"\(torch\.float32\), got torch\.float16", "float16", api=False)
-            bad(k, torch.randn(3, 5), ValueError, rf"{nm}: expected `{arg}` to have the shape of `{ref}` "
-                                                  rf"\[3, 4\], got \[3, 5\]", "shape")
-            bad(k, torch.randn(4), ValueError, rf"{nm}: expected `{arg}` to have the shape of `{ref}` \[3, 4\], "
-                                               rf"got \[4\]", "no-broadcast")  # no broadcasting
-            bad(k, t.to("meta"), RuntimeError, rf"{nm}: expected `{arg}` to be on the device of `{ref}` \(cpu\), "
-                                               rf"got meta", "meta")
+            bad(
+                k,
+                t.double(),
+                TypeError,
+                rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
+                rf"\(torch\.float32\), got torch\.float64",
+                "float64",
+                api=False,
+            )
+            bad(
+                k,
+                t.half(),
+                TypeError,
+                rf"{nm}: expected `{arg}` to have the dtype of `{ref}` "
+                rf"\(torch\.float32\), got torch\.float16",
+                "float16",
+                api=False,
+            )
+            bad(
+                k,
+                torch.randn(3, 5),
+                ValueError,
+                rf"{nm}: expected `{arg}` to have the shape of `{ref}` "
+                rf"\[3, 4\], got \[3, 5\]",
+                "shape",
+            )
+            bad(
+                k,
+                torch.randn(4),
+                ValueError,
+                rf"{nm}: expected `{arg}` to have the shape of `{ref}` \[3, 4\], "
+                rf"got \[4\]",
+                "no-broadcast",
+            )  # no broadcasting
+            bad(
+                k,
+                t.to("meta"),
+                RuntimeError,
+                rf"{nm}: expected `{arg}` to be on the device of `{ref}` \(cpu\), "
+                rf"got meta",
+                "meta",
+            )
             bad(k, None, TypeError, rf"{nm}: expected `{arg}` to be a torch\.Tensor, got NoneType", "None")
     return cases
 
@@ -266,24 +552,35 @@ TABLE_CASES = _table_cases()
 _PUBLIC_KINDS = [  # (id, bad argument, exception, message): what only the public API sees (the dispatcher cannot)
     ("None", lambda t: None, TypeError, "expected `{arg}` to be a torch\\.Tensor, got NoneType"),
     ("list", lambda t: [1.0], TypeError, "expected `{arg}` to be a torch\\.Tensor, got list"),
-    ("sparse", lambda t: t.to_sparse(), TypeError,
-     "expected `{arg}` to be a dense strided tensor, got layout torch\\.sparse_coo"),
+    (
+        "sparse",
+        lambda t: t.to_sparse(),
+        TypeError,
+        "expected `{arg}` to be a dense strided tensor, got layout torch\\.sparse_coo",
+    ),
     ("nested", lambda t: _nested(), TypeError, "`{arg}` is a nested tensor; expected a dense strided tensor"),
-    ("quantized", lambda t: _quantized(t), TypeError,
-     "`{arg}` is a quantized tensor; expected a floating-point tensor"),
+    (
+        "quantized",
+        lambda t: _quantized(t),
+        TypeError,
+        "`{arg}` is a quantized tensor; expected a floating-point tensor",
+    ),
 ]
-PUBLIC_KIND_CASES = [(f"{name}-{arg}-{kid}", name, k, make_bad, exc, rf"{re.escape('ffn_ext.' + name)}: " +
-                      msg.format(arg=arg))
-                     for name in FORWARD_OPS for k, arg in enumerate(spec(name).args)
-                     for kid, make_bad, exc, msg in _PUBLIC_KINDS]
+PUBLIC_KIND_CASES = [
+    (f"{name}-{arg}-{kid}", name, k, make_bad, exc, rf"{re.escape('ffn_ext.' + name)}: " + msg.format(arg=arg))
+    for name in FORWARD_OPS
+    for k, arg in enumerate(spec(name).args)
+    for kid, make_bad, exc, msg in _PUBLIC_KINDS
+]
 
 
 def _ids(cases):
     return [c[0] for c in cases]
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[1] is not None],
-                         ids=_ids([c for c in BAD_INPUTS if c[1] is not None]))
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_INPUTS if c[1] is not None], ids=_ids([c for c in BAD_INPUTS if c[1] is not None])
+)
 def test_public_api_rejects(case):
     _, api, _, exc, msg = case
     with pytest.raises(exc, match=msg):
@@ -291,8 +588,9 @@ def test_public_api_rejects(case):
 
 
 @needs_native
-@pytest.mark.parametrize("case", [c for c in BAD_INPUTS if c[2] is not None],
-                         ids=_ids([c for c in BAD_INPUTS if c[2] is not None]))
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_INPUTS if c[2] is not None], ids=_ids([c for c in BAD_INPUTS if c[2] is not None])
+)
 def test_dispatcher_rejects(case):
     _, _, ops_call, exc, msg = case
     with pytest.raises(exc, match=msg):
@@ -325,10 +623,13 @@ def test_every_op_rejects(case):
     _, name, args, exc, msg, paths = case
     if not NATIVE:
         paths = paths - {"ops"}
-    for packing in (PACKINGS if is_packed(name) else (None,)):
+    for packing in PACKINGS if is_packed(name) else (None,):
         kw = op_kwargs(name, packing)
-        calls = {"ops": lambda: op(name)(*args, **kw), "fallback": lambda: ffn_ext.ops._fallback(name, args, kw),
-                 "api": lambda: api_call(name, packing)(*args)}
+        calls = {
+            "ops": lambda: op(name)(*args, **kw),
+            "fallback": lambda: ffn_ext.ops._fallback(name, args, kw),
+            "api": lambda: api_call(name, packing)(*args),
+        }
         for path in sorted(paths):
             with pytest.raises(exc, match=msg):
                 calls[path]()
@@ -350,18 +651,31 @@ def test_public_api_rejects_tensor_kinds_for_every_op(case):
             call()
 
 
-@pytest.mark.parametrize("call, key", [
-    (lambda: ffn_ext.gelu(X, approximate="bogus"), "approximate"),
-    (lambda: ffn_ext.gelu(X, approximate=None), "approximate"),
-    (lambda: ffn_ext.gelu(X, approximate="Tanh"), "approximate"),
-    (lambda: ffn_ext.geglu(X, X, approximate="bogus"), "approximate"),
-    (lambda: ffn_ext.geglu_packed(X8, approximate="bogus"), "approximate"),
-    (lambda: ffn_ext.geglu_packed(X8, approximate=1), "approximate"),
-    (lambda: ffn_ext.gated(X, X, activation="bogus"), "activation"),
-    (lambda: ffn_ext.gated(X, X, activation=None), "activation"),
-    (lambda: ffn_ext.gated_packed(X8, activation="swiglu"), "activation"),  # the op's name, not the activation's
-], ids=["gelu-bogus", "gelu-None", "gelu-Tanh", "geglu-bogus", "geglu_packed-bogus", "geglu_packed-int",
-        "gated-bogus", "gated-None", "gated_packed-swiglu"])
+@pytest.mark.parametrize(
+    "call, key",
+    [
+        (lambda: ffn_ext.gelu(X, approximate="bogus"), "approximate"),
+        (lambda: ffn_ext.gelu(X, approximate=None), "approximate"),
+        (lambda: ffn_ext.gelu(X, approximate="Tanh"), "approximate"),
+        (lambda: ffn_ext.geglu(X, X, approximate="bogus"), "approximate"),
+        (lambda: ffn_ext.geglu_packed(X8, approximate="bogus"), "approximate"),
+        (lambda: ffn_ext.geglu_packed(X8, approximate=1), "approximate"),
+        (lambda: ffn_ext.gated(X, X, activation="bogus"), "activation"),
+        (lambda: ffn_ext.gated(X, X, activation=None), "activation"),
+        (lambda: ffn_ext.gated_packed(X8, activation="swiglu"), "activation"),  # the op's name, not the activation's
+    ],
+    ids=[
+        "gelu-bogus",
+        "gelu-None",
+        "gelu-Tanh",
+        "geglu-bogus",
+        "geglu_packed-bogus",
+        "geglu_packed-int",
+        "gated-bogus",
+        "gated-None",
+        "gated_packed-swiglu",
+    ],
+)
 def test_bad_options_raise_value_error_naming_the_option(call, key):
     with pytest.raises(ValueError, match=rf"`{key}` must be one of .*, got "):
         call()
@@ -375,8 +689,12 @@ def test_every_option_value_is_accepted():
         torch.testing.assert_close(getattr(ffn_ext, function)(X, **options), call(act.name)(X), rtol=0, atol=0)
         torch.testing.assert_close(ffn_ext.gated(X, X, activation=act.name), call(act.gated)(X, X), rtol=0, atol=0)
         for layout in PACKINGS:
-            torch.testing.assert_close(ffn_ext.gated_packed(X8, activation=act.name, layout=layout),
-                                       call(act.gated + "_packed", layout)(X8), rtol=0, atol=0)
+            torch.testing.assert_close(
+                ffn_ext.gated_packed(X8, activation=act.name, layout=layout),
+                call(act.gated + "_packed", layout)(X8),
+                rtol=0,
+                atol=0,
+            )
     for approximate in ("none", "tanh"):
         ffn_ext.geglu(X, X, approximate=approximate), ffn_ext.geglu_packed(X8, approximate=approximate)
     for layout in PACKINGS:
@@ -396,8 +714,11 @@ PACKED_ALL = [n for n in OP_NAMES if is_packed(n)]
 def _param_cases():
     """(id, op, kwargs, message regex) for bad values of every parameter of every op with parameters."""
     cases = []
-    bad = {"limit": [0.0, -1.0, -math.inf, math.nan], "alpha": [math.inf, -math.inf, math.nan],
-           "up_offset": [math.inf, math.nan]}
+    bad = {
+        "limit": [0.0, -1.0, -math.inf, math.nan],
+        "alpha": [math.inf, -math.inf, math.nan],
+        "up_offset": [math.inf, math.nan],
+    }
     for name in PARAM_OPS:
         for p in spec(name).params:
             assert p.name in bad, f"{name}: no bad values listed for parameter {p.name}"
@@ -422,8 +743,9 @@ def _op_paths(name, args, kw):
 
     paths = {"fallback": lambda: ffn_ext.ops._fallback(name, args, kw)}
     if NATIVE:
-        paths.update(ops=lambda: op(name)(*args, **kw), meta=lambda: op(name)(*[a.to("meta") for a in args], **kw),
-                     fake=fake)
+        paths.update(
+            ops=lambda: op(name)(*args, **kw), meta=lambda: op(name)(*[a.to("meta") for a in args], **kw), fake=fake
+        )
     if not spec(name).backward:
         public = getattr(ffn_ext, name, None) if spec(name).params else None
         if public is not None:
@@ -446,7 +768,7 @@ def test_bad_layout_raises_value_error_naming_layout(name, bad):
 @pytest.mark.parametrize("case", PARAM_CASES, ids=[c[0] for c in PARAM_CASES])
 def test_bad_parameter_raises_value_error_naming_it(case):
     _, name, kw, msg = case
-    for packing in (PACKINGS if is_packed(name) else (None,)):
+    for packing in PACKINGS if is_packed(name) else (None,):
         k = dict(kw, layout=packing) if packing else kw
         for path, fn in _op_paths(name, make_inputs(name, (3, 4), torch.float32), k).items():
             with pytest.raises(ValueError, match=msg):
@@ -471,13 +793,22 @@ def test_required_parameter_missing_raises_type_error(name):
 
 def test_modules_reject_bad_options():
     for bad in BAD_LAYOUTS:
-        for make in (lambda: ffn_ext.Gated("gelu", layout=bad), lambda: ffn_ext.SwiGLU(layout=bad),
-                     lambda: ffn_ext.GeGLU(layout=bad), lambda: ffn_ext.SwiGLU(limit=7.0, layout=bad)):
+        for make in (
+            lambda: ffn_ext.Gated("gelu", layout=bad),
+            lambda: ffn_ext.SwiGLU(layout=bad),
+            lambda: ffn_ext.GeGLU(layout=bad),
+            lambda: ffn_ext.SwiGLU(limit=7.0, layout=bad),
+        ):
             with pytest.raises(ValueError, match=r"`layout` must be one of \['concat', 'interleaved'\], got "):
                 make()
-    for kw, key in [(dict(limit=0.0), "limit"), (dict(limit=-7.0), "limit"), (dict(limit=math.nan), "limit"),
-                    (dict(limit=7.0, alpha=math.inf), "alpha"), (dict(alpha=math.nan), "alpha"),
-                    (dict(limit=7.0, up_offset=math.inf), "up_offset")]:
+    for kw, key in [
+        (dict(limit=0.0), "limit"),
+        (dict(limit=-7.0), "limit"),
+        (dict(limit=math.nan), "limit"),
+        (dict(limit=7.0, alpha=math.inf), "alpha"),
+        (dict(alpha=math.nan), "alpha"),
+        (dict(limit=7.0, up_offset=math.inf), "up_offset"),
+    ]:
         with pytest.raises(ValueError, match=rf"ffn_ext\.SwiGLU: `{key}` must be"):
             ffn_ext.SwiGLU(**kw)
 
@@ -515,21 +846,23 @@ def test_meta_tensors_match_real_outputs(dtype, shape):
     half."""
     out_shape = shape[:-1] + (shape[-1] // 2,)
     for name in OP_NAMES:
-        for packing in (PACKINGS if is_packed(name) else (None,)):
+        for packing in PACKINGS if is_packed(name) else (None,):
             args = [rnd(*s, dtype=dtype) for s in input_shapes(name, out_shape)]
             real = call(name, packing)(*args)
             meta = call(name, packing)(*[a.to("meta") for a in args])
-            for rr, mm in zip(real if isinstance(real, tuple) else (real,),
-                              meta if isinstance(meta, tuple) else (meta,)):
+            for rr, mm in zip(
+                real if isinstance(real, tuple) else (real,), meta if isinstance(meta, tuple) else (meta,)
+            ):
                 assert mm.device.type == "meta", name
                 assert (mm.shape, mm.stride(), mm.dtype) == (rr.shape, rr.stride(), rr.dtype), (name, packing)
 
 
 @pytest.mark.parametrize("name", FORWARD_OPS)
 def test_meta_through_public_api_and_autograd(name):
-    for packing in (PACKINGS if is_packed(name) else (None,)):
-        args = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True)
-                for s in input_shapes(name, (4, 5))]
+    for packing in PACKINGS if is_packed(name) else (None,):
+        args = [
+            torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True) for s in input_shapes(name, (4, 5))
+        ]
         out = api_call(name, packing)(*args)
         assert out.shape == (4, 5) and out.device.type == "meta" and out.dtype == torch.bfloat16
         grads = torch.autograd.grad(out, args, torch.empty(4, 5, device="meta", dtype=torch.bfloat16))
@@ -539,7 +872,7 @@ def test_meta_through_public_api_and_autograd(name):
 
 @pytest.mark.parametrize("name", [n for n in OP_NAMES if spec(n).kind != "packed"])
 def test_zero_dim_is_fine_for_elementwise_ops(name):
-    args = [torch.tensor(v, dtype=torch.float64) for v in (0.75, -1.5, 2.25)[:len(spec(name).args)]]
+    args = [torch.tensor(v, dtype=torch.float64) for v in (0.75, -1.5, 2.25)[: len(spec(name).args)]]
     out = call(name)(*args)
     want = aten_result(name, *args)
     for o, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
@@ -557,16 +890,24 @@ def test_aliased_and_overlapping_inputs(gated):
     grad = rnd(6, 8, dtype=torch.float64)
     act, g = gated.act, gated.name
     bwd = act.name + "_backward"
-    calls = [
-        (g, (a, b), None), (g, (a, a), None),
-        (g + "_backward", (grad, a, a), None),  # the same tensor as gate and up
-        (g + "_backward", (a, b, a), None),  # grad overlaps gate and is up
-        (bwd, (a, a), None),  # grad aliases x
-        (act.name, (rnd(1, 8, dtype=torch.float64).expand(5, 8),), None),  # stride-0 rows
-    ] + [c for packing in PACKINGS for c in (
-        (g + "_packed", (base[:, :8],), packing),
-        (g + "_packed_backward", (base[:, :4], base[:, 1:9]), packing),  # grad overlaps gate_up
-    )]
+    calls = (
+        [
+            (g, (a, b), None),
+            (g, (a, a), None),
+            (g + "_backward", (grad, a, a), None),  # the same tensor as gate and up
+            (g + "_backward", (a, b, a), None),  # grad overlaps gate and is up
+            (bwd, (a, a), None),  # grad aliases x
+            (act.name, (rnd(1, 8, dtype=torch.float64).expand(5, 8),), None),  # stride-0 rows
+        ]
+        + [
+            c
+            for packing in PACKINGS
+            for c in (
+                (g + "_packed", (base[:, :8],), packing),
+                (g + "_packed_backward", (base[:, :4], base[:, 1:9]), packing),  # grad overlaps gate_up
+            )
+        ]
+    )
     for name, args, packing in calls:
         out = call(name, packing)(*args)
         want = aten_result(name, *args, packing=packing or "concat")
@@ -605,9 +946,12 @@ def test_cuda_cpu_device_mismatch_every_op(name):
         if k != r:
             bad = list(args)
             bad[k] = bad[k].cpu()
-            for packing in (PACKINGS if is_packed(name) else (None,)):
-                with pytest.raises(RuntimeError, match=rf"{re.escape('ffn_ext.' + name)}: expected `{arg}` to be on "
-                                                       rf"the device of `{spec(name).args[r]}` \(cuda:0\), got cpu"):
+            for packing in PACKINGS if is_packed(name) else (None,):
+                with pytest.raises(
+                    RuntimeError,
+                    match=rf"{re.escape('ffn_ext.' + name)}: expected `{arg}` to be on "
+                    rf"the device of `{spec(name).args[r]}` \(cuda:0\), got cpu",
+                ):
                     op(name)(*bad, **op_kwargs(name, packing))
 
 
@@ -615,11 +959,17 @@ def test_cuda_cpu_device_mismatch_every_op(name):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_cuda_cpu_device_mismatch_names_the_argument():
     xc = rnd(3, 4, device="cuda")
-    with pytest.raises(RuntimeError, match=r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` "
-                                           r"\(cuda:0\), got cpu"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` "
+        r"\(cuda:0\), got cpu",
+    ):
         ffn_ext.swiglu(xc, X)
-    with pytest.raises(RuntimeError, match=r"ffn_ext\.gelu_backward: expected `grad` to be on the device of `x` "
-                                           r"\(cuda:0\), got cpu"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ffn_ext\.gelu_backward: expected `grad` to be on the device of `x` "
+        r"\(cuda:0\), got cpu",
+    ):
         OPS.gelu_backward(X, xc)
     with pytest.raises(RuntimeError, match=r"ffn_ext\.swiglu_packed_backward: expected `grad` to be on the device"):
         OPS.swiglu_packed_backward(X, X8.cuda())
@@ -718,6 +1068,5 @@ def test_jagged_nested_tensors_run_the_pointwise_ops():
         fn, kw = act.api
         got = getattr(ffn_ext, fn)(njt, **kw)
         torch.testing.assert_close(got.values(), act.aten(njt).values())
-        torch.testing.assert_close(ffn_ext.gated(njt, up, activation=act.name).values(),
-                                   (act.aten(njt) * up).values())
+        torch.testing.assert_close(ffn_ext.gated(njt, up, activation=act.name).values(), (act.aten(njt) * up).values())
     torch.testing.assert_close(OPS.silu(njt).values(), torch.nn.functional.silu(njt).values())

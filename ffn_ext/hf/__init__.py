@@ -90,16 +90,27 @@ fused with that one.
 ``unpatch_model`` restores the original forward (and removes the experts' instance _apply_gate). transformers
 itself is not imported here.
 """
+
 from __future__ import annotations
 
-from .patch import patch_model, unpatch_model
 # The names below stay importable from ffn_ext.hf: tests read the class lists, and models pickled with a patch refer
 # to the bound forwards and their functions by these paths.
 from .clamped import _CLAMP_AFTER, _KNOWN_CLAMPED, _clamped_forward, _clamped_packed_forward  # noqa: F401
-from .common import (_ACT, _GATED_NAMES, _HF_ENTRIES, _MARK, _PLAIN, _BoundForward,  # noqa: F401
-                     _Gate, _table_activation)
-from .dense import (_DROPOUT_BETWEEN, _KNOWN, _NAMED, _PACKED_FORMS, _PACKED_NAMES, _SHAPED_FORMS,  # noqa: F401
-                    _UNKNOWN, _UP_FIRST, _gated_forward, _kind, _packed_forward)
+from .common import _ACT, _GATED_NAMES, _HF_ENTRIES, _MARK, _PLAIN, _BoundForward, _Gate, _table_activation  # noqa: F401
+from .dense import (  # noqa: F401
+    _DROPOUT_BETWEEN,
+    _KNOWN,
+    _NAMED,
+    _PACKED_FORMS,
+    _PACKED_NAMES,
+    _SHAPED_FORMS,
+    _UNKNOWN,
+    _UP_FIRST,
+    _gated_forward,
+    _kind,
+    _packed_forward,
+)
 from .experts import _EXPERTS, _FORMS, _BoundExperts, _BoundGate, _is_experts  # noqa: F401
+from .patch import patch_model, unpatch_model
 
 __all__ = ["patch_model", "unpatch_model"]

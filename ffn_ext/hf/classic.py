@@ -5,6 +5,7 @@ dense(h)) + x)) pairs, patched at the layer that calls both (_PAIR_LAYERS' feed_
 activation's output is not kept for fc2's weight gradient. Modules that hold an FFN's projections (d -> f -> d) and
 an activation but whose forward is not known (Whisper's and BART's layers, with the FFN inline in the layer's
 forward and a dropout between the activation and fc2) are named (_INLINE)."""
+
 from __future__ import annotations
 
 import inspect
@@ -15,8 +16,16 @@ import torch.nn.functional as F
 
 from .. import ops as _ops
 from ..mlp import fusable, plain_mlp
-from .common import (_DEFAULT_OPTS, _OPTS, _BoundForward, _agrees, _defining, _input_name, _table_activation,
-                     _unsupported)
+from .common import (
+    _DEFAULT_OPTS,
+    _OPTS,
+    _agrees,
+    _BoundForward,
+    _defining,
+    _input_name,
+    _table_activation,
+    _unsupported,
+)
 
 # transformers 5.24 classes whose forward is exactly fc2(act(fc1(x))), then the dropout `drop` ("": none; a name:
 # that dropout module, called; "p:name": F.dropout(p=self.name, training=self.training)), by their attribute names
@@ -100,7 +109,8 @@ _KNOWN_CLASSIC = {cls: names for names, classes in _CLASSIC_FORMS.items() for cl
 # BERT-style layers whose feed_forward_chunk(x) is exactly self.output(self.intermediate(x), x), and the classes of
 # the pair: *Intermediate: intermediate_act_fn(dense(x)); *Output(h, x): LayerNorm(dropout(dense(h)) + x) (tests/
 # test_hf_classic.py checks the three lists against the source, and that none is missing)
-_PAIR_LAYERS = frozenset("""
+_PAIR_LAYERS = frozenset(
+    """
     AlignTextLayer AltRobertaLayer BertGenerationLayer BertLayer BigBirdLayer Blip2QFormerLayer BlipTextLayer
     BridgeTowerBertCrossLayer BridgeTowerTextLayer BrosLayer CamembertLayer CanineLayer ChineseCLIPTextLayer
     ClapTextLayer ConvBertLayer Data2VecTextLayer ElectraLayer ErnieLayer FNetLayer GitLayer
@@ -108,8 +118,10 @@ _PAIR_LAYERS = frozenset("""
     LiltLayer LukeLayer MarkupLMLayer MraLayer NystromformerLayer PPDocLayoutV2ReadingOrderLayer RemBertLayer
     RoCBertLayer RoFormerLayer RobertaLayer RobertaPreLayerNormLayer SplinterLayer TapasLayer VisualBertLayer
     XLMRobertaLayer YosoLayer
-""".split())
-_INTERMEDIATES = frozenset("""
+""".split()
+)
+_INTERMEDIATES = frozenset(
+    """
     AlignTextIntermediate AltRobertaIntermediate BertGenerationIntermediate BertIntermediate BigBirdIntermediate
     Blip2QFormerIntermediate BlipTextIntermediate BridgeTowerIntermediate BrosIntermediate CamembertIntermediate
     CanineIntermediate ChineseCLIPTextIntermediate ClapAudioIntermediate ClapTextIntermediate
@@ -125,8 +137,10 @@ _INTERMEDIATES = frozenset("""
     Swinv2Intermediate TapasIntermediate TvpIntermediate VideoMAEIntermediate ViltIntermediate
     VisualBertIntermediate XLMRobertaIntermediate XLMRobertaXLIntermediate XmodIntermediate YolosIntermediate
     YosoIntermediate
-""".split())
-_OUTPUTS = frozenset("""
+""".split()
+)
+_OUTPUTS = frozenset(
+    """
     AlignTextOutput AlignTextSelfOutput AltRobertaOutput AltRobertaSelfOutput BertGenerationOutput
     BertGenerationSelfOutput BertOutput BertSelfOutput BigBirdOutput BigBirdSelfOutput Blip2QFormerOutput
     Blip2QFormerSelfOutput BlipTextOutput BlipTextSelfOutput BridgeTowerOutput BridgeTowerSelfOutput BrosOutput
@@ -142,15 +156,20 @@ _OUTPUTS = frozenset("""
     RoCBertOutput RoCBertSelfOutput RoFormerOutput RoFormerSelfOutput RobertaOutput RobertaSelfOutput SEWDOutput
     SEWDSelfOutput SplinterOutput SplinterSelfOutput TapasOutput TapasSelfOutput VisualBertOutput
     VisualBertSelfOutput XLMRobertaOutput XLMRobertaSelfOutput YosoOutput YosoSelfOutput
-""".split())
+""".split()
+)
 
-_INLINE = ("modules holding an FFN's projections (fc1: d -> f, fc2: f -> d) and an activation whose forward is "
-           "not known to be exactly fc2(act(fc1(x))): an FFN inline in a layer's forward (Whisper's and BART's "
-           "encoder and decoder layers, with a dropout between the activation and fc2 that ffn_ext's fused MLP lacks, "
-           "and the attention in the same forward), or an MLP with something between or around the projections "
-           "(they run as they are, unaccelerated)")
-_UNKNOWN_PAIR = ("layers with a BERT-style *Intermediate / *Output pair whose feed_forward_chunk is not known to be "
-                 "exactly output(intermediate(x), x) (they run as they are, unaccelerated)")
+_INLINE = (
+    "modules holding an FFN's projections (fc1: d -> f, fc2: f -> d) and an activation whose forward is "
+    "not known to be exactly fc2(act(fc1(x))): an FFN inline in a layer's forward (Whisper's and BART's "
+    "encoder and decoder layers, with a dropout between the activation and fc2 that ffn_ext's fused MLP lacks, "
+    "and the attention in the same forward), or an MLP with something between or around the projections "
+    "(they run as they are, unaccelerated)"
+)
+_UNKNOWN_PAIR = (
+    "layers with a BERT-style *Intermediate / *Output pair whose feed_forward_chunk is not known to be "
+    "exactly output(intermediate(x), x) (they run as they are, unaccelerated)"
+)
 # projection classes of transformers that compute x @ W.T + b as nn.Linear does (module, class name)
 _LINEARS = {("transformers.models.falcon.modeling_falcon", "FalconLinear")}
 
@@ -160,7 +179,7 @@ def _transformers(cls, names) -> bool:
 
 
 def _layout(*projections) -> str | None:
-    """"linear" (nn.Linear, or a class of _LINEARS) or "conv1d" (transformers' Conv1D: weight [in, out]) when all the
+    """ "linear" (nn.Linear, or a class of _LINEARS) or "conv1d" (transformers' Conv1D: weight [in, out]) when all the
     projections are of that kind, exactly, and carry no hook or forward wrapper (ffn_ext.mlp.plain_mlp runs them);
     else None (they run as modules)."""
     kinds = set()
@@ -193,8 +212,17 @@ def _ffn(x, fc1, fc2, act, opts):
     if layout is None:
         return fc2(_ops.call_op(act.name, fc1(x)))
     recompute, chunk = opts
-    return plain_mlp(x, fc1.weight, fc2.weight, fc1.bias, fc2.bias, act.name, recompute=recompute, token_chunk=chunk,
-                     transposed=layout == "conv1d")
+    return plain_mlp(
+        x,
+        fc1.weight,
+        fc2.weight,
+        fc1.bias,
+        fc2.bias,
+        act.name,
+        recompute=recompute,
+        token_chunk=chunk,
+        transposed=layout == "conv1d",
+    )
 
 
 def _classic_forward(self, x, act, fc1, fc2, drop=""):
@@ -244,9 +272,11 @@ class _BoundChunk(_BoundForward):
 
 
 def _activation_child(module) -> bool:
-    return any(_table_activation(m) is not None or type(m).__module__ in ("transformers.activations",
-                                                                          "torch.nn.modules.activation")
-               for m in module._modules.values())
+    return any(
+        _table_activation(m) is not None
+        or type(m).__module__ in ("transformers.activations", "torch.nn.modules.activation")
+        for m in module._modules.values()
+    )
 
 
 def _inline(module) -> bool:
@@ -268,8 +298,12 @@ def classic_kind(module):
         return "classic", act, (fc1, fc2, drop)
     mods = module._modules
     inter, out = mods.get("intermediate"), mods.get("output")
-    if inter is not None and out is not None and _transformers(_defining(type(inter), "forward"), _INTERMEDIATES) \
-            and _transformers(_defining(type(out), "forward"), _OUTPUTS):
+    if (
+        inter is not None
+        and out is not None
+        and _transformers(_defining(type(inter), "forward"), _INTERMEDIATES)
+        and _transformers(_defining(type(out), "forward"), _OUTPUTS)
+    ):
         if _transformers(_defining(cls, "feed_forward_chunk"), _PAIR_LAYERS):
             return "pair", "intermediate_act_fn", ()
         return "unknown_pair", "intermediate_act_fn", ()
@@ -278,8 +312,10 @@ def classic_kind(module):
     return None
 
 
-_DISAGREES_CLASSIC = ("their forward gave a different result from ffn_ext's plain MLP on a random input (self-check), "
-                      "so it is not fc2(act(fc1(x))) and must run as it is")
+_DISAGREES_CLASSIC = (
+    "their forward gave a different result from ffn_ext's plain MLP on a random input (self-check), "
+    "so it is not fc2(act(fc1(x))) and must run as it is"
+)
 
 
 def _chunk_of(layer, x):
@@ -306,13 +342,20 @@ def plan(module, prev):
         return _unsupported(act), None
     if kind == "pair":
         width = _features(mods["intermediate"].dense)
-        if width is not None and not _agrees(module, lambda m, x, a: _pair_forward(m, x, a), entry, own=_chunk_of,
-                                             width=width[0]):
+        if width is not None and not _agrees(
+            module, lambda m, x, a: _pair_forward(m, x, a), entry, own=_chunk_of, width=width[0]
+        ):
             return _DISAGREES_CLASSIC, None
-        return None, ("pair", _BoundChunk(module, _pair_forward, _input_name(module.feed_forward_chunk), None),
-                      (act_name, act))
+        return None, (
+            "pair",
+            _BoundChunk(module, _pair_forward, _input_name(module.feed_forward_chunk), None),
+            (act_name, act),
+        )
     width = _features(mods[names[1]])
     if prev is None and width is not None and not _agrees(module, _classic_forward, entry, names, width=width[1]):
         return _DISAGREES_CLASSIC, None
-    return None, ("classic", _BoundForward(module, _classic_forward, _input_name(module.forward), prev, None, names),
-                  (act_name, act))
+    return None, (
+        "classic",
+        _BoundForward(module, _classic_forward, _input_name(module.forward), prev, None, names),
+        (act_name, act),
+    )

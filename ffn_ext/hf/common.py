@@ -1,6 +1,7 @@
 """What every form of ffn_ext.hf shares: the patch marks, which table entry an activation is, the gatings one
 ffn_ext op computes (_Gate, read from the module at each call), the self-check (_agrees) and the picklable bound
 forward (_BoundForward) the patched modules get."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,33 +20,41 @@ from ..modules import GELU, SiLU, _Unary
 from ..table import ACTIVATIONS, BY_NAME
 
 _MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
-_ACT = "_ffn_ext_act"        # (attribute name of the activation, the activation patched over)
+_ACT = "_ffn_ext_act"  # (attribute name of the activation, the activation patched over)
 _OPTS = "_ffn_ext_mlp_options"  # (recompute, token_chunk) of a patched gated/packed MLP: patch_model's arguments
 _GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
-_DISAGREES = ("their forward gave a different result from the fused gated MLP on a random input (self-check), so "
-              "it is not a plain gated MLP and must run as it is")
+_DISAGREES = (
+    "their forward gave a different result from the fused gated MLP on a random input (self-check), so "
+    "it is not a plain gated MLP and must run as it is"
+)
 
 
 class _Gate(NamedTuple):
     """A gating that one ffn_ext op computes: act(gate) * up with `act` a table entry, or, with a `limit`, the
     clamped SwiGLU (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
     (ffn_ext.swiglu_clamped). Packed projections are split by `layout`."""
-    act: str | None = "act_fn"   # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
-    limit: str | None = None     # the attribute holding the clamp limit; None: no clamp
-    alpha: str | float = 1.0     # the attribute holding alpha, or its value
+
+    act: str | None = "act_fn"  # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
+    limit: str | None = None  # the attribute holding the clamp limit; None: no clamp
+    alpha: str | float = 1.0  # the attribute holding alpha, or its value
     up_offset: float = 0.0
-    layout: str = "concat"       # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
+    layout: str = "concat"  # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
 
 
 _PLAIN = _Gate()
 
 
 def _unsupported(act) -> str:
-    what = type(act).__name__ if isinstance(act, nn.Module) or act is None else getattr(act, "__qualname__",
-                                                                                         type(act).__name__)
+    what = (
+        type(act).__name__
+        if isinstance(act, nn.Module) or act is None
+        else getattr(act, "__qualname__", type(act).__name__)
+    )
     ours = "; ".join(f"{a.name}: {', '.join(a.hf_names)}" for a in ACTIVATIONS)
-    return (f"activation {what} is not one ffn_ext implements (ffn_ext's, with the transformers ACT2FN names "
-            f"that are the same function: {ours})")
+    return (
+        f"activation {what} is not one ffn_ext implements (ffn_ext's, with the transformers ACT2FN names "
+        f"that are the same function: {ours})"
+    )
 
 
 # ---------------------------------------------------------------- which activation of the table is `act`?
@@ -68,7 +77,8 @@ def _api_entry(function: str, obj=None):
 
 _MODULES = {cls: f for f, (cls, _) in _TORCH.items()} | {cls: f for f, cls in _OURS.items()}
 _FUNCTIONS = {fn: _api_entry(f) for f, (_, fns) in _TORCH.items() for fn in fns} | {
-    getattr(_ops, a.api[0]): _api_entry(a.api[0]) for a in ACTIVATIONS if hasattr(_ops, a.api[0])}
+    getattr(_ops, a.api[0]): _api_entry(a.api[0]) for a in ACTIVATIONS if hasattr(_ops, a.api[0])
+}
 _FUNCTIONS = {fn: a for fn, a in _FUNCTIONS.items() if a is not None}
 _HF_ENTRIES: dict = {}  # transformers.activations class -> its entry or None (filled by _hf_entry, once per class)
 
@@ -124,12 +134,15 @@ _DEFAULT_OPTS = (False, None)
 
 def _where(by_class: dict) -> str:
     """'Cls at 'name' and 3 more, ...' for class -> module names."""
-    return ", ".join(f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                     for cls, names in by_class.items())
+    return ", ".join(
+        f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        for cls, names in by_class.items()
+    )
 
 
 class _Clamp(NamedTuple):
     """The arguments of ffn_ext.swiglu_clamped(_packed) for a clamped _Gate, read from the module when it runs."""
+
     limit: float
     alpha: float
     up_offset: float
@@ -153,8 +166,11 @@ def _gate_state(module, gate: _Gate):
     if gate.act is not None:
         act = _attr(module, gate.act)
         entry = _table_activation(act)
-        if entry is None or (gate.limit is not None and entry is not _SILU) or (
-                isinstance(act, nn.Module) and not fusable((), (act,))):
+        if (
+            entry is None
+            or (gate.limit is not None and entry is not _SILU)
+            or (isinstance(act, nn.Module) and not fusable((), (act,)))
+        ):
             return None
     if gate.limit is None:
         return entry
@@ -174,8 +190,7 @@ def _gate_problem(module, gate: _Gate) -> str | None:
         if entry is None:
             return _unsupported(act)
         if gate.limit is not None and entry is not _SILU:
-            return (f"clamped gating with activation {type(act).__name__} ({entry.name}): ffn_ext's clamped op is "
-                    "SiLU's")
+            return f"clamped gating with activation {type(act).__name__} ({entry.name}): ffn_ext's clamped op is SiLU's"
     if gate.limit is not None:
         limit = getattr(module, gate.limit, None)
         alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
@@ -189,8 +204,9 @@ def _gate_problem(module, gate: _Gate) -> str | None:
 def _fused_gate(state, gate_up):
     """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place."""
     if isinstance(state, _Clamp):
-        return _ops.swiglu_clamped_packed(gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset,
-                                          layout=state.layout)
+        return _ops.swiglu_clamped_packed(
+            gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset, layout=state.layout
+        )
     return _ops.gated_packed(gate_up, state.name)
 
 
@@ -199,7 +215,7 @@ def _bind(names: tuple, args: tuple, kwargs: dict):
     if len(args) + len(kwargs) != len(names) or len(args) > len(names):
         return None
     out = list(args)
-    for n in names[len(args):]:
+    for n in names[len(args) :]:
         if n not in kwargs:
             return None
         out.append(kwargs[n])
@@ -271,8 +287,9 @@ def _agrees(module, func, act, names=(), limit=None, own=None, width=None) -> bo
     if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
         return True
     w = params[0]
-    if not w.is_floating_point() or any(type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype
-                                        or p.device != w.device for p in params):
+    if not w.is_floating_point() or any(
+        type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype or p.device != w.device for p in params
+    ):
         return True
     mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])[:2]
     own = own or type(module).forward

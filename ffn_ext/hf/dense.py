@@ -1,5 +1,6 @@
 """The gated MLPs: down_proj(act(gate_proj(x)) * up_proj(x)) and the packed form, the transformers classes known
 to compute them (_KNOWN, _PACKED_NAMES) and the look-alikes named instead (_NAMED)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -14,7 +15,8 @@ from .common import _DEFAULT_OPTS, _GATED_NAMES, _OPTS, _defining
 # __init__ sets to ACT2FN[...] or nn.SiLU(), as of transformers 5.24; the activation itself is identified at patch
 # time (_table_activation). tests/test_hf.py::test_known_classes_compute_plain_gated_mlp checks each against the
 # source, and that no class of those forms, under any attribute names, is missing.
-_KNOWN = frozenset("""
+_KNOWN = frozenset(
+    """
     AXK1MLP AXK2MLP AfmoeMLP Aimv2MLP AriaSharedExpertsMLP BailingHybridMLP BambaMLP BltMLP ChameleonMLP Cohere2MLP
     Cohere2MoeMLP CohereCompassMLP CohereMLP CsmMLP CwmMLP DINOv3ViTGatedMLP DeepseekOcr2TextMLP
     DeepseekOcr2VisionMLP DeepseekV2MLP DeepseekV32MLP DeepseekV3MLP Deimv2SwiGLUFFN DiffLlamaMLP
@@ -38,7 +40,8 @@ _KNOWN = frozenset("""
     DiaMLP Dots3NoteAudioMLP EsmFold2SwiGLU Glm4MLP Glm4vTextMLP GlmImageTextMLP GlmMLP GlmOcrTextMLP Phi3MLP
     Phi4MultimodalMLP
     GraniteMoeHybridMLP GraniteMoeSWAMLP GraniteMoeSharedMLP
-""".split())
+""".split()
+)
 
 # Packed MLPs of _KNOWN whose attributes are not Phi-3's gate_up_proj / down_proj / activation_fn (or act_fn):
 # class -> (the nn.Linear to [..., 2I], gate half first; the nn.Linear back; the activation). Modules with nn.Linear
@@ -53,13 +56,17 @@ _PACKED_NAMES = {
 # extra_classes says: their forward is known; subclasses that keep it too): class -> (the nn.Linear to [..., 2I], the
 # nn.Linear back, the activation, why). tests/test_hf.py::test_named_packed_lookalikes_have_their_form checks each
 # against the source, and that no class of these forms, under any attribute names, is missing.
-_DROPOUT_BETWEEN = ("packed gated MLPs with dropout between the gating and the projection back, "
-                    "Wo(drop(act(h[..., :I]) * h[..., I:])), h = Wi(x) (ModernBERT, ModernBERT decoder): ffn_ext's "
-                    "fused MLP has no dropout, so they are not patched, even where the dropout is inactive (they run "
-                    "as they are, unaccelerated)")
-_UP_FIRST = ("packed gated MLPs whose projection gives the up half first, fc2(h[..., :I] * act(h[..., I:])), h = "
-             "fc1(x) (Moonshine's decoder MLPs): ffn_ext's packed ops take the gate half first (they run as they "
-             "are, unaccelerated)")
+_DROPOUT_BETWEEN = (
+    "packed gated MLPs with dropout between the gating and the projection back, "
+    "Wo(drop(act(h[..., :I]) * h[..., I:])), h = Wi(x) (ModernBERT, ModernBERT decoder): ffn_ext's "
+    "fused MLP has no dropout, so they are not patched, even where the dropout is inactive (they run "
+    "as they are, unaccelerated)"
+)
+_UP_FIRST = (
+    "packed gated MLPs whose projection gives the up half first, fc2(h[..., :I] * act(h[..., I:])), h = "
+    "fc1(x) (Moonshine's decoder MLPs): ffn_ext's packed ops take the gate half first (they run as they "
+    "are, unaccelerated)"
+)
 _NAMED = {
     "ModernBertMLP": ("Wi", "Wo", "act", _DROPOUT_BETWEEN),
     "ModernBertDecoderMLP": ("Wi", "Wo", "act", _DROPOUT_BETWEEN),
@@ -68,17 +75,25 @@ _NAMED = {
 }
 
 # (projection to [..., 2I], projection back, activation attributes in the order looked for): Phi-3's, then the others
-_PACKED_FORMS = (("gate_up_proj", "down_proj", ("activation_fn", "act_fn")),) + tuple(dict.fromkeys(
-    (proj, out, (act,)) for proj, out, act in _PACKED_NAMES.values()))
+_PACKED_FORMS = (("gate_up_proj", "down_proj", ("activation_fn", "act_fn")),) + tuple(
+    dict.fromkeys((proj, out, (act,)) for proj, out, act in _PACKED_NAMES.values())
+)
 
 # the pairs of _NAMED: MLP-shaped only with a packed MLP's shapes (fc1 / fc2 also name plain MLPs, act(fc1(x)):
 # CLIP, ViT, Whisper, Moonshine's encoder, ..., which have no gating and are none of this patch's business)
-_SHAPED_FORMS = tuple(dict.fromkeys((proj, out, (act,)) for proj, out, act, _ in _NAMED.values()
-                                    if (proj, out) not in {f[:2] for f in _PACKED_FORMS}))
+_SHAPED_FORMS = tuple(
+    dict.fromkeys(
+        (proj, out, (act,))
+        for proj, out, act, _ in _NAMED.values()
+        if (proj, out) not in {f[:2] for f in _PACKED_FORMS}
+    )
+)
 
 # why a module that looks like a gated MLP was left unpatched (the keys of patch_model's warning)
-_UNKNOWN = ("not known to compute exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (their forward may add "
-            "multipliers, clamps, norms, dropout or adapters); if a class does, pass it in extra_classes=[...]")
+_UNKNOWN = (
+    "not known to compute exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)) (their forward may add "
+    "multipliers, clamps, norms, dropout or adapters); if a class does, pass it in extra_classes=[...]"
+)
 
 
 def _gated_forward(self, x, act):
@@ -95,8 +110,7 @@ def _packed_forward(self, x, act, proj="gate_up_proj", out="down_proj"):
     gu, d = mods[proj], mods[out]
     if fusable((gu, d)):
         recompute, chunk = self.__dict__.get(_OPTS, _DEFAULT_OPTS)
-        return gated_mlp_packed(x, *linear_args(gu, d), activation=act.name, recompute=recompute,
-                                token_chunk=chunk)
+        return gated_mlp_packed(x, *linear_args(gu, d), activation=act.name, recompute=recompute, token_chunk=chunk)
     return d(_ops.gated_packed(gu(x), act.name))
 
 
@@ -114,7 +128,8 @@ def _kind(module):
         kind, names, acts = "gated", (), ("act_fn", "activation_fn")
     else:
         form = next((f for f in _PACKED_FORMS if linear(f[0], f[1])), None) or next(
-            (f for f in _SHAPED_FORMS if linear(f[0], f[1]) and _packed_shapes(mods[f[0]], mods[f[1]])), None)
+            (f for f in _SHAPED_FORMS if linear(f[0], f[1]) and _packed_shapes(mods[f[0]], mods[f[1]])), None
+        )
         if form is None:
             return None
         kind, names, acts = "packed", form[:2], form[2]
@@ -154,5 +169,7 @@ def _check_shapes(name, module, kind, names=()):
     else:
         ok = _packed_shapes(mods[names[0]], mods[names[1]])
     if not ok:
-        raise ValueError(f"ffn_ext.hf.patch_model: {name or 'model'} ({type(module).__name__}) has MLP-named "
-                         "projections with inconsistent shapes; not a gated MLP ffn_ext can run")
+        raise ValueError(
+            f"ffn_ext.hf.patch_model: {name or 'model'} ({type(module).__name__}) has MLP-named "
+            "projections with inconsistent shapes; not a gated MLP ffn_ext can run"
+        )

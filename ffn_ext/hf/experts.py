@@ -1,12 +1,13 @@
 """MoE experts modules (_EXPERTS): their gating of the [S, 2I] projection by one ffn_ext op, through _apply_gate
 and, where the class inlines it, a replacement forward (_FORMS)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops as _ops
-from .common import _BoundForward, _Clamp, _Gate, _PLAIN, _attr, _bind, _defining, _fused_gate, _gate_state
+from .common import _PLAIN, _attr, _bind, _BoundForward, _Clamp, _defining, _fused_gate, _Gate, _gate_state
 
 # transformers 5.24 MoE experts classes whose gating is one ffn_ext op: name -> (_Gate, form). Forms: how the class's
 # own (eager) forward reaches the gating, so what the patch replaces:
@@ -21,7 +22,9 @@ from .common import _BoundForward, _Clamp, _Gate, _PLAIN, _attr, _bind, _definin
 # tests/test_hf_moe.py checks each against transformers' source, and that no class of these forms is missing.
 _GPT_OSS = _Gate(act=None, limit="limit", alpha="alpha", up_offset=1.0)
 _EXPERTS = {
-    **{name: (_PLAIN, "linear") for name in """
+    **{
+        name: (_PLAIN, "linear")
+        for name in """
         AXK1Experts AXK2Experts AfmoeExperts BailingHybridExperts Cohere2MoeExperts DeepseekOcr2TextExperts
         DeepseekV2Experts DeepseekV32Experts DeepseekV3Experts DiffusionGemmaTextExperts Dots1Experts Dots3NoteExperts
         Ernie4_5_MoeExperts Ernie4_5_VLMoeMoeExperts ExaoneMoeExperts FlexOlmoExperts FlintExperts Gemma4TextExperts
@@ -32,7 +35,8 @@ _EXPERTS = {
         MixtralExperts OlmoeExperts PhimoeExperts Qwen2MoeExperts Qwen3MoeExperts Qwen3NextExperts
         Qwen3OmniMoeTalkerTextExperts Qwen3OmniMoeThinkerTextExperts Qwen3VLMoeTextExperts Qwen3_5MoeExperts
         Qwen4ExpTextExperts SolarOpenExperts UnlimitedOcrTextExperts ZayaExperts
-    """.split()},
+    """.split()
+    },
     "AriaExperts": (_PLAIN, "matmul"),
     "MuseSparkExperts": (_PLAIN, "linear_norm"),
     "BeamExperts": (_PLAIN, "gate"),  # act_fn(gate.float()) * up.float(), rounded once: what ffn_ext computes
@@ -49,10 +53,13 @@ _EXPERTS = {
     "InklingSharedExperts": (_PLAIN, "shared"),
     "JetMoeMoE": (_Gate(act="activation"), "jetmoe"),  # not JetMoeMoA (attention experts: no gating)
 }
-_UNKNOWN_EXPERTS = ("MoE experts modules whose gating ffn_ext does not compute or that are not known to it (their "
-                    "routed experts run as they are, unaccelerated)")
-_DISAGREES_GATE = ("their gating gave a different result from ffn_ext's op on a random input (self-check), so it "
-                   "must run as it is")
+_UNKNOWN_EXPERTS = (
+    "MoE experts modules whose gating ffn_ext does not compute or that are not known to it (their "
+    "routed experts run as they are, unaccelerated)"
+)
+_DISAGREES_GATE = (
+    "their gating gave a different result from ffn_ext's op on a random input (self-check), so it must run as it is"
+)
 
 
 def _own_gate(module, gate: _Gate, gate_up):
@@ -81,8 +88,9 @@ def _routed(self, state, hidden_states, top_k_index, top_k_weights, matmul=False
         if matmul:
             current = _fused_gate(state, current @ self.gate_up_proj[expert_idx]) @ self.down_proj[expert_idx]
         else:
-            current = F.linear(_fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])),
-                               self.down_proj[expert_idx])
+            current = F.linear(
+                _fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])), self.down_proj[expert_idx]
+            )
         if norm:
             current = self.post_expert_norm(current)
         current = current * top_k_weights[token_idx, top_k_pos, None]
@@ -123,8 +131,9 @@ def _longcat_forward(self, state, hidden_states, top_k_index, top_k_weights):
         if expert_idx >= self.num_routed_experts or self.gate_up_proj is None:
             current = self.identity_expert(current)
         else:
-            current = F.linear(_fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])),
-                               self.down_proj[expert_idx])
+            current = F.linear(
+                _fused_gate(state, F.linear(current, self.gate_up_proj[expert_idx])), self.down_proj[expert_idx]
+            )
         current = current * top_k_weights[token_idx, selection_idx, None]
         final.index_add_(0, token_idx, current.to(hidden_states.dtype))
     return final

@@ -1,4 +1,5 @@
 """patch_model and unpatch_model: walk the model, sort each module into a form, self-check, warn once, patch."""
+
 from __future__ import annotations
 
 import warnings
@@ -6,19 +7,42 @@ import warnings
 import torch.nn as nn
 
 from ..mlp import _options
-from .common import (_ACT, _BoundForward, _DEFAULT_OPTS, _DISAGREES, _MARK, _OPTS, _agrees, _attr, _gate_problem,
-                     _gate_state, _input_name, _table_activation, _unsupported, _where)
-from .classic import plan as _classic_plan
 from .clamped import _CLAMPS_AFTER, _clamped_entry, _clamped_forward, _clamped_packed_forward, _clamps_after
+from .classic import plan as _classic_plan
+from .common import (
+    _ACT,
+    _DEFAULT_OPTS,
+    _DISAGREES,
+    _MARK,
+    _OPTS,
+    _agrees,
+    _attr,
+    _BoundForward,
+    _gate_problem,
+    _gate_state,
+    _input_name,
+    _table_activation,
+    _unsupported,
+    _where,
+)
 from .dense import _UNKNOWN, _check_shapes, _gated_forward, _kind, _named_reason, _packed_forward, _vouched
-from .experts import (_BoundExperts, _BoundGate, _DISAGREES_GATE, _FORMS, _UNKNOWN_EXPERTS, _experts_entry,
-                      _gate_agrees, _is_experts)
+from .experts import (
+    _DISAGREES_GATE,
+    _FORMS,
+    _UNKNOWN_EXPERTS,
+    _BoundExperts,
+    _BoundGate,
+    _experts_entry,
+    _gate_agrees,
+    _is_experts,
+)
 
 _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modules that take recompute / token_chunk
 
 
-def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False,
-                token_chunk: int | None = None) -> int:
+def patch_model(
+    model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False, token_chunk: int | None = None
+) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
     (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP, every known MoE experts
     module whose gating ffn_ext computes, and every known classic MLP fc2(act(fc1(x))) and BERT-style layer (see
@@ -71,8 +95,15 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
                 spec = _FORMS[form]  # None: the class's forward calls _apply_gate
                 fwd = spec and _BoundExperts(module, spec[0], spec[1], prev, gate, spec[2])
                 gate_fn = _BoundGate(module, gate) if callable(getattr(type(module), "_apply_gate", None)) else None
-                todo.append((module, "experts" if fwd else "experts_gate", fwd, gate_fn,
-                             (gate.act, gate.act and _attr(module, gate.act))))
+                todo.append(
+                    (
+                        module,
+                        "experts" if fwd else "experts_gate",
+                        fwd,
+                        gate_fn,
+                        (gate.act, gate.act and _attr(module, gate.act)),
+                    )
+                )
                 if opts != _DEFAULT_OPTS:
                     not_chunked.setdefault(type(module).__name__, []).append(name or "model")
         else:
@@ -114,21 +145,35 @@ def patch_model(model: nn.Module, strict: bool = False, extra_classes=(), *, rec
                     _check_shapes(name, module, kind, names)
                     reason = None if prev is not None or _agrees(module, func, entry, names) else _DISAGREES
             if reason is None:
-                todo.append((module, kind, _BoundForward(module, func, _input_name(module.forward), prev, clamp,
-                                                         names), None, (act_name, act)))
+                todo.append(
+                    (
+                        module,
+                        kind,
+                        _BoundForward(module, func, _input_name(module.forward), prev, clamp, names),
+                        None,
+                        (act_name, act),
+                    )
+                )
                 if clamp is not None and opts != _DEFAULT_OPTS:
                     not_chunked.setdefault(type(module).__name__, []).append(name or "model")
         if reason:
             skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
     msgs = []  # (message, what happens to them without strict)
     if skipped:
-        msgs.append(("; ".join(f"{reason}: {_where(by_class)}" for reason, by_class in skipped.items()),
-                     " (left unpatched)"))
+        msgs.append(
+            ("; ".join(f"{reason}: {_where(by_class)}" for reason, by_class in skipped.items()), " (left unpatched)")
+        )
     if not_chunked:
-        what = " and ".join(t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}")
-                            if t)
-        msgs.append((f"{what} does not apply to {_where(not_chunked)}: their projections run as modules (clamped "
-                     "MLPs, MoE experts)", " (patched without it)"))
+        what = " and ".join(
+            t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}") if t
+        )
+        msgs.append(
+            (
+                f"{what} does not apply to {_where(not_chunked)}: their projections run as modules (clamped "
+                "MLPs, MoE experts)",
+                " (patched without it)",
+            )
+        )
     for msg, outcome in msgs:
         if strict:
             raise ValueError(f"ffn_ext.hf.patch_model: {msg} (strict=True: nothing patched)")
@@ -163,9 +208,13 @@ def unpatch_model(model: nn.Module) -> int:
             attrs = ("feed_forward_chunk",) if mark == "pair" else ("forward", "_old_forward")
             attr = next((a for a in attrs if isinstance(d.get(a), _BoundForward)), None)
             if attr is None:
-                warnings.warn(f"ffn_ext.hf.unpatch_model: {name or 'model'} ({type(module).__name__}): its patched "
-                              "forward was wrapped by something other than accelerate's hook and cannot be taken "
-                              "out; remove that wrapper first. Left patched.", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ffn_ext.hf.unpatch_model: {name or 'model'} ({type(module).__name__}): its patched "
+                    "forward was wrapped by something other than accelerate's hook and cannot be taken "
+                    "out; remove that wrapper first. Left patched.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 continue
             prev = d[attr].prev
             if prev is not None:

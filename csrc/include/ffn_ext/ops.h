@@ -29,8 +29,8 @@
 namespace ffn_ext {
 
 #define FFN_EXT_DECLARE_ACT(name, ...) at::Tensor name(const at::Tensor& x);
-#define FFN_EXT_DECLARE_GATED(name, Gate, P)                                              \
-  at::Tensor name(const at::Tensor& gate, const at::Tensor& up FFN_EXT_P_DEFAULTS_##P);  \
+#define FFN_EXT_DECLARE_GATED(name, Gate, P) \
+  at::Tensor name(const at::Tensor& gate, const at::Tensor& up FFN_EXT_P_DEFAULTS_##P); \
   at::Tensor name##_packed(const at::Tensor& gate_up FFN_EXT_P_DEFAULTS_##P, c10::string_view layout = "concat");
 FFN_EXT_ACTIVATIONS(FFN_EXT_DECLARE_ACT)
 FFN_EXT_GATED(FFN_EXT_DECLARE_GATED)

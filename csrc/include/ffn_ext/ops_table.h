@@ -21,6 +21,7 @@
 //   or "interleaved" [g0, u0, g1, u1, ...] (gate = gate_up[..., ::2], GPT-OSS).
 #pragma once
 
+// clang-format off: the tables are read as tables, an entry per line (or two), not as code to reflow
 #define FFN_EXT_ACTIVATIONS(X)                                                                  \
   X(gelu, Gelu, at::gelu_out(out, x), at::gelu_backward_out(out, grad, x))                      \
   X(gelu_tanh, GeluTanh, at::gelu_out(out, x, "tanh"), at::gelu_backward_out(out, grad, x, "tanh")) \
@@ -59,3 +60,4 @@
 #define FFN_EXT_P_ARGS_CLAMP , limit, alpha, up_offset
 #define FFN_EXT_P_MAKE_CLAMP math::ClampParams{limit, alpha, up_offset}
 #define FFN_EXT_P_DEFAULTS_CLAMP , double limit, double alpha = 1.0, double up_offset = 0.0
+// clang-format on
