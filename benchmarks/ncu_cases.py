@@ -12,6 +12,7 @@ forward and backward run last: the new kernels of issue 15, on inputs scaled so 
 """
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,18 +28,18 @@ cases = []
 for op, (kind, act) in common.table_ops().items():
     if kind == "unary":
         cases += [
-            (f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(x)),
-            (f"aten {op}", lambda f=act.aten: f(x)),
-            (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(g, x)),
-            (f"aten {op}_backward", lambda f=act.aten_backward: f(g, x)),
+            (f"ffn_ext {op}", partial(common.ffn_ext_fn(op), x)),
+            (f"aten {op}", partial(act.aten, x)),
+            (f"ffn_ext {op}_backward", partial(getattr(ops, f"{op}_backward"), g, x)),
+            (f"aten {op}_backward", partial(act.aten_backward, g, x)),
         ]
     elif kind == "gated":
         cases += [
-            (f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(g, u)),
-            (f"ffn_ext {op}_backward", lambda f=getattr(ops, f"{op}_backward"): f(x, g, u)),
+            (f"ffn_ext {op}", partial(common.ffn_ext_fn(op), g, u)),
+            (f"ffn_ext {op}_backward", partial(getattr(ops, f"{op}_backward"), x, g, u)),
         ]
     else:
-        cases.append((f"ffn_ext {op}", lambda f=common.ffn_ext_fn(op): f(gu)))
+        cases.append((f"ffn_ext {op}", partial(common.ffn_ext_fn(op), gu)))
 # GPT-OSS's experts: the clamped SwiGLU (limit 7, alpha 1.702, up + 1) on the interleaved [g0, u0, g1, u1, ...] layout
 gpt_oss = common.bench_ops()["swiglu_clamped_packed_interleaved"]
 gu_c = gu * gpt_oss.scale

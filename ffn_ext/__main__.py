@@ -508,10 +508,10 @@ def ffn_timing(device, out=print) -> list:
         x = torch.randn(tokens, module.down_proj.out_features, device=device, dtype=dtype, requires_grad=True)
         gy = torch.randn_like(x)
 
-        def train(fwd):
+        def train(fwd, x=x, gy=gy):
             return lambda: torch.autograd.backward(fwd(x), gy)
 
-        def infer(fwd):
+        def infer(fwd, x=x):
             def run():
                 with torch.no_grad():
                     fwd(x)

@@ -370,7 +370,10 @@ def test_cuda_matches_host_math_and_reference(pname, dtype):
     # op's values (the same functor), (dgate, dup) written in the layout
     m = 63
     n = gate.numel() // m * m
-    rows = lambda t: t[:n].view(-1, m)
+
+    def rows(t):
+        return t[:n].view(-1, m)
+
     for layout in ("concat", "interleaved"):
         gu = join_packed(rows(g), rows(u), layout)
         hp = call("swiglu_clamped_packed", layout, p)(gu)

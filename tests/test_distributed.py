@@ -280,7 +280,10 @@ def _check_tp_plain_mlp(mesh):
             x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
             placements = ([Shard(1), Shard(0)] if transposed else [Shard(0), Shard(1)]) + [Shard(0), Replicate()]
             dts = [distribute_tensor(t.detach(), mesh, [p]).requires_grad_() for t, p in zip(full, placements)]
-            args = lambda ts: (*ts[:2], *(ts[2:] if bias else [None, None]))
+
+            def args(ts):
+                return (*ts[:2], *(ts[2:] if bias else [None, None]))
+
             y_ref = ffn_ext.plain_mlp(x, *args(full), activation="gelu_tanh", transposed=transposed)
             xt = x.detach().clone().requires_grad_()
             y = tp_plain_mlp(xt, *args(dts), activation="gelu_tanh", transposed=transposed, **opts)

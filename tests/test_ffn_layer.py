@@ -96,7 +96,10 @@ def test_recompute_and_token_chunk_save_no_tokens_by_dff_tensor(form):
     act = ACTIVATIONS[0]
     ws, wd, bs, bd = _params(form, d_model, d_ff, True)
     x = torch.randn(2, 37, d_model, dtype=torch.float64, requires_grad=True)
-    big = lambda shapes: [s for s in shapes if math.prod(s) >= tokens * d_ff]  # the weights have far fewer
+
+    def big(shapes):
+        return [s for s in shapes if math.prod(s) >= tokens * d_ff]  # the weights have far fewer
+
     default, y = _saved(_mlp(act, form, ws, wd, bs, bd), x)
     assert len(big(default)) == (1 if form == "packed" else 2), default  # gate_up, or gate and up: the test can fail
     for opts in ({"recompute": True}, {"token_chunk": 8}):
@@ -398,7 +401,7 @@ def test_tiny_llama_patched_with_token_chunk_trains_the_same():
     mlps = [m for m in model.modules() if type(m).__name__ == "LlamaMLP"]
     ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    for step in range(3):
+    for _step in range(3):
         losses = []
         for m, opt in zip((ref, model), opts):
             opt.zero_grad()

@@ -48,7 +48,7 @@ from ffn_ext.table import split_packed  # noqa: E402
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
-HOST_MATH = NATIVE and hasattr(getattr(ffn_ext.ops._native, "_host_math", None), "__call__")
+HOST_MATH = NATIVE and callable(getattr(ffn_ext.ops._native, "_host_math", None))
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # rtol applies to |ref| + the magnitude of the terms (error scale); atol is for values that round to ~0.

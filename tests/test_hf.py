@@ -924,7 +924,7 @@ def test_named_packed_lookalikes_have_their_form():
     forms, under any attribute names, is missing from _NAMED."""
     forms = _forms(tuple(NAMED_FORMS.items()))
     named, found = ffn_ext.hf._NAMED, {}
-    for file, node, fwd, body in _transformers_forwards():
+    for file, node, _fwd, body in _transformers_forwards():
         form = _form_of(body, forms)
         if form is not None or node.name in named:
             found.setdefault(node.name, {})[file] = form

@@ -974,9 +974,10 @@ def test_known_experts_and_clamped_classes_compute_what_the_patch_assumes():
     _apply_gate clamps an activation's output."""
     for text in [*CLAMPED, *(b for bodies in FORMS.values() for b in bodies)]:
         assert any(k in text for k in FORM_KEYS), text
-    detects = lambda text: _clamps_after_activation(
-        ast.parse("def f(self, x, gate_up):\n" + textwrap.indent(text, "    ")).body[0]
-    )  # noqa: E731
+
+    def detects(text):
+        return _clamps_after_activation(ast.parse("def f(self, x, gate_up):\n" + textwrap.indent(text, "    ")).body[0])  # noqa: E731
+
     assert all(map(detects, CLAMPS_AFTER)) and not any(map(detects, [*CLAMPED, *filter(None, GATES)]))
     clamp_after = set()
     gates = {(_norm(k) if k else None): v for k, v in GATES.items()}

@@ -557,11 +557,15 @@ def test_backward_peak_memory_below_eager(packed, act):
     w_gu, w_down = torch.randn(2 * d_ff, d_model) * 0.1, torch.randn(d_model, d_ff) * 0.1
     params = [w_gu.requires_grad_(), w_down.requires_grad_()]
     if packed:
-        ours = lambda x: M.gated_mlp_packed(x, w_gu, w_down, activation=act.name)
+
+        def ours(x):
+            return M.gated_mlp_packed(x, w_gu, w_down, activation=act.name)
     else:
         w_g, w_u = (w.detach().clone().requires_grad_() for w in w_gu.chunk(2))
         params = [w_g, w_u, w_down]
-        ours = lambda x: M.gated_mlp(x, w_g, w_u, w_down, activation=act.name)
+
+        def ours(x):
+            return M.gated_mlp(x, w_g, w_u, w_down, activation=act.name)
 
     def eager(x):
         gate, up = F.linear(x, w_gu).chunk(2, -1) if packed else (F.linear(x, params[0]), F.linear(x, params[1]))

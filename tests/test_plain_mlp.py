@@ -181,12 +181,16 @@ def test_peak_memory_at_4096_tokens_below_three_quarters_of_eager():
 def test_gradcheck_and_double_backward(act, transposed):
     ps = _weights(5, 7, True, transposed, scale=1.0)
     x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
-    fn = lambda x, w1, w2, b1, b2: ffn_ext.plain_mlp(x, w1, w2, b1, b2, act.name, transposed=transposed)
+
+    def fn(x, w1, w2, b1, b2):
+        return ffn_ext.plain_mlp(x, w1, w2, b1, b2, act.name, transposed=transposed)
+
     assert torch.autograd.gradcheck(fn, (x, *ps))
     assert torch.autograd.gradgradcheck(fn, (x, *ps))
-    chunked = lambda x, w1, w2, b1, b2: ffn_ext.plain_mlp(
-        x, w1, w2, b1, b2, act.name, transposed=transposed, token_chunk=4
-    )
+
+    def chunked(x, w1, w2, b1, b2):
+        return ffn_ext.plain_mlp(x, w1, w2, b1, b2, act.name, transposed=transposed, token_chunk=4)
+
     assert torch.autograd.gradgradcheck(chunked, (x, *ps))
 
 
@@ -245,9 +249,16 @@ def test_torch_func_grad_vmap_and_functional_call(transposed):
     act = ACTIVATIONS[-1]
     ps = _weights(6, 10, True, transposed)
     x = torch.randn(4, 6, dtype=torch.float64)
-    loss = lambda w1, fn: fn(w1)(x).square().sum()
-    ours = lambda w1: _ours(act, w1, *ps[1:], transposed)
-    eager = lambda w1: _eager(act, w1, *ps[1:], transposed)
+
+    def loss(w1, fn):
+        return fn(w1)(x).square().sum()
+
+    def ours(w1):
+        return _ours(act, w1, *ps[1:], transposed)
+
+    def eager(w1):
+        return _eager(act, w1, *ps[1:], transposed)
+
     w1 = ps[0].detach()
     torch.testing.assert_close(
         torch.func.grad(loss)(w1, ours), torch.func.grad(loss)(w1, eager), rtol=1e-12, atol=1e-12

@@ -646,9 +646,9 @@ def test_public_api_rejects_tensor_kinds_for_every_op(case):
     _, name, k, make_bad, exc, msg = case
     args = list(make_inputs(name, (3, 4), torch.float32))
     args[k] = make_bad(args[k])
-    for call in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args), op_kwargs(name))):
+    for fn in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args), op_kwargs(name))):
         with pytest.raises(exc, match=msg):
-            call()
+            fn()
 
 
 @pytest.mark.parametrize(
@@ -760,7 +760,7 @@ def _op_paths(name, args, kw):
 def test_bad_layout_raises_value_error_naming_layout(name, bad):
     args = make_inputs(name, (3, 4), torch.float32)
     kw = op_kwargs(name, bad)
-    for path, fn in _op_paths(name, args, kw).items():
+    for _path, fn in _op_paths(name, args, kw).items():
         with pytest.raises(ValueError, match=_LAYOUT_MSG.format(op=re.escape("ffn_ext." + name), bad=bad)):
             fn()
 
@@ -770,7 +770,7 @@ def test_bad_parameter_raises_value_error_naming_it(case):
     _, name, kw, msg = case
     for packing in PACKINGS if is_packed(name) else (None,):
         k = dict(kw, layout=packing) if packing else kw
-        for path, fn in _op_paths(name, make_inputs(name, (3, 4), torch.float32), k).items():
+        for _path, fn in _op_paths(name, make_inputs(name, (3, 4), torch.float32), k).items():
             with pytest.raises(ValueError, match=msg):
                 fn()
 
