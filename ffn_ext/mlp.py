@@ -447,7 +447,8 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
         h = BY_NAME[a].aten(gate)
         # Where autograd records nothing (no_grad, inference, no input requiring grad) the product goes into
         # act(gate)'s own fresh tensor: one allocation fewer than eager's act(gate) * up, the same values. Where it
-        # records, act(gate) may be saved (relu's backward reads its output), so it stays as eager has it.
+        # records, act(gate) may be saved (relu's backward reads its output), so it stays as eager has it. (gate
+        # and up have one dtype: F.linear of one x, which it requires of each weight, or autocast's.)
         h = h * up if h.requires_grad else h.mul_(up)
         return F.linear(h, wd, bd)
     if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
