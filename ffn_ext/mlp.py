@@ -663,6 +663,7 @@ def _transposed(transposed) -> bool:
 
 
 for _f in (gated_mlp, gated_mlp_packed, swiglu_mlp, swiglu_mlp_packed, geglu_mlp, geglu_mlp_packed):
+    assert _f.__doc__ is not None  # each has a docstring (python -OO: a TypeError below, as before)
     _f.__doc__ += _OPTIONS_DOC
 del _f
 
