@@ -41,6 +41,7 @@ to decide whether a module's projections may be bypassed and to read their param
 from __future__ import annotations
 
 import contextlib
+from typing import overload
 
 import torch
 import torch.nn as nn
@@ -690,6 +691,17 @@ def fusable(linears: tuple, others: tuple = ()) -> bool:
     return True
 
 
+# overloads: the two or three projections the modules pass, so a call's *linear_args(...) has a known length
+@overload
+def linear_args(
+    a: nn.Linear, b: nn.Linear, /
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+@overload
+def linear_args(
+    a: nn.Linear, b: nn.Linear, c: nn.Linear, /
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
+@overload
+def linear_args(*linears: nn.Linear) -> tuple: ...
 def linear_args(*linears: nn.Linear) -> tuple:
     """The weights, then the biases, of nn.Linear modules (the argument order of gated_mlp and gated_mlp_packed),
     as lin.weight and lin.bias would give them (also what torch.func.functional_call swapped in, and plain tensor
