@@ -136,9 +136,9 @@ def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
     (fc1) ColwiseParallel, down_proj (fc2) RowwiseParallel. The activation between them runs fused on the local
     shards (use_local_output=True, the default) or on DTensors Shard(-1) (use_local_output=False: the op's
     sharding strategy), with the same result; down_proj's output is reduced to a replicated (local) tensor."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     for prefix, mod in model.named_modules():
         if _is_gated_ffn(mod):
             p = prefix + "." if prefix else ""
@@ -222,7 +222,9 @@ def tp_gated_mlp(
     local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
     y = _mlp.gated_mlp(
         _SumGradOverRanks.apply(x, group),
-        *local[:3],
+        local[0],  # indexed, not *local[:3]: a star-call of unknown length is no call mypy can check
+        local[1],
+        local[2],
         local[3],
         local[4],
         None,
@@ -275,7 +277,9 @@ def tp_plain_mlp(
     local = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]
     y = _mlp.plain_mlp(
         _SumGradOverRanks.apply(x, group),
-        *local,
+        local[0],
+        local[1],
+        local[2],
         None,
         activation=activation,
         recompute=recompute,
