@@ -25,6 +25,7 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -219,7 +220,8 @@ def tp_gated_mlp(
         ),
     )
     group = w_gate.device_mesh.get_group()
-    local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
+    # the shards as plain tensors (None: no bias), Any: gated_mlp checks them as it checks its own arguments
+    local: list[Any] = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
     y = _mlp.gated_mlp(
         _SumGradOverRanks.apply(x, group),
         local[0],  # indexed, not *local[:3]: a star-call of unknown length is no call mypy can check
@@ -274,7 +276,7 @@ def tp_plain_mlp(
         (("w_fc1", w_fc1, s1), ("w_fc2", w_fc2, s2), ("b_fc1", b_fc1, Shard(0)), ("b_fc2", b_fc2, Replicate())),
     )
     group = w_fc1.device_mesh.get_group()
-    local = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]
+    local: list[Any] = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]  # as tp_gated_mlp's
     y = _mlp.plain_mlp(
         _SumGradOverRanks.apply(x, group),
         local[0],

@@ -462,18 +462,18 @@ _OPTIONS_DOC = """
 
 
 def gated_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd, for the table activation
     `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
 
@@ -494,16 +494,16 @@ def gated_mlp(
 
 
 def gated_mlp_packed(
-    x,
-    w_gate_up,
-    w_down,
-    b_gate_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first (one GEMM for both; the
     backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
     return _run(
@@ -520,13 +520,13 @@ def gated_mlp_packed(
 
 
 def swiglu_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
@@ -537,7 +537,14 @@ def swiglu_mlp(
 
 
 def swiglu_mlp_packed(
-    x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, recompute: bool = False, token_chunk: int | None = None
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
 ) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
     gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
@@ -545,18 +552,18 @@ def swiglu_mlp_packed(
 
 
 def geglu_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     approximate: str = "none",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """down(gelu(x @ w_gate^T + b_gate, approximate) * (x @ w_up^T + b_up)) with the lean autograd; approximate as
     F.gelu's: "none" (exact, erf) or "tanh" (Gemma's gelu_pytorch_tanh): gated_mlp with "gelu" / "gelu_tanh"."""
     return _run(
@@ -573,16 +580,16 @@ def geglu_mlp(
 
 
 def geglu_mlp_packed(
-    x,
-    w_gate_up,
-    w_down,
-    b_gate_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     approximate: str = "none",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
     return _run(
         "geglu_mlp_packed",
@@ -598,11 +605,11 @@ def geglu_mlp_packed(
 
 
 def plain_mlp(
-    x,
-    w_fc1,
-    w_fc2,
-    b_fc1=None,
-    b_fc2=None,
+    x: torch.Tensor,
+    w_fc1: torch.Tensor,
+    w_fc2: torch.Tensor,
+    b_fc1: torch.Tensor | None = None,
+    b_fc2: torch.Tensor | None = None,
     activation: str = "gelu",
     *,
     recompute: bool = False,
