@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -41,7 +42,12 @@ _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modul
 
 
 def patch_model(
-    model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False, token_chunk: int | None = None
+    model: nn.Module,
+    strict: bool = False,
+    extra_classes: Iterable[type] = (),
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
 ) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
     (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP, every known MoE experts
