@@ -25,7 +25,7 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from . import mlp as _mlp
 from . import modules as _modules
 from . import ops as _ops
 from .table import OPS
+
+if TYPE_CHECKING:  # annotations only: torch.distributed.tensor stays unloaded until used
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "register_strategies",
@@ -186,18 +189,18 @@ class _SumGradOverRanks(torch.autograd.Function):
 
 
 def tp_gated_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: DTensor,
+    w_up: DTensor,
+    w_down: DTensor,
+    b_gate: DTensor | None = None,
+    b_up: DTensor | None = None,
+    b_down: DTensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
     mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
     b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
@@ -251,17 +254,17 @@ def _check_placed(fn: str, named: tuple) -> None:
 
 
 def tp_plain_mlp(
-    x,
-    w_fc1,
-    w_fc2,
-    b_fc1=None,
-    b_fc2=None,
+    x: torch.Tensor,
+    w_fc1: DTensor,
+    w_fc2: DTensor,
+    b_fc1: DTensor | None = None,
+    b_fc2: DTensor | None = None,
     activation: str = "gelu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
     transposed: bool = False,
-):
+) -> torch.Tensor:
     """ffn_ext.plain_mlp (the lean autograd: saves x and fc1's output) with tensor-parallel weights on a 1-D mesh:
     fc1 column parallel, fc2 row parallel (nn.Linear layout: w_fc1 and b_fc1 Shard(0), w_fc2 Shard(1); Conv1D
     layout, transposed=True: w_fc1 Shard(1), b_fc1 Shard(0), w_fc2 Shard(0)), b_fc2 Replicate; x a local tensor,
