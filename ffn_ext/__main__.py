@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -496,7 +497,7 @@ def ffn_timing(device, out=print) -> list:
     where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
     out(f"\n== FFN layers on {where}, {_dname(dtype)}, {tokens} tokens: min of {iters}, alternating (ms) ==")
     torch.manual_seed(2)
-    layers = [
+    layers: list[tuple[str, ffn_ext.FFN | ffn_ext.SwiGLUFFN]] = [
         ("FFN 768 -> 3072, GELU", ffn_ext.FFN(768, 3072, activation="gelu")),
         ("SwiGLUFFN 896 -> 4864", ffn_ext.SwiGLUFFN(896, 4864)),
     ]
@@ -547,7 +548,7 @@ def op_timing(device, out=print, iters=None, warmup=None, size=None) -> None:
         leaves = [t.detach().requires_grad_() for t in inputs]
         return lambda: torch.autograd.grad(fn(*leaves), leaves, grad)
 
-    rows = []
+    rows: list[tuple[str, Callable, Callable]] = []  # (case, ours, ATen): callables of no argument
     # the gated ops of Llama/Qwen (swiglu) and Gemma (geglu_tanh), the packed form and exact GELU: ffn_ext's public
     # function (api_op) against the table's ATen form (act(gate) * up with F.silu, F.gelu: what eager users write)
     for name in ("swiglu", "geglu_tanh", "swiglu_packed", "gelu"):
@@ -615,7 +616,7 @@ def main(argv=None) -> int:
 
     what = "ffn_ext ops" if ffn_ext.ops._native is not None else "ffn_ext API (NO native library: ATen fallback)"
     print(f"\n== Op checks ({what}) on {_label(device)} ({device}), fp64 / fp32 / bf16 against an fp64 reference ==")
-    record = []
+    record: list[tuple] = []
     # odd row lengths exercise the CUDA kernels' vector tails; the GPU gets more rows
     shape = dict(rows=512, cols=4103) if device.type == "cuda" else {}
     ok = check_ops(device, out=print if args.verbose else (lambda line: None), record=record, **shape)

@@ -25,6 +25,7 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from . import mlp as _mlp
 from . import modules as _modules
 from . import ops as _ops
 from .table import OPS
+
+if TYPE_CHECKING:  # annotations only: torch.distributed.tensor stays unloaded until used
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "register_strategies",
@@ -136,9 +140,9 @@ def tp_plan(model: torch.nn.Module, *, use_local_output: bool = True) -> dict:
     (fc1) ColwiseParallel, down_proj (fc2) RowwiseParallel. The activation between them runs fused on the local
     shards (use_local_output=True, the default) or on DTensors Shard(-1) (use_local_output=False: the op's
     sharding strategy), with the same result; down_proj's output is reduced to a replicated (local) tensor."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     for prefix, mod in model.named_modules():
         if _is_gated_ffn(mod):
             p = prefix + "." if prefix else ""
@@ -185,18 +189,18 @@ class _SumGradOverRanks(torch.autograd.Function):
 
 
 def tp_gated_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: DTensor,
+    w_up: DTensor,
+    w_down: DTensor,
+    b_gate: DTensor | None = None,
+    b_up: DTensor | None = None,
+    b_down: DTensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
     mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
     b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
@@ -219,10 +223,13 @@ def tp_gated_mlp(
         ),
     )
     group = w_gate.device_mesh.get_group()
-    local = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
+    # the shards as plain tensors (None: no bias), Any: gated_mlp checks them as it checks its own arguments
+    local: list[Any] = [None if t is None else t.to_local() for t in (w_gate, w_up, w_down, b_gate, b_up)]
     y = _mlp.gated_mlp(
         _SumGradOverRanks.apply(x, group),
-        *local[:3],
+        local[0],  # indexed, not *local[:3]: a star-call of unknown length is no call mypy can check
+        local[1],
+        local[2],
         local[3],
         local[4],
         None,
@@ -247,17 +254,17 @@ def _check_placed(fn: str, named: tuple) -> None:
 
 
 def tp_plain_mlp(
-    x,
-    w_fc1,
-    w_fc2,
-    b_fc1=None,
-    b_fc2=None,
+    x: torch.Tensor,
+    w_fc1: DTensor,
+    w_fc2: DTensor,
+    b_fc1: DTensor | None = None,
+    b_fc2: DTensor | None = None,
     activation: str = "gelu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
     transposed: bool = False,
-):
+) -> torch.Tensor:
     """ffn_ext.plain_mlp (the lean autograd: saves x and fc1's output) with tensor-parallel weights on a 1-D mesh:
     fc1 column parallel, fc2 row parallel (nn.Linear layout: w_fc1 and b_fc1 Shard(0), w_fc2 Shard(1); Conv1D
     layout, transposed=True: w_fc1 Shard(1), b_fc1 Shard(0), w_fc2 Shard(0)), b_fc2 Replicate; x a local tensor,
@@ -272,10 +279,12 @@ def tp_plain_mlp(
         (("w_fc1", w_fc1, s1), ("w_fc2", w_fc2, s2), ("b_fc1", b_fc1, Shard(0)), ("b_fc2", b_fc2, Replicate())),
     )
     group = w_fc1.device_mesh.get_group()
-    local = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]
+    local: list[Any] = [None if t is None else t.to_local() for t in (w_fc1, w_fc2, b_fc1)]  # as tp_gated_mlp's
     y = _mlp.plain_mlp(
         _SumGradOverRanks.apply(x, group),
-        *local,
+        local[0],
+        local[1],
+        local[2],
         None,
         activation=activation,
         recompute=recompute,

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from . import _build, ops
 
@@ -45,7 +46,7 @@ def _loaded_matches(with_cuda: bool | None) -> tuple[bool, str]:
 
 def load(
     verbose: bool = False, with_cuda: bool | None = None, build_directory: str | None = None, name: str = "ffn_ext_jit"
-):
+) -> ModuleType:
     """Compiles (cached by torch in build_directory or its default extension dir) and loads the library, then
     makes it ffn_ext's backend. with_cuda=None decides as setup.py does. Returns the loaded module.
 

@@ -41,6 +41,7 @@ to decide whether a module's projections may be bypassed and to read their param
 from __future__ import annotations
 
 import contextlib
+from typing import overload
 
 import torch
 import torch.nn as nn
@@ -473,18 +474,18 @@ _OPTIONS_DOC = """
 
 
 def gated_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd, for the table activation
     `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
 
@@ -505,16 +506,16 @@ def gated_mlp(
 
 
 def gated_mlp_packed(
-    x,
-    w_gate_up,
-    w_down,
-    b_gate_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     activation: str = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first (one GEMM for both; the
     backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
     return _run(
@@ -531,13 +532,13 @@ def gated_mlp_packed(
 
 
 def swiglu_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
@@ -548,7 +549,14 @@ def swiglu_mlp(
 
 
 def swiglu_mlp_packed(
-    x, w_gate_up, w_down, b_gate_up=None, b_down=None, *, recompute: bool = False, token_chunk: int | None = None
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
 ) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
     gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
@@ -556,18 +564,18 @@ def swiglu_mlp_packed(
 
 
 def geglu_mlp(
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    b_gate=None,
-    b_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     approximate: str = "none",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """down(gelu(x @ w_gate^T + b_gate, approximate) * (x @ w_up^T + b_up)) with the lean autograd; approximate as
     F.gelu's: "none" (exact, erf) or "tanh" (Gemma's gelu_pytorch_tanh): gated_mlp with "gelu" / "gelu_tanh"."""
     return _run(
@@ -584,16 +592,16 @@ def geglu_mlp(
 
 
 def geglu_mlp_packed(
-    x,
-    w_gate_up,
-    w_down,
-    b_gate_up=None,
-    b_down=None,
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
     approximate: str = "none",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
-):
+) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
     return _run(
         "geglu_mlp_packed",
@@ -609,11 +617,11 @@ def geglu_mlp_packed(
 
 
 def plain_mlp(
-    x,
-    w_fc1,
-    w_fc2,
-    b_fc1=None,
-    b_fc2=None,
+    x: torch.Tensor,
+    w_fc1: torch.Tensor,
+    w_fc2: torch.Tensor,
+    b_fc1: torch.Tensor | None = None,
+    b_fc2: torch.Tensor | None = None,
     activation: str = "gelu",
     *,
     recompute: bool = False,
@@ -676,6 +684,7 @@ def _transposed(transposed) -> bool:
 
 
 for _f in (gated_mlp, gated_mlp_packed, swiglu_mlp, swiglu_mlp_packed, geglu_mlp, geglu_mlp_packed):
+    assert _f.__doc__ is not None  # each has a docstring (python -OO: a TypeError below, as before)
     _f.__doc__ += _OPTIONS_DOC
 del _f
 
@@ -702,6 +711,17 @@ def fusable(linears: tuple, others: tuple = ()) -> bool:
     return True
 
 
+# overloads: the two or three projections the modules pass, so a call's *linear_args(...) has a known length
+@overload
+def linear_args(
+    a: nn.Linear, b: nn.Linear, /
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+@overload
+def linear_args(
+    a: nn.Linear, b: nn.Linear, c: nn.Linear, /
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
+@overload
+def linear_args(*linears: nn.Linear) -> tuple: ...
 def linear_args(*linears: nn.Linear) -> tuple:
     """The weights, then the biases, of nn.Linear modules (the argument order of gated_mlp and gated_mlp_packed),
     as lin.weight and lin.bias would give them (also what torch.func.functional_call swapped in, and plain tensor

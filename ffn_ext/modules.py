@@ -19,6 +19,7 @@ ffn_ext/mlp.py). On the CPU without recompute / token_chunk the modules run eage
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -257,8 +258,8 @@ class FFN(nn.Module):
         d_ff: int,
         activation: str = "gelu",
         bias: bool = False,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         recompute: bool = False,
         token_chunk: int | None = None,
@@ -279,7 +280,7 @@ class FFN(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mods = self._modules
+        mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and the type checks vet them
         u, act, d = mods["up_proj"], mods["act"], mods["down_proj"]
         name = _unary_name(act)
         if name is not None and fusable((u, d), (act,)):
@@ -361,8 +362,8 @@ class GatedFFN(nn.Module):
         d_ff: int,
         activation: str = "silu",
         bias: bool = False,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         fused_gate_up: bool = False,
         recompute: bool = False,
@@ -388,13 +389,13 @@ class GatedFFN(nn.Module):
         self.act = _gated_module(act)
 
     @property
-    def activation(self) -> str:
+    def activation(self) -> str | None:
         """The table name of the activation `act` computes (None when `act` is not one of ffn_ext's)."""
-        act = self._modules["act"]
+        act: Any = self._modules["act"]  # has .activation when one of _FUSED_ACTS
         return act.activation if type(act) in _FUSED_ACTS else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mods = self._modules
+        mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and the type checks vet them
         d, act = mods["down_proj"], mods["act"]
         fused = type(act) in _FUSED_ACTS
         if "gate_up_proj" in mods:
@@ -445,8 +446,8 @@ class SwiGLUFFN(GatedFFN):
         d_ff: int | None = None,
         bias: bool = False,
         multiple_of: int = 256,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         fused_gate_up: bool = False,
         recompute: bool = False,
@@ -481,8 +482,8 @@ class GeGLUFFN(GatedFFN):
         d_ff: int,
         approximate: str = "none",
         bias: bool = False,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         *,
         fused_gate_up: bool = False,
         recompute: bool = False,
@@ -504,7 +505,7 @@ class GeGLUFFN(GatedFFN):
     @property
     def approximate(self) -> str | None:
         """GELU's `approximate` of the activation `act` computes (None when it is not a GELU of ffn_ext's)."""
-        act = BY_NAME.get(self.activation)
+        act = BY_NAME.get(self.activation or "")  # "": no entry, as for None
         return None if act is None else act.api[1].get("approximate")
 
     def extra_repr(self) -> str:

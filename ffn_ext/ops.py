@@ -12,6 +12,8 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,9 +44,9 @@ NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use 
 _API_OPS = tuple(name for name, spec in OPS.items() if not spec.backward)  # those with a fast entry point
 
 _lock = threading.Lock()
-_native = None  # the loaded native module (ffn_ext._C or the JIT module)
-_native_source = None  # "ffn_ext._C" or "jit"
-_native_error = None  # why no native module is loaded
+_native: Any = None  # the loaded native module (ffn_ext._C or the JIT module), or a _loader.Registered
+_native_source: str | None = None  # "ffn_ext._C" or "jit"
+_native_error: str | None = None  # why no native module is loaded
 
 
 def _adopt(module, source: str) -> None:
@@ -102,7 +104,7 @@ def _register_dtensor() -> bool:
 
 # Set by ffn_ext.distributed (a higher layer, imported by the package): registers the strategies once and returns
 # True when it did. A hook, not an import, so that ops depends on nothing above it.
-_dtensor_registrar = None
+_dtensor_registrar: Callable[[], bool] | None = None
 
 
 def _has_dtensor(args: tuple) -> bool:
@@ -122,7 +124,7 @@ def _load_installed() -> None:
         return _adopt(registered, registered.source)
     try:
         _loader.check_installed_C()
-        from . import _C
+        from . import _C  # type: ignore[attr-defined]  # the compiled extension: mypy sees no module (no stub)
     except ImportError as e:
         _native_error = f"ffn_ext._C could not be imported ({e})"
         warnings.warn(
@@ -369,6 +371,7 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
     ref_name, ref = spec.args[r], args[r]
     _check_dtype(op, ref_name, ref)
     if spec.kind == "packed":
+        assert layout is not None  # popped above for the packed ops
         if ref.dim() == 0:
             raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
         if ref.shape[-1] % 2:
@@ -391,7 +394,8 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
                 f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
                 f"(gate_up's with the last dimension halved), got {list(grad.shape)}"
             )
-        return join_packed(*spec.gated.backward(grad, gate, up, **params), layout)
+        dgate, dup = spec.gated.backward(grad, gate, up, **params)
+        return join_packed(dgate, dup, layout)
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
     if spec.recompute:
@@ -528,7 +532,7 @@ def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str
 # ---------------------------------------------------------------- build information
 def build_info() -> dict:
     """What is loaded: native library or ATen fallback, CUDA kernels, CUDA version and archs, torch versions."""
-    info = {"native": _native_source or "none (ATen fallback)", "torch_version": torch.__version__}
+    info: dict[str, Any] = {"native": _native_source or "none (ATen fallback)", "torch_version": torch.__version__}
     if _native is None:
         info.update(reason=_native_error, cuda_kernels="no")
     else:

@@ -229,7 +229,7 @@ class _Mangled:
         return self.s[m.end() : self.i]
 
     def template_args(self) -> list:
-        args = []
+        args: list = []
         while not self.eat("E"):
             if self.eat("L"):  # a literal: Li<value>E, the value n<digits> if negative
                 m = re.compile(r"i(n?)(\d+)E").match(self.s, self.i)
@@ -252,7 +252,8 @@ class _Mangled:
         m = re.compile(r"S[0-9A-Z]*_").match(self.s, self.i)  # the namespace prefix, substituted
         if m:
             self.i = m.end()
-        name, args = None, []
+        name: str | None = None
+        args: list = []
         while not self.eat("E"):
             if args:
                 raise ValueError(f"a name after template arguments at {self.i}")
@@ -380,9 +381,11 @@ def parse_sass(text: str) -> dict[tuple[int, str], list[tuple[int, str]]]:
     return out
 
 
-def parse_resources(text: str) -> dict[tuple[int, str], dict[str, int]]:
-    """{(sm, function): {'REG': .., 'STACK': .., 'LOCAL': .., ...}} from `cuobjdump --dump-resource-usage`."""
-    out, arch, fn = {}, None, None
+def parse_resources(text: str) -> dict[tuple[int | None, str], dict[str, int]]:
+    """{(sm, function): {'REG': .., 'STACK': .., 'LOCAL': .., ...}} from `cuobjdump --dump-resource-usage` (sm None
+    for a function before any 'arch = sm_XX' header)."""
+    out: dict[tuple[int | None, str], dict[str, int]] = {}
+    arch, fn = None, None
     for line in text.splitlines():
         m = re.match(r"\s*arch = sm_(\d+)", line)
         if m:
@@ -481,7 +484,7 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
     starts) and the H200 bound (fraction of copy bandwidth). A kernel the op table does not predict raises
     KeyError."""
     funcs = parse_sass(sass) if isinstance(sass, str) else sass
-    rows = []
+    rows: list[dict] = []
     for (sm, name), ins in funcs.items():
         k = kernel_of(name)
         if sm != arch or k is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ class Activation:
     hf_names: tuple = ()  # transformers' ACT2FN names that compute exactly this function
     # how the public API names it: (function, {keyword: value}), e.g. ("gelu", {"approximate": "tanh"}); None (the
     # default): ffn_ext.act(x, activation=name), which serves every entry
-    api: tuple | None = None
+    api: tuple[str, dict[str, Any]] = None  # type: ignore[assignment]  # None: set by __post_init__, never None after
     # float64 (m, x) -> m * act'(x) for an unbounded act', computed so that it is finite wherever the product is (as
     # the functor's bwd): relu2's 2 (m relu(x)); None: m * ref(x)[1]
     times_derivative_ref: Callable | None = None

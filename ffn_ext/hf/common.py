@@ -8,7 +8,7 @@ import contextlib
 import inspect
 import math
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import torch
 import torch.nn as nn
@@ -154,7 +154,7 @@ def _attr(module, name):
     return mods[name] if name in mods else getattr(module, name, None)
 
 
-def _real(v) -> bool:
+def _real(v: object) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 

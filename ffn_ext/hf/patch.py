@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -41,7 +42,12 @@ _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modul
 
 
 def patch_model(
-    model: nn.Module, strict: bool = False, extra_classes=(), *, recompute: bool = False, token_chunk: int | None = None
+    model: nn.Module,
+    strict: bool = False,
+    extra_classes: Iterable[type] = (),
+    *,
+    recompute: bool = False,
+    token_chunk: int | None = None,
 ) -> int:
     """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
     (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP, every known MoE experts
@@ -73,8 +79,9 @@ def patch_model(
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
-    todo, skipped = [], {}  # todo: (module, mark, forward, _apply_gate, _ACT); skipped: reason -> class -> names
-    not_chunked = {}  # class -> names of what recompute / token_chunk do not apply to
+    todo: list[tuple] = []  # (module, mark, forward, _apply_gate, _ACT)
+    skipped: dict[str, dict[str, list[str]]] = {}  # reason -> class -> names
+    not_chunked: dict[str, list[str]] = {}  # class -> names of what recompute / token_chunk do not apply to
     for name, module in model.named_modules():
         mark = getattr(module, _MARK, None)
         if mark:
@@ -87,7 +94,7 @@ def patch_model(
         if _is_experts(module):
             entry = _experts_entry(type(module))
             if entry is None:
-                reason = _CLAMPS_AFTER if _clamps_after(type(module)) else _UNKNOWN_EXPERTS
+                reason: str | None = _CLAMPS_AFTER if _clamps_after(type(module)) else _UNKNOWN_EXPERTS
             else:
                 gate, form = entry
                 reason = _gate_problem(module, gate) or (None if _gate_agrees(module, gate) else _DISAGREES_GATE)
