@@ -500,7 +500,7 @@ def targets(results: list, dev: torch.device) -> list:
                 )
             )
     speedups = [("swiglu", peer, thr) for peer, thr in (("eager", 1.7), ("compile", 1.0), ("liger", 1.1))]
-    # the clamped SwiGLU (issue 15): ATen eager runs GPT-OSS's expression, about seven passes forward
+    # the clamped SwiGLU: ATen eager runs GPT-OSS's expression, about seven passes forward
     speedups += [
         (op, peer, thr)
         for op in CLAMPED

@@ -117,7 +117,7 @@ if [ "$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || e
 else
   note "$(printf '%-12s skipped: the NCCL checks need 2 GPUs, this machine has fewer' nccl)"
 fi
-# The FFN layer's targets (issue 17; unmeasured): SwiGLUFFN and its fused_gate_up / recompute / token_chunk variants
+# The FFN layer's targets (unmeasured): SwiGLUFFN and its fused_gate_up / recompute / token_chunk variants
 # next to eager, torch.compile and Liger (where installed) at Llama-7B and Llama-3-8B widths, decode to 16k tokens;
 # then peak memory only at 32k-128k tokens with token_chunk=8192 (eager at 128k: about 26 GB). Not yet timed.
 ffn_layer() {  # the gated FFNs, then the classic FFN (768 -> 3072 and 1024 -> 4096, GELU erf/tanh, 512-16k tokens)

@@ -8,7 +8,7 @@ whether a kernel is bound by memory or by instruction issue. Not a benchmark: ru
 
 The packed backward runs the gated backward's kernel (another layout), so it is left out; except for GPT-OSS's
 form, the clamped SwiGLU on the interleaved layout (common.bench_ops' swiglu_clamped_packed_interleaved), whose
-forward and backward run last: the new kernels of issue 15, on inputs scaled so that the clamps act.
+forward and backward run last: the clamped SwiGLU's kernels, on inputs scaled so that the clamps act.
 """
 
 import sys

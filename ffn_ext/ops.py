@@ -117,7 +117,7 @@ def _load_installed() -> None:
     if os.environ.get(NO_C_ENV, "0") not in ("", "0"):
         _native_error = f"{NO_C_ENV} is set"
         return
-    from . import _loader  # ops registered before this import, _C built for another torch, the advice (issue 18)
+    from . import _loader  # ops registered before this import, _C built for another torch, the advice
 
     registered = _loader.registered_elsewhere()  # importing _C next to them would abort the process
     if registered is not None:
@@ -311,8 +311,8 @@ def _call(name: str, args: tuple, extra: tuple = ()):
             args = _promoted(args)
         if _native_for(args[0]) and not _aten_only(args):
             # Under torch.compile the op is looked up, never cached: filling _overloads while traced made dynamo
-            # guard on the cache's contents, so every compiled function recompiled on its second call (issue 16;
-            # tests/test_compile_export.py runs a second call under set_stance("fail_on_recompile")).
+            # guard on the cache's contents, so every compiled function recompiled on its second call
+            # (tests/test_compile_export.py runs a second call under set_stance("fail_on_recompile")).
             overload = getattr(torch.ops.ffn_ext, name).default if _is_compiling() else _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default

@@ -166,7 +166,7 @@ def test_export_graph_has_ffn_ext_ops(device):
         torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-6)
 
 
-# ---------------------------------------------------------------- no recompiles; transforms under compile (issue 16)
+# ---------------------------------------------------------------- no recompiles; transforms under compile
 def test_no_recompile_after_the_first_call():
     """A compiled function compiles once: the second call, on fresh inputs, runs under
     set_stance("fail_on_recompile") (what serving stacks set after warm-up). ops._call used to fill its overload

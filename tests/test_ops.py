@@ -714,7 +714,7 @@ def test_cuda_large_gelu_fp16():
     assert not torch.isnan(dx).any().item()
 
 
-# ---------------------------------------------------------------- mixed dtypes and autocast (issue 16)
+# ---------------------------------------------------------------- mixed dtypes and autocast
 _MIXED = [
     (torch.float32, torch.bfloat16),
     (torch.bfloat16, torch.float32),
@@ -780,7 +780,7 @@ def test_pointwise_tags(name):
     assert (torch.Tag.pointwise in tags) == (not optable.is_packed(name)), (name, tags)
 
 
-# ---------------------------------------------------------------- memory format (issue 16)
+# ---------------------------------------------------------------- memory format
 _FORMATS = [(torch.channels_last, (2, 3, 4, 5)), (torch.channels_last_3d, (2, 3, 2, 4, 5))]
 _SAME_SHAPE = [n for n in optable.OPS if not optable.is_packed(n)]
 

@@ -1,4 +1,4 @@
-"""Packaging off the happy path (issue 18): what the sdist holds, what the wheel requires, plain `pip install .`
+"""Packaging off the happy path: what the sdist holds, what the wheel requires, plain `pip install .`
 stopping at once with the command to run, a _C built for another torch named at import, the sources an install
 ships for ffn_ext.jit, and the public C++ header covering the table. CI's packaging stage (.ci/run) builds the
 sdist, a wheel from it, installs it into a clean venv and runs these tests (and others) from outside the tree.
