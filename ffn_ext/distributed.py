@@ -17,6 +17,9 @@ Sharding (registered once from the op table, ffn_ext.table.OPS, forward and back
   holds a slice of the global [gate | up] (rank 0: gate's first half), not a [gate_shard | up_shard] pair, so that
   placement is redistributed (to another dim or Replicate) before the op: correct, never computed on the wrong
   pairs. Placements that disagree between inputs are redistributed to one strategy the same way.
+- the quantizing ops (ffn_ext.quant, quant_strategies): row and group scales Shard(d) on any dim but the last (a
+  row's scale needs the whole row), a static per-tensor scale as an elementwise op, a dynamic one Replicate (the
+  whole tensor's amax).
 - the per-rank packed layout: when each rank's local gate_up is its own [gate_shard | up_shard] (a gate_up
   projection split per rank, as Megatron's / vLLM's MergedColumnParallelLinear: rank r holds rows
   [gate rows of r; up rows of r] of the weight), the packed op runs on the local shards: ``per_rank_packed``.
@@ -32,6 +35,7 @@ import torch
 from . import mlp as _mlp
 from . import modules as _modules
 from . import ops as _ops
+from . import quant as _quant
 from .table import OPS
 
 if TYPE_CHECKING:  # annotations only: torch.distributed.tensor stays unloaded until used
@@ -40,6 +44,7 @@ if TYPE_CHECKING:  # annotations only: torch.distributed.tensor stays unloaded u
 __all__ = [
     "register_strategies",
     "strategies",
+    "quant_strategies",
     "per_rank_packed",
     "tp_plan",
     "tp_gated_mlp",
@@ -64,6 +69,55 @@ def strategies(name: str, ndim: int) -> list:
     return [([p] * n_out, [p] * n_in) for p in [Replicate(), *(Shard(d) for d in dims)]]
 
 
+def quant_strategies(name: str, ndim: int, scaling: str, static_scale) -> list:
+    """The acceptable shardings of a quantizing op (ffn_ext.quant) on inputs of `ndim` dims, outputs (q, scale): a
+    dynamic per-tensor scale needs the whole tensor's amax, so Replicate only (a sharded input is gathered first);
+    a static one is elementwise: q as any elementwise op, the 0-dim scale replicated; a row's scale (and its
+    groups') needs the whole row: Shard(d) for any dim but the last, q and scale alike (a group-aligned shard of
+    the last dim is not offered: shards of uneven size would split groups)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    packed = name.endswith("_packed_quant")
+    n_in = 1 if packed or name == "quantize" else 2
+    rep = [([Replicate(), Replicate()], [Replicate()] * n_in)]
+    if scaling == "tensor" and static_scale is None:
+        return rep
+    if scaling == "tensor":
+        dims = range(ndim - 1 if packed else ndim)
+        return rep + [([Shard(d), Replicate()], [Shard(d)] * n_in) for d in dims]
+    return rep + [([Shard(d), Shard(d)], [Shard(d)] * n_in) for d in range(ndim - 1)]
+
+
+def _register_quant_strategies(register_sharding) -> None:
+    """The quantizing ops' strategies depend on the recipe (scaling, static_scale): DTensor caches a sharding
+    decision per op and per its int arguments only (register_sharding's schema info), so a decision made for a row
+    recipe would be reused for a dynamic per-tensor one (computed on the shards: wrong values, silently). The schema
+    info is widened to the recipe's arguments where DTensor's propagator exposes it; where it does not, only the
+    decision every recipe accepts (Replicate) is registered."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+        infos = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+    except (ImportError, AttributeError):
+        infos = None
+    for name in _quant.op_names():
+        if not hasattr(torch.ops.ffn_ext, name):
+            continue
+        overload = getattr(torch.ops.ffn_ext, name).default
+
+        def quant_rule(*args, _name=name, _keyed=infos is not None, **kwargs):
+            if not _keyed:  # the decision would be shared by every recipe
+                return quant_strategies(_name, args[0].ndim, "tensor", None)
+            return quant_strategies(_name, args[0].ndim, kwargs["scaling"], kwargs["static_scale"])
+
+        register_sharding(overload)(quant_rule)
+        if infos is not None:
+            keys = ["scaling", "group_size", "static_scale"]
+            infos[overload] = RuntimeSchemaInfo(static_kwargkey=keys, needs_pytree=True)
+
+
 def register_strategies() -> bool:
     """Registers the sharding strategies of every op of the table with DTensor, once; True when this call did."""
     global _registered
@@ -78,6 +132,7 @@ def register_strategies() -> bool:
             return strategies(_name, args[_r].ndim)
 
         register_sharding(getattr(torch.ops.ffn_ext, name).default)(rule)
+    _register_quant_strategies(register_sharding)
     _registered = True
     return True
 

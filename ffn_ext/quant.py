@@ -222,7 +222,51 @@ def _native(name: str, t: torch.Tensor):
 
     if not (isinstance(t, torch.Tensor) and ops._native_for(t)) or not hasattr(torch.ops.ffn_ext, name):
         return None
+    if not _vmap_registered:
+        register_vmap_rules()
     return getattr(torch.ops.ffn_ext, name).default
+
+
+# ---------------------------------------------------------------- vmap
+def op_names() -> list:
+    """The quantizing ops' names (torch.ops.ffn_ext.<name>): <gated>_quant and <gated>_packed_quant for every gated
+    op of the table, and quantize."""
+    return [f"{g}{p}_quant" for g in GATED_BY_NAME for p in ("", "_packed")] + ["quantize"]
+
+
+def _batch_rule(name: str):
+    """The vmap batching rule of a quantizing op: each sample quantized as if alone. Row and group scales belong to
+    a row, and the ops take every leading dimension as rows, so one call on the batch (its dim moved to the front)
+    is that; a static per-tensor scale is elementwise, the same for every sample; a dynamic per-tensor scale is a
+    sample's own amax, so that recipe runs one call per sample (what torch's fallback would do, without its
+    warning)."""
+    overload = getattr(torch.ops.ffn_ext, name).default
+
+    def rule(info, in_dims, *args, **kwargs):
+        b = info.batch_size
+        args = tuple(t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims))
+        if kwargs["scaling"] != "tensor":
+            return overload(*args, **kwargs), (0, 0)
+        if kwargs["static_scale"] is not None:
+            return overload(*args, **kwargs), (0, None)
+        outs = [overload(*(a[i] for a in args), **kwargs) for i in range(b)]
+        return (torch.stack([q for q, _ in outs]), torch.stack([s for _, s in outs])), (0, 0)
+
+    return rule
+
+
+_vmap_registered = False
+
+
+def register_vmap_rules() -> None:
+    """Registers the quantizing ops' batching rules once, when the native ops are loaded (at import, or on the
+    first call through this module: a JIT build loaded later)."""
+    global _vmap_registered
+    if _vmap_registered or not hasattr(torch.ops.ffn_ext, "quantize"):
+        return
+    _vmap_registered = True
+    for name in op_names():
+        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
 
 
 def _run(op: str, unfused, args: tuple, names: tuple, recipe, kwargs: dict):
@@ -324,3 +368,6 @@ def gated_packed_quant(
         recipe,
         dict(params, layout=layout),
     )
+
+
+register_vmap_rules()

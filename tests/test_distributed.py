@@ -340,6 +340,52 @@ def _fsdp2_step(mesh, kind):
     return []
 
 
+def _check_quant(mesh):
+    """The quantizing ops on DTensors (ffn_ext.distributed.quant_strategies): every rank's local q and scale are its
+    slice of the single-process result, bit for bit, for inputs sharded on each dim (the last dim and a dynamic
+    per-tensor scale are redistributed first). Compared shard by shard: gloo has no float8 collectives."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import ffn_ext
+
+    failures = []
+    torch.manual_seed(1)
+    x = torch.randn(4, 6, 64, dtype=torch.float64) * torch.linspace(0.1, 4, 6, dtype=torch.float64)[:, None]
+    u = torch.randn(4, 6, 64, dtype=torch.float64)
+    recipes = [
+        ffn_ext.QuantRecipe(scaling="row"),
+        ffn_ext.QuantRecipe(scaling="group", group_size=32),
+        ffn_ext.QuantRecipe(scaling="tensor"),
+        ffn_ext.QuantRecipe(scaling="tensor", static_scale=0.5),
+    ]
+    calls = {
+        "quantize": (lambda r, a, b: ffn_ext.quantize(a, r), (x,)),
+        "swiglu_quant": (lambda r, a, b: ffn_ext.swiglu_quant(a, b, r), (x, u)),
+        "gated_packed_quant": (lambda r, a, b: ffn_ext.gated_packed_quant(a, r, "gelu"), (x,)),
+    }
+    for name, (fn, full) in calls.items():
+        for r in recipes:
+            want_q, want_s = fn(r, *full, None) if len(full) == 1 else fn(r, *full)
+            for d in range(3):
+                label = f"{name} {r.scaling} static={r.static_scale} Shard({d})"
+                try:
+                    dts = [distribute_tensor(t, mesh, [Shard(d)]) for t in full]
+                    q, s = fn(r, *dts, None) if len(dts) == 1 else fn(r, *dts)
+                    assert isinstance(q, DTensor) and isinstance(s, DTensor), label
+                    for got, want in ((q, want_q), (s, want_s)):
+                        p = got.placements[0]
+                        if isinstance(p, Shard):
+                            want = want.tensor_split(mesh.size(), p.dim)[mesh.get_local_rank()]
+                        else:
+                            assert isinstance(p, Replicate), (label, p)
+                        local = got.to_local()
+                        bits = (lambda t: t.view(torch.uint8)) if local.element_size() == 1 else (lambda t: t)
+                        assert torch.equal(bits(local.contiguous()), bits(want.contiguous())), (label, p)
+                except Exception:
+                    failures.append(f"_check_quant {label}: {traceback.format_exc(limit=-2)}")
+    return failures
+
+
 BACKEND = os.environ.get("FFN_EXT_DIST_BACKEND", "gloo")  # nccl: benchmarks/device_check.sh on 2+ GPUs
 
 
@@ -370,6 +416,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             _check_tp_plain_mlp,
             _check_shard_plain_ffns,
             _check_fsdp2,
+            _check_quant,
         ):
             try:
                 failures += check(mesh)

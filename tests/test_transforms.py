@@ -249,3 +249,39 @@ def ref_call(mlp, params, x, act):
     g = F.linear(x, params["gate_proj.weight"])
     u = F.linear(x, params["up_proj.weight"])
     return F.linear(act.aten(g) * u, params["down_proj.weight"])
+
+
+# ---------------------------------------------------------------- the quantizing ops under vmap
+QUANT_RECIPES = [
+    ffn_ext.QuantRecipe(scaling="row"),
+    ffn_ext.QuantRecipe(scaling="group", group_size=32, scale_layout="column"),
+    ffn_ext.QuantRecipe(scaling="tensor"),  # dynamic: each sample's own amax
+    ffn_ext.QuantRecipe(torch.float8_e5m2, scaling="tensor", static_scale=0.25),
+]
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+@pytest.mark.parametrize("recipe", QUANT_RECIPES, ids=lambda r: f"{r.scaling}-{r.static_scale}-{r.scale_layout}")
+@pytest.mark.parametrize("op", ["quantize", "swiglu_quant", "gated_packed_quant"])
+def test_quant_ops_under_vmap_quantize_each_sample_as_if_alone(op, recipe):
+    """vmap of a quantizing op (batch dim 1, unbatched up for the gated op) is the op on each sample, bit for bit,
+    through the ops' batching rule: torch's per-sample fallback would warn ("performance drop")."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 64) * torch.tensor([1.0, 30.0, 0.01, 5.0])[:, None]  # samples (dim 1) of other amaxes
+    up = torch.randn(3, 64)
+    fns = {
+        "quantize": (lambda t: ffn_ext.quantize(t, recipe), (x,), (1,)),
+        "swiglu_quant": (lambda g, u: ffn_ext.swiglu_quant(g, u, recipe), (x, up), (1, None)),
+        "gated_packed_quant": (lambda gu: ffn_ext.gated_packed_quant(gu, recipe, "gelu_tanh"), (x,), (1,)),
+    }
+    fn, args, in_dims = fns[op]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, s = torch_func.vmap(fn, in_dims=in_dims)(*args)
+    for i in range(x.shape[1]):
+        qi, si = fn(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)))
+        assert torch.equal(_bits(q[i]), _bits(qi)), (op, i)
+        assert torch.equal(s[i] if s.dim() else s, si), (op, i)
