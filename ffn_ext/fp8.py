@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -150,7 +151,7 @@ class FP8GatedFFN(nn.Module):
 
     @classmethod
     def from_ffn(cls, ffn: GatedFFN, recipe: str = "row") -> FP8GatedFFN:
-        mods = ffn._modules
+        mods: dict[str, Any] = dict(ffn.named_children())
         act = mods["act"]
         if "gate_up_proj" in mods and act.layout == "concat":
             w, b = mods["gate_up_proj"].weight, mods["gate_up_proj"].bias
@@ -246,7 +247,7 @@ def quantize_fp8(module: nn.Module, recipe: str = "row") -> nn.Module:
     if top is not None:
         return top
     left = [("", module, why)] if why else []
-    done = set()
+    done: set[str] = set()
     for name, child in list(module.named_modules()):
         if any(name == d or name.startswith(d + ".") for d in done):
             continue

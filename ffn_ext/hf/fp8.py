@@ -6,6 +6,7 @@ an MLP, or already FP8, is named with the reason (registered as a converter of f
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -74,7 +75,7 @@ def convert_patched(m: nn.Module, recipe: str):
     fwd = _bound(m)
     if fwd is None or fwd.gate is not None:
         return None, _REASONS["clamped"] if fwd is not None else _REASONS["projections"]
-    mods = m._modules
+    mods: dict[str, Any] = dict(m.named_children())
     names = ("gate_proj", "up_proj", "down_proj") if mark == "gated" else fwd.names[:2]  # classic: (fc1, fc2, drop)
     projs = [mods[n] for n in names]
     if any(_finegrained(p) for p in projs):
