@@ -248,7 +248,7 @@ def quantize_fp8(module: nn.Module, recipe: str = "row") -> nn.Module:
         return top
     left = [("", module, why)] if why else []
     done: set[str] = set()
-    for name, child in list(module.named_modules()):
+    for name, child in [] if why else list(module.named_modules()):  # a module named whole: not its parts
         if any(name == d or name.startswith(d + ".") for d in done):
             continue
         for cname, sub in list(child.named_children()):

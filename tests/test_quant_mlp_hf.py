@@ -132,3 +132,21 @@ def test_finegrained_fp8_named():
     assert "0 (LlamaMLP), 1 (FP8Linear) are not converted: already FP8 (FineGrainedFP8): left as is, because" in msg
     assert "FP8Linear takes only the unquantized input" in msg
     assert type(model[0]) is LlamaMLP
+
+
+def test_patched_finegrained_fp8_mlp_named_whole():
+    """patch_hf_model accelerates the activation of an MLP of FP8Linear (its projections run as they are);
+    quantize_fp8 then names the MLP once, not its projections."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(transformers.LlamaConfig(**DECODER))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        old = getattr(mlp, name)
+        setattr(mlp, name, _fp8_linear(old.in_features, old.out_features))
+    assert ffn_ext.patch_hf_model(mlp) == 1
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert ffn_ext.quantize_fp8(mlp) is mlp
+    assert [str(w.message).split(" because")[0] for w in rec] == [
+        "ffn_ext.quantize_fp8: LlamaMLP (LlamaMLP) is not converted: already FP8 (FineGrainedFP8): left as is,"
+    ]
