@@ -4,10 +4,10 @@
     mlp8 = ffn_ext.quantize_fp8(ffn_ext.SwiGLUFFN(896, 4864), recipe="block")
 
 What is converted: ffn_ext's GatedFFN (SwiGLUFFN, GeGLUFFN) and FFN, and the Hugging Face MLPs that
-ffn_ext.patch_hf_model patched (dense gated, packed gated and classic, nn.Linear or GPT-2's Conv1D projections).
-Anything that looks like an MLP but is left as it is gets named in a warning, with the reason: an activation that is
-not ffn_ext's, projections that are not plain nn.Linear, clamped or MoE MLPs, BERT-style layer pairs, and layers
-already in FP8 (transformers' FineGrainedFP8 FP8Linear).
+ffn_ext.patch_hf_model patched (dense gated, packed gated, clamped SwiGLU with the limit and alpha they have when
+quantized, and classic, nn.Linear or GPT-2's Conv1D projections). Anything that looks like an MLP but is left as it
+is gets named in a warning, with the reason: an activation that is not ffn_ext's, projections that are not plain
+nn.Linear, MoE experts, BERT-style layer pairs, and layers already in FP8 (transformers' FineGrainedFP8 FP8Linear).
 
 Two recipes, both float8_e4m3fn with float32 scales (the formula: ffn_ext.quant, docs/fp8.md):
 

@@ -150,3 +150,39 @@ def test_patched_finegrained_fp8_mlp_named_whole():
     assert [str(w.message).split(" because")[0] for w in rec] == [
         "ffn_ext.quantize_fp8: LlamaMLP (LlamaMLP) is not converted: already FP8 (FineGrainedFP8): left as is,"
     ]
+
+
+@pytest.mark.parametrize("name, module", [("Glm5NextTextMLP", "glm5_next"), ("MiniMaxM3VLDenseMLP", "minimax_m3_vl")])
+def test_patched_clamped_mlps_quantized(name, module):
+    """transformers' clamped SwiGLU MLPs (patched as ffn_ext.swiglu_clamped) become FP8GatedFFN with the limit and
+    alpha they had when quantized."""
+    import importlib
+    import types
+
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {name}")
+    cfg = types.SimpleNamespace(
+        hidden_size=128,
+        intermediate_size=256,
+        hidden_act="silu",
+        swiglu_limit=3.0,
+        swiglu_alpha=1.702,
+        mlp_bias=False,
+        dense_intermediate_size=256,
+    )
+    torch.manual_seed(0)
+    mlp = cls(cfg).eval()
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        for p in mlp.parameters():  # weights of unit scale: the projections reach past the limit, the clamp acts
+            p.copy_(torch.randn_like(p) / 8)
+        ref = mlp(x)
+        assert ffn_ext.patch_hf_model(mlp) == 1
+        m8 = quantize_fp8(mlp)
+        assert isinstance(m8, FP8GatedFFN) and m8.activation == "swiglu_clamped"
+        assert m8.params["limit"] == 3.0
+        err = _rel(m8(x), ref)
+    print(f"{name}: FP8 relative error {err:.4f} vs the fp32 MLP")
+    assert err < 0.1

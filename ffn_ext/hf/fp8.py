@@ -14,7 +14,7 @@ import torch.nn as nn
 from .. import fp8 as _fp8
 from .. import ops as _ops
 from .classic import _layout, classic_kind
-from .common import _MARK, _act_now, _BoundForward
+from .common import _MARK, _act_now, _BoundForward, _Clamp, _gate_state
 from .dense import _kind
 from .experts import _is_experts
 
@@ -35,7 +35,6 @@ _REASONS = {
     ),
     "experts": "MoE experts modules (3-D expert weights): ffn_ext has no FP8 grouped GEMM",
     "experts_gate": "MoE experts modules (3-D expert weights): ffn_ext has no FP8 grouped GEMM",
-    "clamped": "clamped SwiGLU MLPs of transformers: not converted yet (ffn_ext.SwiGLU(limit=...) FFNs are)",
     "activation": (
         "its activation is no longer one ffn_ext computes, or carries hooks (replaced or hooked since patching)"
     ),
@@ -73,31 +72,40 @@ def convert_patched(m: nn.Module, recipe: str):
     if mark not in ("gated", "packed", "classic"):
         return None, _REASONS.get(mark, f"patched as {mark!r}, a form quantize_fp8 does not convert")
     fwd = _bound(m)
-    if fwd is None or fwd.gate is not None:
-        return None, _REASONS["clamped"] if fwd is not None else _REASONS["projections"]
+    if fwd is None:
+        return None, _REASONS["projections"]
     mods: dict[str, Any] = dict(m.named_children())
     names = ("gate_proj", "up_proj", "down_proj") if mark == "gated" else fwd.names[:2]  # classic: (fc1, fc2, drop)
     projs = [mods[n] for n in names]
     if any(_finegrained(p) for p in projs):
         return None, FINEGRAINED_FP8
-    entry = _act_now(m)
-    if entry is None:
+    # the gating, read now: a clamped MLP's limit and alpha are frozen into the FP8 module
+    state = _act_now(m) if fwd.gate is None else _gate_state(m, fwd.gate)
+    if state is None:
         return None, _REASONS["activation"]
+    if isinstance(state, _Clamp):
+        activation, params, order = "swiglu_clamped", dict(state._asdict()), state.layout
+        del params["layout"]
+    else:
+        activation, params, order = state.name, {}, "concat"
     layout = _layout(*projs) if mark == "classic" else ("linear" if all(type(p) is nn.Linear for p in projs) else None)
     if layout is None:
         return None, _REASONS["projections"]
     if mark == "classic":
         fc1, fc2 = projs[0], projs[1]
-        act = functools.partial(_ops.call_op, entry.name)
+        act = functools.partial(_ops.call_op, activation)
         return _fp8.FP8FFN(_weight(fc1, layout), fc1.bias, _weight(fc2, layout), fc2.bias, act, recipe), None
     if mark == "gated":
         g, u, d = projs
         w = torch.cat([g.weight, u.weight])
         b = None if g.bias is None else torch.cat([g.bias, u.bias])
-    else:  # packed: [gate | up] (the patched packed MLPs chunk(2))
+    else:  # packed: [gate | up], or interleaved rows (clamped: the _Gate's layout) reordered to it once
         gu, d = projs[0], projs[1]
         w, b = gu.weight, gu.bias
-    return _fp8.FP8GatedFFN(w, b, d.weight, d.bias, entry.name, {}, recipe), None
+        if order == "interleaved":
+            w = torch.cat([w[0::2], w[1::2]])
+            b = None if b is None else torch.cat([b[0::2], b[1::2]])
+    return _fp8.FP8GatedFFN(w, b, d.weight, d.bias, activation, params, recipe), None
 
 
 _fp8._CONVERTERS.append(convert_patched)
