@@ -16,7 +16,7 @@ Two recipes, both float8_e4m3fn with float32 scales (the formula: ffn_ext.quant,
 - "block" (DeepSeek-V3's): weights once in 128x128 blocks (scale [N/128, K/128], the layout of HF's
   weight_scale_inv), x and the activation output in 1x128 groups with "column" scales ([M, K/128], stride (1, M));
   the projections through F.scaled_mm with BlockWise1x128 x BlockWise128x128 on CUDA devices of compute capability
-  9.0 (cuBLAS's block-scaled FP8 GEMM exists there only). Every projection's in and out features must be multiples
+  9.0 (torch serves that recipe pair there only). Every projection's in and out features must be multiples
   of 128 (ValueError otherwise: padding would quantize zeros into the last block and change nothing but the cost,
   and the models of this recipe have such widths). Elsewhere (the CPU, other GPUs) torch has no blockwise scaled_mm
   (torch 2.13's CPU scaled_mm rejects it: "Invalid scaling configuration"); the GEMMs then run as an emulation,
@@ -65,6 +65,25 @@ def _blockwise_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def _blockwise_sm90(qa, sa, qw, sw, out_dtype):
+    """F.scaled_mm BlockWise1x128 x BlockWise128x128 as torch's CUDA check (_scaled_block1x128_block128x128) takes
+    it: scale_a [M, K/128] with strides (1, M); mat_b = qw^T [K, N] and scale_b = the weight's scales transposed,
+    [round_up(K/128, 4), N/128] with strides (1, round_up(K/128, 4)): the K blocks padded to a multiple of 4 (zeros,
+    never read as data); M is padded to a multiple of 4 with zero rows (cuBLAS's scale leading dimension must be
+    16-byte aligned), and the output cut back."""
+    m, kb = qa.shape[0], sa.shape[1]
+    pad_m, pad_k = -m % 4, -kb % 4
+    if pad_m:
+        qa = torch.cat([qa, qa.new_zeros(pad_m, qa.shape[1])])
+        sa_p = sa.new_zeros(kb, m + pad_m)
+        sa_p[:, :m] = sa.t()
+        sa = sa_p.t()
+    sb = (F.pad(sw, (0, pad_k)) if pad_k else sw).t()
+    st = F.ScalingType
+    y = F.scaled_mm(qa, qw.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128, output_dtype=out_dtype)
+    return y[:m] if pad_m else y
+
+
 def _dequant_blocks(q: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """q (FP8 [R, C]) times its scales s ([R / rows, C / cols], any strides) as float32."""
     return q.float() * s.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
@@ -72,11 +91,10 @@ def _dequant_blocks(q: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> t
 
 def _blockwise(qa, sa, qw, sw, out_dtype):
     """(qa * sa) @ (qw * sw)^T: qa [M, K] with sa [M, K/128] (stride (1, M)); qw [N, K] with sw [N/128, K/128].
-    F.scaled_mm BlockWise1x128 x BlockWise128x128 on sm_90 (scale_b is sw transposed: mat_b is qw^T [K, N]); else
-    the float32 emulation named in the module docstring, with a one-time warning per device."""
+    F.scaled_mm BlockWise1x128 x BlockWise128x128 on sm_90, else the float32 emulation named in the module
+    docstring, with a one-time warning per device."""
     if _blockwise_native(qa.device):
-        st = F.ScalingType
-        return F.scaled_mm(qa, qw.t(), sa, st.BlockWise1x128, sw.t(), st.BlockWise128x128, output_dtype=out_dtype)
+        return _blockwise_sm90(qa, sa, qw, sw, out_dtype)
     key = str(qa.device)
     if key not in _EMULATED_WARNED:
         _EMULATED_WARNED.add(key)

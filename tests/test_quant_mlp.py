@@ -207,22 +207,24 @@ def test_fp8_block_sm90_path_arguments(monkeypatch, fresh_warning):
     calls = []
 
     def fake_scaled_mm(a, b, sa, ra, sb, rb, output_dtype=None):
+        """torch's CUDA check of this recipe pair (_scaled_block1x128_block128x128), then the emulation."""
         m, k = a.shape
-        n = b.shape[1]
+        n, kb, kb4 = b.shape[1], k // 128, -(-k // 512) * 4
         assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride() == (k, 1) and b.stride() == (1, k)
         assert ra == F.ScalingType.BlockWise1x128 and rb == F.ScalingType.BlockWise128x128
-        assert sa.dtype == sb.dtype == torch.float32
-        assert sa.shape == (m, k // 128) and sa.stride() == (1, m)  # MN-major ("column")
-        assert sb.shape == (k // 128, n // 128) and sb.stride() == (1, k // 128)
+        assert sa.dtype == sb.dtype == torch.float32 and m % 4 == 0
+        assert sa.shape == (m, kb) and sa.stride() == (1, m)  # MN-major ("column")
+        assert sb.shape == (kb4, n // 128) and sb.stride() == (1, kb4)  # K blocks padded to a multiple of 4
+        assert not sb[kb:].any()
         calls.append((m, k, n))
-        return emulated(a, sa, b.t(), sb.t(), output_dtype)
+        return emulated(a, sa, b.t(), sb[:kb].t(), output_dtype)
 
     monkeypatch.setattr(fp8, "_blockwise_native", lambda device: True)
     monkeypatch.setattr(F, "scaled_mm", fake_scaled_mm)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
         got = m8(x)
-    assert calls == [(5, 256, 384), (5, 384, 256)]
+    assert calls == [(8, 256, 384), (8, 384, 256)]  # 5 tokens padded to 8 (zero rows), cut back
     assert torch.equal(got, want)
 
 
