@@ -69,8 +69,9 @@ def _blockwise_sm90(qa, sa, qw, sw, out_dtype):
     """F.scaled_mm BlockWise1x128 x BlockWise128x128 as torch's CUDA check (_scaled_block1x128_block128x128) takes
     it: scale_a [M, K/128] with strides (1, M); mat_b = qw^T [K, N] and scale_b = the weight's scales transposed,
     [round_up(K/128, 4), N/128] with strides (1, round_up(K/128, 4)): the K blocks padded to a multiple of 4 (zeros,
-    never read as data); M is padded to a multiple of 4 with zero rows (cuBLAS's scale leading dimension must be
-    16-byte aligned), and the output cut back."""
+    never read as data); M is padded to a multiple of 4 with zero rows, so that scale_a's columns start 16-byte
+    aligned as in the callers of this GEMM we read (not a documented requirement; benchmarks/bench_fp8_mlp.py
+    --check runs 5 tokens on the GPU), and the output cut back."""
     m, kb = qa.shape[0], sa.shape[1]
     pad_m, pad_k = -m % 4, -kb % 4
     if pad_m:
