@@ -3,10 +3,10 @@
 # architecture, about 1600 CUDA tests, 3968 sanitizer calls) it no longer fits one 10-minute call; run it as two
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
 #   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 520 s
-#   OUT=/some/dir STAGES="quant_tests bench_quant bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 430 s
+#   OUT=/some/dir STAGES="quant_tests bench_quant fp8_mlp bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 490 s
 #   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 420 s
-# With less device time than both need, measure first: STAGES="build quant_tests bench_quant bench_ops memcheck
-# bench_ffn" (520 s): the quantizing kernels (never run on a GPU yet) first.
+# With less device time than both need, measure first: STAGES="build quant_tests bench_quant fp8_mlp bench_ops
+# memcheck bench_ffn" (580 s): the quantizing kernels and the FP8 MLP's GEMMs (never run on a GPU yet) first.
 #   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
@@ -31,7 +31,7 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
-STAGES=${STAGES:-build sass quant_tests bench_quant cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl}
+STAGES=${STAGES:-build sass quant_tests bench_quant fp8_mlp cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl}
 wanted() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
@@ -73,6 +73,11 @@ stage sass 40 $PY benchmarks/sass_budget.py
 # the decode shape and 4096 x 14336, bf16. Not yet timed: 60 s and 60 s.
 stage quant_tests 60 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quant.py
 stage bench_quant 60 $PY benchmarks/bench_quant.py --quick --device cuda
+# The FP8 MLP (ffn_ext.quantize_fp8): recipe="row" and "block" against bf16 at 64 tokens, and the block recipe's
+# sm_90 path (F.scaled_mm BlockWise1x128 x BlockWise128x128: its arguments were only checked with F.scaled_mm mocked)
+# against the same module's float32 emulation: exits 1 when they differ by more than 1e-2 (relative, in norm). Not
+# yet timed: 60 s (the CPU run takes 15 s).
+stage fp8_mlp 60 $PY benchmarks/bench_fp8_mlp.py --device cuda --check
 
 FFN_EXT_RUN_LARGE=1 stage cuda_tests 300 $PY -m pytest -q -m cuda -p no:cacheprovider --durations=15
 

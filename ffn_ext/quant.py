@@ -30,7 +30,8 @@ scale shapes, for h of shape [..., K]:
     scale_dtype        torch.float32, or torch.float8_e8m0fnu (needs pow2_scales=True: stored exactly)
     scale_layout       "row" (contiguous) or "column" (MN-major: the rows' index varies fastest, stride (1, rows)
                        for 2-D h; what F.scaled_mm's BlockWise1x128 takes on sm_90); not for scaling="tensor".
-                       The SWIZZLE_32_4_4 layout of sm_100's MX GEMMs is not supported.
+                       The SWIZZLE_32_4_4 layout of sm_100's MX GEMMs is not supported (a ValueError says what to
+                       use: "row" MXFP8 scales, tiled by the caller).
 
 The ops are torch.ops.ffn_ext.<gated>_quant, <gated>_packed_quant and quantize (forward only, not differentiable).
 """
@@ -100,6 +101,13 @@ class QuantRecipe:
         if self.scale_dtype == torch.float8_e8m0fnu and not self.pow2_scales:
             raise ValueError(
                 "QuantRecipe: `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs pow2_scales=True"
+            )
+        if isinstance(self.scale_layout, str) and self.scale_layout.lower() == "swizzle_32_4_4":
+            raise ValueError(
+                "QuantRecipe: `scale_layout`=\"swizzle_32_4_4\" (F.scaled_mm's SwizzleType.SWIZZLE_32_4_4, the "
+                "128x4-tiled scales of sm_100's MX GEMMs) is not supported: use scale_layout=\"row\" with "
+                "scaling=\"group\", group_size=32, pow2_scales=True, scale_dtype=torch.float8_e8m0fnu (MXFP8) and "
+                "tile the [M, K/32] scales for that GEMM"
             )
         if self.scale_layout not in SCALE_LAYOUTS:
             raise ValueError(f"QuantRecipe: `scale_layout` must be one of {SCALE_LAYOUTS}, got {self.scale_layout!r}")

@@ -365,3 +365,11 @@ def test_kernel_emulation_bit_identical(dtype):
                     _EMU._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0], r
                 )
             assert_same(tuple(got), ref, msg=f"{name} {packing} {rid(r)} {dtype}")
+
+
+@pytest.mark.parametrize("layout", ["swizzle_32_4_4", "SWIZZLE_32_4_4"])
+def test_swizzle_layout_is_named_unsupported(layout):
+    with pytest.raises(
+        ValueError, match=r"`scale_layout`=\"swizzle_32_4_4\" .* is not supported: use scale_layout=\"row\""
+    ):
+        ffn_ext.QuantRecipe(scaling="group", group_size=32, pow2_scales=True, scale_layout=layout)

@@ -114,3 +114,4 @@ from .experts import _EXPERTS, _FORMS, _BoundExperts, _BoundGate, _is_experts  #
 from .patch import patch_model, unpatch_model
 
 __all__ = ["patch_model", "unpatch_model"]
+from . import fp8  # noqa: F401,E402  (registers quantize_fp8's converter of the patched MLPs)
