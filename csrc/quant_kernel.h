@@ -21,8 +21,8 @@
 // (kRowChunks * 8 * 256 = 8192 elements) keeps its h in registers between the sweeps: the inputs are read once
 // (bytes read = the inputs', 2 B/element per bf16 operand). A longer row recomputes h in sweep 2 from the inputs:
 // the inputs are read twice (for bf16 swiglu, 8 B read + 1 B written per element instead of 4 + 1), the second
-// read mostly from L2 (a 32768-element bf16 row of two operands is 128 KiB, and at most a few blocks per SM are in
-// their sweep 1). The alternatives cost more: h in shared memory would bound the row length by the 227 KiB of an
+// read expected mostly from L2, not measured yet (a 32768-element bf16 row of two operands is 128 KiB; at 2 blocks
+// per SM, 132 x 2 such rows are 33 MiB in flight against the H200's 50 MiB L2). The alternatives cost more: h in shared memory would bound the row length by the 227 KiB of an
 // SM and cut the blocks per SM; h written to global memory as scratch is the composite's extra pass.
 //
 // scaling="tensor": a static scale needs no amax: one launch of the tensor kernel quantizing every lane with it.
