@@ -4,7 +4,7 @@ as a fraction of copy bandwidth (a clone of the inputs). Shapes: the decode shap
 2**28 elements (8192 x 32768); bf16 by default. CPU times are CPU times.
 
     python benchmarks/bench_quant.py --device cuda            # every recipe, swiglu and quantize
-    python benchmarks/bench_quant.py --quick                  # group-128 and row recipes, two shapes
+    python benchmarks/bench_quant.py --quick                  # group-128, row and tensor recipes, two shapes
 """
 
 from __future__ import annotations
@@ -21,23 +21,29 @@ from ffn_ext.quant import QuantRecipe, reference_quantize
 SHAPES = {"decode": (1, 14336), "4096x14336": (4096, 14336), "2^28": (8192, 32768)}
 RECIPES = {
     "tensor": QuantRecipe(scaling="tensor"),
+    "tensor-static": QuantRecipe(scaling="tensor", static_scale=0.01),
     "row": QuantRecipe(scaling="row"),
     "group128": QuantRecipe(scaling="group", group_size=128),
     "group128-col": QuantRecipe(scaling="group", group_size=128, scale_layout="column"),
     "mxfp8": QuantRecipe(scaling="group", group_size=32, pow2_scales=True, scale_dtype=torch.float8_e8m0fnu),
 }
 
+# one recipe per kernel and launch count: group (1 launch), row (1), tensor dynamic (2) and static (1)
+QUICK = ("group128", "row", "tensor", "tensor-static")
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--quick", action="store_true", help="group128 and row only; decode and 4096x14336")
+    p.add_argument(
+        "--quick", action="store_true", help="group128, row, tensor (dynamic, static) only; decode and 4096x14336"
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     args = p.parse_args(argv)
     dev, dt = resolve_device(args.device), DTYPES[args.dtype]
-    recipes = {k: RECIPES[k] for k in (("group128", "row") if args.quick else RECIPES)}
+    recipes = {k: RECIPES[k] for k in (QUICK if args.quick else RECIPES)}
     names = args.shapes.split(",") if args.shapes else (("decode", "4096x14336") if args.quick else SHAPES)
     shapes = {k: SHAPES[k] for k in names}
     if dev.type == "cpu":

@@ -3,10 +3,10 @@
 # architecture, about 1600 CUDA tests, 3968 sanitizer calls) it no longer fits one 10-minute call; run it as two
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
 #   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 520 s
-#   OUT=/some/dir STAGES="quant_tests bench_quant fp8_mlp bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 490 s
+#   OUT=/some/dir STAGES="quant_tests bench_quant fp8_mlp bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 520 s
 #   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 420 s
 # With less device time than both need, measure first: STAGES="build quant_tests bench_quant fp8_mlp bench_ops
-# memcheck bench_ffn" (580 s): the quantizing kernels and the FP8 MLP's GEMMs (never run on a GPU yet) first.
+# memcheck" (570 s of limits: one call): the quantizing kernels and the FP8 MLP's GEMMs (never run on a GPU) first.
 #   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
 # Builds ffn_ext for the local GPU (sm_90 on an H200) against the machine's torch, runs the CUDA tests (the
 # >2**31-element ones too), the benchmarks' GPU quick mode, and compute-sanitizer memcheck and racecheck over every
@@ -68,11 +68,12 @@ $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.
 stage sass 40 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included: 525 took 97 s; about 1600 now (2026-12-01), 300 s.
-# The quantizing kernels (csrc/cuda/quant.cu: 27 kernels, never run on a GPU when written): their CUDA tests
-# against quant.py's reference (bit for bit), then swiglu_quant against swiglu + quantize and torch.compile of it at
-# the decode shape and 4096 x 14336, bf16. Not yet timed: 60 s and 60 s.
+# The quantizing kernels (csrc/cuda/quant.cu: 135 kernels, the group, row and tensor kernels, none run on a GPU when
+# written): their CUDA tests against quant.py's reference (bit for bit; every recipe, so the row kernel and both
+# tensor launches), then swiglu_quant against swiglu + quantize and torch.compile of it at the decode shape and
+# 4096 x 14336, bf16, for group-128, row, dynamic and static tensor scaling. Not yet timed: 60 s and 90 s.
 stage quant_tests 60 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quant.py
-stage bench_quant 60 $PY benchmarks/bench_quant.py --quick --device cuda
+stage bench_quant 90 $PY benchmarks/bench_quant.py --quick --device cuda
 # The FP8 MLP (ffn_ext.quantize_fp8): recipe="row" and "block" against bf16 at 64 tokens, and the block recipe's
 # sm_90 path (F.scaled_mm BlockWise1x128 x BlockWise128x128: its arguments were only checked with F.scaled_mm mocked)
 # against the same module's float32 emulation: exits 1 when they differ by more than 1e-2 (relative, in norm). Not

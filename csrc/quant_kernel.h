@@ -11,12 +11,35 @@
 // and the group's first lane writes that scale: the scale stored is the one quantized with. Any row count, any
 // group count per row; offsets are int64. The recipe (fp8 format, pow2 scales, e8m0 or float32 scales, scale
 // strides for row or column layout) is runtime data in QuantProblem: one kernel per (op, input dtype, pair layout).
+//
+// scaling="row" (one scale per row, rows of any length, cols not necessarily a multiple of 8: a row's last lane may
+// hold fewer than 8 elements, loaded one by one): one block per row at a time (grid-stride over rows). Each thread
+// takes the row's chunks tid, tid + T, ... (T threads, coalesced); sweep 1 computes its h and folds its amax, the
+// block combines the threads' amaxes (row_block_amax: the warps' xor shuffles, then the warps' results through
+// shared memory, read by every thread in the same order, so every thread holds the same bits), and sweep 2
+// quantizes with the scale from it; thread 0 stores that scale. A row of up to kRowChunks chunks per thread
+// (kRowChunks * 8 * 256 = 8192 elements) keeps its h in registers between the sweeps: the inputs are read once
+// (bytes read = the inputs', 2 B/element per bf16 operand). A longer row recomputes h in sweep 2 from the inputs:
+// the inputs are read twice (for bf16 swiglu, 8 B read + 1 B written per element instead of 4 + 1), the second
+// read expected mostly from L2, not measured yet (a 32768-element bf16 row of two operands is 128 KiB; at 2 blocks
+// per SM, 132 x 2 such rows are 33 MiB in flight against the H200's 50 MiB L2). The alternatives cost more: h in shared memory would bound the row length by the 227 KiB of an
+// SM and cut the blocks per SM; h written to global memory as scratch is the composite's extra pass.
+//
+// scaling="tensor": a static scale needs no amax: one launch of the tensor kernel quantizing every lane with it.
+// A dynamic scale needs the amax of the whole tensor before the first element is quantized, and CUDA has no
+// grid-wide barrier in an ordinary launch (a cooperative launch would bound the grid by residency and is not
+// capturable everywhere): two launches of the same kernel. Launch 1 (amax) folds each thread's lanes (grid-stride
+// over (row, chunk), as the group kernel), combines them in the block as above and stores the block's amax in a
+// scratch array of `parts` floats (one per block: no atomics and no zero-fill launch, and the fold's order is
+// fixed). Launch 2 (quantize) has every block fold those parts again (parts <= 8 per SM: a few KiB read from L2
+// per block) into the same amax and scale; block 0's thread 0 stores it.
 #pragma once
 
 #include <ATen/OpMathType.h>
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "ffn_math.h"
 #include "rows.h"
@@ -25,6 +48,11 @@ namespace ffn_ext {
 namespace quant {
 
 constexpr int kLaneElems = 8;
+constexpr int kThreads = 256;  // threads per block (every kernel); the row kernel may use fewer (row_threads)
+constexpr int kRowChunks = 4;  // chunks of 8 elements per thread a row kernel keeps in registers between sweeps
+
+enum class QScaling : int { kGroup, kRow, kTensor };
+enum class QPhase : int { kQuantize, kAmax };  // the tensor kernel's launch: quantize, or the dynamic amax
 
 struct QuantProblem {
   const void* in[2];     // gate, up; or x (in[0]); or an interleaved pair's first element (in[0])
@@ -37,6 +65,13 @@ struct QuantProblem {
   bool vectorized;  // every operand's rows start 16-byte aligned: 16-byte loads
   float fp8_max;    // 448 (e4m3fn) or 57344 (e5m2): selects the format
   bool pow2, e8m0;
+  QScaling scaling;
+  // scaling="tensor"
+  QPhase phase;
+  bool has_static;     // the scale is static_scale (already as float and pow2-rounded: the composite's scale)
+  float static_scale;  //
+  float* parts;        // dynamic: one amax per block of the amax launch (device scratch)
+  int nparts;          // the amax launch's block count
 };
 
 // h of the identity (quantize x) and of a gated op, from the lane's inputs in opmath.
@@ -71,16 +106,29 @@ FFN_HD void load_elems(rows::Pack<T, N>& dst, const T* src, bool vectorized) {
   }
 }
 
-// Phase 1 of a lane: its 8 elements of h (row, columns col..col+7), rounded to T and held in float; returns their
-// max |h| (NaN if one is NaN).
+// The first `n` of N elements (the rest 0): load_elems when n == N, else one by one.
+template <typename T, int N>
+FFN_HD void load_part(rows::Pack<T, N>& dst, const T* src, bool vectorized, int n) {
+  if (n == N) {
+    load_elems(dst, src, vectorized);
+    return;
+  }
+  FFN_UNROLL
+  for (int k = 0; k < N; ++k) dst.v[k] = k < n ? src[k] : T(0);
+}
+
+// Phase 1 of a lane: its n (8, or fewer at the end of a row whose length is not a multiple of 8) elements of h
+// (row, columns col..col+n-1), rounded to T and held in float; returns their max |h| (NaN if one is NaN). A short
+// lane loads element by element (the rest of its operands are 0 and its h past n is not counted).
 template <typename T, class F, bool Pair>
-FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems]) {
+FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems],
+                    int n = kLaneElems) {
   constexpr bool kFast = math::fast_math_for<T>();
   using A = at::opmath_type<T>;
   A a[2][kLaneElems] = {};  // the identity reads one operand
   if constexpr (Pair) {     // [g0, u0, g1, u1, ...]: 16 elements hold the lane's 8 pairs
     rows::Pack<T, 2 * kLaneElems> raw;
-    load_elems(raw, static_cast<const T*>(p.in[0]) + row * p.in_stride[0] + 2 * col, p.vectorized);
+    load_part(raw, static_cast<const T*>(p.in[0]) + row * p.in_stride[0] + 2 * col, p.vectorized, 2 * n);
     A w[2 * kLaneElems];
     rows::widen(raw, w);
     FFN_UNROLL
@@ -89,7 +137,7 @@ FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col,
     FFN_UNROLL
     for (int i = 0; i < F::NI; ++i) {
       rows::Pack<T, kLaneElems> raw;
-      load_elems(raw, static_cast<const T*>(p.in[i]) + row * p.in_stride[i] + col, p.vectorized);
+      load_part(raw, static_cast<const T*>(p.in[i]) + row * p.in_stride[i] + col, p.vectorized, n);
       rows::widen(raw, a[i]);
     }
   }
@@ -107,42 +155,161 @@ FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col,
   FFN_UNROLL
   for (int k = 0; k < kLaneElems; ++k) {
     h[k] = static_cast<float>(back[k]);
-    m = amax_step(m, ::fabsf(h[k]));
+    if (k < n) m = amax_step(m, ::fabsf(h[k]));
   }
   return m;
 }
 
-// Phase 2 of a lane: quantize its 8 elements with the group's scale (from the group's amax) into one 8-byte store;
-// the group's first lane (writer) stores the scale.
-FFN_HD void lane_store(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float amax,
-                       bool writer) {
-  const float scale = math::quant_scale(amax, p.fp8_max, p.pow2);
-  const float inv = 1.0f / scale;
+// A scale into p.scale at element offset `at`, as float32 or e8m0.
+FFN_HD void store_scale(const QuantProblem& p, int64_t at, float scale) {
+  if (p.e8m0) {
+    static_cast<uint8_t*>(p.scale)[at] = math::to_e8m0(scale);
+  } else {
+    static_cast<float*>(p.scale)[at] = scale;
+  }
+}
+
+// A lane's n elements quantized with inv = 1 / scale (one division per scale, by the caller): one 8-byte store
+// when the lane is whole and its offset a multiple of 8 (cols a multiple of 8), else byte by byte.
+FFN_HD void lane_quant(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float inv,
+                       int n = kLaneElems) {
   uint8_t b[kLaneElems];
   FFN_UNROLL
   for (int k = 0; k < kLaneElems; ++k) b[k] = math::quant_element(h[k], inv, p.fp8_max);
-  uint8_t* dst = p.q + row * p.cols + col;  // 8-byte aligned: cols is a multiple of 32
+  uint8_t* dst = p.q + row * p.cols + col;
+  if (n == kLaneElems && p.cols % kLaneElems == 0) {
 #if defined(__CUDA_ARCH__)
-  uint2 bits;
-  memcpy(&bits, b, sizeof(bits));
-  *reinterpret_cast<uint2*>(dst) = bits;
+    uint2 bits;
+    memcpy(&bits, b, sizeof(bits));
+    *reinterpret_cast<uint2*>(dst) = bits;
 #else
-  memcpy(dst, b, sizeof(b));
+    memcpy(dst, b, sizeof(b));
 #endif
-  if (writer) {
-    const int64_t at = row * p.scale_row + (col / (kLaneElems * p.lanes)) * p.scale_col;
-    if (p.e8m0) {
-      static_cast<uint8_t*>(p.scale)[at] = math::to_e8m0(scale);
-    } else {
-      static_cast<float*>(p.scale)[at] = scale;
+  } else {
+    FFN_UNROLL
+    for (int k = 0; k < kLaneElems; ++k) {  // unrolled: b stays in registers
+      if (k < n) dst[k] = b[k];
     }
   }
+}
+
+// Phase 2 of a lane (scaling="group"): quantize its 8 elements with the group's scale (from the group's amax) into
+// one 8-byte store (cols is a multiple of 32); the group's first lane (writer) stores the scale.
+FFN_HD void lane_store(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float amax,
+                       bool writer) {
+  const float scale = math::quant_scale(amax, p.fp8_max, p.pow2);
+  lane_quant(p, row, col, h, 1.0f / scale);
+  if (writer) store_scale(p, row * p.scale_row + (col / (kLaneElems * p.lanes)) * p.scale_col, scale);
+}
+
+// ---------------------------------------------------------------- scaling="row" and "tensor": per-thread code
+// The row kernel's threads per block for rows of `cols` elements: one chunk per thread up to 256 chunks (a warp
+// at least), then 256 threads with up to kRowChunks chunks held each, then two sweeps.
+FFN_HD int row_threads(int64_t cols) {
+  const int64_t chunks = (cols + kLaneElems - 1) / kLaneElems;
+  const int64_t t = (chunks + 31) / 32 * 32;
+  return static_cast<int>(t < 32 ? 32 : (t > kThreads ? kThreads : t));
+}
+FFN_HD int64_t row_chunks(const QuantProblem& p) { return (p.cols + kLaneElems - 1) / kLaneElems; }
+FFN_HD int chunk_len(const QuantProblem& p, int64_t c) {
+  const int64_t left = p.cols - c * kLaneElems;
+  return left < kLaneElems ? static_cast<int>(left) : kLaneElems;
+}
+FFN_HD bool row_held(const QuantProblem& p, int threads) {
+  return row_chunks(p) <= static_cast<int64_t>(kRowChunks) * threads;
+}
+
+// Sweep 1 of thread `tid` (of `threads`) over a row: the max |h| of its chunks; their h kept in `h` when the row
+// is held (row_held), else dropped.
+template <typename T, class F, bool Pair>
+FFN_HD float row_sweep1(const QuantProblem& p, const F& f, int64_t row, int tid, int threads,
+                        float (&h)[kRowChunks][kLaneElems]) {
+  const int64_t chunks = row_chunks(p);
+  float m = 0.0f;
+  if (row_held(p, threads)) {
+    FFN_UNROLL
+    for (int j = 0; j < kRowChunks; ++j) {  // unrolled: h[j] stays in registers
+      const int64_t c = tid + static_cast<int64_t>(j) * threads;
+      if (c < chunks) m = amax_step(m, lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h[j], chunk_len(p, c)));
+    }
+  } else {
+    for (int64_t c = tid; c < chunks; c += threads) {
+      float t[kLaneElems];
+      m = amax_step(m, lane_h<T, F, Pair>(p, f, row, c * kLaneElems, t, chunk_len(p, c)));
+    }
+  }
+  return m;
+}
+
+// Sweep 2: quantize the thread's chunks with inv = 1 / the row's scale (h from sweep 1, or recomputed from the
+// inputs).
+template <typename T, class F, bool Pair>
+FFN_HD void row_sweep2(const QuantProblem& p, const F& f, int64_t row, int tid, int threads,
+                       const float (&h)[kRowChunks][kLaneElems], float inv) {
+  const int64_t chunks = row_chunks(p);
+  if (row_held(p, threads)) {
+    FFN_UNROLL
+    for (int j = 0; j < kRowChunks; ++j) {
+      const int64_t c = tid + static_cast<int64_t>(j) * threads;
+      if (c < chunks) lane_quant(p, row, c * kLaneElems, h[j], inv, chunk_len(p, c));
+    }
+  } else {
+    for (int64_t c = tid; c < chunks; c += threads) {
+      float t[kLaneElems];
+      const int n = chunk_len(p, c);
+      lane_h<T, F, Pair>(p, f, row, c * kLaneElems, t, n);
+      lane_quant(p, row, c * kLaneElems, t, inv, n);
+    }
+  }
+}
+
+// The block's amax from its warps' amaxes (warp_max[w]: warp w's xor-shuffle result), folded in warp order; every
+// thread runs this same fold, so all hold the same bits (a NaN's payload included).
+FFN_HD float fold_warps(const float* warp_max, int warps) {
+  float m = 0.0f;
+  for (int w = 0; w < warps; ++w) m = amax_step(m, warp_max[w]);
+  return m;
+}
+
+// The tensor kernel, thread `i` of `step` threads in the grid: its lanes are i, i + step, ... of the rows x chunks
+// lanes (a row's chunks consecutive).
+template <typename T, class F, bool Pair>
+FFN_HD float tensor_amax(const QuantProblem& p, const F& f, int64_t i, int64_t step) {
+  const int64_t chunks = row_chunks(p), total = p.rows * chunks;
+  float m = 0.0f;
+  for (; i < total; i += step) {
+    const int64_t row = i / chunks, c = i - row * chunks;
+    float h[kLaneElems];
+    m = amax_step(m, lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h, chunk_len(p, c)));
+  }
+  return m;
+}
+template <typename T, class F, bool Pair>
+FFN_HD void tensor_quant(const QuantProblem& p, const F& f, int64_t i, int64_t step, float inv) {
+  const int64_t chunks = row_chunks(p), total = p.rows * chunks;
+  for (; i < total; i += step) {
+    const int64_t row = i / chunks, c = i - row * chunks;
+    const int n = chunk_len(p, c);
+    float h[kLaneElems];
+    lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h, n);
+    lane_quant(p, row, c * kLaneElems, h, inv, n);
+  }
+}
+// Thread tid's fold of the amax launch's parts (tid, tid + threads, ...), before the block combines them.
+FFN_HD float parts_amax(const QuantProblem& p, int tid, int threads) {
+  float m = 0.0f;
+  for (int i = tid; i < p.nparts; i += threads) m = amax_step(m, p.parts[i]);
+  return m;
+}
+// The tensor's scale from the block's amax (dynamic) or the static one.
+FFN_HD float tensor_scale(const QuantProblem& p, float amax) {
+  return p.has_static ? p.static_scale : math::quant_scale(amax, p.fp8_max, p.pow2);
 }
 
 // The whole launch on the host, group by group: each lane's phase 1, the amax combined in the shuffle's order
 // (xor steps 1, 2, 4, ...: for a max the order does not matter, NaN included), each lane's phase 2.
 template <typename T, class F, bool Pair>
-void emulate(const QuantProblem& p, const F& f) {
+void emulate_group(const QuantProblem& p, const F& f) {
   const int64_t chunks = p.cols / kLaneElems;
   for (int64_t row = 0; row < p.rows; ++row) {
     for (int64_t c0 = 0; c0 < chunks; c0 += p.lanes) {
@@ -150,6 +317,94 @@ void emulate(const QuantProblem& p, const F& f) {
       float m = 0.0f;
       for (int l = 0; l < p.lanes; ++l) m = amax_step(m, lane_h<T, F, Pair>(p, f, row, (c0 + l) * kLaneElems, h[l]));
       for (int l = 0; l < p.lanes; ++l) lane_store(p, row, (c0 + l) * kLaneElems, h[l], m, l == 0);
+    }
+  }
+}
+
+// A block's amax as the device combines it (block_amax in cuda/quant.cu): each warp's xor shuffle (steps 16, 8,
+// 4, 2, 1; lane 0's result is the warp's), then fold_warps.
+// The CUDA launcher's steps (cuda/quant.cu CudaQuant::run) on the host, with small grids (at most 3 blocks) so
+// that the grid-stride loops and the parts' fold run more than once.
+template <typename T, class F, bool Pair>
+void emulate_row(const QuantProblem& p, const F& f, int64_t grid);
+template <typename T, class F, bool Pair>
+void emulate_tensor(const QuantProblem& p, const F& f, int64_t grid);
+template <typename T, class F, bool Pair>
+void emulate(const QuantProblem& p, const F& f) {
+  if (p.scaling == QScaling::kGroup) {
+    emulate_group<T, F, Pair>(p, f);
+  } else if (p.scaling == QScaling::kRow) {
+    emulate_row<T, F, Pair>(p, f, p.rows < 3 ? p.rows : 3);
+  } else {
+    const int64_t lanes = p.rows * row_chunks(p);
+    int64_t grid = (lanes + kThreads - 1) / kThreads;
+    grid = grid < 1 ? 1 : (grid > 3 ? 3 : grid);
+    std::vector<float> parts(static_cast<size_t>(grid));
+    QuantProblem q = p;
+    if (!p.has_static) {
+      q.parts = parts.data();
+      q.nparts = static_cast<int>(grid);
+      q.phase = QPhase::kAmax;
+      emulate_tensor<T, F, Pair>(q, f, grid);
+    }
+    q.phase = QPhase::kQuantize;
+    emulate_tensor<T, F, Pair>(q, f, grid);
+  }
+}
+
+inline float emulate_block_amax(const float* m, int threads) {
+  float warp_max[kThreads / 32];
+  for (int w = 0; w < threads / 32; ++w) {
+    float v[32];
+    for (int l = 0; l < 32; ++l) v[l] = m[w * 32 + l];
+    for (int s = 16; s >= 1; s >>= 1) {
+      float nv[32];
+      for (int l = 0; l < 32; ++l) nv[l] = amax_step(v[l], v[l ^ s]);
+      for (int l = 0; l < 32; ++l) v[l] = nv[l];
+    }
+    warp_max[w] = v[0];
+  }
+  return fold_warps(warp_max, threads / 32);
+}
+
+// The row kernel on the host, block by block (grid blocks over the rows as the device's grid stride), thread by
+// thread within each of the block's phases (sweep 1, the block's amax, sweep 2, the scale).
+template <typename T, class F, bool Pair>
+void emulate_row(const QuantProblem& p, const F& f, int64_t grid) {
+  const int threads = row_threads(p.cols);
+  std::vector<float> hs(static_cast<size_t>(threads) * kRowChunks * kLaneElems);
+  auto h_of = [&](int t) -> float (&)[kRowChunks][kLaneElems] {
+    return *reinterpret_cast<float (*)[kRowChunks][kLaneElems]>(&hs[static_cast<size_t>(t) * kRowChunks * kLaneElems]);
+  };
+  float m[kThreads];
+  for (int64_t b = 0; b < grid; ++b) {
+    for (int64_t row = b; row < p.rows; row += grid) {
+      for (int t = 0; t < threads; ++t) m[t] = row_sweep1<T, F, Pair>(p, f, row, t, threads, h_of(t));
+      const float scale = math::quant_scale(emulate_block_amax(m, threads), p.fp8_max, p.pow2);
+      for (int t = 0; t < threads; ++t) row_sweep2<T, F, Pair>(p, f, row, t, threads, h_of(t), 1.0f / scale);
+      store_scale(p, row * p.scale_row, scale);
+    }
+  }
+}
+
+// The tensor kernel's launch on the host (phase p.phase), block by block, thread by thread.
+template <typename T, class F, bool Pair>
+void emulate_tensor(const QuantProblem& p, const F& f, int64_t grid) {
+  const int64_t step = grid * kThreads;
+  float m[kThreads];
+  for (int64_t b = 0; b < grid; ++b) {
+    if (p.phase == QPhase::kAmax) {
+      for (int t = 0; t < kThreads; ++t) m[t] = tensor_amax<T, F, Pair>(p, f, b * kThreads + t, step);
+      p.parts[b] = emulate_block_amax(m, kThreads);
+    } else {
+      float amax = 0.0f;
+      if (!p.has_static) {
+        for (int t = 0; t < kThreads; ++t) m[t] = parts_amax(p, t, kThreads);
+        amax = emulate_block_amax(m, kThreads);
+      }
+      const float scale = tensor_scale(p, amax);
+      for (int t = 0; t < kThreads; ++t) tensor_quant<T, F, Pair>(p, f, b * kThreads + t, step, 1.0f / scale);
+      if (b == 0) store_scale(p, 0, scale);
     }
   }
 }

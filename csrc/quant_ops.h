@@ -1,9 +1,10 @@
 // The quantizing ops as QuantProblems (quant_kernel.h) for a Launcher: cuda/quant.cu instantiates QuantOps with the
-// CUDA launcher, test_paths.cpp with the host emulation. A call the kernel does not cover runs the composite
-// instead (the device's unfused op, then quant.cpp's ATen formula; bit-identical, two passes): scaling "tensor"
-// or "row" (they need the amax of a whole tensor or row before any element is quantized: a second pass or a
-// grid-wide reduction, not written yet), and float64 inputs. A Launcher has `template <typename T, class F, bool
-// Pair> static void run(const quant::QuantProblem&, const F&)` and a `Guard` made from the device.
+// CUDA launcher, test_paths.cpp with the host emulation. Every recipe has a kernel: scaling "group" (one launch),
+// "row" (one launch: the row's amax in the block) and "tensor" (static scale: one launch; dynamic: two, the
+// tensor's amax first). float64 inputs run the composite instead (the device's unfused op, then quant.cpp's ATen
+// formula; bit-identical, several passes). A Launcher has `template <typename T, class F, bool Pair> static void
+// run(const quant::QuantProblem&, const F&)` (it picks the kernels from p.scaling) and a `Guard` made from the
+// device.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,8 +36,8 @@ struct QuantOps {
   using T_ = const at::Tensor&;
   using Out = std::tuple<at::Tensor, at::Tensor>;
 
-  static bool fused(const Recipe& r, at::ScalarType dtype) {
-    return r.scaling == Scaling::kGroup && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
+  static bool fused(const Recipe&, at::ScalarType dtype) {
+    return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
   }
 
   static QuantProblem problem(const Recipe& r, const at::Tensor& q, const at::Tensor& scale) {
@@ -44,14 +45,26 @@ struct QuantOps {
     p.q = static_cast<uint8_t*>(q.data_ptr());
     p.scale = scale.data_ptr();
     p.cols = q.dim() ? q.size(-1) : 1;
-    p.rows = p.cols ? q.numel() / p.cols : 0;
-    p.scale_row = scale.dim() >= 2 ? scale.stride(-2) : scale.size(-1);  // column layout: 1
-    p.scale_col = scale.stride(-1);
-    if (scale.dim() == 1) p.scale_row = 0;  // one row
+    p.rows = 1;  // rows of K = 0 count too: each still has its (row) scale
+    for (int64_t d = 0; d + 1 < q.dim(); ++d) p.rows *= q.size(d);
+    p.scaling = r.scaling == Scaling::kGroup ? QScaling::kGroup
+                                             : (r.scaling == Scaling::kRow ? QScaling::kRow : QScaling::kTensor);
+    if (p.scaling != QScaling::kTensor) {
+      p.scale_row = scale.dim() >= 2 ? scale.stride(-2) : scale.size(-1);  // column layout: 1
+      p.scale_col = scale.stride(-1);
+      if (scale.dim() == 1) p.scale_row = 0;  // one row
+    }
     p.lanes = static_cast<int>(r.group_size / kLaneElems);
     p.fp8_max = r.fp8_max();
     p.pow2 = r.pow2;
     p.e8m0 = r.scale_dtype == at::kFloat8_e8m0fnu;
+    p.phase = QPhase::kQuantize;
+    p.has_static = r.static_scale.has_value();
+    if (p.has_static) {  // the composite's scale: static_scale as float32, then rounded up to a power of two
+      float s = static_cast<float>(*r.static_scale);
+      if (r.pow2 && s == s) s = math::bits_f32((math::f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
+      p.static_scale = s;
+    }
     return p;
   }
 
@@ -124,7 +137,9 @@ struct QuantOps {
 
   template <class F, bool Pair>
   static void run_typed(const F& f, at::ScalarType dtype, const QuantProblem& p) {
-    if (p.rows == 0 || p.cols == 0) return;
+    // group: nothing to write without elements; row: each row's scale, even for K = 0; tensor: always the scale
+    if (p.rows == 0 && p.scaling != QScaling::kTensor) return;
+    if (p.cols == 0 && p.scaling == QScaling::kGroup) return;
     switch (dtype) {
       case at::kFloat: Launcher::template run<float, F, Pair>(p, f); break;
       case at::kHalf: Launcher::template run<c10::Half, F, Pair>(p, f); break;

@@ -81,3 +81,118 @@ def test_scale_matches_reference(dtype, pow2):
     if pow2:  # powers of two, and e8m0 holds them exactly
         assert torch.equal(torch.frexp(got[~nan])[0], torch.full_like(got[~nan], 0.5))
         assert torch.equal(got[~nan].to(torch.float8_e8m0fnu).float(), got[~nan])
+
+
+# ---------------------------------------------------------------- the row and tensor kernels, emulated
+# quant_kernel.h's row and tensor kernels run on the host by _emulate_quant block by block and thread by thread
+# (the block's amax folded in the device's order; grids of at most 3 blocks, so the grid-stride loops and the
+# dynamic amax's parts run more than once), bit for bit against quant.py's reference applied to the unfused CUDA
+# kernel's h (its launch emulated too). The emulation poisons q and the scales first: an element or scale the
+# kernels do not write fails.
+_EMU = getattr(ffn_ext.ops._native, "_emulate_quant", None) and ffn_ext.ops._native
+
+# (rows, K) of h: one element; odd K (a short last lane, element loads, byte stores); K = 0; a K with 256 chunks
+# (one per thread); K past 256 threads x kRowChunks x 8 = 8192 (sweep 2 recomputes h); odd row counts
+ROW_SHAPES = [(1, 1), (7, 13), (5, 0), (3, 2048), (2, 8192), (3, 8192 + 8 * 5 + 3), (33, 264), (9, 1000)]
+
+
+def _row_recipes():
+    from test_quant import recipes
+
+    return [r for r in recipes() if r.scaling in ("row", "tensor")]
+
+
+def _rows_h(shape, dtype, gen, specials):
+    """Rows over many magnitudes; with specials: row 0 all zero, row 1 with a NaN, row 2 with +inf and -inf."""
+    rows, k = shape
+    x = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-20, 20, (rows, 1), generator=gen).float())
+    if specials and k:
+        x[0] = 0.0
+        if rows > 1:
+            x[1, int(torch.randint(0, k, (1,), generator=gen))] = float("nan")
+        if rows > 2:
+            x[2, 0], x[2, -1] = float("inf"), -float("inf")
+    return x.to(dtype)
+
+
+def _emu_kw(r):
+    return dict(
+        format=FORMATS[r.dtype],
+        group_size=int(r.group_size),
+        pow2=r.pow2_scales,
+        e8m0=r.scale_dtype != torch.float32,
+        column=r.scale_layout == "column",
+        scaling=r.scaling,
+        static_scale=None if r.static_scale is None else float(r.static_scale),
+    )
+
+
+@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_and_tensor_kernels_emulated(dtype):
+    from test_quant import FORMS, assert_same, rid
+
+    gen = torch.Generator().manual_seed(7 + dtype.itemsize)
+    recipes = _row_recipes()
+    n = 0
+    for trial, (name, g, packing) in enumerate(FORMS):
+        params = [float(v) for v in g.example.values()] if g is not None else []
+        for i, r in enumerate(recipes[trial % 2 :: 2]):
+            shape = ROW_SHAPES[(trial + i) % len(ROW_SHAPES)]
+            # a dynamic per-tensor scale with a NaN anywhere is NaN: specials only every other time there
+            specials = r.scaling == "row" or r.static_scale is not None or (trial + i) % 2 == 0
+            rows, k = shape
+            if g is None:  # unaligned rows (element loads) every other time
+                off = (trial + i) % 2
+                x = _rows_h((rows, k + off), dtype, gen, specials)[:, off:]
+                got = _EMU._emulate_quant(name, [x], **_emu_kw(r))
+                ref = quant.reference_quantize(x, r)
+            elif packing is None:
+                big = _rows_h((rows, 2 * k), dtype, gen, specials)
+                gate, up = big[:, :k], big[:, k:]
+                got = _EMU._emulate_quant(name, [gate, up], params, **_emu_kw(r))
+                h = _EMU._emulate_cuda(g.name, [gate, up], params=params)[0]
+                ref = quant.reference_quantize(h, r)
+            else:
+                gu = _rows_h((rows, 2 * k), dtype, gen, specials)
+                got = _EMU._emulate_quant(name, [gu], params, packing, **_emu_kw(r))
+                h = _EMU._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0]
+                ref = quant.reference_quantize(h, r)
+            assert_same(tuple(got), ref, msg=f"{name} {packing} {rid(r)} {dtype} {shape}")
+            n += 1
+    assert n >= len(FORMS) * len(recipes) // 2
+
+
+@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS.values()))
+def test_row_and_tensor_kernels_every_recipe(dtype, fmt):
+    # every row/tensor recipe of both formats on 3-d and 0-d / 1-d shapes: the scale's layout ([..., 1] in row
+    # or column layout, or []) and the rows' count from the leading dims
+    from test_quant import assert_same, rid
+
+    gen = torch.Generator().manual_seed(11)
+    for r in _row_recipes():
+        if r.dtype != fmt:
+            continue
+        shapes = [(2, 3, 40), (3, 0, 5), (17,)] + ([()] if r.scaling == "tensor" else [])
+        for shape in shapes:
+            x = torch.randn(shape, generator=gen) * 3.0
+            if x.numel():
+                x.view(-1)[0] = float("inf")
+            x = x.to(dtype)
+            got = _EMU._emulate_quant("quantize", [x], **_emu_kw(r))
+            assert_same(tuple(got), quant.reference_quantize(x, r), msg=f"{rid(r)} {dtype} {shape}")
+
+
+@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
+def test_tensor_static_scale_edges():
+    # static scales that pow2 rounds up, that round to float32's largest or smallest values, e8m0 of them
+    from test_quant import assert_same
+
+    x = (torch.randn(5, 24) * 100).to(torch.bfloat16)
+    for s in (0.37, 1.0, 3.0e-39, 1e-30, 2.5e38, 7.0):
+        for pow2, sdt in [(False, torch.float32), (True, torch.float32), (True, torch.float8_e8m0fnu)]:
+            r = quant.QuantRecipe(torch.float8_e4m3fn, "tensor", 128, pow2, sdt, static_scale=s)
+            got = _EMU._emulate_quant("quantize", [x], **_emu_kw(r))
+            assert_same(tuple(got), quant.reference_quantize(x, r), msg=f"static {s} pow2={pow2} {sdt}")

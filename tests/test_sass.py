@@ -80,17 +80,40 @@ def sass():
     return {k: v for k, v in funcs.items() if not _is_quant(k[1])}
 
 
-def _is_quant(name: str) -> bool:  # ffn_ext::quant::(anonymous)::quant_kernel<...>
-    return "5quant" in name and "quant_kernel" in name
+QUANT_KINDS = ("quant_kernel", "quant_row_kernel", "quant_tensor_kernel")  # scaling "group", "row", "tensor"
+
+
+def _quant_kind(name: str) -> str | None:
+    """ffn_ext::quant::(anonymous)::quant_kernel / quant_row_kernel / quant_tensor_kernel<...>, mangled."""
+    m = re.search(r"5quant.*?\d+(quant_(?:row_|tensor_)?kernel)I", name)
+    return m.group(1) if m else None
+
+
+def _is_quant(name: str) -> bool:
+    return _quant_kind(name) is not None
 
 
 def test_quant_kernels_use_no_stack_or_local_memory():
     """The FP8 quantizing kernels (csrc/cuda/quant.cu): present for every arch, and no spills (stack or local
-    memory) in their resource usage."""
+    memory) in their resource usage (the row kernel keeps kRowChunks x 8 floats of h per thread in registers)."""
     res = {k: v for k, v in S.parse_resources(dump("res")).items() if _is_quant(k[1])}
     assert res, "no quant_kernel in the extension's resource usage"
     bad = {f"sm_{a} {n}": r for (a, n), r in res.items() if r.get("STACK") or r.get("LOCAL")}
     assert not bad, f"quantizing kernels with stack or local memory: {bad}"
+
+
+def test_quant_kernel_inventory():
+    """Per arch, each quantizing kernel (group, row, tensor) once per (op, input dtype, pair layout): 3 dtypes x
+    (quantize + each gated op with two operands or one interleaved pair); the recipe is runtime data, so no
+    more (quant.cu's header says the count)."""
+    res = S.parse_resources(dump("res"))
+    per = 3 * (1 + 2 * len(GATED))
+    archs = {a for a, _ in res}
+    assert archs
+    for arch in sorted(archs):
+        kinds = [_quant_kind(n) for a, n in res if a == arch and _is_quant(n)]
+        counts = {k: kinds.count(k) for k in QUANT_KINDS}
+        assert counts == dict.fromkeys(QUANT_KINDS, per), f"sm_{arch}: {counts}, expected {per} of each"
 
 
 def _archs_in(funcs) -> set[int]:
