@@ -7,8 +7,9 @@
 //   autograd.cpp       Autograd kernels of every op (double backward included)
 //   ffn_math.h         the element math of every op (activations and op functors, __host__ __device__)
 //   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
-//   cuda/kernels_part*.cu  CUDA kernels: row_ops.h's problems launched by cuda/rows_launcher.cuh, the table's
-//                      lines split across the parts (cuda/kernels_part.cuh); cuda/kernels.cu: build info
+//   cuda/ops_part*.cpp CUDA kernels' registration: row_ops.h's problems, launched through cuda/launch_rows.h
+//   cuda/kernels_part*.cu  the kernels (cuda/rows_launcher.cuh), torch-free; the table's lines are split across
+//                      the parts (cuda/kernels_part.cuh); cuda/kernels.cu: build info
 //   python_module.cpp  the pybind11 module ffn_ext._C (build info, the functional API's fast entry points)
 //   test_paths.cpp     its test-only functions: host math, emulated CUDA launch
 #pragma once

@@ -1,5 +1,6 @@
 // The op table (include/ffn_ext/ops_table.h, installed with the public header) with the element math it names
-// (ffn_math.h), for the library's sources.
+// (ffn_math.h), for the library's sources. Torch-free (ffn_math.h includes only torch/version.h): the CUDA kernel
+// files include it (cuda/kernels_part.cuh).
 #pragma once
 
 #include "ffn_math.h"
@@ -14,4 +15,14 @@ template <class Act> struct ActName;
   };
 FFN_EXT_ACTIVATIONS(FFN_EXT_ACT_NAME)
 #undef FFN_EXT_ACT_NAME
+
+// The table's lines in order, activations first, then the gated lines: line i's ops and kernels are in CUDA part
+// i % kCudaParts (row_ops.h impl_all registers them, cuda/kernels_part.cuh emits their kernels).
+enum TableLine {
+#define FFN_EXT_LINE_ACT(name, ...) kLine_##name,
+#define FFN_EXT_LINE_GATED(name, ...) kLine_##name,
+  FFN_EXT_ACTIVATIONS(FFN_EXT_LINE_ACT) FFN_EXT_GATED(FFN_EXT_LINE_GATED) kTableLines
+#undef FFN_EXT_LINE_ACT
+#undef FFN_EXT_LINE_GATED
+};
 }  // namespace ffn_ext

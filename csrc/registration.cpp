@@ -1,5 +1,6 @@
 // The one TORCH_LIBRARY(ffn_ext): every schema, the Meta kernels, and build information.
-// Kernels: CPU in aten_ops.cpp, CUDA in cuda/kernels_part*.cu, Autograd in autograd.cpp. Python API: ffn_ext/ops.py.
+// Kernels: CPU in aten_ops.cpp, CUDA in cuda/ops_part*.cpp (the kernels: cuda/kernels_part*.cu), Autograd in
+// autograd.cpp. Python API: ffn_ext/ops.py.
 #include <torch/library.h>
 #include <torch/version.h>
 

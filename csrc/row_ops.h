@@ -1,7 +1,7 @@
 // The ffn_ext ops (every line of ops_table.h) as launcher problems: outputs are fresh and contiguous; inputs are used in place when they
 // can be seen as rows with a contiguous last dimension (contiguous tensors, chunk/narrow views, expanded rows),
-// otherwise made contiguous first. Written once, for a Launcher: cuda/kernels_part*.cu instantiate Ops<CudaLauncher>
-// (the CUDA kernels), test_paths.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
+// otherwise made contiguous first. Written once, for a Launcher: cuda/ops_part*.cpp instantiate Ops<CudaLauncher>
+// (launching the CUDA kernels of cuda/kernels_part*.cu), test_paths.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
 // A Launcher has a `Guard` constructed from the output's device and `template <typename T> static void
 // run(const F& f, const RowProblem<NI, NO>& p)`.
 #pragma once
@@ -230,16 +230,9 @@ struct Ops {
 };
 
 // The ops of the table (ops_table.h) as kernels of a Launcher, registered with m.impl for one dispatch key: the
-// lines whose index is Part modulo Parts (activations first, then the gated lines), so that the kernels can be
-// split across Parts translation units (cuda/kernels_part.cuh); a line's ops all land in one part (the concat
-// packed ops run their gated op's kernels). The other lines are discarded statements, never instantiated.
-enum TableLine {
-#define FFN_EXT_LINE_ACT(name, ...) kLine_##name,
-#define FFN_EXT_LINE_GATED(name, ...) kLine_##name,
-  FFN_EXT_ACTIVATIONS(FFN_EXT_LINE_ACT) FFN_EXT_GATED(FFN_EXT_LINE_GATED) kTableLines
-#undef FFN_EXT_LINE_ACT
-#undef FFN_EXT_LINE_GATED
-};
+// lines whose index (ops_table.h TableLine) is Part modulo Parts, so that the kernels can be split across Parts
+// translation units (cuda/kernels_part.cuh); a line's ops all land in one part (the concat packed ops run their
+// gated op's kernels). The other lines are discarded statements, never instantiated.
 template <class Launcher, int Parts = 1, int Part = 0, class Library>
 void impl_all(Library& m) {
   using O = Ops<Launcher>;

@@ -1,35 +1,60 @@
-// CUDA kernels of the ffn_ext ops (../ops_table.h), one part of them: each is a functor of ffn_math.h, turned into a
-// RowProblem by ../row_ops.h and run by launch_rows (rows_launcher.cuh). The table's lines are dealt round-robin
-// to kernels_part0.cu ... kernels_part<kCudaParts - 1>.cu (row_ops.h impl_all: a line and all its ops, packed ones
-// included, in one part, so no kernel is instantiated twice), which ninja compiles in parallel: one translation
-// unit of all the kernels was the build's critical path (csrc/build.json lists the parts).
+// CUDA kernels of the ffn_ext ops (../ops_table.h), one part of them: each is a functor of ffn_math.h run by
+// launch_rows (rows_launcher.cuh); ops_part<i>.cpp (ops_part.h) turns the op's tensors into a RowProblem
+// (../row_ops.h) and calls it. The table's lines are dealt round-robin to the parts (line % kCudaParts: a line
+// and all its ops, packed ones included, in one part, so no kernel is instantiated twice), which ninja compiles
+// in parallel: one translation unit of all the kernels was the build's critical path (csrc/build.json lists them).
+//
+// Torch-free: only rows.h (ATen/OpMathType.h and c10/util/Exception.h), ffn_math.h, ops_table.h and the CUDA
+// runtime. A part that included torch/library.h and row_ops.h (sm_90 only, loaded 2-core machine, nvcc --time,
+// wall ms) spent cudafe++ 45800, cicc 72444, ptxas 34655, host gcc 95606, of which a file of the same headers
+// and no kernels took cudafe++ 52007, cicc 46636, host gcc 37322: cicc parses the headers again per arch.
+// The registration, which needs torch, is ops_part<i>.cpp (g++).
 #pragma once
 
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
-#include "../row_ops.h"
+#include "../ffn_math.h"
+#include "../ops_table.h"
+#include "../rows.h"
+#include "launch_rows.h"
 #include "rows_launcher.cuh"
 
 namespace ffn_ext {
 namespace cuda {
 
-constexpr int kCudaParts = 4;  // kernels_part0.cu ... kernels_part3.cu (csrc/build.json)
+template <typename F>
+void keep_all_types(void (*keep)(const void*)) {  // AT_DISPATCH_FLOATING_TYPES_AND2(Half, BFloat16) in row_ops.h
+  keep(reinterpret_cast<const void*>(&launch_rows<double, F>));
+  keep(reinterpret_cast<const void*>(&launch_rows<float, F>));
+  keep(reinterpret_cast<const void*>(&launch_rows<c10::Half, F>));
+  keep(reinterpret_cast<const void*>(&launch_rows<c10::BFloat16, F>));
+}
 
-namespace {
-
-// Ops<CudaLauncher>: the problems of ../row_ops.h run as CUDA kernels, under a guard for the output's device.
-struct CudaLauncher {
-  using Guard = c10::cuda::CUDAGuard;
-  template <typename T, typename F>
-  static void run(const F& f, const RowProblem<F::NI, F::NO>& p) {
-    launch_rows<T>(f, p);
+// The functors row_ops.h's Ops runs for a table line: an activation's unary, unary_backward and
+// unary_backward_recompute; a gate's gated and gated_backward (also the concat packed ops') and the interleaved
+// packed ops'. This list follows Ops: a functor missing here is an undefined symbol when `import ffn_ext` loads _C.
+template <int Part>
+void kernels_of_part(void (*keep)(const void*)) {
+#define FFN_EXT_KEEP_ACT(name, Act, ...) \
+  if constexpr (kLine_##name % kCudaParts == Part) { \
+    keep_all_types<math::UnaryFwd<math::Act>>(keep); \
+    keep_all_types<math::UnaryBwd<math::Act>>(keep); \
+    keep_all_types<math::UnaryBwdRecompute<math::Act>>(keep); \
   }
-};
+#define FFN_EXT_KEEP_GATED(name, Gate, P) \
+  if constexpr (kLine_##name % kCudaParts == Part) { \
+    keep_all_types<math::GatedFwd<math::Gate>>(keep); \
+    keep_all_types<math::GatedBwd<math::Gate>>(keep); \
+    keep_all_types<math::Interleaved<math::GatedFwd<math::Gate>, 0, -1>>(keep); \
+    keep_all_types<math::Interleaved<math::GatedBwd<math::Gate>, 1, 0>>(keep); \
+  }
+  FFN_EXT_ACTIVATIONS(FFN_EXT_KEEP_ACT)
+  FFN_EXT_GATED(FFN_EXT_KEEP_GATED)
+#undef FFN_EXT_KEEP_ACT
+#undef FFN_EXT_KEEP_GATED
+}
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) { rows::impl_all<CudaLauncher, kCudaParts, FFN_EXT_CUDA_PART>(m); }
+template void kernels_of_part<FFN_EXT_CUDA_PART>(void (*)(const void*));
 
 }  // namespace cuda
 }  // namespace ffn_ext

@@ -1,16 +1,14 @@
-// The one launcher every ffn_ext CUDA kernel uses: rows_thread and launch_shape (../rows.h, shared with the host
-// emulation that the CPU tests run) as a CUDA kernel on the current stream.
+// The one launcher every ffn_ext row kernel uses: rows_thread and launch_shape (../rows.h, shared with the host
+// emulation that the CPU tests run) as a CUDA kernel on a given stream. Torch-free, for nvcc (kernels_part.cuh);
+// the ops call it through launch_rows.h, with the current stream and the device's multiprocessor count.
 #pragma once
-
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <cuda_runtime_api.h>
 
 #include <type_traits>
 
 #include "../rows.h"
+#include "launch_rows.h"
 
 namespace ffn_ext {
 namespace cuda {
@@ -38,15 +36,13 @@ __global__ void __launch_bounds__(rows::kMaxThreads, (min_blocks<T, F>()))
 }
 
 template <typename T, typename F>
-void launch_rows(const F& f, const RowProblem<F::NI, F::NO>& p) {
+cudaError_t launch_rows(const F& f, const RowProblem<F::NI, F::NO>& p, cudaStream_t stream, int sms) {
   constexpr int VEC = 16 / sizeof(T);
-  if (p.rows == 0 || p.cols == 0) return;
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   const rows::LaunchShape s = rows::launch_shape(p.rows, p.cols, VEC, sms);
   const dim3 grid(static_cast<unsigned>(s.grid_x), static_cast<unsigned>(s.grid_y));
-  rows_kernel<T, F, VEC><<<grid, s.threads, 0, c10::cuda::getCurrentCUDAStream()>>>(p, f);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  rows_kernel<T, F, VEC><<<grid, s.threads, 0, stream>>>(p, f);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda
