@@ -441,16 +441,19 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: ~13 us a 1-token call
         if ws[0].is_meta or ws[-1].is_meta or wd.is_meta:  # x is not (it is on the CPU)
             _no_meta(fn, x, (*ws, wd))
+        act = BY_NAME[a].aten
         if len(ws) == 1:
             gate, up = F.linear(x, ws[0], bs[0]).chunk(2, -1)
-        else:
-            gate, up = F.linear(x, ws[0], bs[0]), F.linear(x, ws[1], bs[1])
-        h = BY_NAME[a].aten(gate)
-        # Where autograd records nothing (no_grad, inference, no input requiring grad) the product goes into
+            h = act(gate)
+        else:  # eager's order: act(gate) while gate is still in cache, then up
+            h = act(F.linear(x, ws[0], bs[0]))
+            up = F.linear(x, ws[1], bs[1])
+        # Where autograd records nothing (no_grad, inference, nothing requiring grad) the product goes into
         # act(gate)'s own fresh tensor: one allocation fewer than eager's act(gate) * up, the same values. Where it
-        # records, act(gate) may be saved (relu's backward reads its output), so it stays as eager has it. (gate
-        # and up have one dtype: F.linear of one x, which it requires of each weight, or autocast's.)
-        h = h * up if h.requires_grad else h.mul_(up)
+        # records, act(gate) may be saved (relu's backward reads its output, the product's backward reads both), so
+        # it stays as eager has it. (gate and up have one dtype: F.linear of one x, which it requires of each
+        # weight, or autocast's.)
+        h = h * up if h.requires_grad or up.requires_grad else h.mul_(up)
         return F.linear(h, wd, bd)
     if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
         return _tp_mlps["gated"](x, *ws, wd, *bs, bd, activation=a, recompute=recompute, token_chunk=token_chunk)

@@ -428,3 +428,29 @@ def test_cpu_default_patched_hf_mlp_runs_eager_pytorchs_ops():
     assert out[0][0] == out[1][0]
     for a, b in zip((out[0][1], *out[0][2]), (out[1][1], *out[1][2])):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.cpu_default
+@pytest.mark.parametrize("frozen", ["none", "gate", "up"])
+def test_cpu_default_gated_mlp_without_grad_and_with_a_frozen_projection(frozen):
+    """The CPU path writes act(gate) * up into act(gate)'s tensor where autograd records nothing: under no_grad the
+    result is eager's bitwise; with one projection frozen (autograd records the product for the other), the result
+    and the gradients are eager's bitwise too (the product is not taken in place there)."""
+    torch.manual_seed(0)
+    wg, wu, wd = (torch.randn(24, 16) / 4, torch.randn(24, 16) / 4, torch.randn(16, 24) / 5)
+    wg.requires_grad_(frozen != "gate")
+    wu.requires_grad_(frozen != "up")
+    wd.requires_grad_()
+    x = torch.randn(5, 16)
+
+    def eager(t):
+        return F.linear(F.silu(F.linear(t, wg)) * F.linear(t, wu), wd)
+
+    with torch.no_grad():
+        torch.testing.assert_close(ffn_ext.swiglu_mlp(x, wg, wu, wd), eager(x), rtol=0, atol=0)
+    leaves = [w for w in (wg, wu, wd) if w.requires_grad]
+    y = ffn_ext.swiglu_mlp(x, wg, wu, wd)
+    y0 = eager(x)
+    torch.testing.assert_close(y, y0, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(y0.sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
