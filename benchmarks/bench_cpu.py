@@ -6,7 +6,10 @@
 Each row: an implementation at (d_model, d_ff, tokens) and a thread count, fwd (under no_grad) or fwd+bwd (forward,
 then backward into the input and every weight), timed as the minimum of --reps runs in one process, ffn_ext and
 eager alternating run by run (so that a busy spell of a shared machine hits both alike); ratio = eager time /
-ffn_ext time (>= 1: ffn_ext is as fast or faster). Implementations:
+ffn_ext time (>= 1: ffn_ext is as fast or faster). A run is `calls` calls back to back, the same count on both
+sides, chosen once per case so that a run lasts at least --run-ms (default 2 ms): a 1-token MLP is a 15-150 us
+call, and timing one call at a time left the A/A control (eager against itself) spread over 0.83-1.07x, wider than
+the differences it is there to bound. Implementations:
 
   SwiGLUFFN, GeGLUFFN (tanh), GatedFFN (gelu)   ffn_ext's modules, vs down(act(gate(x)) * up(x)) with their Linears
   FFN (gelu)                                     the classic FFN, vs down(gelu(up(x)))
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import sys
 import time
@@ -164,8 +168,9 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(ours, eager, params, x, reps: int, warmup: int) -> dict:
-    """{"fwd": (ours_s, eager_s), "fwd+bwd": (...)}: min of `reps` runs each, alternating."""
+def measure(ours, eager, params, x, reps: int, warmup: int, run_s: float = 0.0) -> dict:
+    """{"fwd": (ours_s, eager_s, calls), "fwd+bwd": (...)}: seconds per call, the min of `reps` runs each,
+    alternating; a run is `calls` calls, enough for the eager side's to last `run_s`."""
     gy = torch.randn(x.shape[:-1] + (params[-1].shape[0],), dtype=x.dtype)
     xg = x.detach().requires_grad_()
 
@@ -175,28 +180,34 @@ def measure(ours, eager, params, x, reps: int, warmup: int) -> dict:
             q.grad = None
 
     def fwd(f):
-        def run():
+        def run(calls):
             with torch.no_grad():
-                f(x)
+                for _ in range(calls):
+                    f(x)
 
         return run
 
     def train(f):
-        return lambda: f(xg).backward(gy)
+        def run(calls):
+            for _ in range(calls):  # the gradients cleared before each call on both sides: no accumulation
+                clear()
+                f(xg).backward(gy)
+
+        return run
 
     out = {}
     for what, wrap in (("fwd", fwd), ("fwd+bwd", train)):
         fns = [wrap(ours), wrap(eager)]
         for _ in range(warmup):
             for f in fns:
-                clear()
-                f()
+                f(1)
+        one = min(_time(functools.partial(fns[1], 1)) for _ in range(3))
+        calls = max(1, min(1000, int(run_s / one) + 1)) if run_s > 0 else 1
         best = [float("inf")] * 2
         for _ in range(reps):
             for k, f in enumerate(fns):
-                clear()
-                best[k] = min(best[k], _time(f))
-        out[what] = tuple(best)
+                best[k] = min(best[k], _time(functools.partial(f, calls)) / calls)
+        out[what] = (best[0], best[1], calls)
     clear()
     return out
 
@@ -219,6 +230,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default=None, help="comma-separated torch thread counts (default 1,2; quick: 1)")
     ap.add_argument("--reps", type=int, default=None, help="runs per case, the minimum is kept (default 30)")
     ap.add_argument(
+        "--run-ms",
+        type=float,
+        default=None,
+        help="a timed run is as many calls as last this long (default 2 ms; quick: 0, one call a run)",
+    )
+    ap.add_argument(
         "--max-run-s",
         type=float,
         default=0.3,
@@ -233,6 +250,7 @@ def main(argv=None) -> int:
     threads = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
     reps = args.reps or (3 if args.quick else 30)
     warmup = 1 if args.quick else 3
+    run_s = (args.run_ms if args.run_ms is not None else (0.0 if args.quick else 2.0)) / 1e3
     dev = torch.device("cpu")
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -256,8 +274,8 @@ def main(argv=None) -> int:
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             for name, ours, eager, params in impls:
-                res = measure(ours, eager, params, x, reps, warmup)
-                for what, (a, b) in res.items():
+                res = measure(ours, eager, params, x, reps, warmup, run_s)
+                for what, (a, b, calls) in res.items():
                     rows.append(
                         {
                             "impl": name,
@@ -266,6 +284,7 @@ def main(argv=None) -> int:
                             "tokens": t,
                             "threads": n_threads,
                             "pass": what,
+                            "calls": calls,
                             "ffn_ext_ms": a * 1e3,
                             "eager_ms": b * 1e3,
                             "ratio": b / a,
@@ -284,13 +303,16 @@ def main(argv=None) -> int:
     payload = {
         "meta": common.metadata(dev, "quick" if args.quick else "full", sys.argv),
         "reps": reps,
-        "timing": f"CPU wall-clock, min of {reps} runs, ffn_ext and eager alternating",
+        "timing": (
+            f"CPU wall-clock per call, min of {reps} runs, ffn_ext and eager alternating, a run being `calls` calls "
+            f"(as many as last {run_s * 1e3:g} ms on the eager side)"
+        ),
         "rows": rows,
         "skipped": [{"d_model": d, "d_ff": f, "tokens": t, "estimated_s": e} for d, f, t, e in skipped],
         "worst": worst,
         "seconds": time.perf_counter() - t_start,
     }
-    headers = ["impl", "d_model", "d_ff", "tokens", "threads", "pass", "ffn_ext ms", "eager ms", "ratio"]
+    headers = ["impl", "d_model", "d_ff", "tokens", "threads", "pass", "calls", "ffn_ext ms", "eager ms", "ratio"]
     table = [
         [
             r["impl"],
@@ -299,6 +321,7 @@ def main(argv=None) -> int:
             r["tokens"],
             r["threads"],
             r["pass"],
+            r["calls"],
             f"{r['ffn_ext_ms']:.3f}",
             f"{r['eager_ms']:.3f}",
             f"{r['ratio']:.3f}",
