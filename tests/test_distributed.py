@@ -14,9 +14,12 @@ import socket
 import tempfile
 import traceback
 
+import optable
 import pytest
 import torch
 
+# optable imports ffn_ext, here before torch.distributed.tensor (below), in the spawned ranks too (they import this
+# file): _check_registered_on_first_call checks the registration that ffn_ext then does on a first call
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
@@ -25,8 +28,6 @@ try:
     from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
 except ImportError as e:  # torch < 2.6
     pytest.skip(f"needs DTensor's register_sharding and FSDP2's fully_shard ({e})", allow_module_level=True)
-
-import optable  # noqa: E402
 
 WORLD = 2
 _SEP = "\n----\n"
@@ -435,10 +436,11 @@ def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
     if BACKEND == "nccl" and torch.cuda.device_count() < WORLD:
         pytest.skip(f"FFN_EXT_DIST_BACKEND=nccl needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out:
-        # fork where there is one: the ranks start in a fraction of a second instead of importing torch and ffn_ext
-        # again (about 15 s of the CI's 2 cores with spawn)
-        method = "fork" if "fork" in mp.get_all_start_methods() and BACKEND != "nccl" else "spawn"  # CUDA: spawn
-        mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=True, start_method=method)
+        # spawn, though the ranks then import torch and ffn_ext again (about 15 s of the CI's 2 cores): a forked rank
+        # cannot run backward once this process has started autograd's device threads (a backward on meta or CUDA
+        # tensors in an earlier test of the same pytest-xdist worker: "Unable to handle autograd's threading in
+        # combination with fork-based multiprocessing", seen with the files in xdist's order)
+        mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=True, start_method="spawn")
         failures = []
         for r in range(WORLD):
             with open(os.path.join(out, f"rank{r}.txt")) as f:
