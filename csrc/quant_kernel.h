@@ -169,26 +169,26 @@ FFN_HD void store_scale(const QuantProblem& p, int64_t at, float scale) {
   }
 }
 
-// A lane's n elements quantized with inv = 1 / scale (one division per scale, by the caller): one 8-byte store
-// when the lane is whole and its offset a multiple of 8 (cols a multiple of 8), else byte by byte.
+// A lane's n elements quantized with inv = 1 / scale (one division per scale, by the caller), the whole chunk at
+// once (math::quant_chunk: on sm_89+ two elements per conversion instruction, the clamp folded into its
+// saturation): one 8-byte store when the lane is whole and its offset a multiple of 8 (cols a multiple of 8), else
+// byte by byte (a row's last lane; its elements past n are converted and dropped).
 FFN_HD void lane_quant(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float inv,
                        int n = kLaneElems) {
-  uint8_t b[kLaneElems];
-  FFN_UNROLL
-  for (int k = 0; k < kLaneElems; ++k) b[k] = math::quant_element(h[k], inv, p.fp8_max);
+  static_assert(kLaneElems == math::kChunk, "a lane is one chunk of the fp8 conversion");
+  uint32_t w[2];
+  math::quant_chunk(h, inv, p.fp8_max, w);
   uint8_t* dst = p.q + row * p.cols + col;
   if (n == kLaneElems && p.cols % kLaneElems == 0) {
 #if defined(__CUDA_ARCH__)
-    uint2 bits;
-    memcpy(&bits, b, sizeof(bits));
-    *reinterpret_cast<uint2*>(dst) = bits;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
 #else
-    memcpy(dst, b, sizeof(b));
+    memcpy(dst, w, sizeof(w));  // w's bytes in element order on a little-endian host, as on the device
 #endif
   } else {
     FFN_UNROLL
-    for (int k = 0; k < kLaneElems; ++k) {  // unrolled: b stays in registers
-      if (k < n) dst[k] = b[k];
+    for (int k = 0; k < kLaneElems; ++k) {  // unrolled: w stays in registers
+      if (k < n) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
     }
   }
 }
