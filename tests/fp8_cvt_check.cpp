@@ -61,8 +61,12 @@ std::vector<float> values(int mant, int bias, float fp8_max) {
   }
   for (uint32_t u = 1; u < 0x800000u; u = u * 3 + 1) out.push_back(from_bits(u));  // float32 subnormals
   for (uint64_t u = 0; u < 0x100000000ull; u += 4093) out.push_back(from_bits(static_cast<uint32_t>(u)));
-  const float specials[] = {0.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
-                            std::numeric_limits<float>::denorm_min(), from_bits(0x7FC00000u), from_bits(0x7F800001u),
+  const float specials[] = {0.0f,
+                            std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::denorm_min(),
+                            from_bits(0x7FC00000u),
+                            from_bits(0x7F800001u),
                             from_bits(0x7FFFFFFFu)};
   for (float v : specials) out.push_back(v);
   const size_t n = out.size();

@@ -117,12 +117,14 @@ def test_quant_kernel_inventory():
 
 
 # Instructions per element the sm_90 FP8 kernels may take in their steady state (ffn_ext.sass.quant_budget: one
-# loop iteration from head to back edge, bf16 in, SwiGLU; bytes: 2 x 2 in + 1 out). QUANT_SWIGLU_BF16 holds the
-# counts of the sm_90 build with the hardware conversion (CUDA 13.0: 41.2 group, 42.1 row, 36.2 tensor and its amax
-# launch) and a little room; the software conversion had 67.2, 68.0, 62.5 and 36.2. QUANT_BYTE_LIMIT bounds every
-# 16-bit kernel per byte (the highest: swiglu_clamped's amax launch, 10.9).
-QUANT_SWIGLU_BF16 = {"group": 43.0, "row": 44.0, "tensor": 38.0, "tensor amax": 38.0}
-QUANT_BYTE_LIMIT = 11.5
+# loop iteration from head to back edge, bf16 in, SwiGLU; bytes: 2 x 2 in + 1 out, the amax launch 2 x 2 in).
+# QUANT_SWIGLU_BF16 holds the counts of the sm_90 build (CUDA 13.0: 34.6 group, 30.7 row, 28.5 tensor, 26.6 its amax
+# launch) and a little room; the software conversion had 67.2, 68.0, 62.5 and 36.2, the hardware one before the
+# amax's max.NaN and the two load instantiations 41.2, 42.1, 36.2, 36.2. Each is also held to the target: predicted
+# at >= 90% of an H200's copy bandwidth. QUANT_BYTE_LIMIT bounds every 16-bit kernel per byte (the highest:
+# swiglu_clamped's amax launch, 8.6).
+QUANT_SWIGLU_BF16 = {"group": 35.5, "row": 31.5, "tensor": 29.5, "tensor amax": 27.5}
+QUANT_BYTE_LIMIT = 9.0
 
 
 def _quant_funcs(arch: int) -> dict:
@@ -149,8 +151,9 @@ def test_quant_kernels_convert_with_the_hardware():
 
 def test_quant_kernels_fit_the_issue_budget():
     """Every sm_90 quantizing kernel traced (quant_budget: the 16-byte loads and 8-byte stores of its steady state
-    found), bf16 SwiGLU within QUANT_SWIGLU_BF16 instructions per element, and every 16-bit kernel within
-    QUANT_BYTE_LIMIT per byte. A prediction from the SASS (H200_INSTR_PER_BYTE / per byte), not a measurement."""
+    found), bf16 SwiGLU within QUANT_SWIGLU_BF16 instructions per element and predicted at >= 90% of copy
+    bandwidth, and every 16-bit kernel within QUANT_BYTE_LIMIT per byte. A prediction from the SASS
+    (H200_INSTR_PER_BYTE / per byte), not a measurement."""
     funcs = _quant_funcs(90)
     if not funcs:
         pytest.skip("no sm_90 SASS in this build")
@@ -162,6 +165,7 @@ def test_quant_kernels_fit_the_issue_budget():
             assert r["instr_per_elem"] <= QUANT_SWIGLU_BF16[r["kind"]], (
                 f"{where}: {r['instr_per_elem']:.1f} instructions per element, budget {QUANT_SWIGLU_BF16[r['kind']]}"
             )
+            assert r["h200_bound"] >= 0.9, f"{where}: predicted at {r['h200_bound']:.0%} of copy bandwidth"
         if S.DTYPE_SIZE[r["dtype"]] == 2:
             assert r["instr_per_byte"] <= QUANT_BYTE_LIMIT, f"{where}: {r['instr_per_byte']:.2f} per byte"
     print("\n" + S.quant_table(rows, 90))
