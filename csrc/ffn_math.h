@@ -434,5 +434,77 @@ FFN_HD uint8_t quant_element(float h, float inv, float fp8_max) {
   return fp8_max == 448.0f ? to_e4m3fn(x) : to_e5m2(x);
 }
 
+// ---- a whole chunk of 8: h[k] * inv quantized to byte k of w (w[0] holds elements 0-3, w[1] 4-7, little-endian:
+// the bytes as one 8-byte store writes them).
+constexpr int kChunk = 8;
+
+// The chunk two elements at a time through cvt2(lo, hi) -> (fp8(hi) << 8) | fp8(lo), a conversion with
+// cvt.rn.satfinite's definition (PTX ISA, cvt: round to nearest even; with .satfinite a NaN input gives NaN and an
+// input of magnitude above the format's largest finite value, infinities included, gives that value with the
+// input's sign). For x = h * inv that is exactly quant_element's clamp-then-round, so the clamp is left out:
+//   |x| <= fp8_max: the same input, the same rounding (448 and 57344 are the largest finite values, exactly
+//     representable, so nothing within the clamp rounds past them);
+//   |x| > fp8_max or +-inf: the clamp gives +-fp8_max, which converts to +-fp8_max; satfinite gives +-fp8_max
+//     (e5m2 too: satfinite's 57344, not the inf of a plain e5m2 cast, which the clamp never lets happen);
+//   NaN: the clamp passes it and to_fp8 gives 0x7F; the instruction gives NaN, and 0x7F is the NaN that cuda_fp8.h's
+//     host emulation of this instruction returns for either sign (it canonicalizes the input to +NaN first; a
+//     negative NaN is the one case where torch's own cast, which keeps the sign, differs: 0xFF).
+// tests/test_fp8_cvt.py checks this with cuda_fp8.h's host __nv_cvt_float2_to_fp8x2 as cvt2 against the
+// software path, bit for bit, over every fp8 value's rounding neighbourhood, the saturation edge, inf and NaN.
+template <class Cvt2>
+FFN_HD void quant_chunk_pairs(const float (&h)[kChunk], float inv, uint32_t (&w)[2], Cvt2 cvt2) {
+  FFN_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t lo = cvt2(h[4 * j] * inv, h[4 * j + 1] * inv);
+    const uint32_t hi = cvt2(h[4 * j + 2] * inv, h[4 * j + 3] * inv);
+    w[j] = (lo & 0xFFFFu) | (hi << 16);
+  }
+}
+
+// The software path: quant_element per element (the host; sm_80, which has no fp8 conversion instruction).
+FFN_HD void quant_chunk_soft(const float (&h)[kChunk], float inv, float fp8_max, uint32_t (&w)[2]) {
+  FFN_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    uint32_t v = 0;
+    FFN_UNROLL
+    for (int k = 0; k < 4; ++k) v |= static_cast<uint32_t>(quant_element(h[4 * j + k], inv, fp8_max)) << (8 * k);
+    w[j] = v;
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// sm_89+ (the sm_90 build): cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 d, a, b puts fp8(a) in d's upper byte and
+// fp8(b) in its lower one, two elements per instruction (one F2FP in the SASS) instead of about 24 instructions
+// of bit manipulation per element in to_fp8.
+struct CvtE4m3x2 {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+  }
+};
+struct CvtE5m2x2 {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi) const {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+  }
+};
+#endif
+
+// The chunk quantized as the op's formula says (ffn_ext/quant.py): the hardware conversion where there is one
+// (bit-identical, see quant_chunk_pairs), else the software one.
+FFN_HD void quant_chunk(const float (&h)[kChunk], float inv, float fp8_max, uint32_t (&w)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (fp8_max == 448.0f) {
+    quant_chunk_pairs(h, inv, w, CvtE4m3x2{});
+  } else {
+    quant_chunk_pairs(h, inv, w, CvtE5m2x2{});
+  }
+#else
+  quant_chunk_soft(h, inv, fp8_max, w);
+#endif
+}
+
 }  // namespace math
 }  // namespace ffn_ext

@@ -86,8 +86,20 @@ struct GatedH {
   template <bool Fast, typename A> FFN_HD A h(const A* in) const { return gate.template fwd<Fast>(in[0], in[1]); }
 };
 
-// max(m, x) that keeps a NaN from either side (fmaxf would drop it): the amax of a group with a NaN is NaN.
-FFN_HD float amax_step(float m, float x) { return (x > m || x != x) ? x : m; }
+// max(m, x) that keeps a NaN from either side (fmaxf would drop it): the amax of a group with a NaN is NaN. On the
+// device one max.NaN (FMNMX.NAN, |x| folded in), whose NaN is the canonical one rather than x's: a NaN scale's
+// payload is not part of the formula (tests/test_quant.py compares NaN scales as NaN). The select form took three
+// instructions (FSETP.NAN, FSETP.GT.OR, FSEL) per element: 4.2 of bf16 SwiGLU's 42.1 per element in the sm_90 row
+// kernel.
+FFN_HD float amax_step(float m, float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(x));
+  return r;
+#else
+  return (x > m || x != x) ? x : m;
+#endif
+}
 
 // N elements from src: N * sizeof(T) / 16 16-byte loads when vectorized, else one by one.
 template <typename T, int N>
@@ -106,29 +118,30 @@ FFN_HD void load_elems(rows::Pack<T, N>& dst, const T* src, bool vectorized) {
   }
 }
 
-// The first `n` of N elements (the rest 0): load_elems when n == N, else one by one.
-template <typename T, int N>
-FFN_HD void load_part(rows::Pack<T, N>& dst, const T* src, bool vectorized, int n) {
-  if (n == N) {
-    load_elems(dst, src, vectorized);
-    return;
+// The first `n` of N elements (the rest 0): with Vec, all N by 16-byte loads (n == N, 16-byte aligned); else one
+// by one.
+template <bool Vec, typename T, int N>
+FFN_HD void load_part(rows::Pack<T, N>& dst, const T* src, int n) {
+  if constexpr (Vec) {
+    load_elems(dst, src, true);
+  } else {
+    FFN_UNROLL
+    for (int k = 0; k < N; ++k) dst.v[k] = k < n ? src[k] : T(0);
   }
-  FFN_UNROLL
-  for (int k = 0; k < N; ++k) dst.v[k] = k < n ? src[k] : T(0);
 }
 
 // Phase 1 of a lane: its n (8, or fewer at the end of a row whose length is not a multiple of 8) elements of h
-// (row, columns col..col+n-1), rounded to T and held in float; returns their max |h| (NaN if one is NaN). A short
-// lane loads element by element (the rest of its operands are 0 and its h past n is not counted).
-template <typename T, class F, bool Pair>
-FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems],
-                    int n = kLaneElems) {
+// (row, columns col..col+n-1), rounded to T and held in float; returns their max |h| (NaN if one is NaN). Vec: a
+// whole lane of 16-byte aligned operands (n == 8), 16-byte loads; else element by element (the rest of its operands
+// are 0 and its h past n is not counted). lane_h picks one of the two at run time.
+template <typename T, class F, bool Pair, bool Vec>
+FFN_HD float lane_h_as(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems], int n) {
   constexpr bool kFast = math::fast_math_for<T>();
   using A = at::opmath_type<T>;
   A a[2][kLaneElems] = {};  // the identity reads one operand
   if constexpr (Pair) {     // [g0, u0, g1, u1, ...]: 16 elements hold the lane's 8 pairs
     rows::Pack<T, 2 * kLaneElems> raw;
-    load_part(raw, static_cast<const T*>(p.in[0]) + row * p.in_stride[0] + 2 * col, p.vectorized, 2 * n);
+    load_part<Vec>(raw, static_cast<const T*>(p.in[0]) + row * p.in_stride[0] + 2 * col, 2 * n);
     A w[2 * kLaneElems];
     rows::widen(raw, w);
     FFN_UNROLL
@@ -137,7 +150,7 @@ FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col,
     FFN_UNROLL
     for (int i = 0; i < F::NI; ++i) {
       rows::Pack<T, kLaneElems> raw;
-      load_part(raw, static_cast<const T*>(p.in[i]) + row * p.in_stride[i] + col, p.vectorized, n);
+      load_part<Vec>(raw, static_cast<const T*>(p.in[i]) + row * p.in_stride[i] + col, n);
       rows::widen(raw, a[i]);
     }
   }
@@ -159,6 +172,16 @@ FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col,
   }
   return m;
 }
+// Two instantiations rather than one with the choice made per load: with it inside, ptxas predicated the 8
+// element-wise loads per operand (and their merges) into the 16-byte path, issued there with their predicate off:
+// about 7 of bf16 SwiGLU's 37.9 instructions per element in the sm_90 row kernel (and the n == 8 checks per element
+// of the amax). With n == 8 a constant, the Vec instantiation has neither.
+template <typename T, class F, bool Pair>
+FFN_HD float lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems],
+                    int n = kLaneElems) {
+  if (p.vectorized && n == kLaneElems) return lane_h_as<T, F, Pair, true>(p, f, row, col, h, kLaneElems);
+  return lane_h_as<T, F, Pair, false>(p, f, row, col, h, n);
+}
 
 // A scale into p.scale at element offset `at`, as float32 or e8m0.
 FFN_HD void store_scale(const QuantProblem& p, int64_t at, float scale) {
@@ -169,26 +192,26 @@ FFN_HD void store_scale(const QuantProblem& p, int64_t at, float scale) {
   }
 }
 
-// A lane's n elements quantized with inv = 1 / scale (one division per scale, by the caller): one 8-byte store
-// when the lane is whole and its offset a multiple of 8 (cols a multiple of 8), else byte by byte.
+// A lane's n elements quantized with inv = 1 / scale (one division per scale, by the caller), the whole chunk at
+// once (math::quant_chunk: on sm_89+ two elements per conversion instruction, the clamp folded into its
+// saturation): one 8-byte store when the lane is whole and its offset a multiple of 8 (cols a multiple of 8), else
+// byte by byte (a row's last lane; its elements past n are converted and dropped).
 FFN_HD void lane_quant(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float inv,
                        int n = kLaneElems) {
-  uint8_t b[kLaneElems];
-  FFN_UNROLL
-  for (int k = 0; k < kLaneElems; ++k) b[k] = math::quant_element(h[k], inv, p.fp8_max);
+  static_assert(kLaneElems == math::kChunk, "a lane is one chunk of the fp8 conversion");
+  uint32_t w[2];
+  math::quant_chunk(h, inv, p.fp8_max, w);
   uint8_t* dst = p.q + row * p.cols + col;
   if (n == kLaneElems && p.cols % kLaneElems == 0) {
 #if defined(__CUDA_ARCH__)
-    uint2 bits;
-    memcpy(&bits, b, sizeof(bits));
-    *reinterpret_cast<uint2*>(dst) = bits;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
 #else
-    memcpy(dst, b, sizeof(b));
+    memcpy(dst, w, sizeof(w));  // w's bytes in element order on a little-endian host, as on the device
 #endif
   } else {
     FFN_UNROLL
-    for (int k = 0; k < kLaneElems; ++k) {  // unrolled: b stays in registers
-      if (k < n) dst[k] = b[k];
+    for (int k = 0; k < kLaneElems; ++k) {  // unrolled: w stays in registers
+      if (k < n) dst[k] = static_cast<uint8_t>(w[k / 4] >> (8 * (k % 4)));
     }
   }
 }

@@ -50,6 +50,13 @@ swiglu_backward 47.0 and 48.0. The same run gives the issue ceiling: 132 SMs x 4
 measurement: the device benchmarks measure. (The branch rule above gives the same counts as the rule used for
 that calibration, which never took a branch into code with 128-bit accesses, on the kernels of cec8a58 and
 2bfde8d; the kFull body came after.)
+
+The FP8 quantizing kernels (csrc/cuda/quant.cu: quant_kernel, quant_row_kernel, quant_tensor_kernel<T, F, Pair>)
+are read by quant_kernel_of and counted by quant_budget: the same walk, with a lane's 8-byte fp8 store as its vector
+store, the group's shuffle loop taken log2(group / 8) times, and the count taken over one iteration of the loop
+around the vector accesses (the steady state: a lane, or a row of 8192 for the row kernel), not the work before it.
+On the tree before the hardware conversion it gave 68.0 instructions per element for the bf16 SwiGLU row kernel,
+what a count by hand had found (about 68). Not calibrated on a device yet.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .table import OPS, Gated, OpSpec
+from .table import GATED, OPS, Gated, OpSpec
 
 __all__ = [
     "K_UNROLL",
@@ -86,6 +93,10 @@ __all__ = [
     "vector_path",
     "budget",
     "table",
+    "QuantKernel",
+    "quant_kernel_of",
+    "quant_budget",
+    "quant_table",
     "spill_report",
     "main",
 ]
@@ -402,14 +413,19 @@ def parse_resources(text: str) -> dict[tuple[int | None, str], dict[str, int]]:
 
 
 # ---------------------------------------------------------------- the vector path
-def _step(op: str, predicated: bool, addr: int, index: dict) -> tuple[tuple[int, int], list[int], bool]:
-    """One instruction: its (128-bit loads, 128-bit stores), the indices the path can go on to (none: the path
-    ends there), and whether it is a conditional forward branch (two ways on)."""
-    vec = VECTOR_MEM.match(op) is not None
+def _step(
+    op: str, predicated: bool, addr: int, index: dict, vector: re.Pattern = VECTOR_MEM, exits: bool = False
+) -> tuple[tuple[int, int], list[int], bool]:
+    """One instruction: its (vector loads, vector stores) (`vector`: 128-bit by default), the indices the path can
+    go on to (none: the path ends there; len(index): it may end there, a predicated EXIT when `exits`), and whether
+    it is a conditional forward branch (two ways on)."""
+    vec = vector.match(op) is not None
     add = (int(vec and op.startswith("LDG")), int(vec and op.startswith("STG")))
     nxt = index[addr] + 1
     if op.startswith("EXIT") and not predicated:
         return add, [], False
+    if op.startswith("EXIT") and exits:
+        return add, [len(index), nxt], True
     m = BRANCH.match(op)
     if m is None:
         return add, [nxt], False
@@ -421,23 +437,40 @@ def _step(op: str, predicated: bool, addr: int, index: dict) -> tuple[tuple[int,
 
 
 def vector_path(
-    ins: list[tuple[int, str]], want_loads: int, want_stores: int, path: list | None = None
+    ins: list[tuple[int, str]],
+    want_loads: int,
+    want_stores: int,
+    path: list | None = None,
+    vector: re.Pattern = VECTOR_MEM,
+    scalar: re.Pattern = SCALAR_MEM,
+    repeat=None,
+    exits: bool = False,
+    avoid: re.Pattern | None = None,
 ) -> tuple[int, int, int]:
     """(instructions, 128-bit loads, 128-bit stores) on the path described at the top of this file, for a kernel
     whose vector path makes want_loads 128-bit loads and want_stores 128-bit stores. The path never passes an
     unpredicated scalar access (a predicated one is issued with its predicate off, and counted). If `path` is a
-    list, the indices of the path's instructions are appended to it."""
+    list, the indices of the path's instructions are appended to it. `vector` and `scalar` say which global
+    accesses are the vector path's and which are element-wise (the FP8 kernels: 8-byte stores are vector ones);
+    `repeat(i)`, if given, is how many more times to take the back edge at instruction index i (a loop without
+    vector accesses, e.g. a shuffle loop of a runtime length), each time the path reaches it (default: never).
+    With `exits`, a predicated EXIT may end the path (where the rest cannot go on: a scalar store of one thread).
+    `avoid` (default `scalar`) is what a conditional branch jumps past (the FP8 kernels: calls too, the slow paths
+    of a 64-bit or IEEE division)."""
+    avoid = avoid or scalar
     index = {a: i for i, (a, _) in enumerate(ins)}
     ops = [(PREDICATE.sub("", t), PREDICATE.match(t) is not None) for _, t in ins]
     want = (want_loads, want_stores)
     # can[i]: the (loads, stores) that some path from instruction i to its end makes (at most `want`)
     can: list[set] = [set() for _ in range(len(ins) + 1)]
+    if exits:
+        can[len(ins)] = {(0, 0)}  # the end of the path at a predicated EXIT
     for i in range(len(ins) - 1, -1, -1):
         op, predicated = ops[i]
         if op.startswith("NOP"):
             can[i] = can[i + 1]
-        elif not (SCALAR_MEM.search(op) and not predicated):
-            add, nexts, _ = _step(op, predicated, ins[i][0], index)
+        elif not (scalar.search(op) and not predicated):
+            add, nexts, _ = _step(op, predicated, ins[i][0], index, vector, exits)
             after = set.union(*(can[j] for j in nexts)) if nexts else {(0, 0)}
             can[i] = {(a + add[0], b + add[1]) for a, b in after if a + add[0] <= want[0] and b + add[1] <= want[1]}
     if want not in can[0]:
@@ -446,23 +479,33 @@ def vector_path(
             "without a scalar access"
         )
     i, count, done = 0, 0, (0, 0)
+    taken: dict[int, int] = {}
     while True:
         op, predicated = ops[i]
         if op.startswith("NOP"):
             i += 1
             continue
-        add, nexts, two_ways = _step(op, predicated, ins[i][0], index)
+        add, nexts, two_ways = _step(op, predicated, ins[i][0], index, vector, exits)
         if path is not None:
             path.append(i)
         count, done = count + 1, (done[0] + add[0], done[1] + add[1])
+        rest = (want[0] - done[0], want[1] - done[1])
+        m = BRANCH.match(op)
+        if repeat is not None and m and int(m.group(2), 16) <= ins[i][0] and taken.get(i, 0) < repeat(i):
+            taken[i] = taken.get(i, 0) + 1  # around the loop once more
+            i = index[int(m.group(2), 16)]
+            if rest not in can[i]:
+                raise RuntimeError(f"the loop at {ins[i][0]:#x} holds vector accesses: not repeatable")
+            continue
         if not nexts:
             return count, done[0], done[1]
-        rest = (want[0] - done[0], want[1] - done[1])
         options = [j for j in nexts if rest in can[j]]  # never empty: rest was in can[i]
         if two_ways and len(options) == 2:  # jump past scalar accesses, else fall through
-            i = options[0] if any(SCALAR_MEM.search(t) for t, _ in ops[i + 1 : options[0]]) else options[1]
+            i = options[0] if any(avoid.search(t) for t, _ in ops[i + 1 : options[0]]) else options[1]
         else:
             i = options[0]
+        if i == len(ins):  # a predicated EXIT ended it
+            return count, done[0], done[1]
 
 
 def _order(kernel: Kernel) -> tuple:
@@ -546,6 +589,170 @@ def table(rows: list[dict], arch: int) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- the FP8 quantizing kernels
+# csrc/cuda/quant.cu: quant_kernel (scaling="group"), quant_row_kernel ("row") and quant_tensor_kernel ("tensor"),
+# each <T, F, Pair> with F = Identity (the op quantize) or GatedH<Gate> (a gated op), Pair: one interleaved operand.
+QUANT_KINDS = {"quant_kernel": "group", "quant_row_kernel": "row", "quant_tensor_kernel": "tensor"}
+QUANT_LANE = 8  # csrc/quant_kernel.h kLaneElems: elements per lane (chunk)
+QUANT_ROW_CHUNKS = 4  # kRowChunks: chunks per thread a row kernel holds in registers (rows up to 8192 elements)
+_QUANT_HEAD = re.compile(
+    r"_ZN7ffn_ext5quant\w*?\d+(quant_(?:row_|tensor_)?kernel)I(N3c108BFloat16E|N3c104HalfE|f|d)(?=N)"
+)
+# the quantizing kernels' vector accesses: 16-byte loads, the 8-byte store of a lane's 8 fp8 values
+QUANT_VECTOR = re.compile(r"\b(?:LDG(?:\.[A-Z0-9_]+)*\.128|STG(?:\.[A-Z0-9_]+)*\.64)\b")
+QUANT_SCALAR = re.compile(r"\b(?:LDG(?:\.(?!128\b)[A-Z0-9_]+)*|STG(?:\.(?!64\b)[A-Z0-9_]+)*)\s")
+QUANT_AVOID = re.compile(QUANT_SCALAR.pattern + r"|\bCALL\b")  # and the slow paths: 64-bit / IEEE division calls
+F2FP_FP8 = re.compile(r"\bF2FP\.SATFINITE\.(E4M3|E5M2)\.F32\b")  # cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """One quantizing kernel, decoded from its mangled name."""
+
+    kind: str  # group | row | tensor
+    op: str  # "quantize" or the gated op ("swiglu", "geglu", ...)
+    functor: str  # Identity | GatedH<Glu<Silu>> | GatedH<SwigluClamped> ...
+    dtype: str  # float32 | float16 | bfloat16
+    pair: bool  # the interleaved layout: gate and up in one operand
+
+    def __str__(self) -> str:
+        return f"quant {self.kind} <{self.dtype}, {self.functor}{', pair' if self.pair else ''}>"
+
+
+def quant_kernel_of(mangled: str) -> QuantKernel | None:
+    """Decodes ``_ZN7ffn_ext5quant<anonymous namespace><kind>I<T>NS0_<functor>Lb<pair>EEEv...``; None for any
+    other name."""
+    m = _QUANT_HEAD.match(mangled)
+    if not m:
+        return None
+    p = _Mangled(mangled, m.end())
+    try:
+        functor = p.type()
+    except ValueError:
+        return None
+    rest = re.compile(r"Lb([01])E").match(mangled, p.i)
+    if rest is None:
+        return None
+    text = _spell(functor)
+    if text == "Identity":
+        op = "quantize"
+    else:
+        gates = {f"GatedH<{gate_struct(g)}>": g.name for g in GATED}
+        if text not in gates:
+            return None
+        op = gates[text]
+    return QuantKernel(QUANT_KINDS[m.group(1)], op, text, DTYPES[m.group(2)][0], rest.group(1) == "1")
+
+
+def _shuffle_loop_repeats(ins: list[tuple[int, str]], extra: int):
+    """vector_path's `repeat`: `extra` more times around a loop whose body shuffles (SHFL) and makes no vector
+    access, none around any other."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+
+    def repeat(i: int) -> int:
+        m = BRANCH.match(PREDICATE.sub("", ins[i][1]))
+        body = [t for _, t in ins[index[int(m.group(2), 16)] : i]] if m else []
+        return extra if any("SHFL" in t for t in body) and not any(QUANT_VECTOR.search(t) for t in body) else 0
+
+    return repeat
+
+
+def quant_budget(sass: str | dict, arch: int, group_size: int = 128) -> list[dict]:
+    """Instructions per element of each quantizing kernel of `arch` in its steady state, on the path a lane of a
+    large contiguous bf16/fp16/fp32 tensor takes (vector_path's rule, the 8-byte fp8 store counting as a vector
+    store: 16-byte loads, whole lanes, not the lane that writes the scale, e4m3 or e5m2 alike; past the calls of
+    the slow paths: a 64-bit index division whose operands fit 32 bits, a division without FCHK's special cases):
+      group  one iteration of the grid-stride loop: a lane's 8 elements, its group's amax (the shuffle loop taken
+             log2(group_size / 8) times), the scale and the store;
+      row    one iteration of the row loop, a row of 8192 elements (kRowChunks chunks per thread of 256: 32
+             elements), the block's amax (warp shuffles, the warps' fold) and the scale included;
+      tensor one iteration of the chunk loop of each launch: "tensor" (the quantize launch, the only one with a
+             static scale) and "tensor amax" (a dynamic scale's first launch: h and its amax, no store).
+    The count runs from the loop's head to its back edge; the work before the loop (the grid's index arithmetic,
+    the tensor kernels' scale) is left out as it is paid once per thread, not per element. Bytes per element: the
+    inputs' (one T per operand element) plus the fp8 byte; the amax launch reads the inputs only. It is the same
+    prediction as budget's, for these kernels: h200_bound is H200_INSTR_PER_BYTE / instructions per byte."""
+    funcs = parse_sass(sass) if isinstance(sass, str) else sass
+    lanes = group_size // QUANT_LANE
+    rows: list[dict] = []
+    for (sm, name), ins in funcs.items():
+        k = quant_kernel_of(name)
+        if sm != arch or k is None:
+            continue
+        size = DTYPE_SIZE[k.dtype]
+        ni = 1 if k.op == "quantize" else 2
+        loads = ni * QUANT_LANE * size // 16  # 16-byte loads per lane (an interleaved pair: the same bytes)
+        chunks = QUANT_ROW_CHUNKS if k.kind == "row" else 1
+        phases = [("tensor", 1), ("tensor amax", 0)] if k.kind == "tensor" else [(k.kind, 1)]
+        f2fp = sorted({m.group(1) for _, t in ins if (m := F2FP_FP8.search(t))})
+        index = {a: i for i, (a, _) in enumerate(ins)}
+        # the group's shuffle loop runs log2(lanes) steps; other loops once
+        repeat = _shuffle_loop_repeats(ins, max(0, lanes.bit_length() - 2) if k.kind == "group" else 0)
+        for label, stores in phases:
+            path: list[int] = []
+            vector_path(
+                ins, loads * chunks, stores * chunks, path, QUANT_VECTOR, QUANT_SCALAR, repeat, True, QUANT_AVOID
+            )
+            ops = [PREDICATE.sub("", ins[i][1]) for i in path]
+            first = min(n for n, op in enumerate(ops) if QUANT_VECTOR.match(op))
+            last = max(n for n, op in enumerate(ops) if QUANT_VECTOR.match(op))
+            # the loop around every vector access: the outermost back edge on the path enclosing them
+            loops = []
+            for n, i in enumerate(path):
+                b = BRANCH.match(ops[n])
+                if b and int(b.group(2), 16) <= ins[i][0] and n >= last:
+                    head = index[int(b.group(2), 16)]
+                    start = next((q for q, j in enumerate(path) if j >= head), None)
+                    if start is not None and start <= first:
+                        loops.append((start, n))
+            if not loops:
+                raise RuntimeError(f"sm_{sm} {k}: no loop around the vector accesses")
+            start, end = min(loops)
+            per_iter = end - start + 1
+            elems = QUANT_LANE * chunks
+            per_elem = per_iter / elems
+            per_byte = per_elem / (ni * size + stores)
+            rows.append(
+                dict(
+                    kind=label,
+                    op=k.op,
+                    layout="interleaved" if k.pair else "",
+                    dtype=k.dtype,
+                    instr_per_iter=per_iter,
+                    elems_per_iter=elems,
+                    instr_per_elem=per_elem,
+                    instr_per_byte=per_byte,
+                    f2fp=f2fp,
+                    h200_bound=min(1.0, H200_INSTR_PER_BYTE / per_byte),
+                )
+            )
+    order = ["quantize", *(g.name for g in GATED)]
+    kinds = ["group", "row", "tensor", "tensor amax"]
+    rows.sort(
+        key=lambda r: (order.index(r["op"]), r["layout"], kinds.index(r["kind"]), list(DTYPE_SIZE).index(r["dtype"]))
+    )
+    return rows
+
+
+def quant_table(rows: list[dict], arch: int) -> str:
+    """quant_budget's rows as a markdown table."""
+    lines = [
+        f"FP8 quantizing kernels, sm_{arch} SASS, steady state (a prediction, not a measurement; see quant_budget)",
+        "",
+        "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | fp8 cvt instruction |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b = r["h200_bound"]
+        op = f"{r['op']} ({r['layout']})" if r["layout"] else r["op"]
+        cvt = ", ".join(f"F2FP {f}" for f in r["f2fp"]) or "software"
+        lines.append(
+            f"| {op} | {r['kind']} | {r['dtype']} | {r['instr_per_elem']:.1f} | {r['instr_per_byte']:.2f} | "
+            f"{'>= 1 (memory-bound)' if b >= 1 else f'{b:.0%}'} | {cvt} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog or "python -m ffn_ext.sass",
@@ -571,6 +778,9 @@ def main(argv=None, prog: str | None = None) -> int:
         print(f"{name}: no rows_kernel SASS for sm_{args.arch} in {lib}", file=sys.stderr)
         return 2
     print(table(rows, args.arch))
+    quant = quant_budget(funcs, args.arch)
+    if quant:
+        print("\n" + quant_table(quant, args.arch))
     print("\n" + spill_report(funcs, parse_resources(dump(lib, "res", args.arch)), args.arch))
     return 0
 
