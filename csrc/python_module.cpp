@@ -1,13 +1,13 @@
 // The pybind11 module ffn_ext._C. Importing it loads the library, which registers the ffn_ext ops with the
 // dispatcher (registration.cpp). It adds what is not an op: the functional API's fast entry points, build
-// information, and the test paths of test_paths.cpp.
+// information, and the test paths of test_paths*.cpp.
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <tuple>
 #include <type_traits>
@@ -130,7 +130,7 @@ PyMethodDef fast_methods[] = {
 }  // namespace
 
 void add_test_paths(pybind11::module& m);        // test_paths.cpp
-void add_quant_test_paths(pybind11::module& m);  // test_paths.cpp, the quantizing ops' block
+void add_quant_test_paths(pybind11::module& m);  // test_paths.cpp (and test_paths_quant.cpp's emulation)
 }  // namespace ffn_ext
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -467,9 +467,10 @@ def test_installed_library_uses_the_shared_libstdcxx():
 
 
 def test_cuda_kernel_files_are_torch_free():
-    """nvcc never parses the torch headers: the row kernels (csrc/cuda/kernels_part*.cu) include only rows.h,
-    ffn_math.h, the op table and the CUDA runtime, and ops_part*.cpp (g++) registers the ops. With torch/library.h
-    and row_ops.h in them, a part took 77 s of nvcc for 8.0;9.0+PTX; without, 25 s (2 cores, load ~2)."""
+    """nvcc never parses the torch headers: the row kernels (csrc/cuda/kernels_part*.cu) and the FP8 quantizing
+    kernels (csrc/cuda/quant_part*.cu) include only rows.h, ffn_math.h, quant_kernel.h, the op table and the CUDA
+    runtime; ops_part*.cpp and quant_ops.cpp (g++) register the ops. With torch/library.h and row_ops.h in them, a
+    row part took 77 s of nvcc for 8.0;9.0+PTX; without, 25 s (2 cores, load ~2)."""
     root = needs_source_tree("the kernel sources")
     allowed = {"ATen/OpMathType.h", "c10/util/Exception.h", "torch/version.h"}  # rows.h, ffn_math.h
 
@@ -484,8 +485,10 @@ def test_cuda_kernel_files_are_torch_free():
         return angled
 
     cfg = json.loads((root / "csrc" / "build.json").read_text())
-    parts = [s for s in cfg["cuda_sources"] if Path(s).name.startswith("kernels_part")]
-    assert len(parts) == 4, parts
-    for src in parts:
+    cu = [s for s in cfg["cuda_sources"] if s.endswith(".cu")]
+    parts = [s for s in cu if Path(s).name.startswith("kernels_part")]
+    quant_parts = [s for s in cu if Path(s).name.startswith("quant_part")]
+    assert len(parts) == 4 and len(quant_parts) == 4, cu
+    for src in cu:
         torch_headers = {h for h in includes(root / src, set()) if h.split("/")[0] in ("torch", "ATen", "c10")}
         assert torch_headers <= allowed, f"{src} includes torch headers: {sorted(torch_headers - allowed)}"

@@ -94,7 +94,7 @@ def _is_quant(name: str) -> bool:
 
 
 def test_quant_kernels_use_no_stack_or_local_memory():
-    """The FP8 quantizing kernels (csrc/cuda/quant.cu): present for every arch, and no spills (stack or local
+    """The FP8 quantizing kernels (csrc/cuda/quant_part*.cu): present for every arch, and no spills (stack or local
     memory) in their resource usage (the row kernel keeps kRowChunks x 8 floats of h per thread in registers)."""
     res = {k: v for k, v in S.parse_resources(dump("res")).items() if _is_quant(k[1])}
     assert res, "no quant_kernel in the extension's resource usage"
@@ -105,7 +105,7 @@ def test_quant_kernels_use_no_stack_or_local_memory():
 def test_quant_kernel_inventory():
     """Per arch, each quantizing kernel (group, row, tensor) once per (op, input dtype, pair layout): 3 dtypes x
     (quantize + each gated op with two operands or one interleaved pair); the recipe is runtime data, so no
-    more (quant.cu's header says the count)."""
+    more (quant_kernels.cuh's header says the count; the parts hold each kernel once)."""
     res = S.parse_resources(dump("res"))
     per = 3 * (1 + 2 * len(GATED))
     archs = {a for a, _ in res}

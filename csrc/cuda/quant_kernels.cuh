@@ -7,16 +7,22 @@
 // The row and tensor kernels are kept apart (not one kernel with a runtime scaling) so that the row kernel's held
 // h (kRowChunks x 8 floats per thread) does not set the tensor kernel's register count. float64 runs the
 // composite (../quant_ops.h).
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#include <torch/library.h>
+//
+// The quantizing ops' lines (the table's gated lines, then quantize) are dealt round-robin to kQuantParts parts
+// (line % kQuantParts: a line's two layouts, three dtypes and three kinds in one part), quant_part<i>.cu, which
+// ninja compiles in parallel; one quant.cu of all 135 kernels per arch was the CUDA build's critical path.
+// Torch-free, as kernels_part.cuh: only quant_kernel.h (rows.h, ffn_math.h), ops_table.h and the CUDA runtime.
+// The ops, which need torch, are registered by quant_ops.cpp (g++) and call launch_quant (launch_quant.h).
+#pragma once
+
+#include <cuda_runtime.h>
 
 #include <algorithm>
 
-#include "../quant_ops.h"
+#include "../ffn_math.h"
+#include "../ops_table.h"
+#include "../quant_kernel.h"
+#include "launch_quant.h"
 
 namespace ffn_ext {
 namespace quant {
@@ -90,48 +96,69 @@ __global__ void __launch_bounds__(kThreads) quant_tensor_kernel(QuantProblem p, 
   tensor_quant<T, F, Pair>(p, f, i, step, 1.0f / scale);
 }
 
-struct CudaQuant {
-  using Guard = c10::cuda::CUDAGuard;
-  template <typename T, class F, bool Pair>
-  static void run(const QuantProblem& p, const F& f) {
-    int sms = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-    const auto stream = c10::cuda::getCurrentCUDAStream();
-    if (p.scaling == QScaling::kGroup) {
-      const int64_t lanes = p.rows * (p.cols / kLaneElems);
-      const int64_t blocks = std::min<int64_t>((lanes + kThreads - 1) / kThreads, static_cast<int64_t>(sms) * 8);
-      quant_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (p.scaling == QScaling::kRow) {
-      const int threads = row_threads(p.cols);
-      const int64_t blocks = std::min<int64_t>(p.rows, static_cast<int64_t>(sms) * (2048 / threads));
-      quant_row_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else {
-      const int64_t lanes = p.rows * row_chunks(p);
-      const int64_t blocks =
-          std::max<int64_t>(1, std::min<int64_t>((lanes + kThreads - 1) / kThreads, static_cast<int64_t>(sms) * 8));
-      QuantProblem q = p;
-      at::Tensor parts;  // freed at return: the caching allocator reuses it only after this stream's kernels
-      if (!p.has_static) {
-        parts =
-            at::empty({blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
-        q.parts = parts.data_ptr<float>();
-        q.nparts = static_cast<int>(blocks);
-        q.phase = QPhase::kAmax;
-        quant_tensor_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(q, f);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      q.phase = QPhase::kQuantize;
-      quant_tensor_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(q, f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
-};
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) { impl_quant_all<CudaQuant>(m); }
+template <typename T, class F, bool Pair>
+cudaError_t launch_quant(const QuantProblem& p, const F& f, cudaStream_t stream, int sms, float* parts) {
+  if (p.scaling == QScaling::kGroup) {
+    const int64_t lanes = p.rows * (p.cols / kLaneElems);
+    const int64_t blocks = std::min<int64_t>((lanes + kThreads - 1) / kThreads, static_cast<int64_t>(sms) * 8);
+    quant_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, f);
+    return cudaGetLastError();
+  }
+  if (p.scaling == QScaling::kRow) {
+    const int threads = row_threads(p.cols);
+    const int64_t blocks = std::min<int64_t>(p.rows, static_cast<int64_t>(sms) * (2048 / threads));
+    quant_row_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, f);
+    return cudaGetLastError();
+  }
+  const int64_t blocks = tensor_blocks(p, sms);
+  QuantProblem q = p;
+  if (!p.has_static) {
+    q.parts = parts;
+    q.nparts = static_cast<int>(blocks);
+    q.phase = QPhase::kAmax;
+    quant_tensor_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(q, f);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  q.phase = QPhase::kQuantize;
+  quant_tensor_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(q, f);
+  return cudaGetLastError();
+}
+
+// The quantizing ops' lines in order: the table's gated lines (each op with two operands and an interleaved pair),
+// then quantize (the identity); line i's kernels are in part i % kQuantParts.
+enum QuantLine {
+#define FFN_EXT_QUANT_LINE(name, ...) kQuantLine_##name,
+  FFN_EXT_GATED(FFN_EXT_QUANT_LINE) kQuantLine_quantize,
+#undef FFN_EXT_QUANT_LINE
+  kQuantLines
+};
+
+template <class F, bool Pair>
+void keep_quant_types(void (*keep)(const void*)) {  // the fused dtypes (QuantOps::fused, run_typed)
+  keep(reinterpret_cast<const void*>(&launch_quant<float, F, Pair>));
+  keep(reinterpret_cast<const void*>(&launch_quant<c10::Half, F, Pair>));
+  keep(reinterpret_cast<const void*>(&launch_quant<c10::BFloat16, F, Pair>));
+}
+
+// What QuantOps<CudaQuant> (quant_ops.cpp) runs for a line: a gated op's GatedH with two operands (the op and its
+// concat packed form) and with an interleaved pair; quantize's Identity. One missing here is an undefined symbol
+// when `import ffn_ext` loads _C.
+template <int Part>
+void quant_kernels_of_part(void (*keep)(const void*)) {
+#define FFN_EXT_KEEP_QUANT(name, Gate, P) \
+  if constexpr (kQuantLine_##name % kQuantParts == Part) { \
+    keep_quant_types<GatedH<math::Gate>, false>(keep); \
+    keep_quant_types<GatedH<math::Gate>, true>(keep); \
+  }
+  FFN_EXT_GATED(FFN_EXT_KEEP_QUANT)
+#undef FFN_EXT_KEEP_QUANT
+  if constexpr (kQuantLine_quantize % kQuantParts == Part) keep_quant_types<Identity, false>(keep);
+}
+
+template void quant_kernels_of_part<FFN_EXT_QUANT_PART>(void (*)(const void*));
 
 }  // namespace quant
 }  // namespace ffn_ext
