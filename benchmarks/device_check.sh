@@ -69,8 +69,8 @@ $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.
 stage sass 60 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included: 525 took 97 s; about 1600 now (2026-12-01), 300 s.
-# The quantizing kernels (csrc/cuda/quant.cu: 135 kernels, the group, row and tensor kernels, none run on a GPU when
-# written): their CUDA tests against quant.py's reference (bit for bit; every recipe, so the row kernel and both
+# The quantizing kernels (csrc/cuda/quant_kernels.cuh, in four quant_part<i>.cu: 135 kernels, the group, row and
+# tensor kernels, none run on a GPU when written): their CUDA tests against quant.py's reference (bit for bit; every recipe, so the row kernel and both
 # tensor launches), then swiglu_quant against swiglu + quantize and torch.compile of it at the decode shape and
 # 4096 x 14336, bf16, for group-128, row, dynamic and static tensor scaling. Not yet timed: 60 s and 90 s.
 stage quant_tests 60 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quant.py

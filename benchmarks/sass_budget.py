@@ -8,7 +8,7 @@ count predicts for bandwidth on an H200.
 A command line over ffn_ext.sass (the same as `python -m ffn_ext.sass`), which holds the SASS reader, the
 vector-path tracer, the calibration against Nsight Compute and the kernel list derived from ffn_ext.table; its
 docstring says how the count is made and what it predicts. tests/test_sass.py checks every kernel with it.
-The FP8 quantizing kernels (csrc/cuda/quant.cu) follow in a second table: their steady state per element
+The FP8 quantizing kernels (csrc/cuda/quant_kernels.cuh) follow in a second table: their steady state per element
 (ffn_ext.sass.quant_budget: one loop iteration, group / row / tensor and the tensor kernel's amax launch).
 """
 

@@ -1,7 +1,7 @@
-// The quantizing CUDA kernels' per-lane code, written once for the device and the host: cuda/quant.cu runs it as a
-// CUDA kernel, test_paths.cpp's _emulate_quant runs the same code on the CPU group by group (tests/test_quant.py),
-// so CI checks the indexing, the loads and the element math without a GPU (the warp shuffle itself only runs on
-// a GPU).
+// The quantizing CUDA kernels' per-lane code, written once for the device and the host: cuda/quant_kernels.cuh runs
+// it as a CUDA kernel, test_paths_quant.cpp's _emulate_quant runs the same code on the CPU group by group
+// (tests/test_quant.py), so CI checks the indexing, the loads and the element math without a GPU (the warp shuffle
+// itself only runs on a GPU).
 //
 // Work split (scaling="group"): h is rows x cols, cols a multiple of the group size G (32, 64 or 128). A lane
 // computes 8 consecutive elements of h (one 16-byte load per 16-bit operand, two for float32), so a group is
@@ -344,9 +344,9 @@ void emulate_group(const QuantProblem& p, const F& f) {
   }
 }
 
-// A block's amax as the device combines it (block_amax in cuda/quant.cu): each warp's xor shuffle (steps 16, 8,
-// 4, 2, 1; lane 0's result is the warp's), then fold_warps.
-// The CUDA launcher's steps (cuda/quant.cu CudaQuant::run) on the host, with small grids (at most 3 blocks) so
+// A block's amax as the device combines it (block_amax in cuda/quant_kernels.cuh): each warp's xor shuffle (steps
+// 16, 8, 4, 2, 1; lane 0's result is the warp's), then fold_warps.
+// The CUDA launcher's steps (cuda/quant_kernels.cuh launch_quant) on the host, with small grids (at most 3 blocks) so
 // that the grid-stride loops and the parts' fold run more than once.
 template <typename T, class F, bool Pair>
 void emulate_row(const QuantProblem& p, const F& f, int64_t grid);

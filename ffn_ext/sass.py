@@ -51,8 +51,8 @@ measurement: the device benchmarks measure. (The branch rule above gives the sam
 that calibration, which never took a branch into code with 128-bit accesses, on the kernels of cec8a58 and
 2bfde8d; the kFull body came after.)
 
-The FP8 quantizing kernels (csrc/cuda/quant.cu: quant_kernel, quant_row_kernel, quant_tensor_kernel<T, F, Pair>)
-are read by quant_kernel_of and counted by quant_budget: the same walk, with a lane's 8-byte fp8 store as its vector
+The FP8 quantizing kernels (csrc/cuda/quant_kernels.cuh: quant_kernel, quant_row_kernel,
+quant_tensor_kernel<T, F, Pair>) are read by quant_kernel_of and counted by quant_budget: the same walk, with a lane's 8-byte fp8 store as its vector
 store, the group's shuffle loop taken log2(group / 8) times, and the count taken over one iteration of the loop
 around the vector accesses (the steady state: a lane, or a row of 8192 for the row kernel), not the work before it.
 On the tree before the hardware conversion it gave 68.0 instructions per element for the bf16 SwiGLU row kernel,
@@ -590,8 +590,8 @@ def table(rows: list[dict], arch: int) -> str:
 
 
 # ---------------------------------------------------------------- the FP8 quantizing kernels
-# csrc/cuda/quant.cu: quant_kernel (scaling="group"), quant_row_kernel ("row") and quant_tensor_kernel ("tensor"),
-# each <T, F, Pair> with F = Identity (the op quantize) or GatedH<Gate> (a gated op), Pair: one interleaved operand.
+# csrc/cuda/quant_kernels.cuh: quant_kernel (scaling="group"), quant_row_kernel ("row") and quant_tensor_kernel
+# ("tensor"), each <T, F, Pair> with F = Identity (the op quantize) or GatedH<Gate> (a gated op), Pair: one interleaved operand.
 QUANT_KINDS = {"quant_kernel": "group", "quant_row_kernel": "row", "quant_tensor_kernel": "tensor"}
 QUANT_LANE = 8  # csrc/quant_kernel.h kLaneElems: elements per lane (chunk)
 QUANT_ROW_CHUNKS = 4  # kRowChunks: chunks per thread a row kernel holds in registers (rows up to 8192 elements)
