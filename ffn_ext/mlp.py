@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS, BY_NAME
+from .table import ACTIVATIONS
 
 __all__ = [
     "gated_mlp",
@@ -424,6 +424,8 @@ def _options(fn: str, recompute, token_chunk) -> tuple:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+# name -> (act, act in place) of the CPU path: the table's ATen forms (aten_inplace where it has one, else aten)
+_CPU_ACTS = {a.name: (a.aten, a.aten_inplace or a.aten) for a in ACTIVATIONS}
 # "gated", "plain" -> the tensor-parallel MLP (DTensor weights, a local x), registered by ffn_ext.distributed (a
 # higher layer: a hook, not an import)
 _tp_mlps: dict = {}
@@ -441,21 +443,22 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: ~13 us a 1-token call
         if ws[0].is_meta or ws[-1].is_meta or wd.is_meta:  # x is not (it is on the CPU)
             _no_meta(fn, x, (*ws, wd))
-        act = BY_NAME[a].aten
+        act, act_ = _CPU_ACTS[a]
         # F.linear(x, w) where there is no bias: an explicit None costs ~0.1 us more per call in its argument parser
         # (measured at 1 token, where the whole MLP is ~12 us)
         b0 = bs[0]
         if len(ws) == 1:
             gate, up = (F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0)).chunk(2, -1)
-            h = act(gate)
+            h = act(gate)  # gate is a strided view: act_ there would leave h one too (F.linear would copy it)
         else:  # eager's order: act(gate) while gate is still in cache, then up
-            h = act(F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0))
+            h = F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0)
+            h = act(h) if h.requires_grad else act_(h)
             up = F.linear(x, ws[1]) if bs[1] is None else F.linear(x, ws[1], bs[1])
-        # Where autograd records nothing (no_grad, inference, nothing requiring grad) the product goes into
-        # act(gate)'s own fresh tensor: one allocation fewer than eager's act(gate) * up, the same values. Where it
-        # records, act(gate) may be saved (relu's backward reads its output, the product's backward reads both), so
-        # it stays as eager has it. (gate and up have one dtype: F.linear of one x, which it requires of each
-        # weight, or autocast's.)
+        # Where autograd records nothing (no_grad, inference, nothing requiring grad) act(gate) and the product go
+        # into gate's own fresh tensor: two allocations fewer than eager's act(gate) * up, the same bits (each op
+        # is ATen's own, in place). Where it records, act(gate) may be saved (relu's backward reads its output, the
+        # product's backward reads both), so it stays as eager has it. (gate and up have one dtype: F.linear of one
+        # x, which it requires of each weight, or autocast's.)
         h = h * up if h.requires_grad or up.requires_grad else h.mul_(up)
         return F.linear(h, wd) if bd is None else F.linear(h, wd, bd)
     if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
@@ -663,7 +666,8 @@ def plain_mlp(
         elif transposed is not False:
             _transposed(transposed)
         z = F.linear(x, w_fc1) if b_fc1 is None else F.linear(x, w_fc1, b_fc1)  # no explicit None: as in _run
-        h = BY_NAME[a].aten(z)
+        act, act_ = _CPU_ACTS[a]
+        h = act(z) if z.requires_grad else act_(z)  # in z's fresh tensor where autograd records nothing, as in _run
         return F.linear(h, w_fc2) if b_fc2 is None else F.linear(h, w_fc2, b_fc2)
     transposed = _transposed(transposed)
     if type(w_fc1) not in _PLAIN and _tp((w_fc1, w_fc2), x):  # tensor-parallel weights (shard_plain_ffns)

@@ -74,6 +74,10 @@ class Activation:
     # float64 (m, x) -> m * act'(x) for an unbounded act', computed so that it is finite wherever the product is (as
     # the functor's bwd): relu2's 2 (m relu(x)); None: m * ref(x)[1]
     times_derivative_ref: Callable | None = None
+    # act(x) written into x (returned), bitwise aten's on a contiguous x: the CPU MLPs apply it to the fresh output
+    # of fc1 / gate where autograd records nothing (no_grad, inference, frozen weights): one allocation fewer a
+    # call, 0.5 us of a 12 us 1-token SwiGLU MLP (64 -> 256, one thread). None: the MLPs call aten there.
+    aten_inplace: Callable | None = None
 
     def __post_init__(self):
         if self.api is None:
@@ -181,6 +185,9 @@ def _quick_gelu_aten_backward(g, x):
     return g * (s * (1.0 + _QUICK * x * (1.0 - s)))
 
 
+# ATen's in-place GELU has no public Python name (F.gelu has no inplace=); absent, the MLPs call F.gelu
+_GELU_: Any = getattr(torch._C._nn, "gelu_", None)
+
 ACTIVATIONS = (
     Activation(
         name="gelu",
@@ -188,6 +195,7 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "none"}),
         aten=F.gelu,
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
+        aten_inplace=_GELU_,
         hf_names=("gelu", "gelu_python"),
         formula=_gelu_ref,
         cancel=_gelu_cancel,
@@ -199,6 +207,7 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+        aten_inplace=None if _GELU_ is None else (lambda x: _GELU_(x, approximate="tanh")),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
         formula=_gelu_tanh_ref,
         cancel=_gelu_tanh_cancel,
@@ -210,6 +219,7 @@ ACTIVATIONS = (
         api=("silu", {}),
         aten=F.silu,
         aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
+        aten_inplace=lambda x: F.silu(x, inplace=True),
         hf_names=("silu", "swish"),
         formula=_silu_ref,
         cancel=_silu_cancel,
@@ -222,6 +232,7 @@ ACTIVATIONS = (
         # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
         aten=F.relu,
         aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
+        aten_inplace=torch.relu_,
         hf_names=("relu",),
         formula=_relu_ref,
         cancel=_no_cancel,
@@ -234,6 +245,7 @@ ACTIVATIONS = (
         api=("relu2", {}),
         aten=lambda x: torch.square(F.relu(x)),
         aten_backward=lambda g, x: g * F.relu(x) * 2,
+        aten_inplace=lambda x: torch.relu_(x).square_(),
         hf_names=("relu2",),
         formula=_relu2_ref,
         cancel=_no_cancel,
@@ -247,6 +259,7 @@ ACTIVATIONS = (
         api=("quick_gelu", {}),
         aten=lambda x: x * torch.sigmoid(_QUICK * x),
         aten_backward=_quick_gelu_aten_backward,
+        aten_inplace=lambda x: x.mul_(torch.sigmoid(_QUICK * x)),
         hf_names=("quick_gelu",),
         formula=_quick_gelu_ref,
         cancel=_quick_gelu_cancel,

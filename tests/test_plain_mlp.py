@@ -430,27 +430,92 @@ def test_cpu_default_patched_hf_mlp_runs_eager_pytorchs_ops():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_table_aten_inplace_is_aten_written_in_place(act):
+    """Each table entry's aten_inplace (the CPU MLPs' no-grad activation) writes into its argument and returns it,
+    bitwise the entry's aten on contiguous tensors of every float dtype, vector tails, inf and NaN included."""
+    if act.aten_inplace is None:
+        pytest.skip(f"{act.name} has no in-place ATen form (the MLPs call aten)")
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        for n in (1, 7, 64, 4103):
+            x = (torch.randn(3, n) * 4).to(dtype)
+            x[0, 0], x[-1, -1] = math.inf, -math.inf
+            x[1, 0] = math.nan
+            y, c = act.aten(x), x.clone()
+            z = act.aten_inplace(c)
+            assert z.data_ptr() == c.data_ptr() and z.dtype == dtype
+            torch.testing.assert_close(z, y, rtol=0, atol=0, equal_nan=True)
+
+
+def _cpu_forms(act, wg, wu, wd):
+    """(ffn_ext's functional form, its eager expression, the weights it uses) on the CPU for the gated MLP (separate
+    and packed projections) and the classic one (wg as fc1)."""
+    aten = act.aten
+    w_gu = torch.cat([wg, wu]).detach().requires_grad_(wg.requires_grad or wu.requires_grad)
+    return [
+        (
+            lambda t: ffn_ext.gated_mlp(t, wg, wu, wd, activation=act.name),
+            lambda t: F.linear(aten(F.linear(t, wg)) * F.linear(t, wu), wd),
+            (wg, wu, wd),
+        ),
+        (
+            lambda t: ffn_ext.gated_mlp_packed(t, w_gu, wd, activation=act.name),
+            lambda t: F.linear((lambda g, u: aten(g) * u)(*F.linear(t, w_gu).chunk(2, -1)), wd),
+            (w_gu, wd),
+        ),
+        (
+            lambda t: ffn_ext.plain_mlp(t, wg, wd, activation=act.name),
+            lambda t: F.linear(aten(F.linear(t, wg)), wd),
+            (wg, wd),
+        ),
+    ]
+
+
 @pytest.mark.cpu_default
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("frozen", ["none", "gate", "up"])
-def test_cpu_default_gated_mlp_without_grad_and_with_a_frozen_projection(frozen):
-    """The CPU path writes act(gate) * up into act(gate)'s tensor where autograd records nothing: under no_grad the
-    result is eager's bitwise; with one projection frozen (autograd records the product for the other), the result
-    and the gradients are eager's bitwise too (the product is not taken in place there)."""
+def test_cpu_default_mlps_without_grad_and_with_a_frozen_projection(frozen, act):
+    """The CPU path writes act(gate) (act(z)) and the product into the projection's own fresh tensor where
+    autograd records nothing (the table's aten_inplace): under no_grad and inference_mode the result is eager's
+    bitwise; with one projection frozen (autograd records the product for the other), the result and the gradients
+    are eager's bitwise too (nothing in place where autograd records)."""
     torch.manual_seed(0)
     wg, wu, wd = (torch.randn(24, 16) / 4, torch.randn(24, 16) / 4, torch.randn(16, 24) / 5)
     wg.requires_grad_(frozen != "gate")
     wu.requires_grad_(frozen != "up")
     wd.requires_grad_()
-    x = torch.randn(5, 16)
+    x = torch.randn(5, 16) * 3  # wide enough that relu's and the GELUs' negative side acts
+    for ours, eager, weights in _cpu_forms(act, wg, wu, wd):
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
+        y, y0 = ours(x), eager(x)
+        torch.testing.assert_close(y, y0, rtol=0, atol=0)
+        leaves = [w for w in weights if w.requires_grad]
+        for a, b in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(y0.sum(), leaves)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
-    def eager(t):
-        return F.linear(F.silu(F.linear(t, wg)) * F.linear(t, wu), wd)
 
-    with torch.no_grad():
-        torch.testing.assert_close(ffn_ext.swiglu_mlp(x, wg, wu, wd), eager(x), rtol=0, atol=0)
-    leaves = [w for w in (wg, wu, wd) if w.requires_grad]
-    y = ffn_ext.swiglu_mlp(x, wg, wu, wd)
-    y0 = eager(x)
-    torch.testing.assert_close(y, y0, rtol=0, atol=0)
-    for a, b in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(y0.sum(), leaves)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+@pytest.mark.cpu_default
+@pytest.mark.parametrize("act", ACTS)
+def test_cpu_default_mlps_under_forward_ad_and_torch_func(act):
+    """The CPU path's in-place activation and product (where no reverse-mode autograd records) under forward-mode
+    AD (a dual x, with and without grad mode), torch.func.jvp and vmap(grad): eager's tangents and gradients."""
+    import torch.autograd.forward_ad as fwAD
+    import torch.func as torch_func
+
+    torch.manual_seed(1)
+    wg, wu, wd = (torch.randn(*s, dtype=torch.float64) for s in ((10, 6), (10, 6), (6, 10)))
+    x, t = torch.randn(4, 6, dtype=torch.float64) * 2, torch.randn(4, 6, dtype=torch.float64)
+    for ours, eager, _ in _cpu_forms(act, wg, wu, wd):
+        for mode in (torch.enable_grad, torch.no_grad):
+            with mode(), fwAD.dual_level():
+                got = fwAD.unpack_dual(ours(fwAD.make_dual(x, t)))
+                want = fwAD.unpack_dual(eager(fwAD.make_dual(x, t)))
+            torch.testing.assert_close(got.primal, want.primal, rtol=0, atol=0)
+            torch.testing.assert_close(got.tangent, want.tangent)
+        torch.testing.assert_close(torch_func.jvp(ours, (x,), (t,)), torch_func.jvp(eager, (x,), (t,)))
+        torch.testing.assert_close(
+            torch_func.vmap(torch_func.grad(lambda s, f=ours: f(s).sum()))(x),
+            torch_func.vmap(torch_func.grad(lambda s, f=eager: f(s).sum()))(x),
+        )
