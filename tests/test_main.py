@@ -106,7 +106,7 @@ def test_verbose_table_has_every_op_and_dtype(capsys):
 
 def test_op_timing_runs(capsys):
     """--verbose's op timing (the public API against the ATen expression): every case, a ratio each."""
-    demo.op_timing(torch.device("cpu"), iters=1, warmup=0, size=(8, 64))
+    demo.op_timing(torch.device("cpu"), blocks=1, rounds=1, warmup=0, size=(8, 64))
     out = capsys.readouterr().out
     for case in (
         "swiglu fwd",
