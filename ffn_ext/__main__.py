@@ -462,7 +462,7 @@ def check_module(device, out=print) -> bool:
 
 
 # ---------------------------------------------------------------- 5. timing
-def _time_pair(fns, device, blocks: int, rounds: int, warmup: int) -> tuple[float, float, float]:
+def _time_pair(fns, device, blocks: int, rounds: int, warmup: int, before=None) -> tuple[float, float, float]:
     """(ms of fns[0], ms of fns[1], ratio fns[1] / fns[0]) over `blocks` blocks of `rounds` rounds, the two
     callables alternating within a round (so that a busy spell of a shared machine hits them alike) and in reverse
     order every other round (on the CPU the first of a round ran slower: FFN 768 -> 3072 fwd at 16 tokens,
@@ -470,9 +470,12 @@ def _time_pair(fns, device, blocks: int, rounds: int, warmup: int) -> tuple[floa
     are each callable's minimum over all rounds; the ratio is the median over blocks of the ratio of the blocks'
     minima. On this 2-core VM a single min of 30 or even of 120 of two identical ATen MLPs (the CPU path) came out
     below 0.98x in 22% / 19% of windows cut from 200-round traces (a spell that spares one side's best run spoils
-    the whole figure); the median of 12 blocks of 10 rounds did in 0.8%. CUDA: events, CPU: perf_counter."""
+    the whole figure); the median of 12 blocks of 10 rounds did in 0.8%. `before`, if given, runs untimed before
+    every call. CUDA: events, CPU: perf_counter."""
     for fn in fns:
         for _ in range(warmup):
+            if before is not None:
+                before()
             fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -483,6 +486,8 @@ def _time_pair(fns, device, blocks: int, rounds: int, warmup: int) -> tuple[floa
         for r in range(rounds):
             for k in (0, 1) if r % 2 == 0 else (1, 0):
                 fn = fns[k]
+                if before is not None:
+                    before()
                 if device.type == "cuda":
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
@@ -528,6 +533,14 @@ def ffn_timing(device, out=print) -> list:
         def train(fwd, x=x, gy=gy):
             return lambda: torch.autograd.backward(fwd(x), gy)
 
+        def zero_grad(leaves=(x, *module.parameters())):
+            # as optimizer.zero_grad() between steps: each timed backward starts without gradients. Accumulating
+            # into kept ones instead left glibc's heap in a state where one callable's 17 MB weight gradients were
+            # fresh pages every call and the other's were not (SwiGLUFFN fwd+bwd: 0.72x in some processes, 12,768
+            # page faults a call on one side, none on the other).
+            for t in leaves:
+                t.grad = None
+
         def infer(fwd, x=x):
             def run():
                 with torch.no_grad():
@@ -535,8 +548,8 @@ def ffn_timing(device, out=print) -> list:
 
             return run
 
-        for what, wrap in (("fwd", infer), ("fwd+bwd", train)):
-            ours, theirs, ratio = _time_pair([wrap(module), wrap(eager)], device, blocks, rounds, warmup)
+        for what, wrap, before in (("fwd", infer, None), ("fwd+bwd", train, zero_grad)):
+            ours, theirs, ratio = _time_pair([wrap(module), wrap(eager)], device, blocks, rounds, warmup, before)
             ratios.append(ratio)
             out(f"  {label:<24} {what:<8} {ours:>9.3f} {theirs:>9.3f} {ratio:>8.2f}x")
     return ratios
