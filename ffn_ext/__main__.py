@@ -533,7 +533,9 @@ def ffn_timing(device, out=print) -> list:
         def train(fwd, x=x, gy=gy):
             return lambda: torch.autograd.backward(fwd(x), gy)
 
-        def zero_grad(leaves=(x, *module.parameters())):
+        leaves = (x, *module.parameters())
+
+        def zero_grad(leaves=leaves):
             # as optimizer.zero_grad() between steps: each timed backward starts without gradients. Accumulating
             # into kept ones instead left glibc's heap in a state where one callable's 17 MB weight gradients were
             # fresh pages every call and the other's were not (SwiGLUFFN fwd+bwd: 0.72x in some processes, 12,768
