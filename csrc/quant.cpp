@@ -1,7 +1,7 @@
 // The quantizing ops (quant.h): schemas from the table, the recipe's checks, and the Meta, CPU and Autograd
 // kernels. The CPU kernels compute h with ffn_ext's own unfused op (through the dispatcher, so h is bit for bit
 // what that op returns on the device) and quantize it with the ATen composite of ffn_ext/quant.py's formula.
-// The CUDA kernels are in cuda/quant_part*.cu (registered by cuda/quant_ops.cpp). Kept in one file of its own, a TORCH_LIBRARY_FRAGMENT next to
+// The CUDA kernels are in cuda/quant_part*.cu (registered by cuda/ops.cpp). Kept in one file of its own, a TORCH_LIBRARY_FRAGMENT next to
 // registration.cpp's TORCH_LIBRARY, so that the table's other users need no change for it.
 #include "quant.h"
 

@@ -1,4 +1,4 @@
-// The quantizing ops as QuantProblems (quant_kernel.h) for a Launcher: cuda/quant_ops.cpp instantiates QuantOps
+// The quantizing ops as QuantProblems (quant_kernel.h) for a Launcher: cuda/ops.cpp instantiates QuantOps
 // with the CUDA launcher (cuda/launch_quant.h's launch_quant, the kernels in cuda/quant_part*.cu),
 // test_paths_quant.cpp with the host emulation. Every recipe has a kernel: scaling "group" (one launch),
 // "row" (one launch: the row's amax in the block) and "tensor" (static scale: one launch; dynamic: two, the
@@ -8,7 +8,7 @@
 // device.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <functional>

@@ -1,5 +1,5 @@
 // The one TORCH_LIBRARY(ffn_ext): every schema, the Meta kernels, and build information.
-// Kernels: CPU in aten_ops.cpp, CUDA in cuda/ops_part*.cpp (the kernels: cuda/kernels_part*.cu), Autograd in
+// Kernels: CPU in aten_ops.cpp, CUDA in cuda/ops.cpp (the kernels: cuda/kernels_part*.cu), Autograd in
 // autograd.cpp. Python API: ffn_ext/ops.py.
 #include <torch/library.h>
 #include <torch/version.h>

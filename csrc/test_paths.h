@@ -1,7 +1,7 @@
 // Shared by the test-only sources of ffn_ext._C (test_paths.cpp: the element math; test_paths_rows.cpp: the row
-// kernels' launch emulated; test_paths_quant.cpp: the quantizing kernels' launch emulated). Three translation
-// units, so that g++ compiles their template instantiations in parallel: test_paths.cpp of all three was the
-// build's last job. The tensor and STL casters come from torch/csrc/utils/pybind.h, not torch/extension.h (which
+// kernels' launch emulated; test_paths_quant.cpp: the quantizing kernels' launch emulated). test_paths_rows.cpp
+// is a translation unit of its own (its instantiations are the build's largest job: it must start early, beside
+// the others); the other two are compiled with python_module.cpp (python_sources.cpp says why). The tensor and STL casters come from torch/csrc/utils/pybind.h, not torch/extension.h (which
 // adds the whole C++ frontend, torch/all.h, to parse).
 #pragma once
 

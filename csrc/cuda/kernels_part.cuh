@@ -1,5 +1,5 @@
 // CUDA kernels of the ffn_ext ops (../ops_table.h), one part of them: each is a functor of ffn_math.h run by
-// launch_rows (rows_launcher.cuh); ops_part<i>.cpp (ops_part.h) turns the op's tensors into a RowProblem
+// launch_rows (rows_launcher.cuh); ops.cpp turns the op's tensors into a RowProblem
 // (../row_ops.h) and calls it. The table's lines are dealt round-robin to the parts (line % kCudaParts: a line
 // and all its ops, packed ones included, in one part, so no kernel is instantiated twice), which ninja compiles
 // in parallel: one translation unit of all the kernels was the build's critical path (csrc/build.json lists them).
@@ -8,7 +8,7 @@
 // runtime. A part that included torch/library.h and row_ops.h (sm_90 only, loaded 2-core machine, nvcc --time,
 // wall ms) spent cudafe++ 45800, cicc 72444, ptxas 34655, host gcc 95606, of which a file of the same headers
 // and no kernels took cudafe++ 52007, cicc 46636, host gcc 37322: cicc parses the headers again per arch.
-// The registration, which needs torch, is ops_part<i>.cpp (g++).
+// The registration, which needs torch, is ops.cpp (g++).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
 // CUDA kernels, part 0 of kCudaParts (kernels_part.cuh says which lines of the op table it holds); the ops that
-// launch them are registered by ops_part0.cpp.
+// launch them are registered by ops.cpp.
 #define FFN_EXT_CUDA_PART 0
 #include "kernels_part.cuh"

@@ -1,4 +1,4 @@
 // CUDA kernels, part 1 of kCudaParts (kernels_part.cuh says which lines of the op table it holds); the ops that
-// launch them are registered by ops_part1.cpp.
+// launch them are registered by ops.cpp.
 #define FFN_EXT_CUDA_PART 1
 #include "kernels_part.cuh"

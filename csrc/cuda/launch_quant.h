@@ -1,5 +1,5 @@
 // The seam between the quantizing CUDA ops and their kernels, torch-free, as launch_rows.h is for the row ops:
-// quant_ops.cpp (g++, torch) registers the ops (../quant_ops.h's QuantProblems), allocates the dynamic tensor
+// ops.cpp (g++, torch) registers the ops (../quant_ops.h's QuantProblems), allocates the dynamic tensor
 // scale's scratch and calls launch_quant; quant_part<i>.cu (nvcc, no torch) defines it (quant_kernels.cuh) and
 // emits the instantiations of its part. nvcc never parses the torch headers (kernels_part.cuh has what they cost).
 #pragma once
@@ -31,7 +31,7 @@ template <typename T, class F, bool Pair>
 cudaError_t launch_quant(const QuantProblem& p, const F& f, cudaStream_t stream, int sms, float* parts);
 
 // Takes the address of every launch_quant<T, F, Pair> of part Part, so that quant_part<Part>.cu, which explicitly
-// instantiates it, emits them (and their kernels) for quant_ops.cpp. `keep` only has to be opaque to the compiler;
+// instantiates it, emits them (and their kernels) for ops.cpp. `keep` only has to be opaque to the compiler;
 // nothing calls this.
 template <int Part>
 void quant_kernels_of_part(void (*keep)(const void*));

@@ -12,7 +12,7 @@
 // (line % kQuantParts: a line's two layouts, three dtypes and three kinds in one part), quant_part<i>.cu, which
 // ninja compiles in parallel; one quant.cu of all 135 kernels per arch was the CUDA build's critical path.
 // Torch-free, as kernels_part.cuh: only quant_kernel.h (rows.h, ffn_math.h), ops_table.h and the CUDA runtime.
-// The ops, which need torch, are registered by quant_ops.cpp (g++) and call launch_quant (launch_quant.h).
+// The ops, which need torch, are registered by ops.cpp (g++) and call launch_quant (launch_quant.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -143,7 +143,7 @@ void keep_quant_types(void (*keep)(const void*)) {  // the fused dtypes (QuantOp
   keep(reinterpret_cast<const void*>(&launch_quant<c10::BFloat16, F, Pair>));
 }
 
-// What QuantOps<CudaQuant> (quant_ops.cpp) runs for a line: a gated op's GatedH with two operands (the op and its
+// What QuantOps<CudaQuant> (ops.cpp) runs for a line: a gated op's GatedH with two operands (the op and its
 // concat packed form) and with an interleaved pair; quantize's Identity. One missing here is an undefined symbol
 // when `import ffn_ext` loads _C.
 template <int Part>

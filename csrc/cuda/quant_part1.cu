@@ -1,4 +1,4 @@
 // FP8 quantizing kernels, part 1 of kQuantParts (quant_kernels.cuh says which ops it holds); the ops that
-// launch them are registered by quant_ops.cpp.
+// launch them are registered by ops.cpp.
 #define FFN_EXT_QUANT_PART 1
 #include "quant_kernels.cuh"
