@@ -3,20 +3,23 @@
 // (tests/test_quant.py), so CI checks the indexing, the loads and the element math without a GPU (the warp shuffle
 // itself only runs on a GPU).
 //
-// Work split (scaling="group"): h is rows x cols, cols a multiple of the group size G (32, 64 or 128). A lane
-// computes 8 consecutive elements of h (one 16-byte load per 16-bit operand, two for float32), so a group is
-// L = G / 8 consecutive lanes (4, 8, 16) of one warp. Each lane computes its h in float exactly as the unfused
-// kernel does (opmath, then rounded once to the input dtype), takes the max |h| of its 8, the group's amax comes
-// from log2(L) __shfl_xor_sync steps (every lane of the group ends with it, so each quantizes with the same scale),
-// and the group's first lane writes that scale: the scale stored is the one quantized with. Any row count, any
-// group count per row; offsets are int64. The recipe (fp8 format, pow2 scales, e8m0 or float32 scales, scale
-// strides for row or column layout) is runtime data in QuantProblem: one kernel per (op, input dtype, pair layout).
+// Work split (scaling="group"): h is rows x cols, cols a multiple of the group size G (32, 64 or 128). A chunk is 8
+// consecutive elements of h (one 16-byte load per 16-bit operand, two for float32); a lane holds kGroupChunks = 2
+// chunks of one group, so a group is L = G / 16 consecutive lanes (2, 4, 8) of one warp: lane l of the group takes
+// chunks l and L + l (each of the lane's loads coalesced across the group). Each lane computes its h in float exactly
+// as the unfused kernel does (opmath, then rounded once to the input dtype), takes the max |h| of its 16, the group's
+// amax comes from log2(L) __shfl_xor_sync steps (every lane of the group ends with it, so each quantizes with the
+// same scale), and the group's first lane writes that scale: the scale stored is the one quantized with. Two chunks
+// per lane rather than one: the lane's index, address, scale and store arithmetic (about 110 instructions on sm_90)
+// is paid per 16 elements, not per 8. Any row count, any group count per row; offsets are int64. The recipe (fp8
+// format, pow2 scales, e8m0 or float32 scales, scale strides for row or column layout) is runtime data in
+// QuantProblem: one kernel per (op, input dtype, pair layout).
 //
 // scaling="row" (one scale per row, rows of any length, cols not necessarily a multiple of 8: a row's last lane may
 // hold fewer than 8 elements, loaded one by one): one block per row at a time (grid-stride over rows). Each thread
 // takes the row's chunks tid, tid + T, ... (T threads, coalesced); sweep 1 computes its h and folds its amax, the
-// block combines the threads' amaxes (row_block_amax: the warps' xor shuffles, then the warps' results through
-// shared memory, read by every thread in the same order, so every thread holds the same bits), and sweep 2
+// block combines the threads' amaxes (block_amax: the warps' xor shuffles, then the warps' results through shared
+// memory and xor shuffles again, so every thread holds the same max), and sweep 2
 // quantizes with the scale from it; thread 0 stores that scale. A row of up to kRowChunks chunks per thread
 // (kRowChunks * 8 * 256 = 8192 elements) keeps its h in registers between the sweeps: the inputs are read once
 // (bytes read = the inputs', 2 B/element per bf16 operand). A longer row recomputes h in sweep 2 from the inputs:
@@ -28,10 +31,10 @@
 // scaling="tensor": a static scale needs no amax: one launch of the tensor kernel quantizing every lane with it.
 // A dynamic scale needs the amax of the whole tensor before the first element is quantized, and CUDA has no
 // grid-wide barrier in an ordinary launch (a cooperative launch would bound the grid by residency and is not
-// capturable everywhere): two launches of the same kernel. Launch 1 (amax) folds each thread's lanes (grid-stride
-// over (row, chunk), as the group kernel), combines them in the block as above and stores the block's amax in a
-// scratch array of `parts` floats (one per block: no atomics and no zero-fill launch, and the fold's order is
-// fixed). Launch 2 (quantize) has every block fold those parts again (parts <= 8 per SM: a few KiB read from L2
+// capturable everywhere): two launches of the same kernel. Both take lanes of 16 consecutive elements of a row
+// (kTensorChunks chunks; a row's last lane may hold fewer), grid-stride over the rows x lanes. Launch 1 (amax) folds
+// each thread's lanes, combines them in the block as above and stores the block's amax in a scratch array of
+// `parts` floats (one per block: no atomics and no zero-fill launch). Launch 2 (quantize) has every block fold those parts again (parts <= 8 per SM: a few KiB read from L2
 // per block) into the same amax and scale; block 0's thread 0 stores it.
 #pragma once
 
@@ -48,8 +51,12 @@ namespace ffn_ext {
 namespace quant {
 
 constexpr int kLaneElems = 8;
-constexpr int kThreads = 256;  // threads per block (every kernel); the row kernel may use fewer (row_threads)
-constexpr int kRowChunks = 4;  // chunks of 8 elements per thread a row kernel keeps in registers between sweeps
+constexpr int kThreads = 256;     // threads per block (every kernel); the row kernel may use fewer (row_threads)
+constexpr int kRowChunks = 4;     // chunks of 8 elements per thread a row kernel keeps in registers between sweeps
+constexpr int kGroupChunks = 2;   // chunks per lane of the group kernel
+constexpr int kTensorChunks = 2;  // consecutive chunks per lane of the tensor kernel
+constexpr int kMaxLanes = 128 / (kLaneElems * kGroupChunks);  // lanes per group at the largest group size (128)
+constexpr int kMaxWarps = kThreads / 32;
 
 enum class QScaling : int { kGroup, kRow, kTensor };
 enum class QPhase : int { kQuantize, kAmax };  // the tensor kernel's launch: quantize, or the dynamic amax
@@ -61,7 +68,7 @@ struct QuantProblem {
   void* scale;           // float32 or float8_e8m0fnu, [rows, cols / G] with the strides below (elements)
   int64_t scale_row, scale_col;
   int64_t rows, cols;
-  int lanes;        // lanes per group: G / 8
+  int lanes;        // the group kernel's lanes per group: G / (kLaneElems * kGroupChunks)
   bool vectorized;  // every operand's rows start 16-byte aligned: 16-byte loads
   float fp8_max;    // 448 (e4m3fn) or 57344 (e5m2): selects the format
   bool pow2, e8m0;
@@ -73,6 +80,34 @@ struct QuantProblem {
   float* parts;        // dynamic: one amax per block of the amax launch (device scratch)
   int nparts;          // the amax launch's block count
 };
+
+// A thread's lanes in a grid-stride loop over the rows x `chunks` lanes (a row's lanes consecutive): lane i, then
+// i + step, ... as (row, chunk), stepped rather than divided out of i: the 64-bit division was about 37 of the group
+// kernel's 326 instructions per lane (sm_90, bf16 GeGLU), the stepping is about 20. One division per thread, when it
+// starts.
+struct LaneCursor {
+  int64_t chunks;                  // lanes per row
+  int64_t row, chunk;              // the current lane's; row >= rows once past the last lane
+  int64_t step_rows, step_chunks;  // step = step_rows * chunks + step_chunks
+  FFN_HD LaneCursor(int64_t i, int64_t step, int64_t chunks_) : chunks(chunks_) {
+    row = i / chunks;
+    chunk = i - row * chunks;
+    step_rows = step / chunks;
+    step_chunks = step - step_rows * chunks;
+  }
+  FFN_HD void next() {
+    row += step_rows;
+    chunk += step_chunks;
+    if (chunk >= chunks) chunk -= chunks, ++row;
+  }
+};
+
+// log2 of a group's lanes (a power of two): a lane's group index is its index in the row >> lane_shift.
+FFN_HD int lane_shift(int lanes) {
+  int s = 0;
+  while ((1 << s) < lanes) ++s;
+  return s;
+}
 
 // h of the identity (quantize x) and of a gated op, from the lane's inputs in opmath.
 struct Identity {
@@ -216,13 +251,30 @@ FFN_HD void lane_quant(const QuantProblem& p, int64_t row, int64_t col, const fl
   }
 }
 
-// Phase 2 of a lane (scaling="group"): quantize its 8 elements with the group's scale (from the group's amax) into
-// one 8-byte store (cols is a multiple of 32); the group's first lane (writer) stores the scale.
-FFN_HD void lane_store(const QuantProblem& p, int64_t row, int64_t col, const float (&h)[kLaneElems], float amax,
-                       bool writer) {
+// The group kernel's lane `lane` of row `row` (lane in 0 .. cols / 16): its first chunk, lane + g * L for its group
+// g = lane >> shift (shift = lane_shift(p.lanes)); its second is L further.
+FFN_HD int64_t group_chunk(const QuantProblem& p, int64_t lane, int shift) { return lane + ((lane >> shift) << shift); }
+
+// Phase 1 of a group kernel's lane: h of its two chunks (whole lanes: cols is a multiple of 32), their max |h|.
+template <typename T, class F, bool Pair>
+FFN_HD float group_lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t lane, int shift,
+                          float (&h)[kGroupChunks][kLaneElems]) {
+  const int64_t c = group_chunk(p, lane, shift);
+  const float m = lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h[0]);
+  return amax_step(m, lane_h<T, F, Pair>(p, f, row, (c + p.lanes) * kLaneElems, h[1]));
+}
+
+// Phase 2 of a group kernel's lane: quantize its chunks with the group's scale (from the group's amax), each into
+// one 8-byte store; the group's first lane (writer) stores the scale. Every warp holds writers, so the warp issues
+// the writer's instructions each time: the group index is a shift, not a 64-bit division.
+FFN_HD void group_lane_store(const QuantProblem& p, int64_t row, int64_t lane, int shift,
+                             const float (&h)[kGroupChunks][kLaneElems], float amax, bool writer) {
   const float scale = math::quant_scale(amax, p.fp8_max, p.pow2);
-  lane_quant(p, row, col, h, 1.0f / scale);
-  if (writer) store_scale(p, row * p.scale_row + (col / (kLaneElems * p.lanes)) * p.scale_col, scale);
+  const float inv = 1.0f / scale;
+  const int64_t c = group_chunk(p, lane, shift);
+  lane_quant(p, row, c * kLaneElems, h[0], inv);
+  lane_quant(p, row, (c + p.lanes) * kLaneElems, h[1], inv);
+  if (writer) store_scale(p, row * p.scale_row + (lane >> shift) * p.scale_col, scale);
 }
 
 // ---------------------------------------------------------------- scaling="row" and "tensor": per-thread code
@@ -286,36 +338,51 @@ FFN_HD void row_sweep2(const QuantProblem& p, const F& f, int64_t row, int tid, 
   }
 }
 
-// The block's amax from its warps' amaxes (warp_max[w]: warp w's xor-shuffle result), folded in warp order; every
-// thread runs this same fold, so all hold the same bits (a NaN's payload included).
-FFN_HD float fold_warps(const float* warp_max, int warps) {
-  float m = 0.0f;
-  for (int w = 0; w < warps; ++w) m = amax_step(m, warp_max[w]);
+// The tensor kernel's lanes: kTensorChunks consecutive chunks of a row, 16 elements (a row's last lane may hold
+// fewer: its length n), so that a lane's index, address and length arithmetic (about 45 instructions on sm_90) is
+// paid per 16 elements, not per 8. Thread `i` of `step` threads in the grid takes lanes i, i + step, ... of the
+// rows x tensor_lanes_per_row lanes (a row's lanes consecutive).
+FFN_HD int64_t tensor_lanes_per_row(const QuantProblem& p) {
+  return (p.cols + kLaneElems * kTensorChunks - 1) / (kLaneElems * kTensorChunks);
+}
+// Phase 1 of a tensor kernel's lane (column col, n elements): h of its chunks and their max |h|; 16-byte loads for
+// a whole lane of aligned operands, else element by element.
+template <typename T, class F, bool Pair>
+FFN_HD float tensor_lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t col, int n,
+                           float (&h)[kTensorChunks][kLaneElems]) {
+  if (p.vectorized && n == kLaneElems * kTensorChunks) {
+    const float m = lane_h_as<T, F, Pair, true>(p, f, row, col, h[0], kLaneElems);
+    return amax_step(m, lane_h_as<T, F, Pair, true>(p, f, row, col + kLaneElems, h[1], kLaneElems));
+  }
+  float m = lane_h_as<T, F, Pair, false>(p, f, row, col, h[0], n < kLaneElems ? n : kLaneElems);
+  if (n > kLaneElems) m = amax_step(m, lane_h_as<T, F, Pair, false>(p, f, row, col + kLaneElems, h[1], n - kLaneElems));
   return m;
 }
-
-// The tensor kernel, thread `i` of `step` threads in the grid: its lanes are i, i + step, ... of the rows x chunks
-// lanes (a row's chunks consecutive).
+FFN_HD int tensor_lane_len(const QuantProblem& p, int64_t col) {
+  const int64_t left = p.cols - col;
+  return left < kLaneElems * kTensorChunks ? static_cast<int>(left) : kLaneElems * kTensorChunks;
+}
 template <typename T, class F, bool Pair>
 FFN_HD float tensor_amax(const QuantProblem& p, const F& f, int64_t i, int64_t step) {
-  const int64_t chunks = row_chunks(p), total = p.rows * chunks;
   float m = 0.0f;
-  for (; i < total; i += step) {
-    const int64_t row = i / chunks, c = i - row * chunks;
-    float h[kLaneElems];
-    m = amax_step(m, lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h, chunk_len(p, c)));
+  if (p.cols == 0) return m;
+  for (LaneCursor l(i, step, tensor_lanes_per_row(p)); l.row < p.rows; l.next()) {
+    const int64_t col = l.chunk * kLaneElems * kTensorChunks;
+    float h[kTensorChunks][kLaneElems];
+    m = amax_step(m, tensor_lane_h<T, F, Pair>(p, f, l.row, col, tensor_lane_len(p, col), h));
   }
   return m;
 }
 template <typename T, class F, bool Pair>
 FFN_HD void tensor_quant(const QuantProblem& p, const F& f, int64_t i, int64_t step, float inv) {
-  const int64_t chunks = row_chunks(p), total = p.rows * chunks;
-  for (; i < total; i += step) {
-    const int64_t row = i / chunks, c = i - row * chunks;
-    const int n = chunk_len(p, c);
-    float h[kLaneElems];
-    lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h, n);
-    lane_quant(p, row, c * kLaneElems, h, inv, n);
+  if (p.cols == 0) return;
+  for (LaneCursor l(i, step, tensor_lanes_per_row(p)); l.row < p.rows; l.next()) {
+    const int64_t col = l.chunk * kLaneElems * kTensorChunks;
+    const int n = tensor_lane_len(p, col);
+    float h[kTensorChunks][kLaneElems];
+    tensor_lane_h<T, F, Pair>(p, f, l.row, col, n, h);
+    lane_quant(p, l.row, col, h[0], inv, n < kLaneElems ? n : kLaneElems);
+    if (n > kLaneElems) lane_quant(p, l.row, col + kLaneElems, h[1], inv, n - kLaneElems);
   }
 }
 // Thread tid's fold of the amax launch's parts (tid, tid + threads, ...), before the block combines them.
@@ -329,23 +396,44 @@ FFN_HD float tensor_scale(const QuantProblem& p, float amax) {
   return p.has_static ? p.static_scale : math::quant_scale(amax, p.fp8_max, p.pow2);
 }
 
-// The whole launch on the host, group by group: each lane's phase 1, the amax combined in the shuffle's order
-// (xor steps 1, 2, 4, ...: for a max the order does not matter, NaN included), each lane's phase 2.
+// The group kernel's lanes per row, and its launch on the host (quant_kernel in cuda/quant_kernels.cuh), block by
+// block over `grid` blocks and, within each grid-stride iteration, thread by thread: each thread's phase 1 at its
+// cursor, the group amax's xor steps across the block's threads as the warp shuffle takes them (steps 1, 2, 4
+// below the group's lanes; t ^ w stays in t's warp), each thread's phase 2.
+FFN_HD int64_t group_lanes_per_row(const QuantProblem& p) { return p.cols / (kLaneElems * kGroupChunks); }
 template <typename T, class F, bool Pair>
-void emulate_group(const QuantProblem& p, const F& f) {
-  const int64_t chunks = p.cols / kLaneElems;
-  for (int64_t row = 0; row < p.rows; ++row) {
-    for (int64_t c0 = 0; c0 < chunks; c0 += p.lanes) {
-      float h[16][kLaneElems];
-      float m = 0.0f;
-      for (int l = 0; l < p.lanes; ++l) m = amax_step(m, lane_h<T, F, Pair>(p, f, row, (c0 + l) * kLaneElems, h[l]));
-      for (int l = 0; l < p.lanes; ++l) lane_store(p, row, (c0 + l) * kLaneElems, h[l], m, l == 0);
+void emulate_group(const QuantProblem& p, const F& f, int64_t grid) {
+  const int64_t per_row = group_lanes_per_row(p), total = p.rows * per_row, step = grid * kThreads;
+  const int shift = lane_shift(p.lanes);
+  if (per_row == 0) return;
+  std::vector<LaneCursor> cur;
+  std::vector<float> hs(static_cast<size_t>(kThreads) * kGroupChunks * kLaneElems);
+  auto h_of = [&](int t) -> float (&)[kGroupChunks][kLaneElems] {
+    return *reinterpret_cast<float (*)[kGroupChunks][kLaneElems]>(
+        &hs[static_cast<size_t>(t) * kGroupChunks * kLaneElems]);
+  };
+  float m[kThreads], nm[kThreads];
+  for (int64_t b = 0; b < grid; ++b) {
+    cur.clear();
+    for (int t = 0; t < kThreads; ++t) cur.emplace_back(b * kThreads + t, step, per_row);
+    for (int64_t base = b * kThreads; base < total; base += step) {
+      for (int t = 0; t < kThreads; ++t) {
+        m[t] = cur[t].row < p.rows ? group_lane_h<T, F, Pair>(p, f, cur[t].row, cur[t].chunk, shift, h_of(t)) : 0.0f;
+      }
+      for (int w = 1; w < kMaxLanes; w <<= 1) {
+        if (w >= p.lanes) continue;
+        for (int t = 0; t < kThreads; ++t) nm[t] = amax_step(m[t], m[t ^ w]);
+        for (int t = 0; t < kThreads; ++t) m[t] = nm[t];
+      }
+      for (int t = 0; t < kThreads; ++t) {
+        const bool writer = (t & (p.lanes - 1)) == 0;
+        if (cur[t].row < p.rows) group_lane_store(p, cur[t].row, cur[t].chunk, shift, h_of(t), m[t], writer);
+        cur[t].next();
+      }
     }
   }
 }
 
-// A block's amax as the device combines it (block_amax in cuda/quant_kernels.cuh): each warp's xor shuffle (steps
-// 16, 8, 4, 2, 1; lane 0's result is the warp's), then fold_warps.
 // The CUDA launcher's steps (cuda/quant_kernels.cuh launch_quant) on the host, with small grids (at most 3 blocks) so
 // that the grid-stride loops and the parts' fold run more than once.
 template <typename T, class F, bool Pair>
@@ -355,11 +443,12 @@ void emulate_tensor(const QuantProblem& p, const F& f, int64_t grid);
 template <typename T, class F, bool Pair>
 void emulate(const QuantProblem& p, const F& f) {
   if (p.scaling == QScaling::kGroup) {
-    emulate_group<T, F, Pair>(p, f);
+    const int64_t grid = (p.rows * group_lanes_per_row(p) + kThreads - 1) / kThreads;
+    emulate_group<T, F, Pair>(p, f, grid < 1 ? 1 : (grid > 3 ? 3 : grid));
   } else if (p.scaling == QScaling::kRow) {
     emulate_row<T, F, Pair>(p, f, p.rows < 3 ? p.rows : 3);
   } else {
-    const int64_t lanes = p.rows * row_chunks(p);
+    const int64_t lanes = p.rows * tensor_lanes_per_row(p);
     int64_t grid = (lanes + kThreads - 1) / kThreads;
     grid = grid < 1 ? 1 : (grid > 3 ? 3 : grid);
     std::vector<float> parts(static_cast<size_t>(grid));
@@ -375,19 +464,26 @@ void emulate(const QuantProblem& p, const F& f) {
   }
 }
 
+// A block's amax as the device combines it (block_amax in cuda/quant_kernels.cuh): each warp's xor shuffle (steps
+// 16, 8, 4, 2, 1), then in every warp lane l takes warp (l % kMaxWarps)'s result (0 past the block's warps) and
+// xor-shuffles over kMaxWarps lanes; lane 0's result is returned (every lane's is the same max).
+inline void emulate_xor_max(float* v, int n, int from) {
+  for (int s = from; s >= 1; s >>= 1) {
+    float nv[32];
+    for (int l = 0; l < n; ++l) nv[l] = amax_step(v[l], v[l ^ s]);
+    for (int l = 0; l < n; ++l) v[l] = nv[l];
+  }
+}
 inline float emulate_block_amax(const float* m, int threads) {
-  float warp_max[kThreads / 32];
+  float warp_max[kMaxWarps] = {};
   for (int w = 0; w < threads / 32; ++w) {
     float v[32];
     for (int l = 0; l < 32; ++l) v[l] = m[w * 32 + l];
-    for (int s = 16; s >= 1; s >>= 1) {
-      float nv[32];
-      for (int l = 0; l < 32; ++l) nv[l] = amax_step(v[l], v[l ^ s]);
-      for (int l = 0; l < 32; ++l) v[l] = nv[l];
-    }
+    emulate_xor_max(v, 32, 16);
     warp_max[w] = v[0];
   }
-  return fold_warps(warp_max, threads / 32);
+  emulate_xor_max(warp_max, kMaxWarps, kMaxWarps / 2);
+  return warp_max[0];
 }
 
 // The row kernel on the host, block by block (grid blocks over the rows as the device's grid stride), thread by

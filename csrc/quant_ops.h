@@ -55,7 +55,7 @@ struct QuantOps {
       p.scale_col = scale.stride(-1);
       if (scale.dim() == 1) p.scale_row = 0;  // one row
     }
-    p.lanes = static_cast<int>(r.group_size / kLaneElems);
+    p.lanes = static_cast<int>(r.group_size / (kLaneElems * kGroupChunks));
     p.fp8_max = r.fp8_max();
     p.pow2 = r.pow2;
     p.e8m0 = r.scale_dtype == at::kFloat8_e8m0fnu;

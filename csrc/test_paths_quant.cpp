@@ -21,7 +21,8 @@ struct HostQuant {
   template <typename T, class F, bool Pair>
   static void run(const quant::QuantProblem& p, const F& f) {
     std::memset(p.q, 0xA5, static_cast<size_t>(p.rows * p.cols));
-    const int64_t per_row = p.scaling == quant::QScaling::kGroup ? p.cols / (quant::kLaneElems * p.lanes) : 1;
+    const int64_t per_row =
+        p.scaling == quant::QScaling::kGroup ? p.cols / (quant::kLaneElems * quant::kGroupChunks * p.lanes) : 1;
     const int64_t rows = p.scaling == quant::QScaling::kTensor ? 1 : p.rows;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < per_row; ++g) {

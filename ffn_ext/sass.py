@@ -52,9 +52,10 @@ that calibration, which never took a branch into code with 128-bit accesses, on 
 2bfde8d; the kFull body came after.)
 
 The FP8 quantizing kernels (csrc/cuda/quant_kernels.cuh: quant_kernel, quant_row_kernel,
-quant_tensor_kernel<T, F, Pair>) are read by quant_kernel_of and counted by quant_budget: the same walk, with a lane's 8-byte fp8 store as its vector
-store, the group's shuffle loop taken log2(group / 8) times, and the count taken over one iteration of the loop
-around the vector accesses (the steady state: a lane, or a row of 8192 for the row kernel), not the work before it.
+quant_tensor_kernel<T, F, Pair>) are read by quant_kernel_of and counted by quant_budget: the same walk, with a
+chunk's 8-byte fp8 store as its vector store, the count taken over one iteration of the loop around the vector
+accesses (the steady state: a lane of 16 elements for the group kernel, with the block its writer lanes issue, and
+for the tensor kernel; a row of 8192 for the row kernel), not the work before it.
 On the tree before the hardware conversion it gave 68.0 instructions per element for the bf16 SwiGLU row kernel,
 what a count by hand had found (about 68). Not calibrated on a device yet.
 """
@@ -443,7 +444,6 @@ def vector_path(
     path: list | None = None,
     vector: re.Pattern = VECTOR_MEM,
     scalar: re.Pattern = SCALAR_MEM,
-    repeat=None,
     exits: bool = False,
     avoid: re.Pattern | None = None,
 ) -> tuple[int, int, int]:
@@ -451,9 +451,7 @@ def vector_path(
     whose vector path makes want_loads 128-bit loads and want_stores 128-bit stores. The path never passes an
     unpredicated scalar access (a predicated one is issued with its predicate off, and counted). If `path` is a
     list, the indices of the path's instructions are appended to it. `vector` and `scalar` say which global
-    accesses are the vector path's and which are element-wise (the FP8 kernels: 8-byte stores are vector ones);
-    `repeat(i)`, if given, is how many more times to take the back edge at instruction index i (a loop without
-    vector accesses, e.g. a shuffle loop of a runtime length), each time the path reaches it (default: never).
+    accesses are the vector path's and which are element-wise (the FP8 kernels: 8-byte stores are vector ones).
     With `exits`, a predicated EXIT may end the path (where the rest cannot go on: a scalar store of one thread).
     `avoid` (default `scalar`) is what a conditional branch jumps past (the FP8 kernels: calls too, the slow paths
     of a 64-bit or IEEE division)."""
@@ -479,7 +477,6 @@ def vector_path(
             "without a scalar access"
         )
     i, count, done = 0, 0, (0, 0)
-    taken: dict[int, int] = {}
     while True:
         op, predicated = ops[i]
         if op.startswith("NOP"):
@@ -490,13 +487,6 @@ def vector_path(
             path.append(i)
         count, done = count + 1, (done[0] + add[0], done[1] + add[1])
         rest = (want[0] - done[0], want[1] - done[1])
-        m = BRANCH.match(op)
-        if repeat is not None and m and int(m.group(2), 16) <= ins[i][0] and taken.get(i, 0) < repeat(i):
-            taken[i] = taken.get(i, 0) + 1  # around the loop once more
-            i = index[int(m.group(2), 16)]
-            if rest not in can[i]:
-                raise RuntimeError(f"the loop at {ins[i][0]:#x} holds vector accesses: not repeatable")
-            continue
         if not nexts:
             return count, done[0], done[1]
         options = [j for j in nexts if rest in can[j]]  # never empty: rest was in can[i]
@@ -595,6 +585,8 @@ def table(rows: list[dict], arch: int) -> str:
 QUANT_KINDS = {"quant_kernel": "group", "quant_row_kernel": "row", "quant_tensor_kernel": "tensor"}
 QUANT_LANE = 8  # csrc/quant_kernel.h kLaneElems: elements per lane (chunk)
 QUANT_ROW_CHUNKS = 4  # kRowChunks: chunks per thread a row kernel holds in registers (rows up to 8192 elements)
+QUANT_GROUP_CHUNKS = 2  # kGroupChunks: chunks per lane of the group kernel
+QUANT_TENSOR_CHUNKS = 2  # kTensorChunks: chunks per lane of the tensor kernel
 _QUANT_HEAD = re.compile(
     r"_ZN7ffn_ext5quant\w*?\d+(quant_(?:row_|tensor_)?kernel)I(N3c108BFloat16E|N3c104HalfE|f|d)(?=N)"
 )
@@ -644,36 +636,46 @@ def quant_kernel_of(mangled: str) -> QuantKernel | None:
     return QuantKernel(QUANT_KINDS[m.group(1)], op, text, DTYPES[m.group(2)][0], rest.group(1) == "1")
 
 
-def _shuffle_loop_repeats(ins: list[tuple[int, str]], extra: int):
-    """vector_path's `repeat`: `extra` more times around a loop whose body shuffles (SHFL) and makes no vector
-    access, none around any other."""
+SCALE_STORE = re.compile(r"\bSTG\.E\s")  # a float32 scale (4 bytes); the e8m0 one is STG.E.U8, q's STG.E.64
+
+
+def _writer_block(ins: list[tuple[int, str]], path: list[int], start: int, end: int) -> int:
+    """The instructions a warp of the group kernel issues for its writer lanes (which store the group's float32
+    scale) on top of `path` (vector_path skips the block: its stores are scalar): from the forward branch on
+    path[start:end + 1] that jumps past the scale store to its target, the float32 route (past the e8m0 store)."""
     index = {a: i for i, (a, _) in enumerate(ins)}
+    for n in range(start, end + 1):
+        m = BRANCH.match(PREDICATE.sub("", ins[path[n]][1]))
+        if not (m and PREDICATE.match(ins[path[n]][1]) and int(m.group(2), 16) > ins[path[n]][0]):
+            continue
+        lo, hi = path[n] + 1, index[int(m.group(2), 16)]
+        if path[n + 1] != hi or not any(SCALE_STORE.search(t) for _, t in ins[lo:hi]):
+            continue
+        block: list[int] = []
+        e8m0 = re.compile(r"\bSTG\.E\.U8\s")
+        vector_path(ins[lo : hi + 1], 0, 0, block, QUANT_VECTOR, e8m0, True, e8m0)
+        return len(block) - 1  # not the target, which is on the path
+    raise RuntimeError("no writer block (a branch past the float32 scale store) in the group kernel's loop")
 
-    def repeat(i: int) -> int:
-        m = BRANCH.match(PREDICATE.sub("", ins[i][1]))
-        body = [t for _, t in ins[index[int(m.group(2), 16)] : i]] if m else []
-        return extra if any("SHFL" in t for t in body) and not any(QUANT_VECTOR.search(t) for t in body) else 0
 
-    return repeat
-
-
-def quant_budget(sass: str | dict, arch: int, group_size: int = 128) -> list[dict]:
+def quant_budget(sass: str | dict, arch: int) -> list[dict]:
     """Instructions per element of each quantizing kernel of `arch` in its steady state, on the path a lane of a
     large contiguous bf16/fp16/fp32 tensor takes (vector_path's rule, the 8-byte fp8 store counting as a vector
     store: 16-byte loads, whole lanes, not the lane that writes the scale, e4m3 or e5m2 alike; past the calls of
     the slow paths: a 64-bit index division whose operands fit 32 bits, a division without FCHK's special cases):
-      group  one iteration of the grid-stride loop: a lane's 8 elements, its group's amax (the shuffle loop taken
-             log2(group_size / 8) times), the scale and the store;
+      group  one iteration of the grid-stride loop: a lane's 16 elements (kGroupChunks chunks of 8), its group's
+             amax (the shuffle steps unrolled: all three taken, as at group size 128), the scale, the two stores and
+             the writer lanes' block (every warp holds writers, so every warp issues it: the float32 scale's route);
       row    one iteration of the row loop, a row of 8192 elements (kRowChunks chunks per thread of 256: 32
              elements), the block's amax (warp shuffles, the warps' fold) and the scale included;
-      tensor one iteration of the chunk loop of each launch: "tensor" (the quantize launch, the only one with a
-             static scale) and "tensor amax" (a dynamic scale's first launch: h and its amax, no store).
+      tensor one iteration of the lane loop of each launch (a lane of 16 elements, kTensorChunks chunks):
+             "tensor" (the quantize launch, the only one with a static scale) and "tensor amax" (a dynamic
+             scale's first launch: h and its amax, no store).
     The count runs from the loop's head to its back edge; the work before the loop (the grid's index arithmetic,
     the tensor kernels' scale) is left out as it is paid once per thread, not per element. Bytes per element: the
     inputs' (one T per operand element) plus the fp8 byte; the amax launch reads the inputs only. It is the same
     prediction as budget's, for these kernels: h200_bound is H200_INSTR_PER_BYTE / instructions per byte."""
     funcs = parse_sass(sass) if isinstance(sass, str) else sass
-    lanes = group_size // QUANT_LANE
     rows: list[dict] = []
     for (sm, name), ins in funcs.items():
         k = quant_kernel_of(name)
@@ -682,17 +684,13 @@ def quant_budget(sass: str | dict, arch: int, group_size: int = 128) -> list[dic
         size = DTYPE_SIZE[k.dtype]
         ni = 1 if k.op == "quantize" else 2
         loads = ni * QUANT_LANE * size // 16  # 16-byte loads per lane (an interleaved pair: the same bytes)
-        chunks = QUANT_ROW_CHUNKS if k.kind == "row" else 1
+        chunks = {"row": QUANT_ROW_CHUNKS, "group": QUANT_GROUP_CHUNKS, "tensor": QUANT_TENSOR_CHUNKS}[k.kind]
         phases = [("tensor", 1), ("tensor amax", 0)] if k.kind == "tensor" else [(k.kind, 1)]
         f2fp = sorted({m.group(1) for _, t in ins if (m := F2FP_FP8.search(t))})
         index = {a: i for i, (a, _) in enumerate(ins)}
-        # the group's shuffle loop runs log2(lanes) steps; other loops once
-        repeat = _shuffle_loop_repeats(ins, max(0, lanes.bit_length() - 2) if k.kind == "group" else 0)
         for label, stores in phases:
             path: list[int] = []
-            vector_path(
-                ins, loads * chunks, stores * chunks, path, QUANT_VECTOR, QUANT_SCALAR, repeat, True, QUANT_AVOID
-            )
+            vector_path(ins, loads * chunks, stores * chunks, path, QUANT_VECTOR, QUANT_SCALAR, True, QUANT_AVOID)
             ops = [PREDICATE.sub("", ins[i][1]) for i in path]
             first = min(n for n, op in enumerate(ops) if QUANT_VECTOR.match(op))
             last = max(n for n, op in enumerate(ops) if QUANT_VECTOR.match(op))
@@ -709,6 +707,8 @@ def quant_budget(sass: str | dict, arch: int, group_size: int = 128) -> list[dic
                 raise RuntimeError(f"sm_{sm} {k}: no loop around the vector accesses")
             start, end = min(loops)
             per_iter = end - start + 1
+            if k.kind == "group":  # every warp holds writer lanes (a group is at most 8 lanes): it issues their block
+                per_iter += _writer_block(ins, path, start, end)
             elems = QUANT_LANE * chunks
             per_elem = per_iter / elems
             per_byte = per_elem / (ni * size + stores)

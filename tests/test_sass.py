@@ -118,13 +118,14 @@ def test_quant_kernel_inventory():
 
 # Instructions per element the sm_90 FP8 kernels may take in their steady state (ffn_ext.sass.quant_budget: one
 # loop iteration from head to back edge, bf16 in, SwiGLU; bytes: 2 x 2 in + 1 out, the amax launch 2 x 2 in).
-# QUANT_SWIGLU_BF16 holds the counts of the sm_90 build (CUDA 13.0: 34.6 group, 30.7 row, 28.5 tensor, 26.6 its amax
-# launch) and a little room; the software conversion had 67.2, 68.0, 62.5 and 36.2, the hardware one before the
-# amax's max.NaN and the two load instantiations 41.2, 42.1, 36.2, 36.2. Each is also held to the target: predicted
-# at >= 90% of an H200's copy bandwidth. QUANT_BYTE_LIMIT bounds every 16-bit kernel per byte (the highest:
-# swiglu_clamped's amax launch, 8.6).
-QUANT_SWIGLU_BF16 = {"group": 35.5, "row": 31.5, "tensor": 29.5, "tensor amax": 27.5}
-QUANT_BYTE_LIMIT = 9.0
+# QUANT_SWIGLU_BF16 holds the counts of the sm_90 build (CUDA 13.0: 30.4 group, 28.4 row, 22.5 tensor, 20.5 its amax
+# launch) and a little room; the software conversion had 67.2, 68.0, 62.5 and 36.2; the hardware one 34.6, 30.7,
+# 28.5, 26.6 before two chunks per lane (group and tensor kernels), the stepped lane index and the shuffled fold of
+# the block's warps. Every 16-bit kernel is held to the target, predicted at >= 90% of an H200's copy bandwidth
+# (QUANT_TARGET; the lowest: bf16 GeGLU's group kernel, 91%, its erf), and QUANT_BYTE_LIMIT bounds it per byte.
+QUANT_SWIGLU_BF16 = {"group": 31.5, "row": 29.5, "tensor": 23.5, "tensor amax": 21.5}
+QUANT_TARGET = 0.9
+QUANT_BYTE_LIMIT = 7.2
 
 
 def _quant_funcs(arch: int) -> dict:
@@ -151,8 +152,8 @@ def test_quant_kernels_convert_with_the_hardware():
 
 def test_quant_kernels_fit_the_issue_budget():
     """Every sm_90 quantizing kernel traced (quant_budget: the 16-byte loads and 8-byte stores of its steady state
-    found), bf16 SwiGLU within QUANT_SWIGLU_BF16 instructions per element and predicted at >= 90% of copy
-    bandwidth, and every 16-bit kernel within QUANT_BYTE_LIMIT per byte. A prediction from the SASS
+    found), bf16 SwiGLU within QUANT_SWIGLU_BF16 instructions per element, and every 16-bit kernel predicted at
+    >= 90% of copy bandwidth and within QUANT_BYTE_LIMIT per byte. A prediction from the SASS
     (H200_INSTR_PER_BYTE / per byte), not a measurement."""
     funcs = _quant_funcs(90)
     if not funcs:
@@ -165,16 +166,17 @@ def test_quant_kernels_fit_the_issue_budget():
             assert r["instr_per_elem"] <= QUANT_SWIGLU_BF16[r["kind"]], (
                 f"{where}: {r['instr_per_elem']:.1f} instructions per element, budget {QUANT_SWIGLU_BF16[r['kind']]}"
             )
-            assert r["h200_bound"] >= 0.9, f"{where}: predicted at {r['h200_bound']:.0%} of copy bandwidth"
         if S.DTYPE_SIZE[r["dtype"]] == 2:
+            assert r["h200_bound"] >= QUANT_TARGET, f"{where}: predicted at {r['h200_bound']:.0%} of copy bandwidth"
             assert r["instr_per_byte"] <= QUANT_BYTE_LIMIT, f"{where}: {r['instr_per_byte']:.2f} per byte"
     print("\n" + S.quant_table(rows, 90))
 
 
 def test_quant_tracer_on_a_sample():
-    """quant_budget's walk: the 8-byte store is the vector store, a shuffle loop is taken log2(lanes) times, a
-    predicated EXIT may end the path before one thread's scalar store, and the count runs from the main loop's
-    head to its back edge."""
+    """quant_budget's walk: the 8-byte store is the vector store, the group kernel's lane makes two chunks' loads
+    and stores, its unrolled shuffle steps are counted, the writer lanes' block is added (its float32 route), a
+    predicated EXIT may end the path before one thread's scalar store, and the count runs from the main loop's head
+    to its back edge."""
     name = (
         "_ZN7ffn_ext5quant45_GLOBAL__N__0_8_quant_cu_0_12quant_kernelIN3c108BFloat16E"
         "NS0_6GatedHINS_4math3GluINS6_4SiluEEEEELb0EEEvNS0_12QuantProblemET0_"
@@ -182,24 +184,31 @@ def test_quant_tracer_on_a_sample():
     assert S.quant_kernel_of(name) == S.QuantKernel("group", "swiglu", "GatedH<Glu<Silu>>", "bfloat16", False)
     sample = [
         (0x00, "S2R R0, SR_TID.X"),  # before the loop: not counted
-        (0x10, "@P4 LDG.E.128 R8, desc[UR4][R6.64]"),  # loop head
+        (0x10, "@P4 LDG.E.128 R8, desc[UR4][R6.64]"),  # loop head: the first chunk
         (0x20, "@P4 LDG.E.128 R12, desc[UR4][R4.64]"),
         (0x30, "@!P4 LDG.E.U16 R2, desc[UR4][R4.64]"),  # the if-converted fallback: issued, counted
-        (0x40, "SHFL.BFLY PT, R17, R14, R15, 0x1f"),  # the group's shuffle loop
-        (0x50, "@!P2 BRA 0x40"),
-        (0x60, "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R14, R15, R14, RZ"),
-        (0x70, "@!P0 BRA 0x90"),
-        (0x80, "STG.E.U8 desc[UR4][R18.64], R14"),  # a row's last lane: skipped
-        (0x90, "STG.E.64 desc[UR4][R18.64], R14"),
-        (0xA0, "@P1 BRA 0x10"),  # the grid-stride loop
-        (0xB0, "EXIT"),
+        (0x40, "LDG.E.128 R16, desc[UR4][R6.64+0x40]"),  # the second chunk
+        (0x50, "LDG.E.128 R20, desc[UR4][R4.64+0x40]"),
+        (0x60, "@!P2 BRA 0x80"),  # a shuffle step, taken
+        (0x70, "SHFL.BFLY PT, R17, R14, 0x1, 0x1f"),
+        (0x80, "F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R14, R15, R14, RZ"),
+        (0x90, "@!P0 BRA 0xb0"),
+        (0xA0, "STG.E.U8 desc[UR4][R18.64], R14"),  # a chunk stored byte by byte: skipped
+        (0xB0, "STG.E.64 desc[UR4][R18.64], R14"),
+        (0xC0, "STG.E.64 desc[UR4][R18.64+0x40], R16"),
+        (0xD0, "@P3 BRA 0x120"),  # not a writer lane
+        (0xE0, "@!P1 BRA 0x110"),  # the writer block: float32 or e8m0 scales
+        (0xF0, "STG.E.U8 desc[UR4][R10.64], R21"),
+        (0x100, "BRA 0x120"),
+        (0x110, "STG.E desc[UR4][R12.64], R21"),
+        (0x120, "BSYNC B0"),
+        (0x130, "@P1 BRA 0x10"),  # the grid-stride loop
+        (0x140, "EXIT"),
     ]
     funcs = {(90, name): sample}
-    (r,) = S.quant_budget(funcs, 90, group_size=128)  # 16 lanes: 4 shuffle steps
-    # 0x10 0x20 0x30 (0x40 0x50) x 4 0x60 0x70 0x90 0xa0
-    assert r["instr_per_iter"] == 3 + 2 * 4 + 4 and r["instr_per_elem"] == 15 / 8 and r["f2fp"] == ["E4M3"]
-    (r,) = S.quant_budget(funcs, 90, group_size=32)  # 4 lanes: 2 steps
-    assert r["instr_per_iter"] == 3 + 2 * 2 + 4
+    (r,) = S.quant_budget(funcs, 90)
+    # 0x10-0x90 (9), 0xb0 0xc0 0xd0 0x120 0x130, and the writer's 0xe0 0x110
+    assert r["instr_per_iter"] == 9 + 5 + 2 and r["instr_per_elem"] == 16 / 16 and r["f2fp"] == ["E4M3"]
     amax = [(0x00, "@P4 LDG.E.128 R8, desc[UR4][R6.64]"), (0x10, "@P1 BRA 0x00"), (0x20, "@P0 EXIT")]
     amax += [(0x30, "STG.E desc[UR4][R2.64], R13"), (0x40, "EXIT")]
     assert S.vector_path(amax, 1, 0, None, S.QUANT_VECTOR, S.QUANT_SCALAR, exits=True) == (3, 1, 0)

@@ -19,7 +19,7 @@ constexpr int kQuantParts = 4;  // quant_part0.cu ... quant_part3.cu (csrc/build
 // The tensor kernel's grid for p on `sms` multiprocessors: at most 8 blocks per SM, at least 1. A dynamic scale's
 // amax launch stores one float per block, so the caller's `parts` scratch holds this many floats.
 inline int64_t tensor_blocks(const QuantProblem& p, int sms) {
-  const int64_t lanes = p.rows * row_chunks(p);
+  const int64_t lanes = p.rows * tensor_lanes_per_row(p);
   return std::max<int64_t>(1, std::min<int64_t>((lanes + kThreads - 1) / kThreads, static_cast<int64_t>(sms) * 8));
 }
 

@@ -30,30 +30,42 @@ namespace {
 
 // Grid-stride over lanes; the loop bound is the same for every thread of a warp (it steps by whole blocks), so the
 // shuffles always have the full warp. A group never straddles a warp: its L lanes are consecutive and L divides 32.
+// The shuffle steps are unrolled, each under a test of p.lanes the whole grid takes alike: a loop of runtime length
+// cost 5 instructions per step.
 template <typename T, class F, bool Pair>
 __global__ void __launch_bounds__(kThreads) quant_kernel(QuantProblem p, F f) {
-  const int64_t chunks = p.cols / kLaneElems;
-  const int64_t total = p.rows * chunks;
+  const int64_t per_row = group_lanes_per_row(p);
+  const int64_t total = p.rows * per_row;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < total; base += step) {
-    const int64_t i = base + threadIdx.x;
-    const bool ok = i < total;
-    const int64_t row = ok ? i / chunks : 0, col = ok ? (i - row * chunks) * kLaneElems : 0;
-    float h[kLaneElems];
-    float m = ok ? lane_h<T, F, Pair>(p, f, row, col, h) : 0.0f;
-    for (int w = 1; w < p.lanes; w <<= 1) m = amax_step(m, __shfl_xor_sync(0xffffffffu, m, w));
-    if (ok) lane_store(p, row, col, h, m, (threadIdx.x & (p.lanes - 1)) == 0);
+  const int shift = lane_shift(p.lanes);
+  const bool writer = (threadIdx.x & (p.lanes - 1)) == 0;
+  if (per_row == 0) return;
+  LaneCursor l(static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, step, per_row);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < total; base += step, l.next()) {
+    const bool ok = l.row < p.rows;
+    float h[kGroupChunks][kLaneElems];
+    float m = ok ? group_lane_h<T, F, Pair>(p, f, l.row, l.chunk, shift, h) : 0.0f;
+#pragma unroll
+    for (int w = 1; w < kMaxLanes; w <<= 1) {
+      if (w < p.lanes) m = amax_step(m, __shfl_xor_sync(0xffffffffu, m, w));
+    }
+    if (ok) group_lane_store(p, l.row, l.chunk, shift, h, m, writer);
   }
 }
 
-// The block's amax of every thread's m (all threads of the block call it; blockDim.x a multiple of 32): each
-// warp's xor shuffle, lane 0 of each warp into shared memory, then every thread folds the warps' values in the same
-// order (fold_warps), so every thread gets the same bits. The second barrier lets the next call reuse warp_max.
+// The block's amax of every thread's m (all threads of the block call it; blockDim.x a multiple of 32, at most
+// kThreads): each warp's xor shuffle, lane 0 of each warp into shared memory, then in every warp lane l takes warp
+// l % kMaxWarps's value (0 past the block's warps) and xor-shuffles over kMaxWarps lanes, so every thread gets the
+// max of all (a NaN is the canonical one on the device). A loop over the warps' values in shared memory, which
+// every thread ran, took about 50 instructions per row in the row kernel (sm_90, bf16 GeGLU); this takes about 10.
+// The second barrier lets the next call reuse warp_max.
 __device__ float block_amax(float m, float* warp_max) {
   for (int s = 16; s >= 1; s >>= 1) m = amax_step(m, __shfl_xor_sync(0xffffffffu, m, s));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
-  m = fold_warps(warp_max, static_cast<int>(blockDim.x / 32));
+  const int w = static_cast<int>(threadIdx.x & (kMaxWarps - 1));
+  m = w < static_cast<int>(blockDim.x / 32) ? warp_max[w] : 0.0f;
+  for (int s = kMaxWarps / 2; s >= 1; s >>= 1) m = amax_step(m, __shfl_xor_sync(0xffffffffu, m, s));
   __syncthreads();
   return m;
 }
@@ -101,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) quant_tensor_kernel(QuantProblem p, 
 template <typename T, class F, bool Pair>
 cudaError_t launch_quant(const QuantProblem& p, const F& f, cudaStream_t stream, int sms, float* parts) {
   if (p.scaling == QScaling::kGroup) {
-    const int64_t lanes = p.rows * (p.cols / kLaneElems);
+    const int64_t lanes = p.rows * group_lanes_per_row(p);
     const int64_t blocks = std::min<int64_t>((lanes + kThreads - 1) / kThreads, static_cast<int64_t>(sms) * 8);
     quant_kernel<T, F, Pair><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, f);
     return cudaGetLastError();
