@@ -76,7 +76,7 @@ def load(
     fresh = not library.exists() or library.stat().st_mtime < newest
     if fresh and not verbose:
         what = (
-            f"the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 4 on 2 cores)"
+            f"the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 3.5 on 2 cores)"
             if with_cuda
             else "the CPU kernels (no CUDA; 1-2 minutes on 2 cores)"
         )
