@@ -22,6 +22,7 @@
 
 #include <math.h>  // ::isinf on the host
 #include <cmath>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define FFN_HD __host__ __device__ __forceinline__
@@ -73,20 +74,26 @@ template <bool Fast, typename A> FFN_HD A sigmoid(A x) { return rcp_<Fast>(A(1) 
 // The clamps x > hi ? hi : x and x < lo ? lo : x, which keep a NaN x. In float on sm_80+ one min.NaN / max.NaN
 // (FMNMX.NAN) each instead of a compare and a select: the same bits for every x when hi is not -0 and lo not +0
 // (the one difference, a zero against the opposite zero) and neither is NaN.
-template <typename A> FFN_HD A clamp_hi(A x, A hi) { return x > hi ? hi : x; }
-template <typename A> FFN_HD A clamp_lo(A x, A lo) { return x < lo ? lo : x; }
+template <typename A> FFN_HD A clamp_hi(A x, A hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <> FFN_HD float clamp_hi(float x, float hi) {
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(hi));
-  return r;
-}
-template <> FFN_HD float clamp_lo(float x, float lo) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(lo));
-  return r;
-}
+  if constexpr (std::is_same_v<A, float>) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(hi));
+    return r;
+  }
 #endif
+  return x > hi ? hi : x;
+}
+template <typename A> FFN_HD A clamp_lo(A x, A lo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<A, float>) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(lo));
+    return r;
+  }
+#endif
+  return x < lo ? lo : x;
+}
 
 // silu(x) = x * sigmoid(x). sigmoid underflows to 0 for x < ~-88 (float), so only x = -inf needs care.
 template <bool Fast, typename A> FFN_HD A silu(A x) {
