@@ -32,7 +32,6 @@ import argparse
 import copy
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import ffn_ext  # noqa: E402
+from ffn_ext._timing import blocked_pair  # noqa: E402
 
 # (d_model, d_ff): the ranges' corners and a middle (Qwen2.5-0.5B's 896 -> 4864; GPT-2 / BERT-base 768 -> 3072)
 PAIRS = [(64, 256), (64, 14336), (768, 3072), (896, 4864), (4096, 256), (4096, 14336)]
@@ -171,11 +171,16 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _per_call(fns, calls: int, k: int) -> float:
+    """Seconds per call of one run of fns[k]: `calls` calls."""
+    return _time(functools.partial(fns[k], calls)) / calls
+
+
 def measure(ours, eager, params, x, reps: int, warmup: int, run_s: float = 0.0, blocks: int = 1) -> dict:
     """{"fwd": (ours_s, eager_s, calls, ratio), "fwd+bwd": (...)}: seconds per call, the min of `reps` runs each,
     alternating; a run is `calls` calls, enough for the eager side's to last `run_s`. The runs fall into `blocks`
     blocks; ratio (eager / ours) is the median over blocks of the ratio of the blocks' minima: a busy spell that
-    spares one side's best run moves one block, not the figure (the main job's _time_pair says by how much)."""
+    spares one side's best run moves one block, not the figure (ffn_ext._timing.blocked_pair says by how much)."""
     gy = torch.randn(x.shape[:-1] + (params[-1].shape[0],), dtype=x.dtype)
     xg = x.detach().requires_grad_()
 
@@ -209,16 +214,8 @@ def measure(ours, eager, params, x, reps: int, warmup: int, run_s: float = 0.0, 
                 f(1)
         one = min(_time(functools.partial(fns[1], 1)) for _ in range(3))
         calls = max(1, min(1000, int(run_s / one) + 1)) if run_s > 0 else 1
-        best = [float("inf")] * 2
-        ratios = []
-        for _ in range(blocks):
-            block = [float("inf")] * 2
-            for r in range(per_block):  # the order reversed every other run: the first of a pair can run slower
-                for k in (0, 1) if r % 2 == 0 else (1, 0):
-                    block[k] = min(block[k], _time(functools.partial(fns[k], calls)) / calls)
-            best = [min(b, c) for b, c in zip(best, block)]
-            ratios.append(block[1] / block[0])
-        out[what] = (best[0], best[1], calls, statistics.median(ratios))
+        ours_s, eager_s, ratio = blocked_pair(functools.partial(_per_call, fns, calls), blocks, per_block)
+        out[what] = (ours_s, eager_s, calls, ratio)
     clear()
     return out
 

@@ -17,7 +17,6 @@ threads, default 1).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import ffn_ext
+from ffn_ext._timing import blocked_pair
 from ffn_ext.sizing import ffn_params, gated_ffn_params, swiglu_hidden_dim
 from ffn_ext.table import BY_NAME, join_packed, split_packed
 from ffn_ext.table import OPS as TABLE_OPS
@@ -463,15 +463,9 @@ def check_module(device, out=print) -> bool:
 
 # ---------------------------------------------------------------- 5. timing
 def _time_pair(fns, device, blocks: int, rounds: int, warmup: int, before=None) -> tuple[float, float, float]:
-    """(ms of fns[0], ms of fns[1], ratio fns[1] / fns[0]) over `blocks` blocks of `rounds` rounds, the two
-    callables alternating within a round (so that a busy spell of a shared machine hits them alike) and in reverse
-    order every other round (on the CPU the first of a round ran slower: FFN 768 -> 3072 fwd at 16 tokens,
-    0.94-0.97x with ffn_ext first in every round, 0.99-1.03x with eager first, the same two callables). The times
-    are each callable's minimum over all rounds; the ratio is the median over blocks of the ratio of the blocks'
-    minima. On this 2-core VM a single min of 30 or even of 120 of two identical ATen MLPs (the CPU path) came out
-    below 0.98x in 22% / 19% of windows cut from 200-round traces (a spell that spares one side's best run spoils
-    the whole figure); the median of 12 blocks of 10 rounds did in 0.8%. `before`, if given, runs untimed before
-    every call. CUDA: events, CPU: perf_counter."""
+    """(ms of fns[0], ms of fns[1], ratio fns[1] / fns[0]): the two callables alternating over `blocks` blocks of
+    `rounds` rounds (ffn_ext._timing.blocked_pair says how and why). `before`, if given, runs untimed before every
+    call. CUDA: events, CPU: perf_counter."""
     for fn in fns:
         for _ in range(warmup):
             if before is not None:
@@ -479,30 +473,22 @@ def _time_pair(fns, device, blocks: int, rounds: int, warmup: int, before=None) 
             fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    best = [float("inf")] * 2
-    ratios = []
-    for _ in range(blocks):
-        block = [float("inf")] * 2
-        for r in range(rounds):
-            for k in (0, 1) if r % 2 == 0 else (1, 0):
-                fn = fns[k]
-                if before is not None:
-                    before()
-                if device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    ms = start.elapsed_time(end)
-                else:
-                    t0 = time.perf_counter()
-                    fn()
-                    ms = (time.perf_counter() - t0) * 1e3
-                block[k] = min(block[k], ms)
-        best = [min(b, c) for b, c in zip(best, block)]
-        ratios.append(block[1] / block[0])
-    return best[0], best[1], statistics.median(ratios)
+
+    def time_one(k: int) -> float:
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fns[k]()
+        return (time.perf_counter() - t0) * 1e3
+
+    return blocked_pair(time_one, blocks, rounds)
 
 
 def ffn_timing(device, out=print) -> list:
