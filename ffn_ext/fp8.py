@@ -12,7 +12,8 @@ nn.Linear, MoE experts, BERT-style layer pairs, and layers already in FP8 (trans
 Two recipes, both float8_e4m3fn with float32 scales (the formula: ffn_ext.quant, docs/fp8.md):
 
 - "row": weights once per output channel (scale [1, N]), x and the activation output per token (scale [M, 1]);
-  the projections through torch.nn.functional.scaled_mm with ScalingType.RowWise, on the CPU and CUDA.
+  the projections through torch.nn.functional.scaled_mm with ScalingType.RowWise, on the CPU and CUDA (on the CPU,
+  which has no FP8 units, 7-10x slower than the bf16 MLP: named once in a warning).
 - "block" (DeepSeek-V3's): weights once in 128x128 blocks (scale [N/128, K/128], the layout of HF's
   weight_scale_inv), x and the activation output in 1x128 groups with "column" scales ([M, K/128], stride (1, M));
   the projections through F.scaled_mm with BlockWise1x128 x BlockWise128x128 on CUDA devices of compute capability
@@ -51,11 +52,21 @@ BLOCK = QuantRecipe(torch.float8_e4m3fn, "group", 128, scale_layout="column")  #
 _WEIGHT_BLOCK = 128
 RECIPES = ("row", "block")
 _FUSED_ACTS = (Gated, SwiGLU, GeGLU)
-_EMULATED_WARNED: set = set()  # devices the block emulation was named for (once each)
+_EMULATED_WARNED: set = set()  # devices the block emulation or the CPU's RowWise GEMM was named for (once each)
 
 
 def _rowwise(qa, sa, qw, sw, out_dtype):
-    """(qa * sa) @ (qw * sw)^T through F.scaled_mm RowWise: qa [M, K] with sa [M, 1]; qw [N, K] with sw [1, N]."""
+    """(qa * sa) @ (qw * sw)^T through F.scaled_mm RowWise: qa [M, K] with sa [M, 1]; qw [N, K] with sw [1, N].
+    On the CPU, named once in a warning: it runs, with the recipe's numbers, but slower than the bf16 MLP."""
+    if qa.device.type == "cpu" and "cpu (row)" not in _EMULATED_WARNED:
+        _EMULATED_WARNED.add("cpu (row)")
+        warnings.warn(
+            "ffn_ext.quantize_fp8: recipe=\"row\" on cpu: F.scaled_mm runs here, but a CPU has no FP8 units, so the "
+            "FP8 MLP is 7-10x slower than the bf16 MLP (benchmarks/bench_fp8_mlp.py); on the CPU it checks the "
+            "recipe's numbers, it is not a speed-up",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     rw = F.ScalingType.RowWise
     return F.scaled_mm(qa, qw.t(), sa, rw, sw, rw, output_dtype=out_dtype)
 

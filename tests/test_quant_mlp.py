@@ -118,6 +118,19 @@ def test_fp8_classic_ffn_and_containers():
     assert err < 0.25  # three MLPs in a row, two in FP8: measured 0.146 (one FP8 MLP: 0.057-0.067)
 
 
+def test_fp8_row_on_cpu_is_named_once(fresh_warning):
+    """recipe="row" runs F.scaled_mm on the CPU too, which has no FP8 units: one warning per process says that it
+    is slower than the bf16 MLP, not a speed-up."""
+    m8 = quantize_fp8(ffn_ext.SwiGLUFFN(128, 256, dtype=torch.bfloat16))
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match=r"recipe=\"row\" on cpu: .* 7-10x slower than the bf16 MLP"):
+            y = m8(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once
+            assert torch.equal(m8(x), y)
+
+
 def test_fp8_recipe_error():
     with pytest.raises(ValueError, match="`recipe` must be \"row\" .* or \"block\""):
         quantize_fp8(ffn_ext.SwiGLUFFN(128, 256), recipe="blocks")

@@ -71,8 +71,9 @@ def test_patched_hf_model_quantized(kind, recipe, monkeypatch):
             fp8 = [m for m in model.modules() if isinstance(m, (FP8GatedFFN, FP8FFN))]
             assert len(fp8) == 2 and all(type(m) is MODELS[kind][3] for m in fp8)
             got = model(ids).logits
-    msgs = [str(w.message) for w in rec]  # nothing left unconverted; the block recipe's emulation named once
-    assert len(msgs) == (recipe == "block") and all("emulated" in m for m in msgs), msgs
+    msgs = [str(w.message) for w in rec]  # nothing left unconverted; the CPU's GEMMs named once (not a speed-up)
+    named = "emulated" if recipe == "block" else "7-10x slower than the bf16 MLP"
+    assert len(msgs) == 1 and named in msgs[0], msgs
     err = _rel(got, ref)
     print(f"{kind} {recipe}: logits relative error {err:.4f} vs the fp32 model (2 FP8 MLPs)")
     assert err < 0.05  # measured 0.013-0.040 (GPT-2: 0.036-0.040): attention and embeddings stay fp32
