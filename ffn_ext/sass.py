@@ -661,7 +661,8 @@ def _writer_block(ins: list[tuple[int, str]], path: list[int], start: int, end: 
 def quant_budget(sass: str | dict, arch: int) -> list[dict]:
     """Instructions per element of each quantizing kernel of `arch` in its steady state, on the path a lane of a
     large contiguous bf16/fp16/fp32 tensor takes (vector_path's rule, the 8-byte fp8 store counting as a vector
-    store: 16-byte loads, whole lanes, not the lane that writes the scale, e4m3 or e5m2 alike; past the calls of
+    store: 16-byte loads, whole lanes, not the lane that writes the scale (the group kernel adds the block a warp
+    issues for it), e4m3 or e5m2 alike; past the calls of
     the slow paths: a 64-bit index division whose operands fit 32 bits, a division without FCHK's special cases):
       group  one iteration of the grid-stride loop: a lane's 16 elements (kGroupChunks chunks of 8), its group's
              amax (the shuffle steps unrolled: all three taken, as at group size 128), the scale, the two stores and
