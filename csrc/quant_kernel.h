@@ -253,13 +253,13 @@ FFN_HD void lane_quant(const QuantProblem& p, int64_t row, int64_t col, const fl
 
 // The group kernel's lane `lane` of row `row` (lane in 0 .. cols / 16): its first chunk, lane + g * L for its group
 // g = lane >> shift (shift = lane_shift(p.lanes)); its second is L further.
-FFN_HD int64_t group_chunk(const QuantProblem& p, int64_t lane, int shift) { return lane + ((lane >> shift) << shift); }
+FFN_HD int64_t group_chunk(int64_t lane, int shift) { return lane + ((lane >> shift) << shift); }
 
 // Phase 1 of a group kernel's lane: h of its two chunks (whole lanes: cols is a multiple of 32), their max |h|.
 template <typename T, class F, bool Pair>
 FFN_HD float group_lane_h(const QuantProblem& p, const F& f, int64_t row, int64_t lane, int shift,
                           float (&h)[kGroupChunks][kLaneElems]) {
-  const int64_t c = group_chunk(p, lane, shift);
+  const int64_t c = group_chunk(lane, shift);
   const float m = lane_h<T, F, Pair>(p, f, row, c * kLaneElems, h[0]);
   return amax_step(m, lane_h<T, F, Pair>(p, f, row, (c + p.lanes) * kLaneElems, h[1]));
 }
@@ -271,7 +271,7 @@ FFN_HD void group_lane_store(const QuantProblem& p, int64_t row, int64_t lane, i
                              const float (&h)[kGroupChunks][kLaneElems], float amax, bool writer) {
   const float scale = math::quant_scale(amax, p.fp8_max, p.pow2);
   const float inv = 1.0f / scale;
-  const int64_t c = group_chunk(p, lane, shift);
+  const int64_t c = group_chunk(lane, shift);
   lane_quant(p, row, c * kLaneElems, h[0], inv);
   lane_quant(p, row, (c + p.lanes) * kLaneElems, h[1], inv);
   if (writer) store_scale(p, row * p.scale_row + (lane >> shift) * p.scale_col, scale);
@@ -286,10 +286,12 @@ FFN_HD int row_threads(int64_t cols) {
   return static_cast<int>(t < 32 ? 32 : (t > kThreads ? kThreads : t));
 }
 FFN_HD int64_t row_chunks(const QuantProblem& p) { return (p.cols + kLaneElems - 1) / kLaneElems; }
-FFN_HD int chunk_len(const QuantProblem& p, int64_t c) {
-  const int64_t left = p.cols - c * kLaneElems;
-  return left < kLaneElems ? static_cast<int>(left) : kLaneElems;
+// A row's elements from column col on, at most `width`: a chunk's (chunk_len), a tensor kernel's lane's.
+FFN_HD int span_len(const QuantProblem& p, int64_t col, int width) {
+  const int64_t left = p.cols - col;
+  return left < width ? static_cast<int>(left) : width;
 }
+FFN_HD int chunk_len(const QuantProblem& p, int64_t c) { return span_len(p, c * kLaneElems, kLaneElems); }
 FFN_HD bool row_held(const QuantProblem& p, int threads) {
   return row_chunks(p) <= static_cast<int64_t>(kRowChunks) * threads;
 }
@@ -358,10 +360,6 @@ FFN_HD float tensor_lane_h(const QuantProblem& p, const F& f, int64_t row, int64
   if (n > kLaneElems) m = amax_step(m, lane_h_as<T, F, Pair, false>(p, f, row, col + kLaneElems, h[1], n - kLaneElems));
   return m;
 }
-FFN_HD int tensor_lane_len(const QuantProblem& p, int64_t col) {
-  const int64_t left = p.cols - col;
-  return left < kLaneElems * kTensorChunks ? static_cast<int>(left) : kLaneElems * kTensorChunks;
-}
 template <typename T, class F, bool Pair>
 FFN_HD float tensor_amax(const QuantProblem& p, const F& f, int64_t i, int64_t step) {
   float m = 0.0f;
@@ -369,7 +367,7 @@ FFN_HD float tensor_amax(const QuantProblem& p, const F& f, int64_t i, int64_t s
   for (LaneCursor l(i, step, tensor_lanes_per_row(p)); l.row < p.rows; l.next()) {
     const int64_t col = l.chunk * kLaneElems * kTensorChunks;
     float h[kTensorChunks][kLaneElems];
-    m = amax_step(m, tensor_lane_h<T, F, Pair>(p, f, l.row, col, tensor_lane_len(p, col), h));
+    m = amax_step(m, tensor_lane_h<T, F, Pair>(p, f, l.row, col, span_len(p, col, kLaneElems * kTensorChunks), h));
   }
   return m;
 }
@@ -378,7 +376,7 @@ FFN_HD void tensor_quant(const QuantProblem& p, const F& f, int64_t i, int64_t s
   if (p.cols == 0) return;
   for (LaneCursor l(i, step, tensor_lanes_per_row(p)); l.row < p.rows; l.next()) {
     const int64_t col = l.chunk * kLaneElems * kTensorChunks;
-    const int n = tensor_lane_len(p, col);
+    const int n = span_len(p, col, kLaneElems * kTensorChunks);
     float h[kTensorChunks][kLaneElems];
     tensor_lane_h<T, F, Pair>(p, f, l.row, col, n, h);
     lane_quant(p, l.row, col, h[0], inv, n < kLaneElems ? n : kLaneElems);
@@ -394,6 +392,17 @@ FFN_HD float parts_amax(const QuantProblem& p, int tid, int threads) {
 // The tensor's scale from the block's amax (dynamic) or the static one.
 FFN_HD float tensor_scale(const QuantProblem& p, float amax) {
   return p.has_static ? p.static_scale : math::quant_scale(amax, p.fp8_max, p.pow2);
+}
+
+// A warp shuffle's xor-max over groups of `lanes` consecutive values of v[0..n) (xor steps 1, 2, ... lanes / 2; the
+// device takes them in that order in the group kernel and in reverse in block_amax: for a max the order does not
+// matter, a NaN's payload aside, which the tests do not compare).
+inline void emulate_xor_max(float* v, int n, int lanes) {
+  std::vector<float> nv(static_cast<size_t>(n));
+  for (int s = 1; s < lanes; s <<= 1) {
+    for (int l = 0; l < n; ++l) nv[l] = amax_step(v[l], v[l ^ s]);
+    for (int l = 0; l < n; ++l) v[l] = nv[l];
+  }
 }
 
 // The group kernel's lanes per row, and its launch on the host (quant_kernel in cuda/quant_kernels.cuh), block by
@@ -412,7 +421,7 @@ void emulate_group(const QuantProblem& p, const F& f, int64_t grid) {
     return *reinterpret_cast<float (*)[kGroupChunks][kLaneElems]>(
         &hs[static_cast<size_t>(t) * kGroupChunks * kLaneElems]);
   };
-  float m[kThreads], nm[kThreads];
+  float m[kThreads];
   for (int64_t b = 0; b < grid; ++b) {
     cur.clear();
     for (int t = 0; t < kThreads; ++t) cur.emplace_back(b * kThreads + t, step, per_row);
@@ -420,11 +429,7 @@ void emulate_group(const QuantProblem& p, const F& f, int64_t grid) {
       for (int t = 0; t < kThreads; ++t) {
         m[t] = cur[t].row < p.rows ? group_lane_h<T, F, Pair>(p, f, cur[t].row, cur[t].chunk, shift, h_of(t)) : 0.0f;
       }
-      for (int w = 1; w < kMaxLanes; w <<= 1) {
-        if (w >= p.lanes) continue;
-        for (int t = 0; t < kThreads; ++t) nm[t] = amax_step(m[t], m[t ^ w]);
-        for (int t = 0; t < kThreads; ++t) m[t] = nm[t];
-      }
+      emulate_xor_max(m, kThreads, p.lanes);
       for (int t = 0; t < kThreads; ++t) {
         const bool writer = (t & (p.lanes - 1)) == 0;
         if (cur[t].row < p.rows) group_lane_store(p, cur[t].row, cur[t].chunk, shift, h_of(t), m[t], writer);
@@ -440,17 +445,18 @@ template <typename T, class F, bool Pair>
 void emulate_row(const QuantProblem& p, const F& f, int64_t grid);
 template <typename T, class F, bool Pair>
 void emulate_tensor(const QuantProblem& p, const F& f, int64_t grid);
+inline int64_t emulated_grid(int64_t lanes) {  // kThreads per block, 1 to 3 blocks
+  const int64_t grid = (lanes + kThreads - 1) / kThreads;
+  return grid < 1 ? 1 : (grid > 3 ? 3 : grid);
+}
 template <typename T, class F, bool Pair>
 void emulate(const QuantProblem& p, const F& f) {
   if (p.scaling == QScaling::kGroup) {
-    const int64_t grid = (p.rows * group_lanes_per_row(p) + kThreads - 1) / kThreads;
-    emulate_group<T, F, Pair>(p, f, grid < 1 ? 1 : (grid > 3 ? 3 : grid));
+    emulate_group<T, F, Pair>(p, f, emulated_grid(p.rows * group_lanes_per_row(p)));
   } else if (p.scaling == QScaling::kRow) {
     emulate_row<T, F, Pair>(p, f, p.rows < 3 ? p.rows : 3);
   } else {
-    const int64_t lanes = p.rows * tensor_lanes_per_row(p);
-    int64_t grid = (lanes + kThreads - 1) / kThreads;
-    grid = grid < 1 ? 1 : (grid > 3 ? 3 : grid);
+    const int64_t grid = emulated_grid(p.rows * tensor_lanes_per_row(p));
     std::vector<float> parts(static_cast<size_t>(grid));
     QuantProblem q = p;
     if (!p.has_static) {
@@ -467,22 +473,15 @@ void emulate(const QuantProblem& p, const F& f) {
 // A block's amax as the device combines it (block_amax in cuda/quant_kernels.cuh): each warp's xor shuffle (steps
 // 16, 8, 4, 2, 1), then in every warp lane l takes warp (l % kMaxWarps)'s result (0 past the block's warps) and
 // xor-shuffles over kMaxWarps lanes; lane 0's result is returned (every lane's is the same max).
-inline void emulate_xor_max(float* v, int n, int from) {
-  for (int s = from; s >= 1; s >>= 1) {
-    float nv[32];
-    for (int l = 0; l < n; ++l) nv[l] = amax_step(v[l], v[l ^ s]);
-    for (int l = 0; l < n; ++l) v[l] = nv[l];
-  }
-}
 inline float emulate_block_amax(const float* m, int threads) {
   float warp_max[kMaxWarps] = {};
   for (int w = 0; w < threads / 32; ++w) {
     float v[32];
     for (int l = 0; l < 32; ++l) v[l] = m[w * 32 + l];
-    emulate_xor_max(v, 32, 16);
+    emulate_xor_max(v, 32, 32);
     warp_max[w] = v[0];
   }
-  emulate_xor_max(warp_max, kMaxWarps, kMaxWarps / 2);
+  emulate_xor_max(warp_max, kMaxWarps, kMaxWarps);
   return warp_max[0];
 }
 

@@ -636,14 +636,15 @@ def quant_kernel_of(mangled: str) -> QuantKernel | None:
     return QuantKernel(QUANT_KINDS[m.group(1)], op, text, DTYPES[m.group(2)][0], rest.group(1) == "1")
 
 
-SCALE_STORE = re.compile(r"\bSTG\.E\s")  # a float32 scale (4 bytes); the e8m0 one is STG.E.U8, q's STG.E.64
+SCALE_STORE = re.compile(r"\bSTG\.E\s")  # a float32 scale (4 bytes); q's is STG.E.64
+E8M0_STORE = re.compile(r"\bSTG\.E\.U8\s")  # an e8m0 scale (1 byte)
 
 
-def _writer_block(ins: list[tuple[int, str]], path: list[int], start: int, end: int) -> int:
+def _writer_block(ins: list[tuple[int, str]], index: dict, path: list[int], start: int, end: int) -> int:
     """The instructions a warp of the group kernel issues for its writer lanes (which store the group's float32
     scale) on top of `path` (vector_path skips the block: its stores are scalar): from the forward branch on
-    path[start:end + 1] that jumps past the scale store to its target, the float32 route (past the e8m0 store)."""
-    index = {a: i for i, (a, _) in enumerate(ins)}
+    path[start:end + 1] that jumps past the scale store to its target, the float32 route (past the e8m0 store).
+    `index`: instruction address -> position in `ins`."""
     for n in range(start, end + 1):
         m = BRANCH.match(PREDICATE.sub("", ins[path[n]][1]))
         if not (m and PREDICATE.match(ins[path[n]][1]) and int(m.group(2), 16) > ins[path[n]][0]):
@@ -652,8 +653,7 @@ def _writer_block(ins: list[tuple[int, str]], path: list[int], start: int, end: 
         if path[n + 1] != hi or not any(SCALE_STORE.search(t) for _, t in ins[lo:hi]):
             continue
         block: list[int] = []
-        e8m0 = re.compile(r"\bSTG\.E\.U8\s")
-        vector_path(ins[lo : hi + 1], 0, 0, block, QUANT_VECTOR, e8m0, True, e8m0)
+        vector_path(ins[lo : hi + 1], 0, 0, block, QUANT_VECTOR, E8M0_STORE, True, E8M0_STORE)
         return len(block) - 1  # not the target, which is on the path
     raise RuntimeError("no writer block (a branch past the float32 scale store) in the group kernel's loop")
 
@@ -709,7 +709,7 @@ def quant_budget(sass: str | dict, arch: int) -> list[dict]:
             start, end = min(loops)
             per_iter = end - start + 1
             if k.kind == "group":  # every warp holds writer lanes (a group is at most 8 lanes): it issues their block
-                per_iter += _writer_block(ins, path, start, end)
+                per_iter += _writer_block(ins, index, path, start, end)
             elems = QUANT_LANE * chunks
             per_elem = per_iter / elems
             per_byte = per_elem / (ni * size + stores)
