@@ -1,0 +1,292 @@
+"""transformers' experts implementation "ffn_ext": `model.set_experts_implementation("ffn_ext")` (or
+`from_pretrained(..., experts_implementation="ffn_ext")`) after `register()` routes the forward of every
+@use_experts_implementation experts class to `ffn_ext_experts_forward`.
+
+It computes what transformers' grouped_mm_experts_forward computes (tokens sorted by expert, grouped GEMMs, biases
+per row, transposed weights, post-expert norm, routing weights, the sum over top_k), with the gating by ffn_ext's op
+read in place from the [S, 2I] projection, and a lean autograd: backward keeps the layer's input and that projection
+only (not act(gate), up, their product, the down projection's output), and recomputes the gating from it. Classes
+whose gating is not an ffn_ext op, non-gated experts and expert parallelism run transformers' grouped_mm, named once
+per class in a RuntimeWarning.
+
+transformers is imported by register() only, and only when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import common as _common
+from . import experts as _experts
+
+
+def _gating(module):
+    """A function gate_up [S, 2I] -> [S, I] computing `module`'s gating by ffn_ext's op (common._fused_gate, read
+    in place), or None when its gating is not one ffn_ext computes."""
+    if hasattr(_experts, "experts_gate"):  # the gating recognised from the class's _apply_gate
+        found = _experts.experts_gate(module)
+        if isinstance(found, str) or not _common._guards_hold(module, found[1]):
+            return None
+        gate, extra = found[0], (found[0].layout,)
+    else:  # the gating of a known class
+        entry = _experts._experts_entry(type(module))
+        if not entry:
+            return None
+        gate, extra = entry[0], ()
+    state = _common._gate_state(module, gate)
+    if state is None:
+        return None
+    return lambda gate_up: _common._fused_gate(state, gate_up, *extra)
+
+
+IMPLEMENTATION = "ffn_ext"
+
+
+def register() -> bool:
+    """Register ffn_ext_experts_forward as transformers' experts implementation "ffn_ext" (idempotent). False, and
+    nothing imported, when transformers is not installed; False when its version has no ExpertsInterface."""
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return False
+    interface = getattr(moe, "ExpertsInterface", None)
+    if interface is None:
+        return False
+    if interface._global_mapping.get(IMPLEMENTATION) is not ffn_ext_experts_forward:
+        interface.register(IMPLEMENTATION, ffn_ext_experts_forward)
+    return True
+
+
+_warned: set = set()
+
+
+def _fallback(module, reason: str, hidden_states, top_k_index, top_k_weights):
+    cls = type(module)
+    if cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(
+            f"ffn_ext experts implementation: {cls.__module__}.{cls.__qualname__} runs transformers' grouped_mm "
+            f"instead ({reason})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+# ---------------------------------------------------------------- grouped GEMMs over the expert-sorted rows
+def _grouped_fn():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    # the CPU kernel requires 16-byte aligned data and strides (a hidden size not a multiple of 4 in fp32 fails)
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+
+
+def _can_group(*tensors) -> bool:
+    """Whether torch's grouped_mm serves these operands, as transformers' _can_use_grouped_mm decides (SM80+ on
+    CUDA; a CPU kernel from torch 2.9), plus the CPU kernel's alignment, which tensors of any size would not meet;
+    not under torch.compile with other dtypes than bf16 (inductor lowers it for bf16 only)."""
+    fn = _grouped_fn()
+    t = tensors[-1]
+    if fn is None or (torch.compiler.is_compiling() and t.dtype != torch.bfloat16):
+        return False
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device) >= (8, 0)
+    if t.device.type == "cpu":
+        major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+        return (major, minor) >= (2, 9) and all(_aligned(x) for x in tensors)
+    return True
+
+
+class _Groups:
+    """The expert groups of the sorted rows: offs (int32, where each ends, on the rows' device) and, for the
+    per-expert loop only, the same on the host (one sync, taken when a loop first needs it)."""
+
+    def __init__(self, offs: torch.Tensor):
+        self.offs, self._bounds = offs, None
+
+    @property
+    def bounds(self) -> list:
+        if self._bounds is None:
+            self._bounds = self.offs.tolist()
+        return self._bounds
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Rows of a [S, K] (sorted by expert) times b[e] [K, N] of their expert: [S, N]."""
+    if _can_group(a, b):
+        return _grouped_fn()(a, b, offs=groups.offs)
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(groups.bounds):
+        if end > start:
+            torch.mm(a[start:end], b[e], out=out[start:end])
+        start = end
+    return out
+
+
+def _gmm_weight(a: torch.Tensor, b: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Per expert e, a[:, its rows] [M, S_e] times b[its rows] [S_e, N]: [E, M, N] (weight gradients; zeros for an
+    expert without rows)."""
+    if _can_group(a, b):
+        return _grouped_fn()(a, b, offs=groups.offs)
+    out = a.new_zeros(groups.offs.numel(), a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(groups.bounds):
+        if end > start:
+            torch.mm(a[:, start:end], b[start:end], out=out[e])
+        start = end
+    return out
+
+
+def _rows_sum(rows: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A bias's gradient: the rows of each expert summed, in fp32."""
+    out = torch.zeros(num_experts, rows.shape[-1], device=rows.device, dtype=torch.float32)
+    return out.index_add_(0, ids, rows.float())
+
+
+def _as_right(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    # the [E, K, N] operand of x @ w[e]: transformers' weights are [E, N, K] unless is_transposed
+    return w if transposed else w.transpose(-2, -1)
+
+
+def _weight_grad(x, dy, transposed, groups):
+    # the gradient of a weight of _as_right's layout, [E, K, N] if transposed else [E, N, K]: computed in its own
+    # layout so that it comes out contiguous
+    return _gmm_weight(x.t(), dy, groups) if transposed else _gmm_weight(dy.t(), x, groups)
+
+
+# ---------------------------------------------------------------- the experts' forward and its lean backward
+def _up(hidden_states, rows, ids, w_up, b_up, transposed, groups):
+    """The [S, 2I] projection of the expert-sorted rows (plus their experts' biases)."""
+    x = hidden_states[rows].to(w_up.dtype)
+    gate_up = _gmm(x, _as_right(w_up, transposed), groups)
+    if b_up is not None:
+        gate_up += b_up[ids]
+    return gate_up
+
+
+def _down(h, ids, w_down, b_down, transposed, groups):
+    y = _gmm(h, _as_right(w_down, transposed), groups)
+    if b_down is not None:
+        y += b_down[ids]
+    return y
+
+
+def _weighted(y, weights):
+    return y if weights is None else y * weights.unsqueeze(-1)
+
+
+class _Experts(torch.autograd.Function):
+    """The experts' [S, H] output of the expert-sorted rows (times their routing weights, when given). Saves the
+    unsorted input [T, H] (which the router's linear keeps alive too), the [S, 2I] projection and [S]-sized
+    indices and weights; backward recomputes the gating from the projection."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed):
+        gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
+        y = _down(gating(gate_up), ids, w_down, b_down, transposed, groups)
+        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, gate_up, w_up, w_down, b_down, weights)
+        ctx.gating, ctx.transposed, ctx.bounds = gating, transposed, groups._bounds
+        ctx.has_b_up = b_up is not None
+        return _weighted(y, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden_states, rows, ids, offs, gate_up, w_up, w_down, b_down, weights = ctx.saved_tensors
+        gating, transposed = ctx.gating, ctx.transposed
+        groups = _Groups(offs)
+        groups._bounds = ctx.bounds
+        need = ctx.needs_input_grad
+        with torch.enable_grad():
+            gu = gate_up.detach().requires_grad_()
+            h = gating(gu)
+        g = grad.to(w_down.dtype)
+        # q = grad @ w_down[e]^T unweighted: the hidden gradient is q * weight, and the routing weight's gradient
+        # <grad, y> = <q, h> + <grad, b_down[e]>, so y need not be recomputed
+        q = _gmm(g, _as_right(w_down, transposed).transpose(-2, -1), groups)
+        d_weights = None
+        if weights is not None:
+            if need[8]:
+                d_weights = (q.float() * h.detach().float()).sum(-1)
+                if b_down is not None:
+                    d_weights += (grad.float() * b_down[ids].float()).sum(-1)
+                d_weights = d_weights.to(weights.dtype)
+            g = (grad * weights.unsqueeze(-1)).to(w_down.dtype)
+            dh = (q * weights.unsqueeze(-1)).to(h.dtype)
+        else:
+            dh = q
+        d_w_down = _weight_grad(h.detach(), g, transposed, groups) if need[6] else None
+        d_b_down = _rows_sum(g, ids, w_down.shape[0]).to(b_down.dtype) if b_down is not None and need[7] else None
+        (d_gate_up,) = torch.autograd.grad(h, gu, dh)
+        del h, gu
+        d_b_up = _rows_sum(d_gate_up, ids, w_up.shape[0]).to(w_up.dtype) if ctx.has_b_up and need[5] else None
+        d_w_up = d_hidden = None
+        if need[4]:
+            x = hidden_states[rows].to(w_up.dtype)
+            d_w_up = _weight_grad(x, d_gate_up, transposed, groups)
+        if need[0]:
+            dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups)
+            d_hidden = torch.zeros_like(hidden_states).index_add_(0, rows, dx.to(hidden_states.dtype))
+        return d_hidden, None, None, None, d_w_up, d_b_up, d_w_down, d_b_down, d_weights, None, None
+
+
+def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts forward (hidden_states [T, H], top_k_index and top_k_weights [T, K]) -> [T, H] in
+    hidden_states' dtype: grouped_mm_experts_forward's computation, the gating by ffn_ext's op (see the module
+    docstring)."""
+    if not getattr(self, "has_gate", True):
+        return _fallback(self, "non-gated experts: act(up) is not a gating", hidden_states, top_k_index, top_k_weights)
+    if getattr(self, "_is_expert_parallel", False):
+        return _fallback(self, "expert parallelism", hidden_states, top_k_index, top_k_weights)
+    gating = _gating(self)
+    if gating is None:
+        return _fallback(
+            self, "its gating is not one ffn_ext op computes", hidden_states, top_k_index, top_k_weights
+        )
+
+    num_tokens, hidden_dim = hidden_states.shape
+    num_top_k = top_k_index.shape[-1]
+    num_experts = self.gate_up_proj.shape[0]
+    ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    rows = perm // num_top_k
+    # histc, as transformers: bincount's output size depends on the data (CUDA graphs); histc takes floats on the
+    # CPU (and MPS) only, ints on CUDA
+    counts = torch.histc(
+        ids.float() if ids.device.type in ("cpu", "mps") else ids.int(), bins=num_experts, min=0, max=num_experts - 1
+    )
+    groups = _Groups(torch.cumsum(counts, 0, dtype=torch.int32))
+    transposed = bool(getattr(self, "is_transposed", False))
+    has_bias = bool(getattr(self, "has_bias", False))
+    b_up = self.gate_up_proj_bias if has_bias else None
+    b_down = self.down_proj_bias if has_bias else None
+    norm = getattr(self, "has_post_expert_norm", False)
+    weights = top_k_weights.reshape(-1)[perm]
+
+    args = (hidden_states, rows, ids, groups, self.gate_up_proj, b_up, self.down_proj, b_down)
+    fused_weights = None if norm else weights
+    tensors = (hidden_states, self.gate_up_proj, self.down_proj, b_up, b_down, fused_weights)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        out = _Experts.apply(*args, fused_weights, gating, transposed)
+    else:
+        gate_up = _up(hidden_states, rows, ids, self.gate_up_proj, b_up, transposed, groups)
+        h = gating(gate_up)
+        del gate_up
+        out = _weighted(_down(h, ids, self.down_proj, b_down, transposed, groups), fused_weights)
+    if norm:
+        out = _weighted(self.post_expert_norm(out), weights)
+
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    # the sum over top_k as transformers' implementations do it (a reshape and sum, deterministic)
+    out = out[inv].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return out.to(hidden_states.dtype)
