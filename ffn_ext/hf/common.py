@@ -201,12 +201,15 @@ def _gate_problem(module, gate: _Gate) -> str | None:
     return None
 
 
-def _fused_gate(state, gate_up):
-    """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place."""
+def _fused_gate(state, gate_up, layout="concat"):
+    """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place (`layout`: the plain gating's; a
+    _Clamp carries its own)."""
     if isinstance(state, _Clamp):
         return _ops.swiglu_clamped_packed(
             gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset, layout=state.layout
         )
+    if layout != "concat":
+        return _ops.gated_packed(gate_up, state.name, layout=layout)
     return _ops.gated_packed(gate_up, state.name)
 
 
@@ -228,29 +231,42 @@ class _BoundForward:
     This pickles the module-level function by name and the MLP by reference.
 
     A call with one tensor, positional or named `arg` (the original forward's parameter), runs the fused form with
-    the activation's table entry while the activation may be bypassed (_act_now); every other call runs the
-    original forward: `prev`, the forward the instance had when patched (a wrapper such as accelerate's hook, which
-    must run), else the class's. `gate`: None for the MLPs of _KNOWN (and extra_classes), whose activation attribute
-    is recorded on the module (_ACT); the clamped MLPs' _Gate, whose _gate_state the fused form runs with. `names`:
-    the packed MLPs' projection attributes (to [..., 2I], back), passed on to `func`; () for the gated form."""
+    the activation's table entry while the activation may be bypassed (_act_now) and the attributes the class's
+    code tested when it was recognised still hold (`guards`); every other call runs the original forward: `prev`,
+    the forward the instance had when patched (a wrapper such as accelerate's hook, which must run), else the
+    class's. `gate`: None for plain gatings, whose activation attribute is recorded on the module (_ACT); the
+    clamped MLPs' _Gate, whose _gate_state the fused form runs with. `names`: the projection attributes, passed on
+    to `func`."""
 
-    arg, prev, gate, names = "x", None, None, ()  # class defaults: patched models pickled before these existed load
+    arg, prev, gate, names, guards = "x", None, None, (), ()  # class defaults: older pickles load
 
-    def __init__(self, module, func, arg, prev, gate=None, names=()):
+    def __init__(self, module, func, arg, prev, gate=None, names=(), guards=()):
         self.__self__, self.__func__, self.arg, self.prev, self.gate = module, func, arg, prev, gate
-        self.names = names
+        self.names, self.guards = names, guards
 
     def __call__(self, *args, **kwargs):
         mlp, prev = self.__self__, self.prev
         if prev is not None:
             return prev(*args, **kwargs)
-        if len(args) + len(kwargs) == 1:
+        if len(args) + len(kwargs) == 1 and _guards_hold(mlp, self.guards):
             x = args[0] if args else kwargs.get(self.arg)
             if isinstance(x, torch.Tensor):
                 state = _act_now(mlp) if self.gate is None else _gate_state(mlp, self.gate)
                 if state is not None:
                     return self.__func__(mlp, x, state, *self.names)
         return type(mlp).forward(mlp, *args, **kwargs)
+
+
+_MISSING = object()
+
+
+def _guards_hold(module, guards) -> bool:
+    """Whether the attributes the recognised code's `if` tests read still have the values they had."""
+    for name, value in guards:
+        now = getattr(module, name, _MISSING)
+        if now is not value and now != value:
+            return False
+    return True
 
 
 def _defining(cls, attr):
@@ -271,48 +287,110 @@ def _eval_mode(module):
             m.training = mode
 
 
-def _agrees(module, func, act, names=(), limit=None, own=None, width=None) -> bool:
-    """The self-check: whether func (the fused forward) with table activation `act` (clamped MLPs: their _Clamp) and
-    projection names `names` (packed: _kind's; gated: ()) computes what the class's forward does on two random rows
-    (the module's device and dtype, no_grad, a private generator: the global RNG is untouched; with a clamp `limit`,
-    scaled so that the first projection's largest output is 3 * limit and the clamps act). True without running
-    anything when running would be neither cheap nor free of side effects: parameters on meta (offloaded) or not
-    plain floating nn.Parameters of one dtype and device (quantized, sharded), a Linear that is not a plain
-    nn.Linear (LoRA), hooks or forward wrappers on any submodule (or global hooks). Also True when the result is not
-    finite (weights not initialised): nothing can be told from it. False when the class's forward fails on the rows
-    (as [2, H] and as [1, 2, H]): it is not the form, and is left unpatched with the warning, never an exception.
-    `own`: the module's code to compare with (default: its class's forward); `width`: the rows' width (default: the
-    last projection's out_features). Run in eval mode (dropout off), the modes restored after."""
+def _limits(module) -> list[float]:
+    """The numbers on the module and its config that may be limits the code compares with: positive finite numbers
+    (not bools) among the instance's attributes and its config's, lists of them included, at most 1e4."""
+    found = set()
+    sources = [vars(module)]
+    config = module.__dict__.get("config")
+    if config is not None:
+        sources.append(getattr(config, "__dict__", {}))
+    for d in sources:
+        for v in d.values():
+            for n in v if isinstance(v, (list, tuple)) else (v,):
+                if _real(n) and 0 < n <= 1e4 and math.isfinite(n):
+                    found.add(float(n))
+    return sorted(found)
+
+
+# The peaks the self-check drives the first projection's outputs to: the activations' curved range, well past it,
+# and twice every limit-like number (_limits): a clamp the code hides from small inputs shows at one of them.
+_PEAKS = (0.5, 4.0, 30.0)
+
+
+def _peaks(module, half: bool) -> list[float]:
+    peaks = sorted(set(_PEAKS) | {2 * v for v in _limits(module)})
+    return [p for p in peaks if not half or p <= 300]  # fp16 / bf16: past that, the products overflow
+
+
+_AGREE, _DISAGREE, _UNKNOWN_CHECK = "agree", "disagree", "unknown"
+
+
+def _close(out, ref, tol) -> bool | None:
+    """True / False when out is / is not ref within tol (relative to ref's largest magnitude, elementwise); None
+    when ref is not finite (nothing can be told)."""
+    ref, out = ref.float(), out.float()
+    if not bool(ref.isfinite().all()):
+        return None
+    if out.shape != ref.shape:
+        return False
+    scale = float(ref.abs().max()) or 1.0
+    return bool(((out - ref).abs() <= tol * scale).all())
+
+
+def _check(module, func, act, names=(), own=None, width=None, first=None) -> str:
+    """The self-check: runs `func` (the fused forward, with table activation or _Clamp `act` and projection names
+    `names`) and the module's own code (`own`, default its class's forward) on the same random rows, in the module's
+    device and dtype, over every regime: the rows scaled so that the first projection (`first`, default names[0])
+    peaks at each of _peaks, forward, and where the module has trainable parameters, backward too (the input's and
+    the parameters' gradients, by autograd.grad: nothing accumulates into .grad). Returns "agree", "disagree" (a
+    finite difference at any regime, or the module's own code fails on plain rows) or "unknown": not run (parameters
+    on meta or not plain floating nn.Parameters of one dtype and device, non-plain Linears, hooks or forward
+    wrappers) or no regime gave a finite result. Eval mode (dropout off), the modes restored after; a private
+    generator: the global RNG is untouched."""
     params, subs = list(module.parameters()), tuple(module.modules())[1:]
     if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
-        return True
+        return _UNKNOWN_CHECK
     w = params[0]
     if not w.is_floating_point() or any(
         type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype or p.device != w.device for p in params
     ):
-        return True
-    mods, (first, last) = module._modules, (names or _GATED_NAMES[::2])[:2]
+        return _UNKNOWN_CHECK
+    mods = module._modules
     own = own or type(module).forward
-    x = torch.randn(2, width or mods[last].out_features, generator=torch.Generator().manual_seed(0), device="cpu")
-    x = x.to(w.device, w.dtype)
-    with torch.no_grad(), _eval_mode(module):
-        if limit is not None:
-            peak = float(mods[first](x).abs().max())
-            if math.isfinite(peak) and peak > 0:
-                x = x * (3 * min(limit, 1e4) / peak)
-        try:  # two rows; a forward that wants [batch, seq, hidden] (MoshiGatingMLP) gets them as one sequence
-            ref = own(module, x).float()
-        except Exception:
+    first = first if isinstance(first, nn.Module) else mods[first or names[0]]
+    half = w.element_size() <= 2
+    tol = 3e-2 if half else 1e-4  # half types: ffn_ext rounds h once, ATen twice
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, width or first.in_features, generator=gen, device="cpu").to(w.device, w.dtype)
+    trains = any(p.requires_grad for p in params)
+    seen = False
+    with _eval_mode(module):
+        with torch.no_grad():
             try:
-                x = x.unsqueeze(0)
-                ref = own(module, x).float()
+                base = float(first(x0).abs().max())
+                own(module, x0)
             except Exception:
-                return False  # its own forward fails on plain rows: not the form the fused forward computes
-        out = func(module, x, act, *names).float()
-        if out.shape != ref.shape:
-            return False
-    tol = 2e-2 if w.element_size() <= 2 else 1e-4  # relative, in norm; half types: ffn_ext rounds h once, ATen twice
-    return not bool(ref.isfinite().all()) or bool((out - ref).norm() <= tol * ref.norm())
+                try:  # a forward that wants [batch, seq, hidden] (MoshiGatingMLP) gets the rows as one sequence
+                    x0 = x0.unsqueeze(0)
+                    base = float(first(x0).abs().max())
+                    own(module, x0)
+                except Exception:
+                    return _DISAGREE  # its own code fails on plain rows: not the form the fused forward computes
+        if not (math.isfinite(base) and base > 0):
+            return _UNKNOWN_CHECK
+        for peak in _peaks(module, half):
+            x = (x0.float() * (peak / base)).to(w.dtype)
+            with torch.no_grad():
+                same = _close(func(module, x, act, *names), own(module, x), tol)
+            if same is False:
+                return _DISAGREE
+            if same is None:
+                continue
+            seen = True
+            if trains and peak in (4.0, max(_peaks(module, half))):
+                x = x.detach().requires_grad_()
+                wrt = [x] + [p for p in params if p.requires_grad]
+                with torch.enable_grad():
+                    ref = own(module, x)
+                    out = func(module, x, act, *names)
+                    g = torch.randn(ref.shape, generator=gen, device="cpu").to(ref.device, ref.dtype)
+                    gref = torch.autograd.grad(ref, wrt, g, allow_unused=True)
+                    gout = torch.autograd.grad(out, wrt, g, allow_unused=True)
+                for a, b in zip(gout, gref):
+                    if (a is None) != (b is None) or (a is not None and _close(a, b, 10 * tol) is False):
+                        return _DISAGREE
+    return _AGREE if seen else _UNKNOWN_CHECK
 
 
 def _input_name(forward) -> str:
@@ -321,3 +399,4 @@ def _input_name(forward) -> str:
         return next(iter(inspect.signature(forward).parameters), "x")
     except (TypeError, ValueError):
         return "x"
+

@@ -13,10 +13,11 @@ import torch.nn as nn
 
 from .. import fp8 as _fp8
 from .. import ops as _ops
-from .classic import _layout, classic_kind
-from .common import _MARK, _act_now, _BoundForward, _Clamp, _gate_state
+from .classic import _inline, _layout
+from .common import _GATED_NAMES, _MARK, _act_now, _BoundForward, _Clamp, _gate_state
 from .dense import _kind
 from .experts import _is_experts
+from .recognise import Form, mlp_form, pair_form
 
 FINEGRAINED_FP8 = (
     "already FP8 (FineGrainedFP8): left as is, because transformers' FP8Linear takes only the unquantized input "
@@ -64,7 +65,7 @@ def convert_patched(m: nn.Module, recipe: str):
         return None, FINEGRAINED_FP8
     mark = getattr(m, _MARK, None)
     if not mark:
-        if _is_experts(m) or _kind(m) is not None or (classic_kind(m) or ("",))[0] in ("classic", "pair"):
+        if _is_experts(m) or _kind(m) is not None or _inline(m) or isinstance(mlp_form(m), Form) or pair_form(m):
             if any(_finegrained(s) for s in m.modules()):
                 return None, FINEGRAINED_FP8
             return None, _NOT_PATCHED
@@ -75,7 +76,7 @@ def convert_patched(m: nn.Module, recipe: str):
     if fwd is None:
         return None, _REASONS["projections"]
     mods: dict[str, Any] = dict(m.named_children())
-    names = ("gate_proj", "up_proj", "down_proj") if mark == "gated" else fwd.names[:2]  # classic: (fc1, fc2, drop)
+    names = (fwd.names or _GATED_NAMES)[:3] if mark == "gated" else fwd.names[:2]  # classic: (fc1, fc2, drop)
     projs = [mods[n] for n in names]
     if any(_finegrained(p) for p in projs):
         return None, FINEGRAINED_FP8
@@ -87,7 +88,8 @@ def convert_patched(m: nn.Module, recipe: str):
         activation, params, order = "swiglu_clamped", dict(state._asdict()), state.layout
         del params["layout"]
     else:
-        activation, params, order = state.name, {}, "concat"
+        activation, params = state.name, {}
+        order = fwd.names[2] if mark == "packed" and len(fwd.names) > 2 else "concat"
     layout = _layout(*projs) if mark == "classic" else ("linear" if all(type(p) is nn.Linear for p in projs) else None)
     if layout is None:
         return None, _REASONS["projections"]
@@ -99,7 +101,7 @@ def convert_patched(m: nn.Module, recipe: str):
         g, u, d = projs
         w = torch.cat([g.weight, u.weight])
         b = None if g.bias is None else torch.cat([g.bias, u.bias])
-    else:  # packed: [gate | up], or interleaved rows (clamped: the _Gate's layout) reordered to it once
+    else:  # packed: [gate | up], or interleaved rows (the _Gate's layout) reordered to it once
         gu, d = projs[0], projs[1]
         w, b = gu.weight, gu.bias
         if order == "interleaved":

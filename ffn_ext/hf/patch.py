@@ -1,4 +1,5 @@
-"""patch_model and unpatch_model: walk the model, sort each module into a form, self-check, warn once, patch."""
+"""patch_model and unpatch_model: walk the model, recognise each module's form from its code, check it over every
+regime, warn once, patch."""
 
 from __future__ import annotations
 
@@ -8,37 +9,158 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 from ..mlp import _options
-from .clamped import _CLAMPS_AFTER, _clamped_entry, _clamped_forward, _clamped_packed_forward, _clamps_after
-from .classic import plan as _classic_plan
+from .clamped import _clamped_forward, _clamped_packed_forward
+from .classic import (
+    _DISAGREES_CLASSIC,
+    _INLINE,
+    _UNKNOWN_PAIR,
+    _BoundChunk,
+    _chunk_of,
+    _classic_forward,
+    _features,
+    _inline,
+    _pair_forward,
+)
 from .common import (
     _ACT,
+    _AGREE,
     _DEFAULT_OPTS,
+    _DISAGREE,
     _DISAGREES,
     _MARK,
     _OPTS,
-    _agrees,
     _attr,
     _BoundForward,
+    _check,
     _gate_problem,
     _gate_state,
+    _Gate,
     _input_name,
     _table_activation,
     _unsupported,
     _where,
 )
-from .dense import _UNKNOWN, _check_shapes, _gated_forward, _kind, _named_reason, _packed_forward, _vouched
-from .experts import (
-    _DISAGREES_GATE,
-    _FORMS,
-    _UNKNOWN_EXPERTS,
-    _BoundExperts,
-    _BoundGate,
-    _experts_entry,
-    _gate_agrees,
-    _is_experts,
-)
+from .dense import _UNKNOWN, _gated_forward, _kind, _packed_forward
+from .experts import _DISAGREES_GATE, _BoundGate, _check_gate, _is_experts, experts_gate
+from .recognise import Form, Named, mlp_form, pair_form
 
 _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modules that take recompute / token_chunk
+_NOT_PROVEN = (
+    "modules listed in extra_classes whose forward ffn_ext does not recognise and whose self-check could not run "
+    "(weights on meta or not plain, hooks) or gave no finite result: nothing shows they compute the form"
+)
+
+
+def _vouched(cls, extra: tuple) -> bool:
+    """Whether cls, or a base class up to the one that defines forward, is in `extra`."""
+    for c in cls.__mro__:
+        if c in extra:
+            return True
+        if "forward" in vars(c):
+            return False
+    return False
+
+
+def _shapes_ok(module, kind: str, names: tuple) -> bool:
+    """Whether the projections are linear-like modules with an MLP's chained shapes (d -> f -> d; packed d -> 2f)."""
+    f = [_features(module._modules.get(n)) for n in names[: 3 if kind == "gated" else 2]]
+    if any(v is None for v in f):
+        return False
+    if kind == "gated":
+        (gi, go), (ui, uo), (di, do) = f
+        return gi == ui == do and go == uo == di
+    (pi, po), (oi, oo) = f
+    if kind == "packed":
+        return po == 2 * oi
+    return po == oi  # classic: fc1 -> f -> fc2 (a projector may change the width)
+
+
+def _dense(name, module, prev, extra):
+    """(reason, None) to name the module, (None, todo entry) to patch it, or None when it is no MLP."""
+    form = mlp_form(module)
+    vouched = _vouched(type(module), extra)
+    if isinstance(form, Named):
+        return form.reason, None
+    proven = form is not None
+    if form is None:
+        shaped = _kind(module)
+        if shaped is None:
+            return (_INLINE, None) if _inline(module) else None
+        if not vouched:
+            return _UNKNOWN, None
+        kind, act_name, names = shaped
+        form = Form(kind, names or ("gate_proj", "up_proj", "down_proj"), _Gate(act=act_name))
+    kind, names, gate = form.kind, form.names, form.gate
+    if not _shapes_ok(module, kind, names):
+        if kind == "classic":
+            return None  # a head or a conv block of the same code shape: no MLP
+        return _UNKNOWN, None
+    if gate.limit is not None:
+        if kind == "classic":
+            return None
+        reason = _gate_problem(module, gate)
+        if reason:
+            return reason, None
+        func = _clamped_forward if kind == "gated" else _clamped_packed_forward
+        state = _gate_state(module, gate)
+        bound_gate: _Gate | None = gate
+    else:
+        act = _attr(module, gate.act)
+        state = _table_activation(act)
+        if state is None:
+            return _unsupported(act), None
+        func = {"gated": _gated_forward, "packed": _packed_forward, "classic": _classic_forward}[kind]
+        bound_gate = None
+    args = names + ((gate.layout,) if kind == "packed" and gate.layout != "concat" else ())
+    if prev is None and state is not None:
+        verdict = _check(module, func, state, args, first=names[0])
+        if verdict == _DISAGREE:
+            return (_DISAGREES_CLASSIC if kind == "classic" else _DISAGREES), None
+        if verdict != _AGREE and not proven:
+            return _NOT_PROVEN, None
+    elif not proven and prev is None:
+        return _NOT_PROVEN, None
+    mark = kind
+    fwd = _BoundForward(module, func, _input_name(module.forward), prev, bound_gate, args, form.guards)
+    return None, (module, mark, fwd, None, (gate.act, gate.act and _attr(module, gate.act)))
+
+
+def _pair(module):
+    """The plan of a BERT-style layer (see _dense), or None when it is none."""
+    mods = module._modules
+    inter, out = mods.get("intermediate"), mods.get("output")
+    if inter is None or out is None or not hasattr(inter, "dense") or not hasattr(out, "dense"):
+        return None
+    form = pair_form(module)
+    if form is None or "feed_forward_chunk" in module.__dict__:
+        return _UNKNOWN_PAIR, None
+    act = _attr(inter, form.gate.act)
+    entry = _table_activation(act)
+    if entry is None:
+        return _unsupported(act), None
+    width = _features(inter.dense)
+    if width is None or _features(out.dense) is None:
+        return None
+    verdict = _check(module, _pair_check_forward, entry, own=_chunk_of, width=width[0], first=inter.dense)
+    if verdict == _DISAGREE:
+        return _DISAGREES_CLASSIC, None
+    fwd = _BoundChunk(module, _pair_forward, _input_name(module.feed_forward_chunk), None, None, (), form.guards)
+    return None, (module, "pair", fwd, None, (form.gate.act, act))
+
+
+def _pair_check_forward(layer, x, act):
+    return _pair_forward(layer, x, act)
+
+
+def _experts(module):
+    found = experts_gate(module)
+    if isinstance(found, str):
+        return found, None
+    gate, guards = found
+    if _check_gate(module, gate) == _DISAGREE:
+        return _DISAGREES_GATE, None
+    act = (gate.act, gate.act and _attr(module, gate.act))
+    return None, (module, "experts_gate", None, _BoundGate(module, gate, guards), act)
 
 
 def patch_model(
@@ -49,32 +171,27 @@ def patch_model(
     recompute: bool = False,
     token_chunk: int | None = None,
 ) -> int:
-    """Patches in place every MLP of `model` that computes a gated MLP with an activation of ffn_ext's table
-    (SwiGLU, GeGLU with the exact or the tanh GELU), every known clamped SwiGLU MLP, every known MoE experts
-    module whose gating ffn_ext computes, and every known classic MLP fc2(act(fc1(x))) and BERT-style layer (see
-    the module docstring and ffn_ext/hf/classic.py) to use ffn_ext; returns how many modules were patched now
-    (already patched ones are not counted again). Classic MLPs with an activation the table lacks, and modules with an
-    FFN's fc1 / fc2 whose forward is not known (Whisper's layers: the FFN inline, a dropout between the activation
-    and fc2), are named in the same warning.
+    """Patches in place every module of `model` whose code ffn_ext recognises as a form it computes (docs/hf.md):
+    gated MLPs down(act(gate(x)) * up(x)) and their packed forms, clamped SwiGLU MLPs, classic MLPs
+    fc2(act(fc1(x))), BERT-style layers, and MoE experts' gating (_apply_gate), with an activation of ffn_ext's
+    table; each one only when its self-check, run over every regime (inputs scaled across the activation's range and
+    past every limit-like number on the module or its config; forward, and backward where it trains), does not
+    disagree. Returns how many modules were patched now (already patched ones are not counted again).
 
-    extra_classes: your own MLP classes (nn.Linear gate_proj/up_proj/down_proj or gate_up_proj/down_proj, an
-    act_fn or activation_fn of the table: nn.SiLU, nn.GELU(approximate=...), transformers' ACT2FN["silu"],
-    ACT2FN["gelu"], ACT2FN["gelu_pytorch_tanh"], ...; or input_linear/output_linear and activation, as Granite MoE's
-    shared experts; or, with a packed MLP's shapes, Wi/Wo and act or fc1/fc2 and activation_fn) whose forward
-    computes exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)), or the packed form with gate first. Modules
-    with these submodules that are not known to compute that, whose activation is not one of the table's or that
-    fail the self-check, and gated MoE experts modules ffn_ext does not accelerate, are left
-    unpatched with one RuntimeWarning naming their classes (and why); with strict=True that is a ValueError and
-    nothing is patched. extra_classes does not apply to experts modules, nor to gatings known to clamp the
-    activation's output (_CLAMP_AFTER), nor to the packed MLPs of _NAMED (dropout before the projection back, the
-    up half first).
+    What is not patched but looks like an MLP (MLP-shaped modules whose code is not recognised, recognised forms no
+    ffn_ext op computes, activations the table lacks, self-check failures, experts whose gating is inline in their
+    loop) runs as it is and is named with the reason in one RuntimeWarning; with strict=True that is a ValueError
+    and nothing is patched.
 
-    recompute, token_chunk: the patched gated and packed MLPs run ffn_ext.mlp.gated_mlp(_packed), the classic ones
-    and BERT-style layers ffn_ext.mlp.plain_mlp, with these
-    (recompute=True: backward recomputes the projections from the saved input; token_chunk=N: forward and backward
-    over chunks of N tokens, for long sequences). A later call sets them anew on the MLPs patched before. They do
-    not apply to the clamped MLPs and the MoE experts modules (their projections run as modules): with other than
-    the defaults, those are named in a RuntimeWarning (strict=True: a ValueError, nothing patched)."""
+    extra_classes: your own MLP classes whose code ffn_ext does not recognise but which compute exactly
+    down_proj(act_fn(gate_proj(x)) * up_proj(x)) (or the packed form under gate_up_proj / down_proj): patched when
+    their self-check runs and agrees (subclasses that do not override forward count too).
+
+    recompute, token_chunk: the patched gated, packed and classic MLPs and BERT-style layers run ffn_ext.mlp's lean
+    autograd with these (recompute=True: backward recomputes the projections from the saved input; token_chunk=N:
+    forward and backward over chunks of N tokens). A later call sets them anew on the MLPs patched before. They do
+    not apply to the clamped MLPs and the MoE experts (their projections run as modules): with other than the
+    defaults, those are named in a RuntimeWarning (strict=True: a ValueError, nothing patched)."""
     opts = _options("patch_model", recompute, token_chunk)
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
@@ -92,79 +209,18 @@ def patch_model(
             continue
         prev = module.__dict__.get("forward")  # a forward wrapper set on the instance (e.g. accelerate's hook)
         if _is_experts(module):
-            entry = _experts_entry(type(module))
-            if entry is None:
-                reason: str | None = _CLAMPS_AFTER if _clamps_after(type(module)) else _UNKNOWN_EXPERTS
-            else:
-                gate, form = entry
-                reason = _gate_problem(module, gate) or (None if _gate_agrees(module, gate) else _DISAGREES_GATE)
-            if reason is None:
-                spec = _FORMS[form]  # None: the class's forward calls _apply_gate
-                fwd = spec and _BoundExperts(module, spec[0], spec[1], prev, gate, spec[2])
-                gate_fn = _BoundGate(module, gate) if callable(getattr(type(module), "_apply_gate", None)) else None
-                todo.append(
-                    (
-                        module,
-                        "experts" if fwd else "experts_gate",
-                        fwd,
-                        gate_fn,
-                        (gate.act, gate.act and _attr(module, gate.act)),
-                    )
-                )
-                if opts != _DEFAULT_OPTS:
-                    not_chunked.setdefault(type(module).__name__, []).append(name or "model")
+            found = _experts(module)
         else:
-            found = _kind(module)
-            if found is None:
-                classic = _classic_plan(module, prev)
-                if classic is None:
-                    continue
-                reason, patch = classic
-                if reason is None:
-                    todo.append((module, patch[0], patch[1], None, patch[2]))
-                else:
-                    skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
-                continue
-            kind, act_name, names = found
-            clamp = _clamped_entry(type(module))
-            named = _named_reason(type(module))
-            if _clamps_after(type(module)):  # whatever extra_classes says: its forward is known
-                reason = _CLAMPS_AFTER
-            elif named is not None:  # the same
-                reason = named
-            elif clamp is not None:
-                func = _clamped_forward if kind == "gated" else _clamped_packed_forward
-                act_name, act = clamp.act, clamp.act and _attr(module, clamp.act)
-                reason = _gate_problem(module, clamp)
-                if reason is None:
-                    _check_shapes(name, module, kind, names)
-                    state = _gate_state(module, clamp)
-                    if not (prev is not None or state is None or _agrees(module, func, state, names, state.limit)):
-                        reason = _DISAGREES
-            else:
-                act, func = getattr(module, act_name, None), _gated_forward if kind == "gated" else _packed_forward
-                entry = _table_activation(act)
-                if entry is None:
-                    reason = _unsupported(act)
-                elif not _vouched(type(module), extra):
-                    reason = _UNKNOWN
-                else:
-                    _check_shapes(name, module, kind, names)
-                    reason = None if prev is not None or _agrees(module, func, entry, names) else _DISAGREES
-            if reason is None:
-                todo.append(
-                    (
-                        module,
-                        kind,
-                        _BoundForward(module, func, _input_name(module.forward), prev, clamp, names),
-                        None,
-                        (act_name, act),
-                    )
-                )
-                if clamp is not None and opts != _DEFAULT_OPTS:
-                    not_chunked.setdefault(type(module).__name__, []).append(name or "model")
+            found = _pair(module) or _dense(name, module, prev, extra)
+        if found is None:
+            continue
+        reason, entry = found
         if reason:
             skipped.setdefault(reason, {}).setdefault(type(module).__name__, []).append(name or "model")
+            continue
+        todo.append(entry)
+        if opts != _DEFAULT_OPTS and (entry[1] == "experts_gate" or entry[2].gate is not None):
+            not_chunked.setdefault(type(module).__name__, []).append(name or "model")
     msgs = []  # (message, what happens to them without strict)
     if skipped:
         msgs.append(
@@ -199,8 +255,6 @@ def patch_model(
         setattr(module, _ACT, act)
         count += 1
     return count
-
-
 def unpatch_model(model: nn.Module) -> int:
     """Undoes patch_model: each patched MLP gets back the forward it had (its class's, or the instance forward
     that was there); under a forward wrapper added after patching by accelerate (which keeps the patched forward
