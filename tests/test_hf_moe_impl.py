@@ -164,7 +164,10 @@ def test_from_pretrained_and_config(tmp_path, monkeypatch):
     model = _tiny("mixtral")
     model.save_pretrained(tmp_path)
     counts = Counts(monkeypatch)
-    loaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path, experts_implementation="ffn_ext").eval()
+    # use_kernels=False: transformers 5.25 kernelizes by default and then needs the `kernels` package
+    loaded = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="ffn_ext", use_kernels=False
+    ).eval()
     assert loaded.config._experts_implementation == "ffn_ext"
     with torch.no_grad():
         loaded(IDS)

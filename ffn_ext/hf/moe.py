@@ -93,8 +93,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _can_group(*tensors) -> bool:
     """Whether torch's grouped_mm serves these operands, as transformers' _can_use_grouped_mm decides (SM80+ on
-    CUDA; a CPU kernel from torch 2.9), plus the CPU kernel's alignment, which tensors of any size would not meet;
-    not under torch.compile with other dtypes than bf16 (inductor lowers it for bf16 only)."""
+    CUDA; a CPU kernel from torch 2.9), plus the CPU kernel's 16-byte alignment of data and strides, which not every
+    size meets; not under torch.compile with other dtypes than bf16 (inductor lowers it for bf16 only)."""
     fn = _grouped_fn()
     t = tensors[-1]
     if fn is None or (torch.compiler.is_compiling() and t.dtype != torch.bfloat16):
