@@ -131,7 +131,7 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
     ws, bs = tuple(_cast(w, dtype) for w in ws), tuple(_cast(b, dtype) for b in bs)
     n = xr.shape[0]
     outs = [] if functional else None
-    y = None if functional else xr.new_empty((n, wd.shape[0]))
+    yr = None if functional else xr.new_empty((n, wd.shape[0]))
     with _no_autocast(x):
         for s in range(0, n, chunk):
             pre = first if s == 0 else _project(xr[s : s + chunk], ws, bs)
@@ -141,17 +141,35 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
             if functional:
                 outs.append(F.linear(h, wd, bd))
             elif bd is None:
-                torch.mm(h, wd.t(), out=y[s : s + chunk])
+                torch.mm(h, wd.t(), out=yr[s : s + chunk])
             else:
-                torch.addmm(bd, h, wd.t(), out=y[s : s + chunk])
+                torch.addmm(bd, h, wd.t(), out=yr[s : s + chunk])
             del h
-    y = torch.cat(outs) if functional else y
-    return y.reshape(*x.shape[:-1], y.shape[-1]), dtype
+    if functional:
+        y = torch.cat(outs)
+        return y.reshape(*x.shape[:-1], y.shape[-1]), dtype
+    return _unview(yr, (*x.shape[:-1], yr.shape[-1])), dtype
 
 
 def _chunks(x, chunk) -> bool:
     """Whether token_chunk=chunk splits x's rows (leading dims flattened): else the default path runs."""
     return chunk is not None and chunk < x.numel() // max(x.shape[-1], 1)
+
+
+def _unview(y, shape):
+    """y (a fresh tensor) in `shape`, as a tensor autograd does not take for a view: a custom Function's output that
+    is a view refuses in-place ops (Falcon's `mlp_output += attention_output`) where eager's takes them. The same
+    storage, no copy, as at::matmul reshapes its own result (_unsafe_view). A buffer allocated in its final shape
+    with the chunks written into a 2-D view of it would not do: torch.compile's functionalization makes that
+    output a view again (tests/test_inplace_outputs.py)."""
+    return y if y.shape == shape else torch.ops.aten._unsafe_view(y, shape)
+
+
+def _linear_out(h, wd, bd):
+    """F.linear(h, wd, bd), not a view (as _unview): for a contiguous 3-D h with a bias F.linear returns a view of
+    its 2-D GEMM's result. On every result but a 2-D one: torch.compile cannot trace Tensor._is_view."""
+    y = F.linear(h, wd, bd)
+    return y if y.dim() == 2 else torch.ops.aten._unsafe_view(y, y.shape)
 
 
 def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transposed=False):
@@ -169,7 +187,7 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
         ctx.chunk, pre = chunk, ()
     else:
         pre = _project(x, ws, bs)
-        y = F.linear(_call(op, pre), wd, bd)
+        y = _linear_out(_call(op, pre), wd, bd)
         ctx.chunk, ctx.dtype = None, pre[0].dtype
         if recompute:
             pre = ()
