@@ -18,7 +18,10 @@ import torch
 import torch.nn as nn
 
 import ffn_ext
+from ffn_ext.hf import recognise
 from ffn_ext.table import ACTIVATIONS
+
+import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,6 +176,9 @@ def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
     assert all(ffn_ext.hf._table_activation(m.act_fn).name == "gelu_tanh" for m in mlps)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
+        # Gemma 4's layers gate a per-layer input, act(gate(h)) * e, then project it back: FFN-shaped code that no
+        # ffn_ext form is, named (not silently skipped)
+        warnings.filterwarnings("ignore", r".*\(T5's dropout .*Gemma4TextDecoderLayer at ", RuntimeWarning)
         assert ffn_ext.patch_hf_model(model) == len(mlps)
     assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward) for m in mlps)
 
@@ -768,38 +774,16 @@ def _form_of(body: str | None, forms: dict):
     return kind, dict(zip(roles, attrs))
 
 
-def _expected_names(name: str, kind: str, attrs: dict):
-    """The attributes patch_model runs a known class name with: (the projections, the activation attributes it looks
-    for, in that order)."""
-    if kind == "gated":
-        return ffn_ext.hf._GATED_NAMES, ("act_fn", "activation_fn")
-    proj, out, act = ffn_ext.hf._PACKED_NAMES.get(name, ("gate_up_proj", "down_proj", None))
-    acts = next(f[2] for f in ffn_ext.hf._PACKED_FORMS if f[:2] == (proj, out))
-    assert act is None or acts == (act,), (name, act, acts)
-    return (proj, out), acts
-
-
-def _self_attrs(tree, names) -> set:
-    return {
-        n.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and n.attr in names and isinstance(n.value, ast.Name) and n.value.id == "self"
-    }
-
-
-def _activation_assignments(cls: ast.ClassDef, names) -> dict | None:
-    """{attribute: source of the value} for the assignments to the attributes `names` (the activation's) in
-    cls.__init__ (None: no __init__ in the class)."""
-    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-    if init is None:
+def _instance(file: str, name: str):
+    """An uninitialised instance of the class `name` of transformers' modeling file `file` ("dir/modeling_x.py"), for
+    the recogniser (which reads the code, and the instance's attributes only where an `if` tests them); None if it
+    cannot be imported or made."""
+    d, f = file.split("/")
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{d}.{f[:-3]}"), name)
+        return object.__new__(cls)
+    except (ImportError, AttributeError, TypeError):
         return None
-    out = {}
-    for node in ast.walk(init):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Attribute) and t.attr in names and ast.unparse(t.value) == "self":
-                    out.setdefault(t.attr, []).append(ast.unparse(node.value))
-    return out
 
 
 @functools.cache
@@ -814,63 +798,44 @@ def _transformers_forwards() -> tuple:
         for node in ast.parse(src).body:
             if isinstance(node, ast.ClassDef):
                 out.extend(
-                    (path.name, node, fwd, _body(fwd))
+                    (f"{path.parent.name}/{path.name}", node, fwd, _body(fwd))
                     for fwd in node.body
                     if isinstance(fwd, ast.FunctionDef) and fwd.name == "forward"
                 )
     return tuple(out)
 
 
-def test_known_classes_compute_plain_gated_mlp():
-    """Read from transformers' source with ast (nothing imported): every class in ffn_ext.hf._KNOWN that the
-    installed transformers defines has a forward of one of the plain gated forms, with the attribute names
-    patch_model uses for it (gate_proj, up_proj, down_proj; packed: gate_up_proj, down_proj, or the class's
-    _PACKED_NAMES), and no class of those forms, under any attribute names, is missing from _KNOWN (a new one under
-    new packed names needs its _PACKED_NAMES entry too). The activation the forward applies is the attribute
-    patch_model inspects: __init__ sets that one attribute (not another name, which patch_model would look at first),
-    once, to ACT2FN[...] or nn.SiLU(), an activation object whose function patch_model identifies at patch time (the
-    ACT2FN tests above)."""
+def test_the_recogniser_agrees_with_the_source_matcher_and_the_oracle():
+    """Two independent readings of transformers' source agree: every class whose forward this file's matcher of
+    canonical source (GATED_FORMS, PACKED_FORMS, whatever the names) finds of a plain gated or packed form is
+    recognised by ffn_ext's recogniser (ffn_ext/hf/recognise.py: the code run symbolically) as the same kind, with
+    the same attributes in the same roles. At 5.24 these are exactly the classes of the list the product held then
+    (hf_oracle.KNOWN); at a later release, a listed class missing from them has changed its code (Bailing-Hybrid's
+    MLP clamps in 5.25) and must not be recognised as plain."""
     forms = _forms()
-    found, plain, acts = {}, set(), {}
-    for file, node, fwd, body in _transformers_forwards():
+    checked, wrong = set(), {}
+    for file, node, _fwd, body in _transformers_forwards():
         form = _form_of(body, forms)
-        if form is not None:
-            plain.add(node.name)
-        if node.name in ffn_ext.hf._KNOWN:
-            found.setdefault(node.name, {})[file] = form
-            if form is not None:
-                names = _expected_names(node.name, *form)[1]
-                acts.setdefault(node.name, {})[file] = (_self_attrs(fwd, names), _activation_assignments(node, names))
-    assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen2MoeMLP", "Phi3MLP"} <= found.keys()
-    assert {"GemmaMLP", "Gemma2MLP", "Gemma3MLP", "Gemma4TextMLP", "VaultGemmaMLP"} <= found.keys()
-    unlisted = ffn_ext.hf._PACKED_NAMES.keys() - (found.keys() & ffn_ext.hf._KNOWN)
-    assert not unlisted, f"_PACKED_NAMES classes not in _KNOWN or not defined by transformers: {sorted(unlisted)}"
-    wrong = {}
-    for name, files in found.items():
-        for file, form in files.items():
-            if form is None:
-                wrong.setdefault(name, {})[file] = "not of a plain gated form"
-                continue
-            kind, attrs = form
-            projections = _expected_names(name, kind, attrs)[0]
-            used = tuple(attrs[r] for r in (("gate", "up", "down") if kind == "gated" else ("proj", "out")))
-            if used != projections:
-                wrong.setdefault(name, {})[file] = f"{kind} with {used}, patch_model would use {projections}"
+        inst = _instance(file, node.name) if form is not None or node.name in hf_oracle.KNOWN else None
+        if inst is None:
+            continue
+        got = recognise.mlp_form(inst)
+        if form is None:  # a listed class whose code changed: not recognised as plain
+            if isinstance(got, recognise.Form) and got.kind in ("gated", "packed") and got.gate.limit is None:
+                wrong[node.name] = ("listed class no longer plain, recognised as", got)
+            continue
+        kind, attrs = form
+        want = (attrs["gate"], attrs["up"], attrs["down"]) if kind == "gated" else (attrs["proj"], attrs["out"])
+        ok = isinstance(got, recognise.Form) and (got.kind, got.names, got.gate.act) == (kind, want, attrs["act"])
+        if not ok:
+            wrong[node.name] = (form, got)
+        checked.add(node.name)
     assert not wrong, wrong
-    assert not plain - ffn_ext.hf._KNOWN, f"plain gated MLPs missing from _KNOWN: {sorted(plain - ffn_ext.hf._KNOWN)}"
-    assert not (set(LOOKALIKES) | ffn_ext.hf._CLAMP_AFTER | ffn_ext.hf._NAMED.keys()) & ffn_ext.hf._KNOWN
-    bad = {}
-    for name, files in acts.items():
-        for file, (used, assigned) in files.items():
-            ok = (
-                len(used) == 1
-                and assigned is not None
-                and set(assigned) == used
-                and all(len(v) == 1 and re.fullmatch(r"ACT2FN\[.+\]|nn\.SiLU\(\)", v[0]) for v in assigned.values())
-            )
-            if not ok:
-                bad.setdefault(name, {})[file] = (used, assigned)
-    assert not bad, bad
+    assert {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "GemmaMLP", "Gemma3MLP", "Phi3MLP"} <= checked
+    if transformers.__version__ == "5.24.0":
+        assert checked == hf_oracle.KNOWN, (sorted(checked - hf_oracle.KNOWN), sorted(hf_oracle.KNOWN - checked))
+    else:
+        assert len(checked & hf_oracle.KNOWN) >= 0.9 * len(hf_oracle.KNOWN)
 
 
 def test_the_form_check_finds_plain_gated_mlps_under_new_names():
@@ -917,34 +882,25 @@ def test_the_form_check_finds_plain_gated_mlps_under_new_names():
         assert form(other) is None, other
 
 
-def test_named_packed_lookalikes_have_their_form():
-    """Read from transformers' source with ast: every class of ffn_ext.hf._NAMED has a forward of the form of its
-    reason (NAMED_FORMS: dropout between the gating and the projection back; the up half first) with the projection
-    and activation attributes _NAMED lists (which patch_model's _kind finds: _SHAPED_FORMS), and no class of those
-    forms, under any attribute names, is missing from _NAMED."""
+def test_named_packed_lookalikes_are_recognised_with_their_reason():
+    """Every class whose forward the canonical matcher finds of a NAMED_FORMS form (a dropout between the gating and
+    the projection back; the up half first) is recognised as Named with that reason, and at 5.24 those are the
+    classes of the list the product held then (hf_oracle.NAMED)."""
     forms = _forms(tuple(NAMED_FORMS.items()))
-    named, found = ffn_ext.hf._NAMED, {}
+    found, wrong = set(), {}
     for file, node, _fwd, body in _transformers_forwards():
         form = _form_of(body, forms)
-        if form is not None or node.name in named:
-            found.setdefault(node.name, {})[file] = form
-    assert named.keys() <= found.keys(), f"_NAMED classes transformers does not define: {named.keys() - found.keys()}"
-    missing = sorted(found.keys() - named.keys())
-    assert not missing, f"packed MLPs of a NAMED_FORMS form missing from ffn_ext.hf._NAMED: {missing}"
-    wrong = {}
-    for name, files in found.items():
-        proj, out, act, reason = named[name]
-        for file, form in files.items():
-            if (
-                form is None
-                or getattr(ffn_ext.hf, form[0]) != reason
-                or ((form[1]["proj"], form[1]["out"], form[1]["act"]) != (proj, out, act))
-            ):
-                wrong.setdefault(name, {})[file] = form
+        inst = _instance(file, node.name) if form is not None else None
+        if inst is None:
+            continue
+        got = recognise.mlp_form(inst)
+        if got != recognise.Named(getattr(recognise, form[0])):
+            wrong[node.name] = (form, got)
+        found.add(node.name)
     assert not wrong, wrong
-    shaped = {f[:2]: f[2] for f in ffn_ext.hf._PACKED_FORMS + ffn_ext.hf._SHAPED_FORMS}
-    assert all(act in shaped[proj, out] for proj, out, act, _ in named.values())
-    assert {"ModernBertMLP", "MoonshineDecoderMLP"} <= named.keys()
+    assert {"ModernBertMLP", "MoonshineDecoderMLP"} <= found
+    if transformers.__version__ == "5.24.0":
+        assert hf_oracle.NAMED.keys() <= found
 
 
 # ffn_ext.hf._NAMED: class -> its modeling module
@@ -966,14 +922,15 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
     extra_classes and in a subclass that keeps the forward; strict=True refuses; the output is what it was. A
     subclass whose forward is the plain packed form (gate first, no dropout) under those names is MLP-shaped: named
     as not known, and patched (self-check passed) when listed."""
-    assert NAMED_MODULES.keys() == ffn_ext.hf._NAMED.keys()
+    assert NAMED_MODULES.keys() == hf_oracle.NAMED.keys()
     try:
         cls = getattr(
             importlib.import_module(f"transformers.models.{NAMED_MODULES[name]}.modeling_{NAMED_MODULES[name]}"), name
         )
     except (ImportError, AttributeError):
         pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
-    proj, out, act, reason = ffn_ext.hf._NAMED[name]
+    proj, out, act, reason = hf_oracle.NAMED[name]
+    reason = getattr(recognise, reason)
 
     class Keeps(cls):
         pass
@@ -992,12 +949,12 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
     assert all(ffn_ext.hf._kind(m) == ("packed", act, (proj, out)) for m in net)
     x = torch.randn(2, 3, 16)
     ref = [m(x) for m in net]
-    for extra in ((), (cls, Keeps)):
+    for extra in ((), (cls, Keeps)):  # GateFirst's getattr(self, ...) calls are not code the recogniser reads
         with pytest.warns(RuntimeWarning) as rec:
             assert ffn_ext.patch_hf_model(net, extra_classes=extra) == 0
         (msg,) = [str(w.message) for w in rec if w.category is RuntimeWarning]
         assert msg == (
-            f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf._UNKNOWN}: "
+            f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf.dense._UNKNOWN}: "
             "GateFirst at '2' (left unpatched)"
         ), msg
         with pytest.raises(ValueError, match=re.escape(f"{reason}: {name} at '0'")):
@@ -1005,7 +962,7 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
         assert all(torch.equal(m(x), r) for m, r in zip(net, ref))
         assert not any("forward" in vars(m) for m in net[:2])
     with pytest.warns(RuntimeWarning, match=re.escape(reason)):
-        assert ffn_ext.patch_hf_model(net, extra_classes=[GateFirst]) == 1
+        assert ffn_ext.patch_hf_model(net, extra_classes=[GateFirst]) == 1  # vouched, and its self-check agrees
     assert getattr(net[2], ffn_ext.hf._MARK) == "packed" and vars(net[2])["forward"].names == (proj, out)
     y = net[2](x.requires_grad_())
     assert "_GatedMLPPacked" in type(y.grad_fn).__name__
@@ -1057,8 +1014,8 @@ def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not()
     enc = [m for m in moon.modules() if type(m).__name__ == "MoonshineEncoderMLP"]
     assert enc and all(ffn_ext.hf._kind(m) is None for m in enc)
     for model, reason, where in (
-        (bert, ffn_ext.hf._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
-        (moon, ffn_ext.hf._UP_FIRST, "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more"),
+        (bert, recognise._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
+        (moon, recognise._UP_FIRST, "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more"),
     ):
         ref = run(model)
         with pytest.warns(RuntimeWarning) as rec:

@@ -7,6 +7,7 @@ Skips when transformers is not importable (it is a test/extra dependency: pip in
 import ast
 import copy
 import functools
+import importlib
 import pathlib
 import re
 import warnings
@@ -16,7 +17,9 @@ import torch
 from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 import ffn_ext
-from ffn_ext.hf import classic
+from ffn_ext.hf import classic, recognise
+
+import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
@@ -168,11 +171,9 @@ def _model(kind):
 
 
 def _classic_modules(model):
-    return [
-        m
-        for m in model.modules()
-        if classic.classic_kind(m) is not None and classic.classic_kind(m)[0] in ("classic", "pair")
-    ]
+    """The modules of the classic forms by the 5.24 oracle's lists (the recogniser must find the same ones)."""
+    names = hf_oracle.KNOWN_CLASSIC.keys() | hf_oracle.PAIR_LAYERS
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _out(model, inputs):
@@ -407,25 +408,35 @@ def _assigned(cls: ast.ClassDef) -> dict:
 
 @functools.cache
 def _classes() -> tuple:
-    """(class node, {method name: node}) of every class at the top level of transformers' modeling files."""
+    """(class node, {method name: node}, file path) of every class at the top level of transformers' modeling files."""
     out = []
     for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef):
-                out.append((node, {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}))
+                out.append((node, {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}, path))
     return tuple(out)
 
 
-def test_known_classic_classes_are_exactly_those_of_the_forms():
-    """Read from transformers' source with ast: the classes whose forward takes one of CLASSIC_FORMS (any attribute
+def _instance(node: ast.ClassDef, path):
+    """An uninitialised instance of the class `node` of the modeling file `path` (None if it cannot be made)."""
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}"), node.name)
+        return object.__new__(cls)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def test_the_recogniser_finds_the_classic_classes_of_the_source_matcher():
+    """Read from transformers' source with ast: every class whose forward takes one of CLASSIC_FORMS (any attribute
     and local names) with fc1 and fc2 set once in __init__ to nn.Linear / Conv1D / FalconLinear and the dropout to
-    nn.Dropout are exactly ffn_ext.hf.classic._KNOWN_CLASSIC, each with the attribute names the patch uses."""
+    nn.Dropout is recognised by ffn_ext's recogniser as classic with those attributes in their roles; at 5.24 these
+    are exactly the classes of the list the product held then (hf_oracle.KNOWN_CLASSIC)."""
     forms = {}
     for f in CLASSIC_FORMS:
         c, roles = _canonical(f.format(fc1="fc1", act="act", fc2="fc2", drop="drop", p="p"))
         forms[c] = roles
-    found = {}
-    for node, methods in _classes():
+    found, wrong = {}, {}
+    for node, methods, path in _classes():
         body = _body(copy.deepcopy(methods["forward"])) if "forward" in methods else None
         if body is None:
             continue
@@ -439,9 +450,18 @@ def test_known_classic_classes_are_exactly_those_of_the_forms():
         )
         if "drop" in role:
             ok = ok and asg.get(role["drop"], [""])[0].startswith("nn.Dropout(")
-        if ok:
-            drop = role.get("drop") or ("p:" + role["p"] if "p" in role else "")
-            found.setdefault(node.name, set()).add((role["fc1"], role["act"], role["fc2"], drop))
+        inst = _instance(node, path) if ok else None
+        if inst is None:
+            continue
+        drop = role.get("drop") or ("p:" + role["p"] if "p" in role else "")
+        want = (role["fc1"], role["act"], role["fc2"], drop)
+        found.setdefault(node.name, set()).add(want)
+        got = recognise.mlp_form(inst)
+        if not (isinstance(got, recognise.Form) and got.kind == "classic"):
+            wrong[node.name] = got
+        elif (got.names[0], got.gate.act, got.names[1], got.names[2]) != want:
+            wrong[node.name] = (want, got)
+    assert not wrong, wrong
     assert {
         "GPT2MLP",
         "GPTNeoXMLP",
@@ -458,28 +478,39 @@ def test_known_classic_classes_are_exactly_those_of_the_forms():
         "GPTBigCodeMLP",
         "Idefics3VisionMLP",
     } <= found.keys()
-    missing = sorted(found.keys() - classic._KNOWN_CLASSIC.keys())
-    assert not missing, f"classic MLPs missing from _KNOWN_CLASSIC: {missing}"
-    extra = sorted(classic._KNOWN_CLASSIC.keys() - found.keys())
-    assert not extra, f"_KNOWN_CLASSIC classes not of a classic form in transformers: {extra}"
-    wrong = {n: f for n, f in found.items() if f != {classic._KNOWN_CLASSIC[n]}}
-    assert not wrong, wrong
+    if transformers.__version__ == "5.24.0":
+        assert found.keys() == hf_oracle.KNOWN_CLASSIC.keys(), sorted(found.keys() ^ hf_oracle.KNOWN_CLASSIC.keys())
 
 
-def test_bert_style_pair_lists_are_exactly_those_of_the_forms():
+def test_the_recogniser_reads_the_bert_style_pairs_of_the_source_matcher():
     """The same for the BERT-style pair: layers whose feed_forward_chunk is output(intermediate(x), x), *Intermediate
-    forwards act(dense(x)), *Output forwards LayerNorm(dropout(dense(h)) + x)."""
-    layers, inters, outs = set(), set(), set()
-    for node, methods in _classes():
+    forwards act(dense(x)), *Output forwards LayerNorm(dropout(dense(h)) + x), each as the recogniser reads it
+    (recognise.evaluate: the value the code returns); at 5.24 exactly the oracle's lists."""
+    x, h = ("in", 0), ("in", 1)
+    want_chunk = ("call", "output", (("call", "intermediate", (x,)), x))
+    want_out = ("call", "LayerNorm", (recognise._add(("call", "dropout", (("call", "dense", (x,)),)), h),))
+    layers, inters, outs, wrong = set(), set(), set(), {}
+    for node, methods, path in _classes():
+        checks = []
         if "feed_forward_chunk" in methods and _body(methods["feed_forward_chunk"]) == CHUNK:
             layers.add(node.name)
+            checks.append(("feed_forward_chunk", 1, lambda v: v == want_chunk))
         if "forward" in methods:
             if _body(copy.deepcopy(methods["forward"])) == INTERMEDIATE:
                 inters.add(node.name)
+                checks.append(("forward", 1, lambda v: v[0] == "call" and v[2] == (("call", "dense", (x,)),)))
             if _body(copy.deepcopy(methods["forward"]), ("h", "x")) == OUTPUT:
                 outs.add(node.name)
+                checks.append(("forward", 2, lambda v: v == want_out))
+        for method, n, ok in checks:
+            inst = _instance(node, path)
+            got = inst is not None and recognise.evaluate(inst, getattr(type(inst), method), n)
+            if inst is not None and not (got and ok(got[0])):
+                wrong[node.name] = got
+    assert not wrong, wrong
     assert {"BertLayer", "RobertaLayer", "ElectraLayer"} <= layers and "BertIntermediate" in inters
     assert "BertOutput" in outs
-    assert layers == classic._PAIR_LAYERS, sorted(layers ^ classic._PAIR_LAYERS)
-    assert inters == classic._INTERMEDIATES, sorted(inters ^ classic._INTERMEDIATES)
-    assert outs == classic._OUTPUTS, sorted(outs ^ classic._OUTPUTS)
+    if transformers.__version__ == "5.24.0":
+        assert layers == hf_oracle.PAIR_LAYERS, sorted(layers ^ hf_oracle.PAIR_LAYERS)
+        assert inters == hf_oracle.INTERMEDIATES, sorted(inters ^ hf_oracle.INTERMEDIATES)
+        assert outs == hf_oracle.OUTPUTS, sorted(outs ^ hf_oracle.OUTPUTS)

@@ -25,11 +25,11 @@ from .common import (
 )
 
 _INLINE = (
-    "modules holding an FFN's projections (fc1: d -> f, fc2: f -> d) and an activation whose forward is "
-    "not known to be exactly fc2(act(fc1(x))): an FFN inline in a layer's forward (Whisper's and BART's "
-    "encoder and decoder layers, with a dropout between the activation and fc2 that ffn_ext's fused MLP lacks, "
-    "and the attention in the same forward), or an MLP with something between or around the projections "
-    "(they run as they are, unaccelerated)"
+    "modules holding an FFN's projections (d -> f, f -> d) and an activation whose forward ffn_ext does not "
+    "recognise as a form it computes: an FFN inline in a layer's forward (Whisper's and BART's encoder and decoder "
+    "layers, with a dropout between the activation and fc2 that ffn_ext's fused MLP lacks, and the attention in "
+    "the same forward), or an MLP with something between or around the projections (T5's dropout and dtype cast "
+    "before wo) (they run as they are, unaccelerated)"
 )
 _UNKNOWN_PAIR = (
     "layers with a BERT-style *Intermediate / *Output pair whose feed_forward_chunk is not known to be "
@@ -141,10 +141,13 @@ def _activation_child(module) -> bool:
 
 
 def _inline(module) -> bool:
-    """Whether `module` has linear-like children fc1 and fc2 chaining d -> f -> d (the names of Whisper's and BART's
-    layers) and an activation child (named with _INLINE when its forward is not known)."""
-    f1, f2 = (_features(module._modules.get(n)) for n in ("fc1", "fc2"))
-    return f1 is not None and f2 is not None and f1 == f2[::-1] and _activation_child(module)
+    """Whether `module` is MLP-shaped (named with _INLINE when its code is not recognised): an activation child and
+    linear-like children chaining d -> f -> d (fc1 and fc2 of Whisper's and BART's layers; T5's wi / wi_0, wi_1 and
+    wo), whatever their names."""
+    if not _activation_child(module):
+        return False
+    f = [v for v in (_features(m) for m in module._modules.values()) if v is not None]
+    return any(a[0] == b[1] and a[1] == b[0] and a[1] > a[0] for a in f for b in f)  # FFNs widen, then narrow
 
 
 _DISAGREES_CLASSIC = (

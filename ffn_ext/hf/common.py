@@ -308,8 +308,9 @@ def _limits(module) -> list[float]:
 _PEAKS = (0.5, 4.0, 30.0)
 
 
-def _peaks(module, half: bool) -> list[float]:
-    peaks = sorted(set(_PEAKS) | {2 * v for v in _limits(module)})
+def _peaks(module, half: bool, numbers=()) -> list[float]:
+    """_PEAKS and twice every limit-like number on the module, its config and in `numbers` (its code's), sorted."""
+    peaks = sorted(set(_PEAKS) | {2 * v for v in [*_limits(module), *numbers]})
     return [p for p in peaks if not half or p <= 300]  # fp16 / bf16: past that, the products overflow
 
 
@@ -328,11 +329,11 @@ def _close(out, ref, tol) -> bool | None:
     return bool(((out - ref).abs() <= tol * scale).all())
 
 
-def _check(module, func, act, names=(), own=None, width=None, first=None) -> str:
+def _check(module, func, act, names=(), own=None, width=None, first=None, numbers=()) -> str:
     """The self-check: runs `func` (the fused forward, with table activation or _Clamp `act` and projection names
     `names`) and the module's own code (`own`, default its class's forward) on the same random rows, in the module's
     device and dtype, over every regime: the rows scaled so that the first projection (`first`, default names[0])
-    peaks at each of _peaks, forward, and where the module has trainable parameters, backward too (the input's and
+    peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable parameters, backward too (the input's and
     the parameters' gradients, by autograd.grad: nothing accumulates into .grad). Returns "agree", "disagree" (a
     finite difference at any regime, or the module's own code fails on plain rows) or "unknown": not run (parameters
     on meta or not plain floating nn.Parameters of one dtype and device, non-plain Linears, hooks or forward
@@ -369,7 +370,8 @@ def _check(module, func, act, names=(), own=None, width=None, first=None) -> str
                     return _DISAGREE  # its own code fails on plain rows: not the form the fused forward computes
         if not (math.isfinite(base) and base > 0):
             return _UNKNOWN_CHECK
-        for peak in _peaks(module, half):
+        peaks = _peaks(module, half, numbers)
+        for peak in peaks:
             x = (x0.float() * (peak / base)).to(w.dtype)
             with torch.no_grad():
                 same = _close(func(module, x, act, *names), own(module, x), tol)
@@ -378,7 +380,7 @@ def _check(module, func, act, names=(), own=None, width=None, first=None) -> str
             if same is None:
                 continue
             seen = True
-            if trains and peak in (4.0, max(_peaks(module, half))):
+            if trains and peak in (4.0, peaks[-1]):
                 x = x.detach().requires_grad_()
                 wrt = [x] + [p for p in params if p.requires_grad]
                 with torch.enable_grad():

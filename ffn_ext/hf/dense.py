@@ -1,5 +1,5 @@
-"""The gated MLPs: down_proj(act(gate_proj(x)) * up_proj(x)) and the packed form, the transformers classes known
-to compute them (_KNOWN, _PACKED_NAMES) and the look-alikes named instead (_NAMED)."""
+"""The gated MLPs: down(act(gate(x)) * up(x)) and the packed form, run by ffn_ext.mlp's fused MLP (recognised from
+their code: ffn_ext/hf/recognise.py), and the shapes by which unrecognised modules are named as MLPs."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from .common import (
     _guards_hold,
     _peaks,
 )
-from .recognise import Named, gate_form
+from .recognise import Named, gate_form, numbers_in
 
 _UNKNOWN_EXPERTS = (
     "MoE experts modules whose _apply_gate ffn_ext does not recognise as a gating it computes (their routed experts "
@@ -103,7 +103,7 @@ def _check_gate(module, gate: _Gate) -> str:
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(8, 64, generator=gen, device="cpu")
     seen = False
-    for peak in _peaks(module, half):
+    for peak in _peaks(module, half, numbers_in(type(module)._apply_gate)):
         x = (x0 * (peak / float(x0.abs().max()))).to(dtype).requires_grad_()  # CPU even under a device context
         with torch.enable_grad():
             ref = type(module)._apply_gate(module, x)

@@ -13,7 +13,9 @@ transformers is imported by register() only, and only when it is installed."""
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
 import warnings
 
 import torch
@@ -23,23 +25,22 @@ from . import common as _common
 from . import experts as _experts
 
 
+_RECOGNISED = "_ffn_ext_experts_gate"  # the instance's recognised gating, read once (its guards checked per call)
+
+
 def _gating(module):
     """A function gate_up [S, 2I] -> [S, I] computing `module`'s gating by ffn_ext's op (common._fused_gate, read
-    in place), or None when its gating is not one ffn_ext computes."""
-    if hasattr(_experts, "experts_gate"):  # the gating recognised from the class's _apply_gate
-        found = _experts.experts_gate(module)
-        if isinstance(found, str) or not _common._guards_hold(module, found[1]):
-            return None
-        gate, extra = found[0], (found[0].layout,)
-    else:  # the gating of a known class
-        entry = _experts._experts_entry(type(module))
-        if not entry:
-            return None
-        gate, extra = entry[0], ()
+    in place), or None when its gating is not one ffn_ext computes (recognised from the class's _apply_gate)."""
+    found = module.__dict__.get(_RECOGNISED)
+    if found is None:
+        found = module.__dict__[_RECOGNISED] = _experts.experts_gate(module)
+    if isinstance(found, str) or not _common._guards_hold(module, found[1]):
+        return None
+    gate = found[0]
     state = _common._gate_state(module, gate)
     if state is None:
         return None
-    return lambda gate_up: _common._fused_gate(state, gate_up, *extra)
+    return lambda gate_up: _common._fused_gate(state, gate_up, gate.layout)
 
 
 IMPLEMENTATION = "ffn_ext"
@@ -290,3 +291,32 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # the sum over top_k as transformers' implementations do it (a reshape and sum, deterministic)
     out = out[inv].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
     return out.to(hidden_states.dtype)
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers "ffn_ext" right after transformers.integrations.moe is first imported, so that `import ffn_ext`
+    need not import transformers (1.6 s) and a later from_pretrained(..., experts_implementation="ffn_ext") finds it."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "transformers.integrations.moe":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            register()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def register_when_imported() -> None:
+    """register() now if transformers' experts interface is loaded, else as soon as it is."""
+    if "transformers.integrations.moe" in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())

@@ -42,7 +42,7 @@ from .common import (
 )
 from .dense import _UNKNOWN, _gated_forward, _kind, _packed_forward
 from .experts import _DISAGREES_GATE, _BoundGate, _check_gate, _is_experts, experts_gate
-from .recognise import Form, Named, mlp_form, pair_form
+from .recognise import Form, Named, mlp_form, numbers_in, pair_form
 
 _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modules that take recompute / token_chunk
 _NOT_PROVEN = (
@@ -113,7 +113,9 @@ def _dense(name, module, prev, extra):
         bound_gate = None
     args = names + ((gate.layout,) if kind == "packed" and gate.layout != "concat" else ())
     if prev is None and state is not None:
-        verdict = _check(module, func, state, args, first=names[0])
+        width = _features(module._modules[names[0]])[0]
+        numbers = numbers_in(type(module).forward)
+        verdict = _check(module, func, state, args, width=width, first=names[0], numbers=numbers)
         if verdict == _DISAGREE:
             return (_DISAGREES_CLASSIC if kind == "classic" else _DISAGREES), None
         if verdict != _AGREE and not proven:

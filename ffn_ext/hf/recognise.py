@@ -492,3 +492,12 @@ def pair_form(layer):
     if o is None or o[0] != want:
         return None
     return Form("pair", (), _Gate(act=act[0]), found[1] + i[1] + o[1])
+
+
+def numbers_in(fn) -> list[float]:
+    """The positive finite numbers written in fn's code (a literal clamp limit is a limit-like number too)."""
+    node = _source(fn)
+    if node is None:
+        return []
+    found = {float(n.value) for n in ast.walk(node) if isinstance(n, ast.Constant) and type(n.value) in (int, float)}
+    return sorted(v for v in found if 0 < v <= 1e4)

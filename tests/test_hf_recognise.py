@@ -1,0 +1,260 @@
+"""patch_hf_model recognises forms from the code and checks them over every regime: the hostile cases (a listed name
+whose forward clamps beyond what small inputs reach), a new class of a known form, `if` guards, T5, and the
+transformers 5.25 changes (Bailing-Hybrid's clamps, LongCat's experts). Tiny random models, no downloads."""
+
+import copy
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ffn_ext
+from ffn_ext.hf import common, recognise
+
+transformers = pytest.importorskip("transformers")
+from transformers.activations import ACT2FN  # noqa: E402
+
+
+class _Config(types.SimpleNamespace):
+    pass
+
+
+def _llama_like(forward, name="LlamaMLP", module="transformers.models.llama.modeling_llama", **attrs):
+    """A class named and placed like transformers' LlamaMLP with the given forward."""
+
+    def __init__(self, h=32, f=64):
+        nn.Module.__init__(self)
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, f), nn.Linear(h, f), nn.Linear(f, h)
+        self.act_fn = ACT2FN["silu"]
+        self.__dict__.update(attrs)
+
+    cls = type(name, (nn.Module,), {"__init__": __init__, "forward": forward, "__module__": module})
+    return cls
+
+
+def _clamp_after_16(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max=16) * self.up_proj(x))
+
+
+def _plain(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _old_self_check(module) -> bool:
+    """The self-check before this design: two randn rows, no scaling, relative norm 1e-4."""
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = module(x)
+        out = ffn_ext.hf.dense._gated_forward(module, x, ffn_ext.table.BY_NAME["silu"])
+    return bool((out - ref).norm() <= 1e-4 * ref.norm())
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0, 100.0, 1000.0])
+def test_a_listed_name_that_clamps_after_the_activation_is_never_computed_wrong(scale):
+    """A class named and placed like transformers' LlamaMLP (a name the old lists held) whose forward clamps the
+    activation's output at 16: the old self-check (two randn rows) passes it, so the old patch computed it wrong
+    for large inputs; now its code is not recognised (named), and listed in extra_classes the self-check over
+    every regime refuses it. At every input scale the model computes what the class does."""
+    Cls = _llama_like(_clamp_after_16)
+    torch.manual_seed(0)
+    mlp = Cls()
+    assert _old_self_check(mlp)  # the old check would have patched it
+    x = torch.randn(3, 32) * scale
+    ref = mlp(x)
+    with pytest.warns(RuntimeWarning, match="not known to compute.*LlamaMLP at 'model'"):
+        assert ffn_ext.patch_hf_model(mlp) == 0
+    with pytest.warns(RuntimeWarning, match="self-check.*LlamaMLP at 'model'"):
+        assert ffn_ext.patch_hf_model(mlp, extra_classes=[Cls]) == 0
+    assert "forward" not in vars(mlp)
+    torch.testing.assert_close(mlp(x), ref, rtol=0, atol=0)
+    if scale >= 100:  # large inputs do reach the clamp: fusing it would have been wrong
+        fused = ffn_ext.hf.dense._gated_forward(mlp, x, ffn_ext.table.BY_NAME["silu"])
+        assert (fused - ref).abs().max() > 1.0
+
+
+def test_the_check_over_every_regime_catches_a_clamp_hidden_behind_unreadable_code():
+    """Code the recogniser cannot read (getattr calls) but that clamps after the activation at a limit stored on the
+    module (2.5e3, beyond the fixed scales): vouched for in extra_classes, it is refused because the check drives
+    the inputs past every limit-like number on the module."""
+
+    def forward(self, x):
+        gate = getattr(self, "act_fn")(getattr(self, "gate_proj")(x))
+        return self.down_proj(gate.clamp(max=self.cap) * self.up_proj(x))
+
+    Cls = _llama_like(forward, name="MyMLP", module=__name__, cap=2.5e3)
+    torch.manual_seed(1)
+    mlp = Cls()
+    assert recognise.mlp_form(mlp) is None
+    assert common._check(mlp, ffn_ext.hf.dense._gated_forward, ffn_ext.table.BY_NAME["silu"], ("gate_proj",
+        "up_proj", "down_proj"), width=32) == common._DISAGREE
+    with pytest.warns(RuntimeWarning, match="self-check.*MyMLP"):
+        assert ffn_ext.patch_hf_model(mlp, extra_classes=[Cls]) == 0
+
+
+def test_a_new_class_of_the_plain_gated_form_is_patched_by_its_code():
+    """A class no list knows, under new attribute names, computing the plain gated form: patched with no
+    extra_classes; output and input gradient equal the original's; the fused MLP runs."""
+
+    class BrandNewFFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_in, self.w_gate, self.w_out = nn.Linear(24, 40), nn.Linear(24, 40), nn.Linear(40, 24)
+            self.nonlin = nn.GELU(approximate="tanh")
+
+        def forward(self, hidden):
+            gate = self.nonlin(self.w_gate(hidden))
+            out = gate * self.w_in(hidden)
+            return self.w_out(out)
+
+    torch.manual_seed(2)
+    net = BrandNewFFN()
+    ref = copy.deepcopy(net)
+    form = recognise.mlp_form(net)
+    assert form.kind == "gated" and form.names == ("w_gate", "w_in", "w_out") and form.gate.act == "nonlin"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(net) == 1
+    x = (torch.randn(5, 24) * 3).requires_grad_()
+    x0 = x.detach().clone().requires_grad_()
+    y, y0 = net(x), ref(x0)
+    assert "_GatedMLP" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y0.backward(g)
+    torch.testing.assert_close(x.grad, x0.grad, atol=1e-5, rtol=1e-5)
+
+
+class _Step(nn.Module):
+    """Bailing-Hybrid's 5.25 shared MLP (and Step-3.7's): the clamp after the activation only with a limit."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+        self.act_fn = ACT2FN["silu"]
+        self.limit = limit
+
+    def forward(self, x) -> torch.Tensor:
+        gate, up = self.act_fn(self.gate_proj(x)), self.up_proj(x)
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(gate * up)
+
+
+def test_if_guards_decide_the_form_on_the_instance_and_are_checked_on_every_call():
+    """Without a limit the code is the plain gated MLP: patched, with its `if` test's attribute as a guard; with a
+    limit it clamps after the activation: named. A limit set after patching makes the patched forward run the
+    class's code (the guard no longer holds)."""
+    torch.manual_seed(3)
+    plain, clamped = _Step(None), _Step(16.0)
+    assert recognise.mlp_form(plain).guards == (("limit", None),)
+    assert recognise.mlp_form(clamped) == recognise.Named(recognise._CLAMPS_AFTER)
+    net = nn.Sequential(plain, clamped)
+    with pytest.warns(RuntimeWarning, match="clamp the activation's output.*_Step at '1'"):
+        assert ffn_ext.patch_hf_model(net) == 1
+    x = torch.randn(4, 16) * 50
+    plain.limit = 1.0
+    with torch.no_grad():
+        want = _Step.forward(plain, x)
+    torch.testing.assert_close(plain(x), want, rtol=0, atol=0)
+
+
+def _tiny_t5(feed_forward_proj):
+    config = transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj=feed_forward_proj,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(4)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("proj, cls", [("relu", "T5DenseActDense"), ("gated-gelu", "T5DenseGatedActDense")])
+def test_t5_feed_forwards_are_named_not_skipped_silently(proj, cls):
+    """T5's feed-forwards cast to wo's dtype in forward (code the recogniser does not read) and have a dropout
+    before wo: they run as they are and are named in the warning, not left out silently; outputs unchanged."""
+    model = _tiny_t5(proj)
+    ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    ref = model(input_ids=ids, decoder_input_ids=ids).logits
+    with pytest.warns(RuntimeWarning, match=f"{cls} at "):
+        ffn_ext.patch_hf_model(model)
+    torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits, ref, rtol=0, atol=0)
+
+
+def _compare_patched(model, make_inputs, forward=None):
+    """Patches a deepcopy of `model`; logits and every parameter gradient (fp32) equal the unpatched model's."""
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        n = ffn_ext.patch_hf_model(model)
+    inputs = make_inputs()
+    run = forward or (lambda m: m(**inputs).logits)
+    out, out0 = run(model), run(ref)
+    torch.testing.assert_close(out, out0, atol=1e-4, rtol=1e-4)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    (out0 * g).sum().backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        p0 = ref_params[name]
+        assert (p.grad is None) == (p0.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, p0.grad, atol=1e-4, rtol=1e-4, msg=name)
+    return n
+
+
+def _has(config, *fields):
+    cls = getattr(transformers, config, None)
+    if cls is None or not all(f in cls().to_dict() for f in fields):
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {config} with {fields}")
+    return cls
+
+
+@pytest.mark.parametrize("limit", [1.0, 16.0])
+def test_bailing_hybrid_with_limits_computes_what_it_did(limit):
+    """transformers 5.25's Bailing-Hybrid clamps after the activation in its MLPs and experts (swiglu_limits_shared,
+    swiglu_limits): named, never computed as the plain form; logits and gradients equal the unpatched model's. Runs
+    where the installed transformers has those fields (CI's second transformers)."""
+    Config = _has("BailingHybridConfig", "swiglu_limits", "swiglu_limits_shared")
+    kw = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    )
+    config = Config(**kw)
+    config.swiglu_limits = [limit] * config.num_hidden_layers
+    config.swiglu_limits_shared = [limit] * config.num_hidden_layers
+    torch.manual_seed(6)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8)  # activations well past the limits
+    _compare_patched(model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(7))})
+
+
+def test_longcat_flash_runs_after_patching():
+    """LongCat-Flash (rewritten onto @use_experts_implementation in 5.25; its own loop at 5.24): patching never
+    breaks its forward; logits and gradients equal the unpatched model's."""
+    Config = getattr(transformers, "LongcatFlashConfig", None)
+    if Config is None:
+        pytest.skip(f"this transformers ({transformers.__version__}) has no LongcatFlashConfig")
+    config = Config(
+        vocab_size=97, hidden_size=32, ffn_hidden_size=64, expert_ffn_hidden_size=16, num_layers=1,
+        num_attention_heads=4, n_routed_experts=4, moe_topk=2, zero_expert_num=2, kv_lora_rank=8, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4,
+    )
+    torch.manual_seed(8)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _compare_patched(model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(9))})
+
+
+def test_the_recogniser_reads_no_class_names():
+    """No class list in the product: the recogniser's and the planner's modules hold no transformers class names."""
+    import inspect
+
+    for mod in ("recognise", "patch", "dense", "experts", "clamped", "classic", "common"):
+        src = inspect.getsource(sys.modules[f"ffn_ext.hf.{mod}"])
+        code = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#"))
+        assert "_KNOWN" not in code and "LlamaMLP\"" not in code, mod
