@@ -208,7 +208,7 @@ def _compare_patched(model, make_inputs, forward=None):
 
 def _has(config, *fields):
     cls = getattr(transformers, config, None)
-    if cls is None or not all(f in cls().to_dict() for f in fields):
+    if cls is None or not all(hasattr(cls(), f) for f in fields):
         pytest.skip(f"this transformers ({transformers.__version__}) has no {config} with {fields}")
     return cls
 
@@ -216,22 +216,30 @@ def _has(config, *fields):
 @pytest.mark.parametrize("limit", [1.0, 16.0])
 def test_bailing_hybrid_with_limits_computes_what_it_did(limit):
     """transformers 5.25's Bailing-Hybrid clamps after the activation in its MLPs and experts (swiglu_limits_shared,
-    swiglu_limits): named, never computed as the plain form; logits and gradients equal the unpatched model's. Runs
-    where the installed transformers has those fields (CI's second transformers)."""
+    swiglu_limits): named, never computed as the plain form; outputs and gradients equal the unpatched modules' at
+    inputs well past the limit, under grouped_mm (which calls _apply_gate) and eager. Runs where the installed
+    transformers has those fields (CI's second transformers)."""
     Config = _has("BailingHybridConfig", "swiglu_limits", "swiglu_limits_shared")
-    kw = dict(
-        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    )
-    config = Config(**kw)
-    config.swiglu_limits = [limit] * config.num_hidden_layers
-    config.swiglu_limits_shared = [limit] * config.num_hidden_layers
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as mod
+
+    config = Config(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_hidden_layers=1)
+    config.swiglu_limits, config.swiglu_limits_shared = [limit], [limit]
     torch.manual_seed(6)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    mlp, experts = mod.BailingHybridMLP(config, layer_idx=0), mod.BailingHybridExperts(config, 0)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(8)  # activations well past the limits
-    _compare_patched(model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(7))})
+        experts.gate_up_proj.normal_(0, 1)
+        experts.down_proj.normal_(0, 0.1)
+    net = nn.ModuleDict({"mlp": mlp, "experts": experts})
+    ref = copy.deepcopy(net)
+    with pytest.warns(RuntimeWarning, match="clamp the activation's output.*BailingHybridMLP at 'mlp'"):
+        assert ffn_ext.patch_hf_model(net) == 0
+    x = torch.randn(6, 32) * 20
+    torch.testing.assert_close(net["mlp"](x), ref["mlp"](x), rtol=0, atol=0)
+    idx = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(7))
+    w = torch.rand(6, 2, generator=torch.Generator().manual_seed(8))
+    for impl in ("grouped_mm", "eager"):
+        config._experts_implementation = impl
+        torch.testing.assert_close(net["experts"](x, idx, w), ref["experts"](x, idx, w), rtol=0, atol=0)
 
 
 def test_longcat_flash_runs_after_patching():
