@@ -2,8 +2,6 @@
 test oracles only (the recogniser must agree with them on the classes the installed transformers still defines with
 the same code). Copied from ffn_ext/hf at 1952e74."""
 
-
-
 KNOWN = frozenset(
     """
     AXK1MLP AXK2MLP AfmoeMLP Aimv2MLP AriaSharedExpertsMLP BailingHybridMLP BambaMLP BltMLP ChameleonMLP Cohere2MLP

@@ -350,9 +350,7 @@ def test_jetmoe_moe_layers_run_unpatched_and_are_named(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ffn_ext.patch_hf_model(model) == 0
-    assert not any(
-        hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in model.modules()
-    )
+    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in model.modules())
     spy = Spy(monkeypatch)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
 
@@ -401,6 +399,8 @@ CONFIG = dict(
     mlp_bias=False,
     _experts_implementation="eager",
 )
+
+
 def _class(name, module):
     try:
         return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)

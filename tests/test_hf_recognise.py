@@ -88,8 +88,16 @@ def test_the_check_over_every_regime_catches_a_clamp_hidden_behind_unreadable_co
     torch.manual_seed(1)
     mlp = Cls()
     assert recognise.mlp_form(mlp) is None
-    assert common._check(mlp, ffn_ext.hf.dense._gated_forward, ffn_ext.table.BY_NAME["silu"], ("gate_proj",
-        "up_proj", "down_proj"), width=32) == common._DISAGREE
+    assert (
+        common._check(
+            mlp,
+            ffn_ext.hf.dense._gated_forward,
+            ffn_ext.table.BY_NAME["silu"],
+            ("gate_proj", "up_proj", "down_proj"),
+            width=32,
+        )
+        == common._DISAGREE
+    )
     with pytest.warns(RuntimeWarning, match="self-check.*MyMLP"):
         assert ffn_ext.patch_hf_model(mlp, extra_classes=[Cls]) == 0
 
@@ -165,8 +173,15 @@ def test_if_guards_decide_the_form_on_the_instance_and_are_checked_on_every_call
 
 def _tiny_t5(feed_forward_proj):
     config = transformers.T5Config(
-        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj=feed_forward_proj,
-        decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=97,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj=feed_forward_proj,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     torch.manual_seed(4)
     return transformers.T5ForConditionalGeneration(config).eval()
@@ -249,13 +264,28 @@ def test_longcat_flash_runs_after_patching():
     if Config is None:
         pytest.skip(f"this transformers ({transformers.__version__}) has no LongcatFlashConfig")
     config = Config(
-        vocab_size=97, hidden_size=32, ffn_hidden_size=64, expert_ffn_hidden_size=16, num_layers=1,
-        num_attention_heads=4, n_routed_experts=4, moe_topk=2, zero_expert_num=2, kv_lora_rank=8, q_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_key_value_heads=4,
+        vocab_size=97,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        expert_ffn_hidden_size=16,
+        num_layers=1,
+        num_attention_heads=4,
+        n_routed_experts=4,
+        moe_topk=2,
+        zero_expert_num=2,
+        kv_lora_rank=8,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+        num_key_value_heads=4,
     )
     torch.manual_seed(8)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _compare_patched(model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(9))})
+    _compare_patched(
+        model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(9))}
+    )
 
 
 def test_the_recogniser_reads_no_class_names():

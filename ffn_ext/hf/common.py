@@ -401,4 +401,3 @@ def _input_name(forward) -> str:
         return next(iter(inspect.signature(forward).parameters), "x")
     except (TypeError, ValueError):
         return "x"
-

@@ -13,7 +13,10 @@ from .common import _DEFAULT_OPTS, _GATED_NAMES, _OPTS, _fused_gate
 # naming MLP-shaped modules whose code is not recognised (and for extra_classes): Phi-3's, Granite MoE's shared
 # experts', ModernBERT's and Moonshine's decoder's. The last two name plain MLPs too, so they count only with a packed
 # MLP's shapes.
-_PACKED_FORMS = (("gate_up_proj", "down_proj", ("activation_fn", "act_fn")), ("input_linear", "output_linear", ("activation",)))
+_PACKED_FORMS = (
+    ("gate_up_proj", "down_proj", ("activation_fn", "act_fn")),
+    ("input_linear", "output_linear", ("activation",)),
+)
 _SHAPED_FORMS = (("Wi", "Wo", ("act",)), ("fc1", "fc2", ("activation_fn",)))
 
 # why a module that looks like a gated MLP was left unpatched (the keys of patch_model's warning)

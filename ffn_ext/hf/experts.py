@@ -78,7 +78,7 @@ def _is_experts(module) -> bool:
     """Whether `module` holds gated MoE experts (patched, or named in the warning): an experts class of transformers'
     @use_experts_implementation, by its has_gate (non-gated experts, act(up), are no more this patch's business
     than non-gated MLPs); any module with an _apply_gate; one with a 3-D gate_up_proj parameter, or 3-D gate_proj
-    and up_proj."""
+    and up_proj, or three 3-D weights and an activation child."""
     has_gate = module.__dict__.get("has_gate")
     if isinstance(has_gate, bool):
         return has_gate

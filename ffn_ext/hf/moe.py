@@ -113,7 +113,8 @@ class _Groups:
     per-expert loop only, the same on the host (one sync, taken when a loop first needs it)."""
 
     def __init__(self, offs: torch.Tensor):
-        self.offs, self._bounds = offs, None
+        self.offs = offs
+        self._bounds: list | None = None
 
     @property
     def bounds(self) -> list:
@@ -251,9 +252,7 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         return _fallback(self, "expert parallelism", hidden_states, top_k_index, top_k_weights)
     gating = _gating(self)
     if gating is None:
-        return _fallback(
-            self, "its gating is not one ffn_ext op computes", hidden_states, top_k_index, top_k_weights
-        )
+        return _fallback(self, "its gating is not one ffn_ext op computes", hidden_states, top_k_index, top_k_weights)
 
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.shape[-1]
@@ -310,7 +309,7 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
             run(module)
             register()
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module
         return spec
 
 

@@ -257,6 +257,8 @@ def patch_model(
         setattr(module, _ACT, act)
         count += 1
     return count
+
+
 def unpatch_model(model: nn.Module) -> int:
     """Undoes patch_model: each patched MLP gets back the forward it had (its class's, or the instance forward
     that was there); under a forward wrapper added after patching by accelerate (which keeps the patched forward

@@ -219,7 +219,12 @@ class _Interp:
             return self.items(value, 2)[index.value]
         if isinstance(index, ast.Tuple) and len(index.elts) == 2:  # t[..., ::2], t[..., 1::2]
             dots, s = index.elts
-            if isinstance(dots, ast.Constant) and dots.value is Ellipsis and isinstance(s, ast.Slice) and s.upper is None:
+            if (
+                isinstance(dots, ast.Constant)
+                and dots.value is Ellipsis
+                and isinstance(s, ast.Slice)
+                and s.upper is None
+            ):
                 lower = self.constant(s.lower) if s.lower is not None else 0
                 step = self.constant(s.step) if s.step is not None else None
                 if step == 2 and lower in (0, 1):
@@ -323,9 +328,12 @@ def evaluate(module, fn, n_inputs: int):
 
 # ---------------------------------------------------------------- matching values to forms
 def _act_of(v):
-    """(the activation's attribute, its argument) for self.act(arg), else None."""
+    """(the activation's attribute, its argument) for self.act(arg); (None, arg) for F.silu(arg), SiLU written out
+    (a _Gate's act=None); else None."""
     if v[0] == "call" and len(v[2]) == 1:
         return v[1], v[2][0]
+    if v[0] == "act" and v[1] == "silu":
+        return None, v[2]
     return None
 
 
@@ -421,6 +429,8 @@ def mlp_form(module):
         spec, gate, up = g
         if drop:  # a dropout after the gated MLP: ffn_ext's gated forwards have none
             return None
+        if not isinstance(spec, Named) and spec.get("act", "") is None and "limit" not in spec:
+            return None  # F.silu written out in a plain MLP: the patched forward reads its activation attribute
         if isinstance(spec, Named):
             return spec
         gp, upp = _proj(gate, x), _proj(up, x)
@@ -434,7 +444,7 @@ def mlp_form(module):
             return Form("packed", (_proj(source, x), out), _gate(spec, layout), guards)
         return None
     act = _act_of(inner)
-    if act and _proj(act[1], x):  # out(act(fc1(x)))
+    if act and act[0] and _proj(act[1], x):  # out(act(fc1(x)))
         return Form("classic", (_proj(act[1], x), out, drop), _Gate(act=act[0]), guards)
     if inner[0] == "call" and len(inner[2]) == 1:
         between = gating(inner[2][0])
@@ -442,7 +452,7 @@ def mlp_form(module):
             if _halves(between[1], between[2], _packed_source(between[1])) == "concat":
                 return Named(_DROPOUT_BETWEEN)  # out(drop(gating(proj(x))))
         act = _act_of(inner[2][0])
-        if act and _proj(act[1], x) and not drop:  # drop(fc2(act(fc1(x)))): `out` is the dropout
+        if act and act[0] and _proj(act[1], x) and not drop:  # drop(fc2(act(fc1(x)))): `out` is the dropout
             return Form("classic", (_proj(act[1], x), inner[1], out), _Gate(act=act[0]), guards)
     return None
 
@@ -499,5 +509,6 @@ def numbers_in(fn) -> list[float]:
     node = _source(fn)
     if node is None:
         return []
-    found = {float(n.value) for n in ast.walk(node) if isinstance(n, ast.Constant) and type(n.value) in (int, float)}
+    values = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+    found = {float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return sorted(v for v in found if 0 < v <= 1e4)
