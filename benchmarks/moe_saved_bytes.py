@@ -16,6 +16,7 @@ not run (its gathered weights past --max-gib).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -115,8 +116,8 @@ def main() -> None:
             layer.config._experts_implementation = impl
             sizes.append(saved_bytes(layer, args) / 2**20)
         grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-        sides = ("grouped_mm", "ffn_ext")
-        t_ref, t_ours, ratio = blocked_pair(lambda k: fwd_bwd(layer, sides[k], args, grad), blocks, a.rounds)
+        run = functools.partial(fwd_bwd, layer, args=args, grad=grad)
+        t_ref, t_ours, ratio = blocked_pair(lambda k, run=run: run(("grouped_mm", "ffn_ext")[k]), blocks, a.rounds)
         row = f"{model:<10} {tokens:>5} {hidden:>5} {inter:>5} {experts:>3} {top_k:>2} | "
         row += " ".join(f"{s:>10.2f}" for s in sizes)
         print(row + f" | {t_ref * 1e3:>13.1f} {t_ours * 1e3:>11.1f} {1 / ratio:>17.2f}x")

@@ -13,6 +13,7 @@ import textwrap
 import types
 import warnings
 
+import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 import pytest
 import torch
 import torch.nn as nn
@@ -20,8 +21,6 @@ import torch.nn as nn
 import ffn_ext
 from ffn_ext.hf import recognise
 from ffn_ext.table import ACTIVATIONS
-
-import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 
 transformers = pytest.importorskip("transformers")
 

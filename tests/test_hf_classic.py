@@ -12,14 +12,13 @@ import pathlib
 import re
 import warnings
 
+import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 import pytest
 import torch
 from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 import ffn_ext
 from ffn_ext.hf import classic, recognise
-
-import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ffn_ext.hf import common, moe
+from ffn_ext.hf import common, experts, moe
 
 transformers = pytest.importorskip("transformers")
 tf_moe = pytest.importorskip("transformers.integrations.moe")
@@ -229,6 +229,27 @@ def test_fallback_warns_once_and_matches(why, monkeypatch):
     (logits * w).sum().backward()
     (logits0 * w).sum().backward()
     _grads_equal(model, ref)
+
+
+def test_a_gating_the_self_check_refuses_falls_back(monkeypatch):
+    """The experts implementation runs ffn_ext's gating only where patch_model would (experts.experts_plan): with
+    ffn_ext's op made 1% off where the self-check sees it, the check disagrees, and transformers' grouped_mm runs,
+    named once; logits equal eager's."""
+    monkeypatch.setattr(moe, "_warned", set())
+    real = experts._fused_gate
+    monkeypatch.setattr(experts, "_fused_gate", lambda *a: real(*a) * 1.01)
+    model = _tiny("qwen3_moe")
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation("eager")
+    model.set_experts_implementation("ffn_ext")
+    counts = Counts(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = model(IDS).logits
+    ours = [str(w.message) for w in caught if "ffn_ext experts implementation" in str(w.message)]
+    assert len(ours) == 1 and "Qwen3MoeExperts" in ours[0], ours
+    assert counts.fused == 0 and counts.fallback == 2
+    torch.testing.assert_close(logits, ref(IDS).logits, atol=1e-4, rtol=1e-4)
 
 
 def _experts_call(kind, impl, tokens=24, **extra):

@@ -81,7 +81,7 @@ def test_the_check_over_every_regime_catches_a_clamp_hidden_behind_unreadable_co
     the inputs past every limit-like number on the module."""
 
     def forward(self, x):
-        gate = getattr(self, "act_fn")(getattr(self, "gate_proj")(x))
+        gate = getattr(self, "act_fn")(getattr(self, "gate_proj")(x))  # noqa: B009  (code the recogniser does not read)
         return self.down_proj(gate.clamp(max=self.cap) * self.up_proj(x))
 
     Cls = _llama_like(forward, name="MyMLP", module=__name__, cap=2.5e3)

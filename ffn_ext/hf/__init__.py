@@ -38,7 +38,9 @@ from .experts import _BoundGate, _is_experts  # noqa: F401
 from .patch import patch_model, unpatch_model
 
 __all__ = ["patch_model", "unpatch_model"]
-from . import fp8  # noqa: F401,E402  (registers quantize_fp8's converter of the patched MLPs)
-from . import moe  # noqa: E402
+from . import (
+    fp8,  # noqa: F401,E402  (registers quantize_fp8's converter of the patched MLPs)
+    moe,  # noqa: E402
+)
 
 moe.register_when_imported()  # experts_implementation="ffn_ext", without importing transformers here

@@ -14,5 +14,6 @@ def _clamped_forward(self, x, c, gate="gate_proj", up="up_proj", down="down_proj
 
 
 def _clamped_packed_forward(self, x, c, proj="gate_up_proj", out="down_proj", layout=None):
+    # `layout`: the packed names' third entry where the halves interleave; the _Clamp `c` carries it too
     mods = self._modules
     return mods[out](_fused_gate(c, mods[proj](x)))

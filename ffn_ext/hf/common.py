@@ -208,9 +208,7 @@ def _fused_gate(state, gate_up, layout="concat"):
         return _ops.swiglu_clamped_packed(
             gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset, layout=state.layout
         )
-    if layout != "concat":
-        return _ops.gated_packed(gate_up, state.name, layout=layout)
-    return _ops.gated_packed(gate_up, state.name)
+    return _ops.gated_packed(gate_up, state.name, layout=layout)
 
 
 def _bind(names: tuple, args: tuple, kwargs: dict):
@@ -329,12 +327,26 @@ def _close(out, ref, tol) -> bool | None:
     return bool(((out - ref).abs() <= tol * scale).all())
 
 
+def _own_graph():
+    """The self-checks' autograd, whatever the caller's mode: outside inference mode, and with saved-tensor hooks of
+    its own, so that a caller's (activation offloading, a memory count) never see the check's tensors."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+    return stack
+
+
+def _same(t):
+    return t
+
+
 def _check(module, func, act, names=(), own=None, width=None, first=None, numbers=()) -> str:
     """The self-check: runs `func` (the fused forward, with table activation or _Clamp `act` and projection names
     `names`) and the module's own code (`own`, default its class's forward) on the same random rows, in the module's
     device and dtype, over every regime: the rows scaled so that the first projection (`first`, default names[0])
-    peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable parameters, backward too (the input's and
-    the parameters' gradients, by autograd.grad: nothing accumulates into .grad). Returns "agree", "disagree" (a
+    peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable
+    parameters, backward too (the input's and the parameters' gradients, by autograd.grad: nothing accumulates into
+    .grad). Returns "agree", "disagree" (a
     finite difference at any regime, or the module's own code fails on plain rows) or "unknown": not run (parameters
     on meta or not plain floating nn.Parameters of one dtype and device, non-plain Linears, hooks or forward
     wrappers) or no regime gave a finite result. Eval mode (dropout off), the modes restored after; a private
@@ -356,7 +368,7 @@ def _check(module, func, act, names=(), own=None, width=None, first=None, number
     x0 = torch.randn(4, width or first.in_features, generator=gen, device="cpu").to(w.device, w.dtype)
     trains = any(p.requires_grad for p in params)
     seen = False
-    with _eval_mode(module):
+    with _eval_mode(module), _own_graph():
         with torch.no_grad():
             try:
                 base = float(first(x0).abs().max())

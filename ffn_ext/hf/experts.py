@@ -12,13 +12,13 @@ from .common import (
     _AGREE,
     _DISAGREE,
     _UNKNOWN_CHECK,
-    _attr,
     _close,
     _fused_gate,
     _Gate,
     _gate_problem,
     _gate_state,
     _guards_hold,
+    _own_graph,
     _peaks,
 )
 from .recognise import Named, gate_form, numbers_in
@@ -47,6 +47,15 @@ def experts_gate(module):
     if form is None:
         return _INLINE_EXPERTS if not callable(getattr(type(module), "_apply_gate", None)) else _UNKNOWN_EXPERTS
     return _gate_problem(module, form.gate) or (form.gate, form.guards)
+
+
+def experts_plan(module):
+    """experts_gate's (the _Gate, its guards) once the self-check (_check_gate) does not disagree, else why not: what
+    patch_model patches and the experts implementation "ffn_ext" runs."""
+    found = experts_gate(module)
+    if isinstance(found, str):
+        return found
+    return _DISAGREES_GATE if _check_gate(module, found[0]) == _DISAGREE else found
 
 
 class _BoundGate:
@@ -103,24 +112,21 @@ def _check_gate(module, gate: _Gate) -> str:
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(8, 64, generator=gen, device="cpu")
     seen = False
-    for peak in _peaks(module, half, numbers_in(type(module)._apply_gate)):
-        x = (x0 * (peak / float(x0.abs().max()))).to(dtype).requires_grad_()  # CPU even under a device context
-        with torch.enable_grad():
-            ref = type(module)._apply_gate(module, x)
-            out = _fused_gate(state, x, gate.layout)
-            same = _close(out.detach(), ref.detach(), tol)
-            if same is False:
+    with _own_graph():
+        for peak in _peaks(module, half, numbers_in(type(module)._apply_gate)):
+            x = (x0 * (peak / float(x0.abs().max()))).to(dtype).requires_grad_()  # CPU even under a device context
+            with torch.enable_grad():
+                ref = type(module)._apply_gate(module, x)
+                out = _fused_gate(state, x, gate.layout)
+                same = _close(out.detach(), ref.detach(), tol)
+                if same is False:
+                    return _DISAGREE
+                if same is None:
+                    continue
+                g = torch.randn(ref.shape, generator=gen, device="cpu").to(dtype)
+                (gref,) = torch.autograd.grad(ref, x, g)
+                (gout,) = torch.autograd.grad(out, x, g)
+            if _close(gout, gref, 10 * tol) is False:
                 return _DISAGREE
-            if same is None:
-                continue
-            g = torch.randn(ref.shape, generator=gen, device="cpu").to(dtype)
-            (gref,) = torch.autograd.grad(ref, x, g)
-            (gout,) = torch.autograd.grad(out, x, g)
-        if _close(gout, gref, 10 * tol) is False:
-            return _DISAGREE
-        seen = True
+            seen = True
     return _AGREE if seen else _UNKNOWN_CHECK
-
-
-def _activation_of(module, gate: _Gate):
-    return (gate.act, gate.act and _attr(module, gate.act))

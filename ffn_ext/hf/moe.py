@@ -24,16 +24,16 @@ import torch.nn.functional as F
 from . import common as _common
 from . import experts as _experts
 
-
-_RECOGNISED = "_ffn_ext_experts_gate"  # the instance's recognised gating, read once (its guards checked per call)
+_RECOGNISED = "_ffn_ext_experts_gate"  # the instance's recognised and checked gating, once (guards: every call)
 
 
 def _gating(module):
     """A function gate_up [S, 2I] -> [S, I] computing `module`'s gating by ffn_ext's op (common._fused_gate, read
-    in place), or None when its gating is not one ffn_ext computes (recognised from the class's _apply_gate)."""
+    in place), or None when its gating is not one ffn_ext computes (recognised from the class's _apply_gate and
+    self-checked, as patch_model does: experts.experts_plan)."""
     found = module.__dict__.get(_RECOGNISED)
     if found is None:
-        found = module.__dict__[_RECOGNISED] = _experts.experts_gate(module)
+        found = module.__dict__[_RECOGNISED] = _experts.experts_plan(module)
     if isinstance(found, str) or not _common._guards_hold(module, found[1]):
         return None
     gate = found[0]

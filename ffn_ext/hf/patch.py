@@ -29,19 +29,20 @@ from .common import (
     _DISAGREES,
     _MARK,
     _OPTS,
+    _UNKNOWN_CHECK,
     _attr,
     _BoundForward,
     _check,
+    _Gate,
     _gate_problem,
     _gate_state,
-    _Gate,
     _input_name,
     _table_activation,
     _unsupported,
     _where,
 )
 from .dense import _UNKNOWN, _gated_forward, _kind, _packed_forward
-from .experts import _DISAGREES_GATE, _BoundGate, _check_gate, _is_experts, experts_gate
+from .experts import _BoundGate, _is_experts, experts_plan
 from .recognise import Form, Named, mlp_form, numbers_in, pair_form
 
 _OPTIONED = ("gated", "packed", "classic", "pair")  # marks of the patched modules that take recompute / token_chunk
@@ -75,7 +76,7 @@ def _shapes_ok(module, kind: str, names: tuple) -> bool:
     return po == oi  # classic: fc1 -> f -> fc2 (a projector may change the width)
 
 
-def _dense(name, module, prev, extra):
+def _dense(module, prev, extra):
     """(reason, None) to name the module, (None, todo entry) to patch it, or None when it is no MLP."""
     form = mlp_form(module)
     vouched = _vouched(type(module), extra)
@@ -112,19 +113,18 @@ def _dense(name, module, prev, extra):
         func = {"gated": _gated_forward, "packed": _packed_forward, "classic": _classic_forward}[kind]
         bound_gate = None
     args = names + ((gate.layout,) if kind == "packed" and gate.layout != "concat" else ())
+    # not run under a forward wrapper the instance had (accelerate's hook) nor while the activation is hooked
+    verdict = _UNKNOWN_CHECK
     if prev is None and state is not None:
         width = _features(module._modules[names[0]])[0]
         numbers = numbers_in(type(module).forward)
         verdict = _check(module, func, state, args, width=width, first=names[0], numbers=numbers)
-        if verdict == _DISAGREE:
-            return (_DISAGREES_CLASSIC if kind == "classic" else _DISAGREES), None
-        if verdict != _AGREE and not proven:
-            return _NOT_PROVEN, None
-    elif not proven and prev is None:
+    if verdict == _DISAGREE:
+        return (_DISAGREES_CLASSIC if kind == "classic" else _DISAGREES), None
+    if verdict != _AGREE and not proven:
         return _NOT_PROVEN, None
-    mark = kind
     fwd = _BoundForward(module, func, _input_name(module.forward), prev, bound_gate, args, form.guards)
-    return None, (module, mark, fwd, None, (gate.act, gate.act and _attr(module, gate.act)))
+    return None, (module, kind, fwd, None, (gate.act, gate.act and _attr(module, gate.act)))
 
 
 def _pair(module):
@@ -143,24 +143,18 @@ def _pair(module):
     width = _features(inter.dense)
     if width is None or _features(out.dense) is None:
         return None
-    verdict = _check(module, _pair_check_forward, entry, own=_chunk_of, width=width[0], first=inter.dense)
+    verdict = _check(module, _pair_forward, entry, own=_chunk_of, width=width[0], first=inter.dense)
     if verdict == _DISAGREE:
         return _DISAGREES_CLASSIC, None
     fwd = _BoundChunk(module, _pair_forward, _input_name(module.feed_forward_chunk), None, None, (), form.guards)
     return None, (module, "pair", fwd, None, (form.gate.act, act))
 
 
-def _pair_check_forward(layer, x, act):
-    return _pair_forward(layer, x, act)
-
-
 def _experts(module):
-    found = experts_gate(module)
+    found = experts_plan(module)
     if isinstance(found, str):
         return found, None
     gate, guards = found
-    if _check_gate(module, gate) == _DISAGREE:
-        return _DISAGREES_GATE, None
     act = (gate.act, gate.act and _attr(module, gate.act))
     return None, (module, "experts_gate", None, _BoundGate(module, gate, guards), act)
 
@@ -213,7 +207,7 @@ def patch_model(
         if _is_experts(module):
             found = _experts(module)
         else:
-            found = _pair(module) or _dense(name, module, prev, extra)
+            found = _pair(module) or _dense(module, prev, extra)
         if found is None:
             continue
         reason, entry = found

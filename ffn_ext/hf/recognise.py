@@ -19,9 +19,7 @@ import operator
 import textwrap
 from typing import Any, NamedTuple
 
-from .common import _Gate
-
-_MISSING = object()
+from .common import _MISSING, _Gate
 
 
 class _Unknown(Exception):
@@ -254,15 +252,16 @@ class _Interp:
         return isinstance(node, ast.Name) and node.id in self.env
 
     def function(self, name, args, kw):
+        def arg(i, key, default=("const", None)):  # the i-th positional argument or the keyword `key`
+            return args[i] if len(args) > i else self.expr(kw.pop(key)) if key in kw else default
+
         if name == "chunk":  # t.chunk(2, dim=-1), torch.chunk(t, 2, -1)
-            chunks = args[1] if len(args) > 1 else self.expr(kw.pop("chunks", None) or ast.Constant(None))
-            dim = args[2] if len(args) > 2 else self.expr(kw.pop("dim")) if "dim" in kw else ("const", 0)
+            chunks, dim = arg(1, "chunks"), arg(2, "dim", ("const", 0))
             if chunks != ("const", 2) or dim != ("const", -1) or kw or len(args) > 3:
                 raise _Unknown
             return ("chunk", args[0])
         if name == "clamp":
-            lo = args[1] if len(args) > 1 else self.expr(kw.pop("min")) if "min" in kw else ("const", None)
-            hi = args[2] if len(args) > 2 else self.expr(kw.pop("max")) if "max" in kw else ("const", None)
+            lo, hi = arg(1, "min"), arg(2, "max")
             if kw or len(args) > 3:
                 raise _Unknown
             return ("clamp", args[0], lo, hi)
