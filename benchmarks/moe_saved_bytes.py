@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import ffn_ext  # noqa: F401
 from ffn_ext._timing import blocked_pair
 from ffn_ext.hf import moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SavedTensors  # noqa: E402
 
 IMPLS = ("eager", "grouped_mm", "batched_mm", "ffn_ext")
 # (model, tokens, hidden, intermediate, experts, top_k)
@@ -66,18 +71,9 @@ def inputs(layer, tokens: int, hidden: int, experts: int, top_k: int):
 
 
 def saved_bytes(layer, args) -> int:
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensors(exclude=list(layer.parameters())) as saved:
         layer(*args)
-    return sum(storages.values())
+    return saved.extra_bytes
 
 
 def fwd_bwd(layer, impl, args, grad):

@@ -285,3 +285,27 @@ def test_bench_cpu_quick(tmp_path):
     assert "eager vs eager (A/A)" in impls  # the control, left out of the worst ratio
     assert data["worst"]["ratio"] == min(r["ratio"] for r in data["rows"] if r["impl"] != "eager vs eager (A/A)")
     assert "**Worst ratio:" in (tmp_path / "cpu.md").read_text()
+
+
+def test_moe_saved_bytes_quick():
+    """benchmarks/moe_saved_bytes.py --quick (one Qwen3-MoE experts layer, 1 block): a row with every experts
+    implementation's saved bytes, ffn_ext's below grouped_mm's and eager's, and positive times."""
+    pytest.importorskip("transformers.integrations.moe")
+    script = ROOT / "benchmarks" / "moe_saved_bytes.py"
+    if not script.is_file():
+        pytest.skip("benchmarks/moe_saved_bytes.py is not next to the tests (copied without benchmarks/)")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--rounds", "1"],
+        cwd=ROOT,
+        env=package_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3_moe")]
+    assert len(rows) == 1, proc.stdout
+    sizes, times = rows[0].split("|")[1].split(), rows[0].split("|")[2].split()
+    eager, grouped, _batched, ours = (float(v) for v in sizes)
+    assert 0 < ours < grouped < eager, rows[0]
+    assert all(float(t.rstrip("x")) > 0 for t in times), rows[0]

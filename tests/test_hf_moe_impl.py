@@ -12,46 +12,15 @@ import torch.nn as nn
 from ffn_ext.hf import common, experts, moe
 
 transformers = pytest.importorskip("transformers")
+from test_hf_moe import BASE  # noqa: E402
+from test_hf_moe import MODELS as _MOE_MODELS  # noqa: E402
+
 tf_moe = pytest.importorskip("transformers.integrations.moe")
 if not hasattr(tf_moe, "ExpertsInterface"):
     pytest.skip("this transformers has no ExpertsInterface", allow_module_level=True)
 
-BASE = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-# name: (config, model, config kwargs); GPT-OSS: clamped, interleaved gating, biases, transposed weights
-MODELS = {
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8),
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, head_dim=8),
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(
-            intermediate_size=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            head_dim=8,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-    ),
-}
+# the tiny configs of tests/test_hf_moe.py; GPT-OSS: clamped, interleaved gating, biases, transposed weights
+MODELS = {k: v[:3] for k, v in _MOE_MODELS.items() if k in ("qwen3_moe", "mixtral", "gpt_oss")}
 IDS = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
