@@ -336,8 +336,14 @@ def _act_of(v):
     return None
 
 
-def _limit(v):
-    return v[1] if v[0] == "self" else None
+def _clamped_max(v):
+    """The limit's attribute L for clamp(t, max=self.L) (no lower bound), else None."""
+    return v[3][1] if v[0] == "clamp" and v[2] == ("const", None) and v[3][0] == "self" else None
+
+
+def _clamped_to(v, lim) -> bool:
+    """Whether v is clamp(t, -self.lim, self.lim)."""
+    return v[0] == "clamp" and v[2] == ("neg", ("self", lim)) and v[3] == ("self", lim)
 
 
 def gating(v):
@@ -352,42 +358,27 @@ def gating(v):
             act = _act_of(a)
             if act is not None and act[1][0] != "clamp":  # act(gate) * up
                 return dict(act=act[0]), act[1], b
-            if a[0] == "clamp" and _act_of(a[1]) and a[2] == ("const", None) and b[0] == "clamp":
-                lim = _limit(a[3])
-                if lim is not None and b[2] == ("neg", ("self", lim)) and b[3] == ("self", lim):
-                    return Named(_CLAMPS_AFTER), _act_of(a[1])[1], b[1]
-        # act(clamp(gate, max=L)) * clamp(up, -L, L): DeepSeek-V4, GLM-5-Next
-        for a, b in (factors, factors[::-1]):
-            act = _act_of(a)
-            if act and act[1][0] == "clamp" and b[0] == "clamp":
-                g, u = act[1], b
-                lim = _limit(g[3])
-                if lim and g[2] == ("const", None) and u[2] == ("neg", ("self", lim)) and u[3] == ("self", lim):
-                    return dict(act=act[0], limit=lim), g[1], u[1]
+            lim = _clamped_max(a)
+            if lim and _act_of(a[1]) and _clamped_to(b, lim):  # clamp(act(gate), max=L) * clamp(up, -L, L)
+                return Named(_CLAMPS_AFTER), _act_of(a[1])[1], b[1]
+            lim = act and _clamped_max(act[1])
+            if lim and _clamped_to(b, lim):  # act(clamp(gate, max=L)) * clamp(up, -L, L): DeepSeek-V4, GLM-5-Next
+                return dict(act=act[0], limit=lim), act[1][1], b[1]
     # (clamp(up, -L, L) + c) * g * sigmoid(g * alpha), g = clamp(gate, max=L): GPT-OSS
     if len(factors) == 3:
         sig = [f for f in factors if f[0] == "sigmoid"]
         off = [f for f in factors if f[0] == "add"]
         clamps = [f for f in factors if f[0] == "clamp"]
         if len(sig) == 1 and len(off) == 1 and len(clamps) == 1:
-            g = clamps[0]
-            lim = _limit(g[3])
-            inner = sig[0][1]
-            terms = off[0][1]
+            g, inner, terms = clamps[0], sig[0][1], off[0][1]
+            lim = _clamped_max(g)
             const = [t for t in terms if t[0] == "const"]
             ups = [t for t in terms if t[0] == "clamp"]
-            if lim and g[2] == ("const", None) and inner[0] == "mul" and len(const) == 1 and len(ups) == 1:
-                rest = [f for f in inner[1] if f != g]
-                u = ups[0]
-                if (
-                    len(rest) == 1
-                    and len(inner[1]) == 2
-                    and u[2] == ("neg", ("self", lim))
-                    and u[3] == ("self", lim)
-                    and (rest[0][0] == "self" or (rest[0][0] == "const" and rest[0][1] is not None))
-                ):
-                    alpha = rest[0][1]
-                    return dict(act=None, limit=lim, alpha=alpha, up_offset=float(const[0][1])), g[1], u[1]
+            if lim and inner[0] == "mul" and len(inner[1]) == 2 and g in inner[1] and len(const) == len(ups) == 1:
+                alpha = next(f for f in inner[1] if f != g) if inner[1][0] != inner[1][1] else None
+                alpha_ok = alpha is not None and (alpha[0] == "self" or (alpha[0] == "const" and alpha[1] is not None))
+                if alpha_ok and _clamped_to(ups[0], lim):
+                    return dict(act=None, limit=lim, alpha=alpha[1], up_offset=float(const[0][1])), g[1], ups[0][1]
     return None
 
 
@@ -402,7 +393,7 @@ def _halves(gate, up, of):
 
 
 def _gate(spec: dict, layout: str = "concat") -> _Gate:
-    return _Gate(**spec, layout=layout) if "act" in spec else _Gate(layout=layout)
+    return _Gate(**spec, layout=layout)
 
 
 def _proj(v, x):
