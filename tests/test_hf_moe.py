@@ -9,7 +9,6 @@ run as they are and are named in one RuntimeWarning. Every comparison is against
 fp32. Skips without transformers."""
 
 import ast
-import contextlib
 import copy
 import importlib
 import inspect
@@ -32,33 +31,6 @@ from ffn_ext.hf import recognise
 transformers = pytest.importorskip("transformers")
 
 import hf_oracle  # noqa: E402  (transformers 5.24's class lists, from ffn_ext/hf at 1952e74: test oracles only)
-
-
-class ProductBug(Exception):
-    """Raised where a check fails on a known product bug (see the xfail reasons): the xfail(strict=True) marks take
-    only this, so any other failure of the same test still fails, and a fixed bug shows as XPASS (strict: a failure
-    that says to drop the mark)."""
-
-
-@contextlib.contextmanager
-def _known_bug(active: bool, what: str):
-    """Turns a failed check inside into ProductBug when `active` (the known bug's case), else lets it fail."""
-    if not active:
-        yield
-        return
-    try:
-        yield
-    except (AssertionError, ValueError, pytest.fail.Exception) as e:
-        raise ProductBug(f"{what}: {e}") from e
-
-
-# A product bug found while rewriting these tests for the code-recognising patch (9f3ed76); reported to the lead.
-UNNAMED_BUG = (
-    "experts without an _apply_gate whose parameters are not gate_up_proj / gate_proj + up_proj (DbrxExpertGLU: "
-    "2-D w1, v1, w2 of [E * I, H]; JetMoeMoE: only a bias, the experts in its JetMoeParallelExperts children) are "
-    "not found by experts._is_experts, so they are silently left as they are, not named with _INLINE_EXPERTS "
-    "(whose text names DBRX and JetMoE)"
-)
 
 IMPLS = ("eager", "grouped_mm", "batched_mm")  # the experts implementations that run on the CPU
 BASE = dict(
@@ -332,7 +304,6 @@ JETMOE = dict(
 )
 
 
-@pytest.mark.xfail(raises=ProductBug, strict=True, reason=UNNAMED_BUG)
 def test_jetmoe_moe_layers_run_unpatched_and_are_named(monkeypatch):
     """Tiny JetMoE in fp32: its MoE layers (JetMoeMoE, gating inline in their forward, no _apply_gate) are not
     patched: nothing is set on any module, no ffn_ext op runs, logits, the router's aux loss, all parameter gradients
@@ -365,15 +336,14 @@ def test_jetmoe_moe_layers_run_unpatched_and_are_named(monkeypatch):
     gen0 = ref.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
     assert gen.shape == (1, 8) and torch.equal(gen, gen0)
 
-    with _known_bug(True, "JetMoeMoE is not named"):
-        msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
-        assert len(msgs) == 1, msgs
-        assert re.search(
-            re.escape(hf_experts._INLINE_EXPERTS) + rf": JetMoeMoE at '{re.escape(moe[0])}' and 1 more", msgs[0]
-        ), msgs[0]
-        assert "JetMoeMoA" not in msgs[0]
-        with pytest.raises(ValueError, match=r"JetMoeMoE at .*strict=True: nothing patched"):
-            ffn_ext.patch_hf_model(model, strict=True)
+    msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(msgs) == 1, msgs
+    assert re.search(
+        re.escape(hf_experts._INLINE_EXPERTS) + rf": JetMoeMoE at '{re.escape(moe[0])}' and 1 more", msgs[0]
+    ), msgs[0]
+    assert "JetMoeMoA" not in msgs[0]
+    with pytest.raises(ValueError, match=r"JetMoeMoE at .*strict=True: nothing patched"):
+        ffn_ext.patch_hf_model(model, strict=True)
 
 
 # ---------------------------------------------------------------- the other forms, module by module
@@ -572,15 +542,7 @@ def test_other_patched_experts_and_clamped_mlps_match(name, monkeypatch):
     assert not any(hasattr(s, hf._MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(raises=ProductBug, strict=True, reason=UNNAMED_BUG))
-        if n == "DbrxExperts"
-        else n
-        for n in NAMED_EXPERTS
-    ],
-)
+@pytest.mark.parametrize("name", NAMED_EXPERTS)
 def test_experts_ffn_ext_does_not_patch_run_as_they_are_and_are_named(name, monkeypatch):
     """Experts whose gating ffn_ext does not inject: without an _apply_gate (Longcat-Flash, DBRX's DbrxExpertGLU,
     Llama 4, Inkling's shared experts: the gating is inline in their loops, which ffn_ext no longer copies) or with
@@ -619,12 +581,11 @@ def test_experts_ffn_ext_does_not_patch_run_as_they_are_and_are_named(name, monk
             torch.testing.assert_close(p.grad, params0[n].grad, rtol=0, atol=0, msg=n)
         m.zero_grad(), ref.zero_grad()
     assert spy.calls == []
-    with _known_bug(name == "DbrxExperts", f"{named} is not named"):
-        msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
-        assert len(msgs) == 1, msgs
-        assert msgs[0].endswith(f"{getattr(hf_experts, reason)}: {named} at '{where}' (left unpatched)"), msgs[0]
-        with pytest.raises(ValueError, match=re.escape(f"{named} at '{where}' (strict=True: nothing patched)")):
-            ffn_ext.patch_hf_model(m, strict=True)
+    msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].endswith(f"{getattr(hf_experts, reason)}: {named} at '{where}' (left unpatched)"), msgs[0]
+    with pytest.raises(ValueError, match=re.escape(f"{named} at '{where}' (strict=True: nothing patched)")):
+        ffn_ext.patch_hf_model(m, strict=True)
 
 
 # ---------------------------------------------------------------- what is not patched is named, once

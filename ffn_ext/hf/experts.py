@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .classic import _activation_child
 from .common import (
     _AGREE,
     _DISAGREE,
@@ -94,7 +95,16 @@ def _is_experts(module) -> bool:
     if callable(getattr(type(module), "_apply_gate", None)):
         return True
     p = module._parameters
-    return _3d(p, "gate_up_proj") or (_3d(p, "gate_proj") and _3d(p, "up_proj"))
+    if _3d(p, "gate_up_proj") or (_3d(p, "gate_proj") and _3d(p, "up_proj")):
+        return True
+    if not _activation_child(module):
+        return False
+    # experts under other layouts, beside their activation: children holding [E, out, in] weights (JetMoE's
+    # JetMoeParallelExperts), or three weights of one 2-D shape, [E * I, H] each (DBRX's w1, v1, w2)
+    if sum(any(t.dim() == 3 for t in m._parameters.values() if t is not None) for m in module.children()) >= 2:
+        return True
+    shapes = [tuple(t.shape) for t in p.values() if t is not None and t.dim() == 2]
+    return any(shapes.count(s) >= 3 for s in shapes)
 
 
 def _check_gate(module, gate: _Gate) -> str:
