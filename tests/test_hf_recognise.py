@@ -257,6 +257,62 @@ def test_bailing_hybrid_with_limits_computes_what_it_did(limit):
         torch.testing.assert_close(net["experts"](x, idx, w), ref["experts"](x, idx, w), rtol=0, atol=0)
 
 
+def _bailing_hybrid_limits(limit: float) -> dict:
+    if not limit:
+        return {}
+    _has("BailingHybridConfig", "swiglu_limits", "swiglu_limits_shared")
+    return {"swiglu_limits": [limit, limit], "swiglu_limits_shared": [limit, limit]}
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.0, 16.0])
+def test_bailing_hybrid_model_is_patched_where_exact_and_computes_what_it_did(limit):
+    """A whole tiny Bailing-Hybrid (a dense layer, then an MoE layer with shared experts): its logits and every
+    parameter gradient equal the unpatched model's. The dense MLP (no limit: built without a layer index) is patched
+    at every transformers; with a limit (5.25: 0 means none) the shared experts and the routed experts clamp after
+    the activation and are named, without one they are patched too."""
+    if getattr(transformers, "BailingHybridConfig", None) is None:
+        pytest.skip(f"this transformers ({transformers.__version__}) has no BailingHybridConfig")
+    config = transformers.BailingHybridConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=8,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        head_dim=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        num_local_experts=4,
+        first_k_dense_replace=1,
+        layer_types=["full_attention", "linear_attention"],
+        pad_token_id=0,
+        eos_token_id=1,
+        num_mtp_layers=0,
+        **_bailing_hybrid_limits(limit),
+    )
+    torch.manual_seed(10)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ffn_ext.patch_hf_model(ref)
+    named = " ".join(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
+    assert ("clamp the activation's output" in named) == bool(limit), named
+    if limit:
+        assert "'model.layers.1.mlp.shared_experts'" in named and "'model.layers.1.mlp.experts'" in named, named
+    n = _compare_patched(
+        model, lambda: {"input_ids": torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(11))}
+    )
+    assert n == (1 if limit else 3)
+
+
 def test_longcat_flash_runs_after_patching():
     """LongCat-Flash (rewritten onto @use_experts_implementation in 5.25; its own loop at 5.24): patching never
     breaks its forward; logits and gradients equal the unpatched model's."""
