@@ -12,11 +12,25 @@ import torch.nn.modules.module as _module_mod
 __all__ = ["functorch_active", "vmap_only", "has_tangent", "global_module_hooks", "module_hooks"]
 
 
+_layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+# dynamo folds the depth to its value at trace time, under a guard, from torch 2.13; before, it cannot trace the
+# call at all (a graph break, and torch.compile(fullgraph=True) fails), so there the trace reads it through
+# assume_constant_result, which folds it the same way without that guard
+_DYNAMO_FOLDS_DEPTH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+@torch.compiler.assume_constant_result
+def _depth_while_traced() -> int:
+    return _layer_depth()
+
+
 def functorch_active() -> bool:
     """True inside a torch.func transform (grad, vmap, jacrev, jvp, ...), also while torch.compile traces one."""
     # the dynamic layer stack's depth, not peek_interpreter_stack() is not None: dynamo traces the peek as not None
     # outside any transform (torch 2.14), the depth as it is (tests/test_compile_export.py)
-    return torch._C._functorch.get_dynamic_layer_stack_depth() > 0
+    if not _DYNAMO_FOLDS_DEPTH and torch.compiler.is_compiling():
+        return _depth_while_traced() > 0
+    return _layer_depth() > 0
 
 
 def vmap_only() -> bool:

@@ -182,17 +182,38 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
     saved_w = (*ws, wd)
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
-    if _chunks(x, chunk):
-        y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
-        ctx.chunk, pre = chunk, ()
-    else:
-        pre = _project(x, ws, bs)
-        y = _linear_out(_call(op, pre), wd, bd)
-        ctx.chunk, ctx.dtype = None, pre[0].dtype
-        if recompute:
-            pre = ()
+    with _autocast_cache_off(x):
+        if _chunks(x, chunk):
+            y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
+            ctx.chunk, pre = chunk, ()
+        else:
+            pre = _project(x, ws, bs)
+            y = _linear_out(_call(op, pre), wd, bd)
+            ctx.chunk, ctx.dtype = None, pre[0].dtype
+            if recompute:
+                pre = ()
     ctx.save_for_backward(x, *saved_w, *bs, *pre)
     return y
+
+
+@contextlib.contextmanager
+def _cache_off():
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(was)
+
+
+def _autocast_cache_off(x):
+    """Within it, autocast does not cache its casts of the weights. An autograd.Function's forward runs without grad
+    mode, and torch 2.10's autocast caches the casts it makes there too (later releases do not): the region's next
+    F.linear on the same weights would get that cast, which has no grad_fn, and lose the weights' gradients. In
+    eager only (a compiled graph has no such cache)."""
+    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(x.device.type):
+        return contextlib.nullcontext()
+    return _cache_off()
 
 
 # From this many rows (tokens) the backward runs in two halves (_chunked_backward over the saved projections):
@@ -485,7 +506,8 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
         if len(ws) == 1:
             return _GatedMLPPacked.apply(a, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
         return _GatedMLP.apply(a, recompute, token_chunk, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
-    return _plain(_OPS[a][len(ws) == 1], x, ws, wd, bs, bd, token_chunk)
+    # _OPS[a] is (gated, packed), indexed by an int: torch 2.10's dynamo cannot index a tuple with a bool
+    return _plain(_OPS[a][2 - len(ws)], x, ws, wd, bs, bd, token_chunk)
 
 
 _OPTIONS_DOC = """

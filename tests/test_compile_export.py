@@ -116,6 +116,28 @@ def test_compile_fullgraph_matches_eager(device):
     _compare(model, compiled, [torch.randn(2, 5, 16, device=device)])
 
 
+def test_compile_fullgraph_where_dynamo_cannot_trace_the_functorch_depth(monkeypatch):
+    """Before torch 2.13 dynamo cannot trace the functorch layer depth that the functional API reads (fullgraph
+    failed there): ffn_ext reads it through assume_constant_result on those releases. That path, taken here on this
+    torch: a fullgraph compile of every forward op, and of grad and vmap(grad) over the lean MLP, equals eager."""
+    from torch.func import functional_call, grad, vmap
+
+    import ffn_ext
+
+    monkeypatch.setattr(ffn_ext._compat, "_DYNAMO_FOLDS_DEPTH", False)
+    torch._dynamo.reset()
+    model = TinyMLP().double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    _compare(model, torch.compile(model, fullgraph=True, backend="aot_eager"), [x])
+    ffn = ffn_ext.SwiGLUFFN(16, 24).double()
+    params = {k: v.detach() for k, v in ffn.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi: functional_call(ffn, p, (xi,)).square().sum()), in_dims=(None, 0))
+    ref = vmap(grad(lambda p, xi: _swiglu_ffn_ref(p, xi).square().sum()), in_dims=(None, 0))
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    got = torch.compile(per_sample, backend="aot_eager", fullgraph=True)(params, x)
+    torch.testing.assert_close(got, ref(params, x), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_dynamic_shapes_and_ops_in_graph(device):
     # dynamic=True: one graph for several batch sizes, run through AOTAutograd (forward and backward graphs made

@@ -596,6 +596,20 @@ def test_autocast_cpu_bf16():
         assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
 
 
+def test_autocast_region_keeps_weight_gradients_after_an_mlp_call():
+    """The lean autograd's forward runs without grad mode; torch 2.10's autocast cached the weight casts it made
+    there, and the region's later F.linear on the same weights got a cast with no grad_fn (their gradients lost).
+    Here on this torch the same sequence: the later projections still reach the weights."""
+    mlp = ffn_ext.SwiGLUFFN(32, 96, bias=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+        z = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    assert z.requires_grad and z.dtype == torch.bfloat16
+    (y.float().sum() + z.float().sum()).backward()
+    assert mlp.gate_proj.weight.grad is not None and mlp.down_proj.weight.grad is not None
+
+
 # ---------------------------------------------------------------- every gated activation: GatedFFN, functional forms
 def _gated_ffn(act, d_model, d_ff, **kw):
     """GatedFFN for table entry `act`, as the subclass that names it when there is one (SwiGLUFFN, GeGLUFFN)."""
