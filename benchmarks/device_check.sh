@@ -2,7 +2,7 @@
 # The device check: everything that needs a GPU. Since the clamped SwiGLU and the interleaved layout (88 kernels per
 # architecture, about 1600 CUDA tests, 3968 sanitizer calls) it no longer fits one 10-minute call; run it as two
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
-#   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 540 s
+#   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 570 s
 #   OUT=/some/dir STAGES="quant_tests bench_quant fp8_mlp bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 520 s
 #   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 420 s
 # With less device time than both need, measure first: STAGES="build quant_tests bench_quant fp8_mlp bench_ops
@@ -14,11 +14,13 @@
 # (geglu, geglu_tanh, swiglu, swiglu_clamped, packed forms), 88 rows_kernels per architecture with the interleaved
 # layout's (48 before the clamped SwiGLU: the build and the CUDA tests are not yet timed with them). (The SASS
 # checks run in CI on the sm_80/sm_90 build: tests/test_sass.py; the sass stage here reports the device build's
-# counts and spills.)
+# instruction budgets and spills.)
 # Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
 # (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl).
+# STAGE_LIMITS=off runs the stages without their time limits: the limits keep a device call under its 10 minutes,
+# while the test suite's run of the sass stage (tests/test_benchmarks_smoke.py) must not fail on a loaded machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ffn_ext_device}
@@ -37,7 +39,11 @@ stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   wanted "$name" || { note "$(printf '%-12s skipped (STAGES)' "$name")"; return; }
   local t0=$(date +%s)
-  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  if [ "${STAGE_LIMITS:-on}" = off ]; then
+    "$@" >"$LOGS/$name.log" 2>&1
+  else
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  fi
   local rc=$?
   local line; line=$(grep -E "passed|failed|error|SUMMARY|ERROR SUMMARY" "$LOGS/$name.log" | tail -n 1)
   [ $rc -eq 0 ] || failed=$((failed + 1))
@@ -62,11 +68,10 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 stage build 180 $PY -m pip install -v --no-build-isolation --no-deps -e .
 $PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
 # The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use),
-# for all 48 kernels (GeluTanh ones included), then registers and any spills. About 8 s on a 2-core CPU; 88 kernels
-# with the clamped SwiGLU and the interleaved layout: 10 s of CPU time on a 2-core CPU (2026-12-01), up to 27 s of
-# wall time on a loaded one; with the 135 FP8 kernels per arch more than 40 s on a 2-core CPU running two test
-# workers (tests/test_benchmarks_smoke.py runs this stage in CI): 60 s.
-stage sass 60 $PY benchmarks/sass_budget.py
+# then registers and any spills, and the kernels over budget: a report that fails only when it cannot read the
+# binary. Most of its time is cuobjdump's single-threaded dump of the sm_90 SASS, so its limit leaves about twice
+# what a loaded 2-core CPU takes.
+stage sass 90 $PY benchmarks/sass_budget.py
 
 # All CUDA tests, the large (>2**31 elements) ones included: 525 took 97 s; about 1600 now (2026-12-01), 300 s.
 # The quantizing kernels (csrc/cuda/quant_kernels.cuh, in four quant_part<i>.cu: 135 kernels, the group, row and

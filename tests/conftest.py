@@ -56,6 +56,11 @@ def package_env(**extra) -> dict:
     return env
 
 
+# The time limit of every subprocess a test starts: a guard against a hang, never a speed check, so that no test's
+# outcome depends on how fast or loaded the machine is. An hour: many times the longest of them (a CPU-only build
+# takes minutes on 2 cores).
+HANG_GUARD_S = 3600
+
 # ---------------------------------------------------------------- markers: cuda / large / slow
 LARGE_ENV = "FFN_EXT_RUN_LARGE"
 MARKERS = {

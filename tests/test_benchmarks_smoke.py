@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import package_env
+from conftest import HANG_GUARD_S, package_env
 
 from ffn_ext.table import ACTIVATIONS
 
@@ -64,7 +64,7 @@ def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.Complete
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -219,12 +219,14 @@ def test_device_check_script_is_well_formed(tmp_path):
     """benchmarks/device_check.sh gets a few calls on a lent GPU, so what can be checked here is: bash parses it,
     every default stage has a `stage` line, the calls its header prescribes cover every stage and their stage
     limits leave room under the device tool's 600 s per call,
-    the scripts it runs exist and take their ops from the op table. Then a run of its one GPU-free stage (sass)
-    writes the summary and archive, and skips the rest without counting them as failures."""
+    the scripts it runs exist and take their ops from the op table. Then a run of its one GPU-free stage (sass),
+    without its time limit (STAGE_LIMITS=off: a slow machine is no failure), writes the summary and archive, and
+    skips the rest without counting them as failures."""
     import re
 
+    import sass_reader
+
     import ffn_ext
-    from ffn_ext import sass
 
     script = ROOT / "benchmarks" / "device_check.sh"
     if not script.is_file() or not (ROOT / "tests" / "cuda_sanitize_cases.py").is_file():
@@ -247,16 +249,25 @@ def test_device_check_script_is_well_formed(tmp_path):
     for path in ("tests/cuda_sanitize_cases.py", "benchmarks/ncu_cases.py"):
         assert re.search(r"ffn_ext\.table|table_ops\(\)", (ROOT / path).read_text()), path
 
+    # STAGE_LIMITS=off: the stage's time limit is for the device call; here only its outcome counts, however
+    # loaded the machine.
     env = dict(
-        os.environ, OUT=str(tmp_path), STAGES="sass", PYTHON=sys.executable, PYTHONPATH=package_env()["PYTHONPATH"]
+        os.environ,
+        OUT=str(tmp_path),
+        STAGES="sass",
+        STAGE_LIMITS="off",
+        PYTHON=sys.executable,
+        PYTHONPATH=package_env()["PYTHONPATH"],
     )
-    proc = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     summary = (tmp_path / "summary.txt").read_text()
     assert (tmp_path / "device_check.tgz").is_file()
     for name in set(stages) - {"sass"}:
         assert re.search(rf"^{name}\s+skipped \(STAGES\)", summary, re.M), (name, summary)
     sass_ok = re.search(r"^sass\s+rc=0 ", summary, re.M) is not None
-    if ffn_ext.has_cuda_kernels() and sass.cuobjdump():
+    if ffn_ext.has_cuda_kernels() and sass_reader.cuobjdump():
         assert sass_ok and proc.returncode == 0 and "failed stages: 0" in summary, summary
     else:
         assert not sass_ok and proc.returncode == 1 and "failed stages: 1" in summary, summary
@@ -274,7 +285,7 @@ def test_bench_cpu_quick(tmp_path):
         env=package_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "cpu.json").read_text())
@@ -300,7 +311,7 @@ def test_moe_saved_bytes_quick():
         env=package_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3_moe")]

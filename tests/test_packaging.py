@@ -17,20 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_source_tree
+from conftest import HANG_GUARD_S, needs_source_tree
 
 from ffn_ext import _build, _loader
 from ffn_ext.table import OPS
 
 
-def _setup_py(root: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def _setup_py(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "setup.py", *args],
         cwd=root,
         env=env or dict(os.environ),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=HANG_GUARD_S,
     )
 
 
@@ -48,7 +48,7 @@ def test_sdist_holds_every_tracked_file(tmp_path):
         "from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     name = r.stdout.strip().splitlines()[-1]
@@ -94,7 +94,7 @@ def test_isolated_build_stops_at_once_with_the_command(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_GUARD_S,
     )
     assert r.returncode != 0, r.stdout[-2000:]
     msg = r.stderr
@@ -142,6 +142,8 @@ def test_sources_reachable_for_jit():
         assert (root / rel).is_file(), rel
     headers = {Path(rel).name for rel in _build.shipped_files(root)}
     assert {"ffn_ext.h", "ops_table.h", "rows_launcher.cuh", "ops.h", "build.json"} <= headers, headers
+    # no test code: the host math and emulated launches are the tests' own extension (tests/native.py)
+    assert not [rel for rel in _build.shipped_files(root) if "test" in rel.lower()], _build.shipped_files(root)
     if not _build.in_checkout():
         assert root == _build.SHIPPED, root
 
@@ -171,3 +173,11 @@ def test_fallback_warning_recommends_only_what_works():
     assert "ffn_ext.jit.load()" in text, text
     assert ("pip install --no-build-isolation -e ." in text) == _build.in_checkout(), text
     assert "circular" not in text
+
+
+def test_package_holds_no_sass_reader():
+    """The SASS reader is test machinery (tests/sass_reader.py, used by tests/test_sass.py and
+    benchmarks/sass_budget.py): neither the checkout's package nor an installed wheel has a copy."""
+    import importlib.util
+
+    assert importlib.util.find_spec("ffn_ext.sass") is None

@@ -1,9 +1,7 @@
-"""The machine code of ffn_ext's CUDA kernels, read without a GPU: instructions per element on each kernel's vector
-path, and what that count predicts for bandwidth on an H200. Used by benchmarks/sass_budget.py (the command line)
-and tests/test_sass.py; pure Python, not imported by ``import ffn_ext``.
-
-    python benchmarks/sass_budget.py                 # the loaded ffn_ext native library, sm_90
-    python -m ffn_ext.sass --lib build/libffn_ext_ops.so --arch 80
+"""The machine code of ffn_ext's CUDA kernels, read without a GPU: the kernels a binary holds, their memory
+accesses and resource usage, and the instructions on each kernel's vector path. tests/test_sass.py checks the
+kernels with it and benchmarks/sass_budget.py reports the instruction budgets from it. Test machinery, not part of
+the package: it reads whichever binary it is given (by default the loaded ffn_ext native library).
 
 What it reads. ``cuobjdump`` (triton ships one, triton/backends/nvidia/bin, in the CUDA build of torch; else
 $CUDA_HOME/bin or PATH) dumps the SASS (``--dump-sass``) and the resource usage (``--dump-resource-usage``) of a
@@ -37,48 +35,32 @@ in registers), so it too makes kUnroll 128-bit accesses per member of the pair. 
 taken. budget counts the instructions on that path (NOPs excluded) and divides by the elements a thread handles
 (kUnroll * VEC) and the bytes each element moves (one T per input and output, a pair operand's two included). It
 also counts the floating-point instructions issued before the path's last load: 0 means every load of the thread
-is in flight before its math starts, which is what keeps enough bytes in flight per multiprocessor.
-
-Calibration. On the tree of commit cec8a58, this count matches Nsight Compute's smsp__inst_executed on the H200
-(benchmarks/results/2026-11-30_h200/ncu.log, bf16, 2**26 elements) to within 2%: gelu 34.9 and 34.9 per element,
-gelu_backward 56.5 and 56.5, silu 23.8 and 23.8, silu_backward 40.1 and 40.1, swiglu 31.9 and 31.9,
-swiglu_backward 47.0 and 48.0. The same run gives the issue ceiling: 132 SMs x 4 schedulers x 1.92 GHz at the
-~83% issue-active that issue-bound kernels reached, 2.69e13 instructions/s per thread lane, against a copy at
-4172 GB/s: about 6.45 instructions per byte. A kernel needing D instructions per byte then reaches at most
-6.45 / D of copy bandwidth; that bound gave 74% for GELU forward and 69% for GELU backward (measured: 73.6% and
-70.6%), and above 96% for SiLU (measured 97.7-97.8%). It is a prediction for an H200 and this nvcc, not a
-measurement: the device benchmarks measure. (The branch rule above gives the same counts as the rule used for
-that calibration, which never took a branch into code with 128-bit accesses, on the kernels of cec8a58 and
-2bfde8d; the kFull body came after.)
+is in flight before its math starts, which is what keeps enough bytes in flight per multiprocessor. How well the
+count matches Nsight Compute, and what it predicts, is in docs/performance.md.
 
 The FP8 quantizing kernels (csrc/cuda/quant_kernels.cuh: quant_kernel, quant_row_kernel,
 quant_tensor_kernel<T, F, Pair>) are read by quant_kernel_of and counted by quant_budget: the same walk, with a
 chunk's 8-byte fp8 store as its vector store, the count taken over one iteration of the loop around the vector
 accesses (the steady state: a lane of 16 elements for the group kernel, with the block its writer lanes issue, and
 for the tensor kernel; a row of 8192 for the row kernel), not the work before it.
-On the tree before the hardware conversion it gave 68.0 instructions per element for the bf16 SwiGLU row kernel,
-what a count by hand had found (about 68). Not calibrated on a device yet.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .table import GATED, OPS, Gated, OpSpec
+from ffn_ext.table import GATED, OPS, Gated, OpSpec
 
 __all__ = [
     "K_UNROLL",
     "DTYPES",
     "DTYPE_SIZE",
-    "H200_INSTR_PER_BYTE",
     "Kernel",
     "KernelSpec",
     "KERNELS",
@@ -93,20 +75,15 @@ __all__ = [
     "parse_resources",
     "vector_path",
     "budget",
-    "table",
     "QuantKernel",
     "quant_kernel_of",
     "quant_budget",
-    "quant_table",
-    "spill_report",
-    "main",
 ]
 
 K_UNROLL = 4  # csrc/rows.h kUnroll: 16-byte vectors per operand and thread in the body
 # the storage type as the Itanium ABI mangles it -> (torch dtype name, bytes)
 DTYPES = {"d": ("float64", 8), "f": ("float32", 4), "N3c104HalfE": ("float16", 2), "N3c108BFloat16E": ("bfloat16", 2)}
 DTYPE_SIZE = dict(DTYPES.values())
-H200_INSTR_PER_BYTE = 6.45  # issue ceiling / copy bandwidth, from the 2026-11-30 H200 run (see above)
 
 VECTOR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.[A-Z0-9_]+)*\.128\b")  # 16 bytes: LDG.E.128, STG.E.128...
 SCALAR_MEM = re.compile(r"\b(?:LDG|STG)(?:\.(?!128\b)[A-Z0-9_]+)*\s")  # one element: LDG.E.U16, STG.E.64...
@@ -360,7 +337,8 @@ def dump(lib: str, kind: str = "sass", arch: int | None = None, tool: str | None
     if tool is None:
         raise RuntimeError("cuobjdump not found (pip install triton, or set CUDA_HOME to a toolkit that has it)")
     cmd = [tool, _FLAGS[kind], *(["-arch", f"sm_{arch}"] if arch is not None else []), lib]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # no time limit: cuobjdump only reads a local file, and a loaded machine must not turn slowness into a failure
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if kind == "ptx" and r.returncode != 0 and "No PTX" in r.stderr + r.stdout:
         return ""
     if r.returncode != 0:
@@ -514,8 +492,9 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
     a packed op's Interleaved kernel, else ""), kernel, dtype, instructions per
     element and per byte, the 128-bit loads/stores on the path (and how many there should be), the
     floating-point instructions the path issues before its last load (0: every load is in flight before the math
-    starts) and the H200 bound (fraction of copy bandwidth). A kernel the op table does not predict raises
-    KeyError."""
+    starts), and the element-wise global accesses on it (predicated off) and its predicated 128-bit accesses: both
+    0 on rows.h's kFull body, which has no range checks and no fallbacks. A kernel the op table does not predict
+    raises KeyError."""
     funcs = parse_sass(sass) if isinstance(sass, str) else sass
     rows: list[dict] = []
     for (sm, name), ins in funcs.items():
@@ -531,10 +510,10 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
         ops = [PREDICATE.sub("", ins[i][1]) for i in path]
         last_load = max(n for n, op in enumerate(ops) if VECTOR_MEM.match(op) and op.startswith("LDG"))
         math_first = sum(FP_MATH.match(op) is not None for op in ops[:last_load])
+        scalar = sum(SCALAR_MEM.search(op) is not None for op in ops)  # predicated ones, issued with the predicate off
+        guarded = sum(VECTOR_MEM.search(ins[i][1]) is not None and PREDICATE.match(ins[i][1]) is not None for i in path)
         per_elem = per_thread / (K_UNROLL * k.vec)  # an element: one of each input and output (of a pair: both)
         per_byte = per_elem / ((spec.ni + spec.no) * size)
-        # float64 arithmetic issues at half rate on an H200 (and its exp/erf are long): no bound from issue alone
-        bound = None if k.dtype == "float64" else min(1.0, H200_INSTR_PER_BYTE / per_byte)
         rows.append(
             dict(
                 op=spec.op,
@@ -550,33 +529,13 @@ def budget(sass: str | dict, arch: int) -> list[dict]:
                 want_loads=K_UNROLL * spec.ni,
                 want_stores=K_UNROLL * spec.no,
                 math_before_last_load=math_first,
-                h200_bound=bound,
+                scalar_accesses=scalar,
+                guarded_vector_accesses=guarded,
                 _key=_order(k),
             )
         )
     rows.sort(key=lambda r: r.pop("_key"))
     return rows
-
-
-def table(rows: list[dict], arch: int) -> str:
-    """budget's rows as a markdown table."""
-    lines = [
-        f"Vector path of each rows_kernel, sm_{arch} SASS (a prediction, not a measurement; see ffn_ext/sass.py)",
-        "",
-        "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | 128-bit loads / stores "
-        "| math before the last load |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        b = r["h200_bound"]
-        bound = "- (fp64 pipe: half rate)" if b is None else ">= 1 (memory-bound)" if b >= 1 else f"{b:.0%}"
-        op = f"{r['op']} ({r['layout']})" if r["layout"] else r["op"]
-        lines.append(
-            f"| {op} | {r['kernel']} | {r['dtype']} | {r['instr_per_elem']:.1f} | "
-            f"{r['instr_per_byte']:.2f} | {bound} | {r['loads']} / {r['stores']} | "
-            f"{r['math_before_last_load']} |"
-        )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the FP8 quantizing kernels
@@ -674,8 +633,8 @@ def quant_budget(sass: str | dict, arch: int) -> list[dict]:
              scale's first launch: h and its amax, no store).
     The count runs from the loop's head to its back edge; the work before the loop (the grid's index arithmetic,
     the tensor kernels' scale) is left out as it is paid once per thread, not per element. Bytes per element: the
-    inputs' (one T per operand element) plus the fp8 byte; the amax launch reads the inputs only. It is the same
-    prediction as budget's, for these kernels: h200_bound is H200_INSTR_PER_BYTE / instructions per byte."""
+    inputs' (one T per operand element) plus the fp8 byte; the amax launch reads the inputs only. The same count as
+    budget's, for these kernels."""
     funcs = parse_sass(sass) if isinstance(sass, str) else sass
     rows: list[dict] = []
     for (sm, name), ins in funcs.items():
@@ -724,7 +683,6 @@ def quant_budget(sass: str | dict, arch: int) -> list[dict]:
                     instr_per_elem=per_elem,
                     instr_per_byte=per_byte,
                     f2fp=f2fp,
-                    h200_bound=min(1.0, H200_INSTR_PER_BYTE / per_byte),
                 )
             )
     order = ["quantize", *(g.name for g in GATED)]
@@ -733,81 +691,3 @@ def quant_budget(sass: str | dict, arch: int) -> list[dict]:
         key=lambda r: (order.index(r["op"]), r["layout"], kinds.index(r["kind"]), list(DTYPE_SIZE).index(r["dtype"]))
     )
     return rows
-
-
-def quant_table(rows: list[dict], arch: int) -> str:
-    """quant_budget's rows as a markdown table."""
-    lines = [
-        f"FP8 quantizing kernels, sm_{arch} SASS, steady state (a prediction, not a measurement; see quant_budget)",
-        "",
-        "| op | kernel | dtype | instr / elem | instr / byte | H200 issue bound (x copy) | fp8 cvt instruction |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        b = r["h200_bound"]
-        op = f"{r['op']} ({r['layout']})" if r["layout"] else r["op"]
-        cvt = ", ".join(f"F2FP {f}" for f in r["f2fp"]) or "software"
-        lines.append(
-            f"| {op} | {r['kind']} | {r['dtype']} | {r['instr_per_elem']:.1f} | {r['instr_per_byte']:.2f} | "
-            f"{'>= 1 (memory-bound)' if b >= 1 else f'{b:.0%}'} | {cvt} |"
-        )
-    return "\n".join(lines)
-
-
-def main(argv=None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog=prog or "python -m ffn_ext.sass",
-        description="Instructions per element on each CUDA kernel's vector path, read from "
-        "the SASS (no GPU needed), and the H200 bandwidth they predict.",
-    )
-    ap.add_argument("--lib", help="binary to read (default: the loaded ffn_ext native library)")
-    ap.add_argument("--arch", type=int, default=90, help="SASS architecture, e.g. 80 or 90 (default 90)")
-    args = ap.parse_args(argv)
-    name = ap.prog
-    lib = args.lib
-    if lib is None:
-        lib, why = native_library()
-        if lib is None:
-            print(f"{name}: {why}; pass --lib", file=sys.stderr)
-            return 2
-    if cuobjdump() is None:
-        print(f"{name}: cuobjdump not found (pip install triton, or set CUDA_HOME)", file=sys.stderr)
-        return 2
-    funcs = parse_sass(dump(lib, "sass", args.arch))
-    rows = budget(funcs, args.arch)
-    if not rows:
-        print(f"{name}: no rows_kernel SASS for sm_{args.arch} in {lib}", file=sys.stderr)
-        return 2
-    print(table(rows, args.arch))
-    quant = quant_budget(funcs, args.arch)
-    if quant:
-        print("\n" + quant_table(quant, args.arch))
-    print("\n" + spill_report(funcs, parse_resources(dump(lib, "res", args.arch)), args.arch))
-    return 0
-
-
-def spill_report(funcs: dict, res: dict, arch: int) -> str:
-    """Registers per rows_kernel of `arch` and the kernels with a stack frame, local memory or local loads and
-    stores (spills): a report (tests/test_sass.py is the check)."""
-    ours = {n: r for (a, n), r in res.items() if a == arch and kernel_of(n) is not None}
-    if not ours:
-        return f"sm_{arch}: no resource usage for the rows_kernels"
-    regs = sorted((r.get("REG", 0), str(kernel_of(n))) for n, r in ours.items())
-    lines = [
-        f"sm_{arch} registers per thread: {regs[0][0]} ({regs[0][1]}) to {regs[-1][0]} ({regs[-1][1]}); "
-        f"{sum(r == regs[-1][0] for r, _ in regs)} of {len(regs)} kernels at {regs[-1][0]}"
-    ]
-    bad = []
-    for n, r in sorted(ours.items(), key=lambda kv: str(kernel_of(kv[0]))):
-        local = sum(LOCAL_MEM.search(op) is not None for _, op in funcs.get((arch, n), []))
-        if r.get("STACK") or r.get("LOCAL") or local:
-            bad.append(
-                f"  {kernel_of(n)}: REG {r.get('REG')}, STACK {r.get('STACK')} bytes, LOCAL {r.get('LOCAL')} "
-                f"bytes, {local} local loads/stores (LDL/STL)"
-            )
-    lines += (["SPILLS (stack or local memory):"] + bad) if bad else ["no stack, local memory or LDL/STL in any kernel"]
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
