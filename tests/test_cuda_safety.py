@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import HANG_GUARD_S
 from optable import OPS as OP_NAMES
 from optable import PACKINGS, as_tuple, call, is_packed, spec
 
@@ -205,7 +206,11 @@ def test_cpu_only_build_serves_cuda_tensors_with_one_warning(tmp_path):
     and warns once (TORCH_WARN_ONCE in csrc/aten_ops.cpp)."""
     env = dict(os.environ, FFN_EXT_NO_C="1")
     r = subprocess.run(
-        [sys.executable, "-c", _CPU_ONLY_BUILD, str(tmp_path)], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", _CPU_ONLY_BUILD, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
     )
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     # TORCH_WARN_ONCE reaches Python as a warning where the caller converts C++ warnings, and is printed to stderr

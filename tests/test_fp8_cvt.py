@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -32,8 +33,8 @@ def test_hardware_fp8_conversion_matches_software(tmp_path):
     cmd = [_compiler(), "-std=c++17", "-O2", "-I", str(ROOT / "csrc")]
     cmd += [f"-I{p}" for p in include_paths()] + [f"-I{CUDA_HOME / 'include'}"]
     cmd += [str(ROOT / "tests" / "fp8_cvt_check.cpp"), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout[-4000:] + run.stderr[-2000:]
     assert int(run.stdout.split()[1]) > 4_000_000  # the values checked per format, summed: all of them ran

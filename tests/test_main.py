@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import package_env
+from conftest import HANG_GUARD_S, package_env
 
 import ffn_ext
 from ffn_ext import __main__ as demo
@@ -22,7 +22,7 @@ GPU = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
 def full_run():
     env = package_env(PYTHONWARNINGS="ignore")  # the ffn_ext under test, wherever the tests run from
     proc = subprocess.run(
-        [sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "ffn_ext"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     return proc
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_GUARD_S
 
 from ffn_ext import _build
 
@@ -113,7 +114,7 @@ def test_scratch_activation_by_the_recipe_alone(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=HANG_GUARD_S,
     )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     # the copy's ffn_ext (python -m puts the working directory first on sys.path), with the scratch entry
@@ -128,7 +129,7 @@ def test_scratch_activation_by_the_recipe_alone(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert probe.returncode == 0 and probe.stdout.split()[1:] == ["True", "True"], probe.stdout + probe.stderr
     assert Path(probe.stdout.split()[0]).is_relative_to(tree), probe.stdout
@@ -148,7 +149,7 @@ def test_scratch_activation_by_the_recipe_alone(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=HANG_GUARD_S,
     )
     tail = run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""

@@ -22,6 +22,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from optable import (
     ACTIVATIONS,
     FORWARD_OPS,
@@ -1052,7 +1053,9 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
 @pytest.mark.slow
 def test_aten_fallback_validates_the_same():
     env = dict(os.environ, FFN_EXT_NO_C="1")
-    r = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"fallback-ok {20 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout
 
