@@ -16,7 +16,7 @@ _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
 # dynamo folds the depth to its value at trace time, under a guard, from torch 2.13; before, it cannot trace the
 # call at all (a graph break, and torch.compile(fullgraph=True) fails), so there the trace reads it through
 # assume_constant_result, which folds it the same way without that guard
-_DYNAMO_FOLDS_DEPTH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+_DYNAMO_FOLDS_DEPTH = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 @torch.compiler.assume_constant_result
