@@ -211,9 +211,13 @@ def _autocast_cache_off(x):
     mode, and torch 2.10's autocast caches the casts it makes there too (later releases do not): the region's next
     F.linear on the same weights would get that cast, which has no grad_fn, and lose the weights' gradients. In
     eager only (a compiled graph has no such cache)."""
-    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(x.device.type):
+    device = x.device.type  # autocast knows some device types only; is_autocast_enabled raises for the others
+    if torch.compiler.is_compiling() or not (_autocast_available(device) and torch.is_autocast_enabled(device)):
         return contextlib.nullcontext()
     return _cache_off()
+
+
+_autocast_available = torch.amp.is_autocast_available
 
 
 # From this many rows (tokens) the backward runs in two halves (_chunked_backward over the saved projections):
