@@ -19,9 +19,12 @@ _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
 _DYNAMO_FOLDS_DEPTH = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
-@torch.compiler.assume_constant_result
-def _depth_while_traced() -> int:
+def _depth() -> int:
     return _layer_depth()
+
+
+# the decorator imports dynamo (a second, and torch.distributed.tensor with it): only on the releases that need it
+_depth_while_traced = _depth if _DYNAMO_FOLDS_DEPTH else torch.compiler.assume_constant_result(_depth)
 
 
 def functorch_active() -> bool:

@@ -125,6 +125,9 @@ def test_compile_fullgraph_where_dynamo_cannot_trace_the_functorch_depth(monkeyp
     import ffn_ext
 
     monkeypatch.setattr(ffn_ext._compat, "_DYNAMO_FOLDS_DEPTH", False)
+    monkeypatch.setattr(
+        ffn_ext._compat, "_depth_while_traced", torch.compiler.assume_constant_result(ffn_ext._compat._depth)
+    )
     torch._dynamo.reset()
     model = TinyMLP().double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
