@@ -121,8 +121,8 @@ def _register_quant_strategies(register_sharding) -> None:
 def register_strategies() -> bool:
     """Registers the sharding strategies of every op of the table with DTensor, once; True when this call did."""
     global _registered
-    if _registered:
-        return False
+    if _registered or not _ops.native_ops():
+        return False  # once; and without the native ops (the ATen fallback) there are no ffn_ext ops to register
     from torch.distributed.tensor.experimental import register_sharding
 
     for name, spec in OPS.items():

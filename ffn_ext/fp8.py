@@ -58,17 +58,30 @@ _EMULATED_WARNED: set = set()  # devices the block emulation or the CPU's RowWis
 def _rowwise(qa, sa, qw, sw, out_dtype):
     """(qa * sa) @ (qw * sw)^T through F.scaled_mm RowWise: qa [M, K] with sa [M, 1]; qw [N, K] with sw [1, N].
     On the CPU, named once in a warning: it runs, with the recipe's numbers, but slower than the bf16 MLP."""
-    if qa.device.type == "cpu" and "cpu (row)" not in _EMULATED_WARNED:
+    on_cpu = qa.device.type == "cpu"
+    if on_cpu and "cpu (row)" not in _EMULATED_WARNED:
         _EMULATED_WARNED.add("cpu (row)")
+        how = (
+            "F.scaled_mm runs here"
+            if _CPU_SCALED_MM
+            else "this torch has no CPU F.scaled_mm, so its GEMMs are emulated (the FP8 values dequantized and "
+            "multiplied in float32, the same numbers)"
+        )
         warnings.warn(
-            "ffn_ext.quantize_fp8: recipe=\"row\" on cpu: F.scaled_mm runs here, but a CPU has no FP8 units, so the "
-            "FP8 MLP is 7-10x slower than the bf16 MLP (benchmarks/bench_fp8_mlp.py); on the CPU it checks the "
-            "recipe's numbers, it is not a speed-up",
+            f"ffn_ext.quantize_fp8: recipe=\"row\" on cpu: {how}, but a CPU has no FP8 units, so the FP8 MLP is "
+            "7-10x slower than the bf16 MLP (benchmarks/bench_fp8_mlp.py); on the CPU it checks the recipe's "
+            "numbers, it is not a speed-up",
             RuntimeWarning,
             stacklevel=4,
         )
+    if on_cpu and not _CPU_SCALED_MM:
+        return ((qa.float() * sa.float()) @ (qw.float() * sw.float().t()).t()).to(out_dtype)  # sw: [1, N]
     rw = F.ScalingType.RowWise
     return F.scaled_mm(qa, qw.t(), sa, rw, sw, rw, output_dtype=out_dtype)
+
+
+# F.scaled_mm's op (aten::_scaled_mm_v2) has no CPU kernel in torch 2.10; later releases have one (2.14 has)
+_CPU_SCALED_MM = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm_v2", "CPU")
 
 
 def _blockwise_native(device: torch.device) -> bool:

@@ -540,6 +540,11 @@ def build_info() -> dict:
     return info
 
 
+def native_ops() -> bool:
+    """True when the torch.ops.ffn_ext ops are registered (a native library is loaded), False on the ATen fallback."""
+    return _native is not None
+
+
 def has_cuda_kernels() -> bool:
     """True when the loaded native library was compiled with the ffn_ext CUDA kernels."""
     return build_info().get("cuda_kernels") == "yes"
