@@ -15,6 +15,7 @@ advice.
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.metadata
 from pathlib import Path
 
 import torch
@@ -53,10 +54,30 @@ def _built_C() -> list[Path]:
     return [p for s in importlib.machinery.EXTENSION_SUFFIXES for p in _build.PACKAGE.glob("_C" + s)]
 
 
+def installed_elsewhere() -> Path | None:
+    """The package directory of an ffn_ext installed (not editable) in this environment when the one imported is
+    another: a checkout that shadows it, e.g. after `pip install .` in the checkout, whose own _C is not built."""
+    try:
+        dist = importlib.metadata.distribution("ffn_ext")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    init = Path(str(dist.locate_file("ffn_ext/__init__.py")))
+    if not init.is_file() or init.parent.resolve() == _build.PACKAGE.resolve():
+        return None
+    return init.parent
+
+
 def check_installed_C() -> None:
     """Raises ImportError (before loading anything) when _C is absent or was built for another torch."""
     if not _built_C():
-        raise ImportError(f"ffn_ext._C is not built: no _C extension module in {_build.PACKAGE}")
+        other = installed_elsewhere()
+        shadowed = (
+            f". This is the ffn_ext source tree, which Python imports first from its current directory; the ffn_ext "
+            f"installed in this environment is {other}: run Python from another directory to use it"
+            if other is not None
+            else ""
+        )
+        raise ImportError(f"ffn_ext._C is not built: no _C extension module in {_build.PACKAGE}{shadowed}")
     record = _build.read_record(_build.PACKAGE)
     if not record:
         return

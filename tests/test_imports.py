@@ -146,3 +146,28 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
         if r.returncode != 0:
             failures.append(f"{n}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
     assert failures == []
+
+
+def test_a_checkout_without_C_names_the_install_it_shadows(tmp_path, monkeypatch):
+    """Python run in a checkout imports the checkout's ffn_ext, whose _C may not be built, even after `pip install .`
+    put a built one in site-packages: the fallback's reason says so and names the installed one."""
+    from ffn_ext import _loader
+
+    installed = tmp_path / "site-packages" / "ffn_ext"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+
+    class Dist:
+        @staticmethod
+        def locate_file(rel):
+            return tmp_path / "site-packages" / rel
+
+    monkeypatch.setattr(_loader.importlib.metadata, "distribution", lambda name: Dist)
+    monkeypatch.setattr(_loader, "_built_C", lambda: [])
+    with pytest.raises(ImportError) as e:
+        _loader.check_installed_C()
+    assert "ffn_ext._C is not built" in str(e.value) and str(installed) in str(e.value), str(e.value)
+    monkeypatch.setattr(_loader._build, "PACKAGE", installed)  # the installed one itself: nothing else to name
+    with pytest.raises(ImportError) as e:
+        _loader.check_installed_C()
+    assert "source tree" not in str(e.value), str(e.value)
