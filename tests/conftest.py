@@ -117,7 +117,7 @@ def pytest_runtest_setup(item):
                     if reason
                     else "; this function's first cuda parametrization runs in the CUDA stand-in"
                     if cuda_standin.available()
-                    else f"; no stand-in here (no ffn_ext._C._emulate_cuda, or {cuda_standin.STANDIN_ENV}=0)"
+                    else f"; no stand-in here (no native ffn_ext library, or {cuda_standin.STANDIN_ENV}=0)"
                 )
             )
         if not ffn_ext.has_cuda_kernels():

@@ -6,9 +6,10 @@ Without a GPU, conftest.py runs the first `cuda`-marked parametrization of every
 - CPU tensors play the GPU's: a torch function mode turns every "cuda" device argument (device=, .to, .cuda(),
   factory functions) into "cpu", and makes tensors report the device a CUDA tensor reports (`device` cuda:0,
   `is_cuda` True), so ffn_ext's Python and the test's take their CUDA branches;
-- every torch.ops.ffn_ext op reaching a kernel runs ffn_ext._C._emulate_cuda instead: the CUDA ops' own problem
-  setup, checks, output allocation and launch shape (csrc/row_ops.h, rows.h) with each block's and thread's code run
-  on the host (tests/test_launcher_emulation.py checks that launch against the host math, bit for bit);
+- every torch.ops.ffn_ext op reaching a kernel runs _emulate_cuda of the tests' host-code extension (tests/native.py)
+  instead: the CUDA ops' own problem setup, checks, output allocation and launch shape (csrc/row_ops.h, rows.h) with
+  each block's and thread's code run on the host (tests/test_launcher_emulation.py checks that launch against the host
+  math, bit for bit);
 - torch.cuda's stream, synchronization and memory calls the tests make are no-ops or neutral answers, and
   torch.autocast("cuda", dtype) is the host's autocast with that dtype.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import native
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,13 +84,9 @@ _GETTERS = {_T.device.__get__: _CUDA, _T.is_cuda.__get__: True, _T.is_cpu.__get_
 
 
 def available() -> bool:
-    """True when cuda tests can run in the stand-in here: no GPU, ffn_ext._C with _emulate_cuda, not turned off."""
-    native = ffn_ext.ops._native
-    return (
-        not torch.cuda.is_available()
-        and getattr(native, "_emulate_cuda", None) is not None
-        and os.environ.get(STANDIN_ENV, "1") != "0"
-    )
+    """True when cuda tests can run in the stand-in here: no GPU, the ffn_ext ops registered (by a native library),
+    not turned off. The emulation (tests/native.py) is built when the first stand-in test runs, if it must be."""
+    return not torch.cuda.is_available() and ffn_ext.ops._native is not None and os.environ.get(STANDIN_ENV, "1") != "0"
 
 
 def _is_cuda(d) -> bool:
@@ -122,7 +120,7 @@ class _CudaOnHost(TorchFunctionMode):
 
 
 class _EmulatedKernels(TorchDispatchMode):
-    """torch.ops.ffn_ext.* kernels as ffn_ext._C._emulate_cuda runs them; `calls` counts them, per op."""
+    """torch.ops.ffn_ext.* kernels as _emulate_cuda (tests/native.py) runs them; `calls` counts them, per op."""
 
     def __init__(self):
         super().__init__()
@@ -139,7 +137,7 @@ class _EmulatedKernels(TorchDispatchMode):
         op = name.split("::", 1)[1]
         spec = SPECS[op]
         params = [float(kwargs.get(p.name, p.default)) for p in spec.params]
-        outs = ffn_ext.ops._native._emulate_cuda(op, list(args), SMS, params, kwargs.get("layout", "concat"))
+        outs = native.testing()._emulate_cuda(op, list(args), SMS, params, kwargs.get("layout", "concat"))
         self.calls[op] = self.calls.get(op, 0) + 1
         return tuple(outs) if spec.n_outputs > 1 else outs[0]
 

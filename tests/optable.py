@@ -12,7 +12,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
 (LAYOUTS are memory layouts of one tensor: strides, offsets; make_layout.)
 
   SPECS, OPS, FORWARD_OPS, BACKWARD_OPS, UNARY_OPS, GATED_OPS, PACKED_OPS   op names from the table
-  PARAM_OPS, HOST_OPS          the ops with keyword parameters; the ops ffn_ext._C._host_math runs (not packed)
+  PARAM_OPS, HOST_OPS          the ops with keyword parameters; the ops _host_math (tests/native.py) runs (not packed)
   NO_AUTOGRAD_OPS              the ops without an autograd formula (OpSpec.differentiable: the recompute ops)
   GATED, GATED_IDS, PACKINGS   the table's Gated entries and their names; the packed ops' gate_up layouts
   N_INPUTS, N_OUTPUTS, ARG_NAMES, ACTIVATIONS, ACT_NAMES                      per op / per activation
@@ -121,7 +121,7 @@ GATED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "gated")
 PACKED_OPS = tuple(n for n in FORWARD_OPS if SPECS[n].kind == "packed")
 NO_AUTOGRAD_OPS = tuple(n for n, s in SPECS.items() if not s.differentiable)  # the table says: <act>_backward_recompute
 PARAM_OPS = tuple(n for n, s in SPECS.items() if s.params)  # ops with keyword parameters, forward and backward
-HOST_OPS = tuple(n for n in OPS if SPECS[n].kind != "packed")  # what ffn_ext._C._host_math runs
+HOST_OPS = tuple(n for n in OPS if SPECS[n].kind != "packed")  # what _host_math (tests/native.py) runs
 ACT_NAMES = tuple(a.name for a in ACTIVATIONS)
 GATED_IDS = tuple(g.name for g in GATED)  # the gated ops of the table (GATED: their entries)
 N_INPUTS = {n: len(s.args) for n, s in SPECS.items()}
@@ -183,7 +183,7 @@ def applied_params(name: str, params: dict | None, dtype: torch.dtype) -> dict:
 
 
 def host_params(name: str, params: dict | None = None) -> list:
-    """The `params` list of ffn_ext._C._host_math / _emulate_cuda: the op's parameters in schema order ([limit,
+    """The `params` list of _host_math / _emulate_cuda (tests/native.py): the op's parameters in schema order ([limit,
     alpha, up_offset] for swiglu_clamped; [] for the ops without parameters)."""
     p = params_of(name, params)
     return [float(p.get(q.name, q.default)) for q in SPECS[name].params]

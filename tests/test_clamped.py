@@ -6,17 +6,19 @@ transformers' GPT-OSS / DeepSeek-V4 gating, written out here as those models wri
 
 forward and gradients (torch autograd of that expression), in float64 and float32 (and the bf16 values those models
 run, 7.0 exactly among them), at the bounds themselves and beyond, with NaN and infinities; limit=inf clamps
-nothing; the module in both layouts; torch's convention for clamp's gradient at the bound (which changed in torch
-2.14) is the one ffn_ext.table.CLAMP_GRAD_AT_BOUND states and the kernels follow; and on a GPU (marked cuda) the
-device kernels against the host math (ffn_ext._C._host_math: the kernels' element math on the CPU) and the fp64
-reference, separate and packed in both layouts. The table-driven tests (test_ops, test_autograd, ...) cover the op
-with the table's example parameters; here the parameters are GPT-OSS's and DeepSeek-V4's.
+nothing; the module in both layouts; torch's convention for clamp's gradient at the bound (which changed in torch 2.14)
+is the one ffn_ext.table.CLAMP_GRAD_AT_BOUND states and the kernels follow; and on a GPU (marked cuda) the device
+kernels against the host math (_host_math of the tests' host-code extension, tests/native.py: the kernels' element math
+on the CPU) and the fp64 reference, separate and packed in both layouts. The table-driven tests (test_ops,
+test_autograd, ...) cover the op with the table's example parameters; here the parameters are GPT-OSS's and
+DeepSeek-V4's.
 """
 
 from __future__ import annotations
 
 import math
 
+import native
 import pytest
 import torch
 from optable import (
@@ -39,8 +41,7 @@ DEEPSEEK_V4 = dict(limit=10.0, alpha=1.0, up_offset=0.0)  # DeepseekV4Experts / 
 ODD = dict(limit=0.75, alpha=-0.5, up_offset=-2.0)  # nothing relies on alpha > 0 or up_offset >= 0
 PARAMS = {"gpt_oss": GPT_OSS, "deepseek_v4": DEEPSEEK_V4, "odd": ODD}
 CPU_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=1e-5)}
-_C = getattr(ffn_ext.ops, "_native", None)
-needs_native = pytest.mark.skipif(not NATIVE or not hasattr(_C, "_host_math"), reason="needs the native library")
+needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native library")
 
 
 def hf_gate(gate, up, limit, alpha=1.0, up_offset=0.0):
@@ -151,7 +152,6 @@ def test_half_types_at_the_bounds(dtype):
     assert_matches_reference("swiglu_clamped_backward", (grad, gate, up), got[1:], params=p)
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("pname", PARAMS)
 def test_kernel_math_equals_transformers_expression(pname, dtype):
@@ -161,8 +161,10 @@ def test_kernel_math_equals_transformers_expression(pname, dtype):
     gate, up = grid(p["limit"], dtype)
     grad = torch.randn(gate.shape, dtype=torch.float32).to(dtype)
     want = _grads(lambda g, u: hf_gate(g, u, **p), (gate.double(), up.double()), grad.double())
-    (h,) = _C._host_math("swiglu_clamped", [gate, up], host_params("swiglu_clamped", p))
-    dgate, dup = _C._host_math("swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p))
+    (h,) = native.testing()._host_math("swiglu_clamped", [gate, up], host_params("swiglu_clamped", p))
+    dgate, dup = native.testing()._host_math(
+        "swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p)
+    )
     spreads = error_scale("swiglu_clamped", gate, up, params=p) + error_scale(
         "swiglu_clamped_backward", grad, gate, up, params=p
     )
@@ -206,7 +208,7 @@ def test_ops_follow_the_convention_at_the_bound(dtype):
         "autograd": _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, **p), (gate, up), grad)[1:],
     }
     if NATIVE:
-        results["host math"] = _C._host_math(
+        results["host math"] = native.testing()._host_math(
             "swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p)
         )
     passes = (CLAMP_GRAD_AT_BOUND,) * 2
@@ -230,7 +232,7 @@ def test_kernel_math_limit_the_dtype_does_not_hold(dtype):
     grad = torch.ones_like(g)
     p = dict(limit=limit, alpha=1.0, up_offset=0.0)
     want = _grads(lambda a, b: hf_gate(a, b, **p), (g, u), grad)  # torch's autograd in the dtype
-    dgate, dup = _C._host_math("swiglu_clamped_backward", [grad, g, u], host_params("swiglu_clamped", p))
+    dgate, dup = native.testing()._host_math("swiglu_clamped_backward", [grad, g, u], host_params("swiglu_clamped", p))
     cpu_dgate, cpu_dup = call("swiglu_clamped_backward", params=p)(grad, g, u)
     assert torch.equal(cpu_dgate == 0, want[1] == 0) and torch.equal(cpu_dup == 0, want[2] == 0)  # the CPU op: ok
     bad = (dgate == 0) != (want[1] == 0)
@@ -276,8 +278,8 @@ def test_infinite_limit_clamps_nothing(dtype):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
     if NATIVE:  # and the kernels' element math
-        (h,) = _C._host_math("swiglu_clamped", [gate, up], [math.inf, 1.0, 0.0])
-        (s,) = _C._host_math("swiglu", [gate, up])
+        (h,) = native.testing()._host_math("swiglu_clamped", [gate, up], [math.inf, 1.0, 0.0])
+        (s,) = native.testing()._host_math("swiglu", [gate, up])
         torch.testing.assert_close(h, s, **tol)
 
 
@@ -352,8 +354,8 @@ def test_cuda_matches_host_math_and_reference(pname, dtype):
     prm = host_params("swiglu_clamped", p)
     gate, up = _specials_grid(p["limit"], dtype)
     grad = torch.randn(gate.shape, dtype=torch.float32).to(dtype)
-    (h_host,) = _C._host_math("swiglu_clamped", [gate, up], prm)
-    dg_host, du_host = _C._host_math("swiglu_clamped_backward", [grad, gate, up], prm)
+    (h_host,) = native.testing()._host_math("swiglu_clamped", [gate, up], prm)
+    dg_host, du_host = native.testing()._host_math("swiglu_clamped_backward", [grad, gate, up], prm)
     g, u, gr = gate.cuda(), up.cuda(), grad.cuda()
     h = call("swiglu_clamped", params=p)(g, u)
     dg, du = call("swiglu_clamped_backward", params=p)(gr, g, u)

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 import cuda_standin
+import native
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ def test_no_standin_names_cuda_test_functions():
 
 
 @pytest.mark.skipif(
-    not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0"
+    not cuda_standin.available(), reason="a GPU is here, no native ffn_ext library, or FFN_EXT_CUDA_STANDIN=0"
 )
 def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(request):
     """Over this session's items (all of them in a full run): each cuda-marked function has one stand-in item or a
@@ -74,12 +75,12 @@ def test_every_collected_cuda_function_runs_in_the_standin_or_has_a_reason(reque
 
 
 @pytest.mark.skipif(
-    not cuda_standin.available(), reason="a GPU is here, no ffn_ext._C._emulate_cuda, or FFN_EXT_CUDA_STANDIN=0"
+    not cuda_standin.available(), reason="a GPU is here, no native ffn_ext library, or FFN_EXT_CUDA_STANDIN=0"
 )
 def test_standin_runs_the_emulated_launch(monkeypatch):
     """Inside the stand-in "cuda" tensors are host tensors that say cuda, and every ffn_ext op (torch.ops, the
-    public API, the autograd backward) runs ffn_ext._C._emulate_cuda: the same bits as calling it directly."""
-    emulate = ffn_ext.ops._native._emulate_cuda
+    public API, the autograd backward) runs _emulate_cuda (tests/native.py): the same bits as calling it directly."""
+    emulate = native.testing()._emulate_cuda
     host_x = torch.randn(5, 37)
     with cuda_standin.standin(monkeypatch) as calls:
         x = host_x.cuda()

@@ -9,7 +9,7 @@ through torch.ops.ffn_ext and (some cases) the public API with autograd.
 
 Non-finite inputs (NaN, +-inf) are mixed in on some cases. Their expected results differ by path:
 - CPU (ATen composites): ATen's semantics, so the reference is ATen on the same dtype and inputs.
-- CUDA kernels and the host copy of their element math (ffn_ext._C._host_math): the mathematical limits
+- CUDA kernels and the host copy of their element math (_host_math, tests/native.py): the mathematical limits
   documented in csrc/ffn_math.h, so the reference is the float64 formula with those limits.
 
 Hypothesis is not derandomized: every run draws new cases; a failure prints the falsifying draws (shapes, layouts,
@@ -27,6 +27,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
+import native  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from optable import (  # noqa: E402
@@ -48,7 +49,6 @@ from ffn_ext.table import split_packed  # noqa: E402
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
 NATIVE = not ffn_ext.build_info()["native"].startswith("none")
-HOST_MATH = NATIVE and callable(getattr(ffn_ext.ops._native, "_host_math", None))
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # rtol applies to |ref| + the magnitude of the terms (error scale); atol is for values that round to ~0.
@@ -392,7 +392,6 @@ SETTINGS = dict(
 _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
 N_UNARY, N_GATED, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (1100, 950, 950, 550))
 N_CUDA = max(1, int(400 * _SCALE))
-HOST_MATH_SKIP = pytest.mark.skipif(not HOST_MATH, reason="needs the native library (ffn_ext._C._host_math)")
 per_activation = pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
 per_gated = pytest.mark.parametrize("g", GATED, ids=GATED_IDS)
 
@@ -418,7 +417,6 @@ def test_fuzz_packed_cpu(g, data):
     run_packed(data, g, "cpu", f"packed_cpu[{g.name}]")
 
 
-@HOST_MATH_SKIP
 @per_activation
 @settings(max_examples=N_HOST, **SETTINGS)
 @given(data=st.data())
@@ -433,7 +431,7 @@ def test_fuzz_host_math_limits(act, data):
     ins = [make(shape, dtype, "contiguous", gen, "cpu", specials, big=(i > 0)) for i in range(len(spec(name).args))]
     if spec(name).kind == "gated":
         at_bounds(data, *ins[-2:], params, gen)
-    got = ffn_ext.ops._native._host_math(name, ins, host_params(name, params))
+    got = native.testing()._host_math(name, ins, host_params(name, params))
     refs, scales, eithers = reference(name, [t.double() for t in ins], _opmath(dtype), params)
     for k, (o, r, s, e) in enumerate(zip(got, refs, scales, eithers)):
         check_close(o, r, s, dtype, f"_host_math {name}[{k}]", either=e)

@@ -1,11 +1,11 @@
 """The CUDA kernels' element math, checked on the CPU, for every op of the table (tests/optable.py) but the packed
 ones (their element math is the gated ops'; tests/test_launcher_emulation.py runs them).
 
-ffn_ext._C._host_math(op, inputs) runs the functors of csrc/ffn_math.h (the code the CUDA kernels run) on the
-host, with the kernels' rounding: load the storage type, compute in the accumulation type A (float for
-float16/bfloat16/float32, double for float64), store once. Here it is compared element by element with the fp64
-reference of the table (act.ref: the mathematical definitions, e.g. erfc-based GELU, so that the reference itself
-does not cancel for negative x), over random inputs from ordinary to extreme magnitudes, and with the documented
+_host_math(op, inputs) of the tests' host-code extension (tests/native.py) runs the functors of csrc/ffn_math.h (the
+code the CUDA kernels run) on the host, with the kernels' rounding: load the storage type, compute in the accumulation
+type A (float for float16/bfloat16/float32, double for float64), store once. Here it is compared element by element with
+the fp64 reference of the table (act.ref: the mathematical definitions, e.g. erfc-based GELU, so that the reference
+itself does not cancel for negative x), over random inputs from ordinary to extreme magnitudes, and with the documented
 limits at +-inf and NaN propagation.
 
 Tolerance per element:  0.5 * spacing of the storage type at the reference value   (rounding once)
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import native
 import pytest
 import torch
 from optable import (
@@ -39,15 +40,6 @@ from optable import (
     ops_of,
     params_of,
     spec,
-)
-
-import ffn_ext
-
-_C = getattr(ffn_ext.ops._native, "_host_math", None) and ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(
-    _C is None,
-    reason="needs the native ffn_ext library with _host_math (ffn_ext._C "
-    "or a JIT build); build with `pip install --no-build-isolation -e .`",
 )
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -78,7 +70,7 @@ def reference(op, ins):
 
 
 def host_math(op, ins, dtype):
-    outs = _C._host_math(op, [t.to(dtype) for t in ins], host_params(op))
+    outs = native.testing()._host_math(op, [t.to(dtype) for t in ins], host_params(op))
     assert len(outs) == N_OUTPUTS[op]
     for o in outs:
         assert o.dtype == dtype and o.shape == ins[0].shape
@@ -326,26 +318,26 @@ def test_documented_limits_at_infinity_and_nan(act, dtype):
     f_ninf, f_pinf, d_ninf, d_pinf = act.limits
     x = torch.tensor([inf, -inf, nan], dtype=dtype)
 
-    (y,) = _C._host_math(act.name, [x])
+    (y,) = native.testing()._host_math(act.name, [x])
     assert _same(y[0].item(), f_pinf) and _same(y[1].item(), f_ninf) and math.isnan(y[2].item()), y
 
     g = torch.tensor([1.5, 1.5, 1.5], dtype=dtype)
-    (y,) = _C._host_math(act.name + "_backward", [g, x])
+    (y,) = native.testing()._host_math(act.name + "_backward", [g, x])
     assert y[0].item() == 1.5 * d_pinf and y[1].item() == 1.5 * d_ninf and math.isnan(y[2].item()), y
-    (y,) = _C._host_math(
+    (y,) = native.testing()._host_math(
         act.name + "_backward", [torch.tensor([nan, 2.0], dtype=dtype), torch.tensor([0.0, nan], dtype=dtype)]
     )
     assert torch.isnan(y).all(), y
 
     up = torch.tensor([2.0, 2.0, 2.0], dtype=dtype)
-    (h,) = _C._host_math(act.gated, [x, up])
+    (h,) = native.testing()._host_math(act.gated, [x, up])
     assert h[0].item() == 2 * f_pinf and h[1].item() == 2 * f_ninf and math.isnan(h[2].item()), h
     # an infinite up times a finite nonzero act(gate): an infinity of act(gate)'s sign; NaN propagates
     gate = torch.tensor([1.0, -1.0, 0.5], dtype=dtype)
-    (h,) = _C._host_math(act.gated, [gate, torch.tensor([inf, inf, nan], dtype=dtype)])
+    (h,) = native.testing()._host_math(act.gated, [gate, torch.tensor([inf, inf, nan], dtype=dtype)])
     want = act_value(act, gate.double()) * torch.tensor([inf, inf, nan], dtype=torch.float64)
     assert torch.equal(h.double().nan_to_num(0.5), want.nan_to_num(0.5)), (h, want)
-    dgate, dup = _C._host_math(act.gated + "_backward", [g, x, up])
+    dgate, dup = native.testing()._host_math(act.gated + "_backward", [g, x, up])
     assert dgate[0].item() == 3 * d_pinf and dgate[1].item() == 3 * d_ninf and math.isnan(dgate[2].item()), dgate
     assert dup[0].item() == 1.5 * f_pinf and dup[1].item() == 1.5 * f_ninf and math.isnan(dup[2].item()), dup
 
@@ -364,9 +356,9 @@ def test_backward_product_is_finite_where_it_is(act):
     assert want.isfinite().all(), want
     if not act.bounded_derivative:  # the case the functor's bwd exists for: act' alone is not finite here
         assert not act.ref(x.double())[1].to(dtype).isfinite().all()
-    (y,) = _C._host_math(act.name + "_backward", [g, x])
+    (y,) = native.testing()._host_math(act.name + "_backward", [g, x])
     torch.testing.assert_close(y.double(), want, rtol=4 * torch.finfo(dtype).eps, atol=0)
-    dgate, _ = _C._host_math(act.gated + "_backward", [g, x, torch.full_like(x, 0.5)])
+    dgate, _ = native.testing()._host_math(act.gated + "_backward", [g, x, torch.full_like(x, 0.5)])
     torch.testing.assert_close(dgate.double(), 0.5 * want, rtol=4 * torch.finfo(dtype).eps, atol=0)
 
 
@@ -410,23 +402,23 @@ def test_reference_matches_aten_float64(act):
 
 def test_host_math_rejects_bad_calls():
     with pytest.raises(ValueError, match="unknown op"):
-        _C._host_math("tanh", [torch.ones(2)])
+        native.testing()._host_math("tanh", [torch.ones(2)])
     for op in OPS:
         n, prm = N_INPUTS[op], host_params(op)
         with pytest.raises(ValueError, match=f"expected {n} inputs"):
-            _C._host_math(op, [torch.ones(2)] * (n - 1 if n > 1 else 2), prm)
+            native.testing()._host_math(op, [torch.ones(2)] * (n - 1 if n > 1 else 2), prm)
         if n > 1:
             with pytest.raises(ValueError, match="one shape and dtype"):
-                _C._host_math(op, [torch.ones(2)] * (n - 1) + [torch.ones(3)], prm)
+                native.testing()._host_math(op, [torch.ones(2)] * (n - 1) + [torch.ones(3)], prm)
         # the params list: exactly the op's parameters ([] for the ops without)
         with pytest.raises(ValueError, match=f"{op} takes (no params|params \\[limit, alpha, up_offset\\])"):
-            _C._host_math(op, [torch.ones(2)] * n, prm + [1.0])
+            native.testing()._host_math(op, [torch.ones(2)] * n, prm + [1.0])
         if prm:
             with pytest.raises(ValueError, match=f"{op} takes params"):
-                _C._host_math(op, [torch.ones(2)] * n)
+                native.testing()._host_math(op, [torch.ones(2)] * n)
     for packed in ops_of(kind="packed"):  # not host-math ops: their element math is the gated op's
         with pytest.raises(ValueError, match="unknown op"):
-            _C._host_math(packed, [torch.ones(2)])
+            native.testing()._host_math(packed, [torch.ones(2)])
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=ACT_IDS)
@@ -436,7 +428,7 @@ def test_host_math_rounds_once_for_half_types(act):
     gen = torch.Generator().manual_seed(3)
     gate = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
     up = representable(torch.randn(20000, generator=gen, dtype=torch.float64) * 3, torch.bfloat16)
-    (h,) = _C._host_math(act.gated, [gate.bfloat16(), up.bfloat16()])
+    (h,) = native.testing()._host_math(act.gated, [gate.bfloat16(), up.bfloat16()])
     ref = act_value(act, gate) * up
     twice = (act.aten(gate.bfloat16().float()).bfloat16().float() * up.float()).bfloat16().double()
     # where act(gate) is exact in bfloat16 (relu's everywhere) the two recipes are one: compare the others

@@ -1,14 +1,15 @@
 """The CUDA launch of every op of the table (tests/optable.py), emulated on the CPU: runs in CI, where there is no
 GPU.
 
-ffn_ext._C._emulate_cuda(op, inputs, sms, params, layout) builds the RowProblem the CUDA kernel gets
+_emulate_cuda(op, inputs, sms, params, layout) of the tests' host-code extension (tests/native.py)
+builds the RowProblem the CUDA kernel gets
 (csrc/row_ops.h, the code the CUDA ops use), takes the launch shape csrc/rows.h computes for a GPU with `sms`
 multiprocessors, and runs rows.h's per-thread code for every block and thread of that grid on the host. Outputs are first filled with
 all-ones bytes (a NaN arithmetic never makes), so an element no thread writes shows. What it cannot check is the
 device-only code: 16-byte loads/stores as instructions, the paired 16-bit conversions, the MUFU approximations
 (tests/test_sass.py and the CUDA tests cover those).
 
-Each result must equal, bit for bit, the host math (_C._host_math: the same functors element by element), over
+Each result must equal, bit for bit, the host math (_host_math: the same functors element by element), over
 layouts that exercise the launcher: lengths around the vector width, head/tail peeling (views starting one
 element past a 16-byte boundary), chunk views with a row stride, packed rows, >65535 rows (the grid-y loop),
 layouts that need a copy, and narrow (decode) and wide launches. The packed ops run in both gate_up layouts
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import native
 import pytest
 import torch
 from optable import (
@@ -38,14 +40,6 @@ from optable import (
     repack,
     spec,
     unpack,
-)
-
-import ffn_ext
-
-_C = ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(
-    getattr(_C, "_emulate_cuda", None) is None,
-    reason="needs the native ffn_ext library with _emulate_cuda (ffn_ext._C)",
 )
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -73,7 +67,7 @@ def _same_bits(got, want, what):
 
 
 def _host(op, *ins):
-    return _C._host_math(op, [t.contiguous() for t in ins], host_params(op))
+    return native.testing()._host_math(op, [t.contiguous() for t in ins], host_params(op))
 
 
 def expected(op, ins, packing="concat"):
@@ -86,7 +80,7 @@ def expected(op, ins, packing="concat"):
 
 
 def check(op, ins, sms, what, packing="concat"):
-    got = _C._emulate_cuda(op, list(ins), sms, host_params(op), packing)
+    got = native.testing()._emulate_cuda(op, list(ins), sms, host_params(op), packing)
     want = expected(op, ins, packing)
     assert len(got) == len(want), what
     for k, (g, w) in enumerate(zip(got, want)):
@@ -168,7 +162,7 @@ def test_packed_misaligned_offsets_and_odd_m(gated, dtype, packing):
         # and the emulated launch against the fp64 reference with the kernels' limits (which half is gate, which
         # up, in which layout the backward writes: not only the host math's agreement)
         for name, ins in ((op, [gate_up]), (op + "_backward", [grad, gate_up])):
-            got = _C._emulate_cuda(name, ins, 132, host_params(name), packing)
+            got = native.testing()._emulate_cuda(name, ins, 132, host_params(name), packing)
             assert_matches_reference(name, ins, got[0], f"emulated {packing}", inf_limits=True, packing=packing)
         padded = _rand([rows, 2 * m + 3], dtype, gen, 1)[:, : 2 * m]  # row stride 2M + 3, not a multiple of 16 B
         check(op, [padded], 132, f"padded rows={rows} M={m}", packing)
@@ -226,16 +220,16 @@ def test_empty_and_zero_dim():
 
 def test_emulate_cuda_rejects_bad_calls():
     with pytest.raises(ValueError, match="unknown op"):
-        _C._emulate_cuda("tanh", [torch.ones(2)])
+        native.testing()._emulate_cuda("tanh", [torch.ones(2)])
     for op in list(SAME_SHAPE) + list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:
         n = N_INPUTS[op]
         with pytest.raises(ValueError, match=f"takes {n} inputs"):
-            _C._emulate_cuda(op, [torch.ones(2)] * (n + 1), 132, host_params(op))
+            native.testing()._emulate_cuda(op, [torch.ones(2)] * (n + 1), 132, host_params(op))
         with pytest.raises(ValueError, match=f"{op} takes (no params|params)"):
-            _C._emulate_cuda(op, [torch.ones(2, 4)] * n, 132, host_params(op) + [1.0])
+            native.testing()._emulate_cuda(op, [torch.ones(2, 4)] * n, 132, host_params(op) + [1.0])
     for op in list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:  # the layout, as the ops check it
         ins = [torch.ones(2, 2)] * (N_INPUTS[op] - 1) + [torch.ones(2, 4)]
         with pytest.raises(ValueError, match=r"`layout` must be \"concat\" or \"interleaved\", got \"bogus\""):
-            _C._emulate_cuda(op, ins, 132, host_params(op), "bogus")
+            native.testing()._emulate_cuda(op, ins, 132, host_params(op), "bogus")
     with pytest.raises(ValueError, match="sms"):
-        _C._emulate_cuda("gelu", [torch.ones(2)], 0)
+        native.testing()._emulate_cuda("gelu", [torch.ones(2)], 0)

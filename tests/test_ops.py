@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 
+import native
 import optable
 import pytest
 import torch
@@ -571,12 +572,12 @@ def test_cuda_gated_infinity_semantics(gated, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_cuda_agrees_with_host_math(dtype):
-    # ffn_ext._C._host_math runs the kernels' element math on the host: same functors, same single rounding.
+    # _host_math (tests/native.py) runs the kernels' element math on the host: same functors, same single rounding.
     x = torch.cat([torch.tensor(SPECIAL, dtype=torch.float64).to(dtype), make_layout((4096,), dtype)])
     for name in HOST_OPS:  # every op but the packed ones (tests/test_launcher_emulation.py: same functors)
         ins = [make_layout(x.shape, dtype) for _ in range(N_INPUTS[name])]
         ins[activation_arg(name)] = x
-        host = ffn_ext._C._host_math(name, ins, host_params(name))
+        host = native.testing()._host_math(name, ins, host_params(name))
         dev = as_tuple(call(name)(*[t.cuda() for t in ins]))
         for h, d, sp in zip(host, dev, error_scale(name, *ins)):
             # The device's erff/expf may differ from the host libm by an ulp of float (more where the formula
@@ -803,10 +804,11 @@ def test_outputs_keep_channels_last(name, fmt, shape):
     ins = optable.make_inputs(name, shape, torch.float32)
     cl = [_in_format(t, fmt) for t in ins]
     assert all(not t.is_contiguous() for t in cl)
-    paths = {"cpu": lambda *a: optable.op(name)(*a, **kw)}
-    emulate = getattr(ffn_ext.ops._native, "_emulate_cuda", None)
-    if emulate is not None:
-        paths["emulated_cuda"] = lambda *a: emulate(name, list(a), 132, host_params(name), "concat")
+    emulate = native.testing()._emulate_cuda
+    paths = {
+        "cpu": lambda *a: optable.op(name)(*a, **kw),
+        "emulated_cuda": lambda *a: emulate(name, list(a), 132, host_params(name), "concat"),
+    }
     for path, fn in paths.items():
         want = as_tuple(fn(*ins))  # the path's own result on contiguous inputs (the paths differ in the last bits)
         got = as_tuple(fn(*cl))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import zlib
 
+import native
 import pytest
 import torch
 from optable import DEVICES, GATED, PACKINGS
@@ -324,17 +325,11 @@ def test_every_gated_op_has_quant_ops():
             assert hasattr(torch.ops.ffn_ext, g.name + suffix), g.name + suffix
 
 
-_EMU = getattr(ffn_ext.ops._native, "_emulate_quant", None) and ffn_ext.ops._native
-
-
-@pytest.mark.skipif(
-    _EMU is None, reason="needs the native ffn_ext library with _emulate_quant (ffn_ext._C or a JIT build)"
-)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_kernel_emulation_bit_identical(dtype):
     # the CUDA kernels' per-lane code (quant_kernel.h) run on the host: q and scales equal the reference applied to
     # the unfused CUDA kernel's h (its launch emulated too), for group recipes, every form, strided and unaligned
-    # operands (element loads), odd row counts
+    # operands (element loads), odd row counts; the emulation is the tests' host-code extension (tests/native.py)
     gen = torch.Generator().manual_seed(99 + dtype.itemsize)
     group_recipes = [r for r in recipes() if r.scaling == "group"]
     for trial, (name, g, packing) in enumerate(FORMS):
@@ -351,18 +346,18 @@ def test_kernel_emulation_bit_identical(dtype):
             )
             if g is None:
                 x = rand_h((rows, k + 1), dtype, "cpu", gen)[:, 1:]  # rows 2 bytes off 16-byte alignment
-                got = _EMU._emulate_quant(name, [x], **kw)
+                got = native.testing()._emulate_quant(name, [x], **kw)
                 ref = reference_quantize(x, r)
             elif packing is None:
                 big = rand_h((rows, 2 * k), dtype, "cpu", gen)
                 gate, up = big[:, :k], big[:, k:]
-                got = _EMU._emulate_quant(name, [gate, up], params, **kw)
-                ref = reference_quantize(_EMU._emulate_cuda(g.name, [gate, up], params=params)[0], r)
+                got = native.testing()._emulate_quant(name, [gate, up], params, **kw)
+                ref = reference_quantize(native.testing()._emulate_cuda(g.name, [gate, up], params=params)[0], r)
             else:
                 gu = rand_h((rows, 2 * k), dtype, "cpu", gen)
-                got = _EMU._emulate_quant(name, [gu], params, packing, **kw)
+                got = native.testing()._emulate_quant(name, [gu], params, packing, **kw)
                 ref = reference_quantize(
-                    _EMU._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0], r
+                    native.testing()._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0], r
                 )
             assert_same(tuple(got), ref, msg=f"{name} {packing} {rid(r)} {dtype}")
 

@@ -1,20 +1,15 @@
-"""ffn_math.h's FP8 element math (what the quantizing CUDA kernels run), on the host through ffn_ext._C's test
-paths, bit for bit against torch's own casts: the float32 neighbourhood of every fp8 value and of every midpoint
-between two (ties to even), subnormals, saturation and overflow, +-0, inf, NaN; and the scale of a group from its
-amax against quant.py's reference formula (floor, FLT_MAX, NaN, pow2 rounding up)."""
+"""ffn_math.h's FP8 element math (what the quantizing CUDA kernels run), on the host through the tests' host-code
+extension (tests/native.py), bit for bit against torch's own casts: the float32 neighbourhood of every fp8 value and of
+every midpoint between two (ties to even), subnormals, saturation and overflow, +-0, inf, NaN; and the scale of a group
+from its amax against quant.py's reference formula (floor, FLT_MAX, NaN, pow2 rounding up)."""
 
 from __future__ import annotations
 
+import native
 import pytest
 import torch
 
-import ffn_ext
 from ffn_ext import quant
-
-_C = getattr(ffn_ext.ops._native, "_host_fp8", None) and ffn_ext.ops._native
-pytestmark = pytest.mark.skipif(
-    _C is None, reason="needs the native ffn_ext library with _host_fp8 (ffn_ext._C or a JIT build)"
-)
 
 FORMATS = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
 
@@ -47,7 +42,7 @@ def neighbourhood(dtype) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", list(FORMATS), ids=list(FORMATS.values()))
 def test_fp8_conversion_matches_torch(dtype):
     x = neighbourhood(dtype)
-    got = _C._host_fp8(x, FORMATS[dtype])
+    got = native.testing()._host_fp8(x, FORMATS[dtype])
     want = x.to(dtype).view(torch.uint8)
     nan = torch.isnan(x)
     # within the rounding range (up to the midpoint past the largest finite value): torch's cast, bit for bit
@@ -71,7 +66,7 @@ def test_scale_matches_reference(dtype, pow2):
         ]
     )
     fmax = quant.FP8_MAX[dtype]
-    got = _C._host_quant_scale(amax, fmax, pow2)
+    got = native.testing()._host_quant_scale(amax, fmax, pow2)
     want = amax.clamp(quant.AMAX_FLOOR, quant.FLT_MAX) / fmax
     if pow2:
         want = quant._pow2_up(want)
@@ -89,8 +84,6 @@ def test_scale_matches_reference(dtype, pow2):
 # dynamic amax's parts run more than once), bit for bit against quant.py's reference applied to the unfused CUDA
 # kernel's h (its launch emulated too). The emulation poisons q and the scales first: an element or scale the
 # kernels do not write fails.
-_EMU = getattr(ffn_ext.ops._native, "_emulate_quant", None) and ffn_ext.ops._native
-
 # (rows, K) of h: one element; odd K (a short last lane, element loads, byte stores); K = 0; a K with 256 chunks
 # (one per thread); K past 256 threads x kRowChunks x 8 = 8192 (sweep 2 recomputes h); odd row counts
 ROW_SHAPES = [(1, 1), (7, 13), (5, 0), (3, 2048), (2, 8192), (3, 8192 + 8 * 5 + 3), (33, 264), (9, 1000)]
@@ -127,7 +120,6 @@ def _emu_kw(r):
     )
 
 
-@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_row_and_tensor_kernels_emulated(dtype):
     from test_quant import FORMS, assert_same, rid
@@ -145,25 +137,24 @@ def test_row_and_tensor_kernels_emulated(dtype):
             if g is None:  # unaligned rows (element loads) every other time
                 off = (trial + i) % 2
                 x = _rows_h((rows, k + off), dtype, gen, specials)[:, off:]
-                got = _EMU._emulate_quant(name, [x], **_emu_kw(r))
+                got = native.testing()._emulate_quant(name, [x], **_emu_kw(r))
                 ref = quant.reference_quantize(x, r)
             elif packing is None:
                 big = _rows_h((rows, 2 * k), dtype, gen, specials)
                 gate, up = big[:, :k], big[:, k:]
-                got = _EMU._emulate_quant(name, [gate, up], params, **_emu_kw(r))
-                h = _EMU._emulate_cuda(g.name, [gate, up], params=params)[0]
+                got = native.testing()._emulate_quant(name, [gate, up], params, **_emu_kw(r))
+                h = native.testing()._emulate_cuda(g.name, [gate, up], params=params)[0]
                 ref = quant.reference_quantize(h, r)
             else:
                 gu = _rows_h((rows, 2 * k), dtype, gen, specials)
-                got = _EMU._emulate_quant(name, [gu], params, packing, **_emu_kw(r))
-                h = _EMU._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0]
+                got = native.testing()._emulate_quant(name, [gu], params, packing, **_emu_kw(r))
+                h = native.testing()._emulate_cuda(g.name + "_packed", [gu], params=params, layout=packing)[0]
                 ref = quant.reference_quantize(h, r)
             assert_same(tuple(got), ref, msg=f"{name} {packing} {rid(r)} {dtype} {shape}")
             n += 1
     assert n >= len(FORMS) * len(recipes) // 2
 
 
-@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS.values()))
 def test_row_and_tensor_kernels_every_recipe(dtype, fmt):
@@ -181,11 +172,10 @@ def test_row_and_tensor_kernels_every_recipe(dtype, fmt):
             if x.numel():
                 x.view(-1)[0] = float("inf")
             x = x.to(dtype)
-            got = _EMU._emulate_quant("quantize", [x], **_emu_kw(r))
+            got = native.testing()._emulate_quant("quantize", [x], **_emu_kw(r))
             assert_same(tuple(got), quant.reference_quantize(x, r), msg=f"{rid(r)} {dtype} {shape}")
 
 
-@pytest.mark.skipif(_EMU is None, reason="needs the native ffn_ext library with _emulate_quant")
 def test_tensor_static_scale_edges():
     # static scales that pow2 rounds up, that round to float32's largest or smallest values, e8m0 of them
     from test_quant import assert_same
@@ -194,5 +184,5 @@ def test_tensor_static_scale_edges():
     for s in (0.37, 1.0, 3.0e-39, 1e-30, 2.5e38, 7.0):
         for pow2, sdt in [(False, torch.float32), (True, torch.float32), (True, torch.float8_e8m0fnu)]:
             r = quant.QuantRecipe(torch.float8_e4m3fn, "tensor", 128, pow2, sdt, static_scale=s)
-            got = _EMU._emulate_quant("quantize", [x], **_emu_kw(r))
+            got = native.testing()._emulate_quant("quantize", [x], **_emu_kw(r))
             assert_same(tuple(got), quant.reference_quantize(x, r), msg=f"static {s} pow2={pow2} {sdt}")
