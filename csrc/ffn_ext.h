@@ -11,14 +11,12 @@
 //                      cuda/launch_rows.h, and quant_ops.h's, launched through cuda/launch_quant.h
 //   cuda/kernels_part*.cu  the kernels (cuda/rows_launcher.cuh), torch-free; the table's lines are split across
 //                      the parts (cuda/kernels_part.cuh); cuda/kernels.cu: build info
-//   quant.h, quant.cpp, quant_ops.h, quant_kernel.h  the FP8 quantizing ops (recipes, CPU kernels, the kernels'
-//                      problems and per-lane code)
+//   quant.h, quant.cpp, quant_recipe.cpp, quant_ops.h, quant_kernel.h  the FP8 quantizing ops (registration and
+//                      CPU kernels; recipes, outputs and the ATen formula; the kernels' problems and per-lane code)
 //   cuda/quant_part*.cu    their kernels (cuda/quant_kernels.cuh), torch-free, split across four parts
 //   python_module.cpp  the pybind11 module ffn_ext._C (build info, the functional API's fast entry points)
-//   test_paths*.cpp    its test-only functions: host math (test_paths.cpp), the emulated CUDA launches of the
-//                      row ops (test_paths_rows.cpp) and the quantizing ops (test_paths_quant.cpp)
-//   library.cpp, python_sources.cpp  what the build compiles: the files above, several to a translation unit
-//                      (each says why)
+//   library.cpp        what the build compiles of the files above: several to a translation unit (it says why)
+// Not part of ffn_ext: the tests' host math and emulated launches of these headers (tests/csrc, tests/native.py).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,5 @@
-// Element math of every ffn_ext op, shared by the CUDA kernels (csrc/cuda/) and the host test path
-// (ffn_ext._C._host_math, checked against an fp64 reference on CPU in CI).
+// Element math of every ffn_ext op, shared by the CUDA kernels (csrc/cuda/) and the tests' host math
+// (tests/native.py's _host_math, checked against an fp64 reference on CPU in CI).
 //
 // Each functor maps NI input values to NO output values in the accumulation type A (float for
 // float/half/bfloat16, double for double): f.template apply<Fast>(in, out). Callers convert storage -> A once at

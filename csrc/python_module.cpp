@@ -1,6 +1,6 @@
 // The pybind11 module ffn_ext._C. Importing it loads the library, which registers the ffn_ext ops with the
-// dispatcher (registration.cpp). It adds what is not an op: the functional API's fast entry points, build
-// information, and the test paths of test_paths*.cpp.
+// dispatcher (registration.cpp). It adds what is not an op: the functional API's fast entry points and build
+// information. (The tests' host math and emulated launches are an extension of their own, tests/native.py.)
 #include <ATen/ATen.h>
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -128,9 +128,6 @@ PyMethodDef fast_methods[] = {
         {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
-
-void add_test_paths(pybind11::module& m);        // test_paths.cpp
-void add_quant_test_paths(pybind11::module& m);  // test_paths.cpp (and test_paths_quant.cpp's emulation)
 }  // namespace ffn_ext
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -144,6 +141,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "What this build contains: CUDA kernels or not, CUDA version, architectures, torch version built against.");
-  ffn_ext::add_test_paths(m);
-  ffn_ext::add_quant_test_paths(m);
 }

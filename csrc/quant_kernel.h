@@ -1,7 +1,7 @@
 // The quantizing CUDA kernels' per-lane code, written once for the device and the host: cuda/quant_kernels.cuh runs
-// it as a CUDA kernel, test_paths_quant.cpp's _emulate_quant runs the same code on the CPU group by group
-// (tests/test_quant.py), so CI checks the indexing, the loads and the element math without a GPU (the warp shuffle
-// itself only runs on a GPU).
+// it as a CUDA kernel, the tests' _emulate_quant (tests/csrc/emulate_quant.cpp) runs the same code on the CPU group
+// by group (tests/test_quant.py), so CI checks the indexing, the loads and the element math without a GPU (the warp
+// shuffle itself only runs on a GPU).
 //
 // Work split (scaling="group"): h is rows x cols, cols a multiple of the group size G (32, 64 or 128). A chunk is 8
 // consecutive elements of h (one 16-byte load per 16-bit operand, two for float32); a lane holds kGroupChunks = 2

@@ -1,7 +1,7 @@
 // The quantizing ops as QuantProblems (quant_kernel.h) for a Launcher: cuda/ops.cpp instantiates QuantOps
 // with the CUDA launcher (cuda/launch_quant.h's launch_quant, the kernels in cuda/quant_part*.cu),
-// test_paths_quant.cpp with the host emulation. Every recipe has a kernel: scaling "group" (one launch),
-// "row" (one launch: the row's amax in the block) and "tensor" (static scale: one launch; dynamic: two, the
+// the tests' host emulation (tests/csrc/emulate_quant.cpp). Every recipe has a kernel: scaling "group" (one
+// launch), "row" (one launch: the row's amax in the block) and "tensor" (static scale: one launch; dynamic: two, the
 // tensor's amax first). float64 inputs run the composite instead (the device's unfused op, then quant.cpp's ATen
 // formula; bit-identical, several passes). A Launcher has `template <typename T, class F, bool Pair> static void
 // run(const quant::QuantProblem&, const F&)` (it picks the kernels from p.scaling) and a `Guard` made from the

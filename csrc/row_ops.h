@@ -1,7 +1,8 @@
 // The ffn_ext ops (every line of ops_table.h) as launcher problems: outputs are fresh and contiguous; inputs are used in place when they
 // can be seen as rows with a contiguous last dimension (contiguous tensors, chunk/narrow views, expanded rows),
 // otherwise made contiguous first. Written once, for a Launcher: cuda/ops.cpp instantiates Ops<CudaLauncher>
-// (launching the CUDA kernels of cuda/kernels_part*.cu), test_paths_rows.cpp Ops<HostEmulation> (the same problems run by rows.h on the CPU, for tests).
+// (launching the CUDA kernels of cuda/kernels_part*.cu), the tests' Ops<HostEmulation> (tests/csrc/emulate_rows.cpp:
+// the same problems run by rows.h on the CPU).
 // A Launcher has a `Guard` constructed from the output's device and `template <typename T> static void
 // run(const F& f, const RowProblem<NI, NO>& p)`.
 #pragma once

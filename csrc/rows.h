@@ -1,7 +1,7 @@
 // The launcher's per-thread code and launch shape: what every ffn_ext CUDA kernel runs. Written once for the
-// device and the host: cuda/rows_launcher.cuh launches it as a CUDA kernel; the test path (_C._emulate_cuda in
-// python_module.cpp) runs the same code on the CPU for every block and thread of the same launch shape, one
-// after the other (threads share nothing), so CI checks the indexing, peeling and strides without a GPU.
+// device and the host: cuda/rows_launcher.cuh launches it as a CUDA kernel; the tests' _emulate_cuda
+// (tests/csrc/emulate_rows.cpp) runs the same code on the CPU for every block and thread of the same launch shape,
+// one after the other (threads share nothing), so CI checks the indexing, peeling and strides without a GPU.
 //
 // A problem is `rows` x `cols` elements; each operand (NI inputs, NO outputs, one dtype T) is a base pointer and a
 // row stride in elements, with unit stride along cols. That covers contiguous tensors (one row of numel

@@ -135,10 +135,9 @@ def test_jit_build_cpu_only(tmp_path):
         assert "already registered" in str(e) and "without the CUDA kernels" in str(e), e
     else:
         raise AssertionError("jit.load(with_cuda=True) next to a CPU-only build did not raise")
-    # the host-math test path is part of the JIT module too
-    (y,) = mod._host_math("gelu", [torch.tensor([float("-inf"), 0.0, float("inf")])])
-    assert y.tolist() == [0.0, 0.0, float("inf")], y
-    # and so are the functional API's fast entry points
+    # the product carries no test code (tests/native.py builds that apart), and has the functional API's fast entry
+    # points
+    assert not [n for n in dir(mod) if n.startswith(("_host_", "_emulate_"))], dir(mod)
     assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
     x = torch.randn(3, 7, dtype=torch.float64)
     torch.testing.assert_close(mod._fast_gelu(x), torch.nn.functional.gelu(x))
@@ -369,8 +368,7 @@ def test_cmake_build_cpu_only(tmp_path):
     ffn_ext.ops._adopt(C, "ffn_ext._C")
     info = ffn_ext.build_info()
     assert info["native"] == "ffn_ext._C" and info["cuda_kernels"] == "no", info
-    (y,) = C._host_math("silu", [torch.tensor([float("-inf"), 0.0, 2.0], dtype=torch.float64)])
-    torch.testing.assert_close(y[2], torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))
+    assert not [n for n in dir(C) if n.startswith(("_host_", "_emulate_"))], dir(C)  # no test code
     assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
     g, u = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
     torch.testing.assert_close(C._fast_swiglu(g, u), torch.nn.functional.silu(g) * u)

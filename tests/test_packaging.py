@@ -142,6 +142,8 @@ def test_sources_reachable_for_jit():
         assert (root / rel).is_file(), rel
     headers = {Path(rel).name for rel in _build.shipped_files(root)}
     assert {"ffn_ext.h", "ops_table.h", "rows_launcher.cuh", "ops.h", "build.json"} <= headers, headers
+    # no test code: the host math and emulated launches are the tests' own extension (tests/native.py)
+    assert not [rel for rel in _build.shipped_files(root) if "test" in rel.lower()], _build.shipped_files(root)
     if not _build.in_checkout():
         assert root == _build.SHIPPED, root
 

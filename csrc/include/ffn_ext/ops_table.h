@@ -1,9 +1,8 @@
 // The one table of ffn_ext's ops. Everything op by op is generated from these two lists: the schemas and Meta
 // kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels_part*.cu), autograd with
-// double backward (autograd.cpp), the fast entry points and the test paths (python_module.cpp, test_paths*.cpp), and
-// the public C++ API (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there,
-// expanded by the sources above). The Python side has its own table, ffn_ext/table.py, with the same names.
-// README "Adding an activation".
+// double backward (autograd.cpp), the fast entry points (python_module.cpp), and the public C++ API (<ffn_ext/ops.h>,
+// which installs this header next to it: its lines are only macro text there, expanded by the sources above). The
+// Python side has its own table, ffn_ext/table.py, with the same names. README "Adding an activation".
 //
 // FFN_EXT_ACTIVATIONS(X): X(name, Act, aten_forward, aten_backward), one line per activation:
 //   ops  name(Tensor x) -> Tensor                       act(x)
