@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
@@ -65,9 +66,17 @@ class BuildPyWithSources(build_py):
         return super().get_outputs(include_bytecode) + [str(dest / rel) for rel in build.shipped_files(ROOT)]
 
 
+# Under --no-build-isolation pip does not check pyproject.toml's build requirements, and an older setuptools fails
+# on the file itself with a schema message that names neither setuptools nor its version.
+if int(setuptools.__version__.split(".")[0]) < build.MIN_SETUPTOOLS:
+    sys.exit(
+        f"ffn_ext: building needs setuptools>={build.MIN_SETUPTOOLS} (pyproject.toml's SPDX `license`), this "
+        f"environment has setuptools {setuptools.__version__}: pip install -U 'setuptools>={build.MIN_SETUPTOOLS}'"
+    )
+
 cmdclass = {"build_py": BuildPyWithSources}
 ext_modules = []
-install_requires = ["torch>=2.13"]  # an sdist's: the oldest torch CI tests; a wheel pins its own below
+install_requires = [f"torch>={'.'.join(map(str, build.MIN_TORCH))}"]  # an sdist's; a wheel pins its own below
 
 if needs_torch:
     if importlib.util.find_spec("torch") is None:
@@ -79,6 +88,9 @@ if needs_torch:
         )
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    if build.too_old(torch.__version__):
+        sys.exit(build.too_old(torch.__version__))
 
     if "pip-build-env" in str(Path(torch.__file__).resolve()):
         sys.exit(

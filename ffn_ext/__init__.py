@@ -16,7 +16,12 @@ backward.
 The ops are torch.ops.ffn_ext.* (dispatcher ops: autograd, torch.compile, export and fake tensors work).
 """
 
-import torch  # noqa: F401  (load libtorch before the native library)
+import torch  # (load libtorch before the native library)
+
+from . import _build
+
+if _build.too_old(torch.__version__):  # before the native library, which would fail less clearly
+    raise ImportError(_build.too_old(torch.__version__))
 
 # ops first: importing it loads the native library (ffn_ext._C, or adopts ops registered before this import; see
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -21,6 +22,17 @@ CHECKOUT = PACKAGE.parent  # the repository root when this is a checkout (or an 
 SHIPPED = PACKAGE / "_src"  # the copy inside an installed package
 FORCE_CPU_ENV = "FFN_EXT_FORCE_CPU"
 RECORD = "_C_build.json"  # written next to _C by setup.py: torch version, CUDA, sources hash
+MIN_TORCH = (2, 10)  # the oldest torch ffn_ext supports: setup.py and `import ffn_ext` refuse older ones
+MIN_SETUPTOOLS = 77  # pyproject.toml's SPDX `license` string; older setuptools reject the file
+
+
+def too_old(torch_version: str) -> str | None:
+    """The error for a torch older than MIN_TORCH ('2.9.1+cu128'), else None."""
+    match = re.match(r"(\d+)\.(\d+)", torch_version)
+    if match is None or tuple(map(int, match.groups())) >= MIN_TORCH:
+        return None
+    need = ".".join(map(str, MIN_TORCH))
+    return f"ffn_ext needs torch>={need}, this is torch {torch_version}: pip install -U 'torch>={need}'"
 
 
 def source_root() -> Path:

@@ -72,7 +72,8 @@ def test_wheel_requires_the_torch_it_was_built_against(tmp_path):
     assert re.search(r"^License-Expression: Apache-2.0$", meta.read_text(), re.M)
     pkg_info = root / "ffn_ext.egg-info" / "PKG-INFO"
     r = _setup_py(root, "-q", "egg_info")
-    assert r.returncode == 0 and "Requires-Dist: torch>=2.13" in pkg_info.read_text(), r.stderr[-2000:]
+    need = ".".join(map(str, _build.MIN_TORCH))
+    assert r.returncode == 0 and f"Requires-Dist: torch>={need}" in pkg_info.read_text(), r.stderr[-2000:]
 
 
 def test_isolated_build_stops_at_once_with_the_command(tmp_path):
@@ -100,6 +101,36 @@ def test_isolated_build_stops_at_once_with_the_command(tmp_path):
     msg = r.stderr
     assert "torch is not importable" in msg and "pip install --no-build-isolation ." in msg, msg[-3000:]
     assert "Traceback" not in msg, msg[-3000:]
+
+
+def test_an_old_setuptools_gets_a_clear_message(tmp_path):
+    """Under --no-build-isolation pip does not check pyproject.toml's setuptools>=77; setup.py names the setuptools
+    it finds and the command (setuptools 65, a Python 3.11 venv's, failed on pyproject's SPDX license with a schema
+    dump). Here a stand-in setuptools reporting 65.5.0."""
+    root = needs_source_tree("setup.py")
+    fake = tmp_path / "setuptools"
+    (fake / "command").mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        '__version__ = "65.5.0"\ndef setup(**kw):\n    raise SystemExit("reached setup()")\n'
+    )
+    (fake / "command" / "__init__.py").write_text("")
+    (fake / "command" / "build_py.py").write_text("class build_py:\n    pass\n")
+    r = _setup_py(root, "--version", env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert r.returncode != 0 and "reached setup()" not in r.stderr, r.stderr[-2000:]
+    assert "setuptools>=77" in r.stderr and "65.5.0" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_torch_below_the_minimum_is_refused_clearly():
+    """Below the oldest supported torch, `import ffn_ext` (and setup.py, with the same message) stops with the
+    versions and the command, before the native library is touched."""
+    need = ".".join(map(str, _build.MIN_TORCH))
+    assert _build.too_old(torch.__version__) is None
+    assert _build.too_old(f"{need}.0+cu128") is None
+    msg = _build.too_old("2.9.1+cu128")
+    assert msg is not None and f"torch>={need}" in msg and "2.9.1+cu128" in msg
+    code = "import torch; torch.__version__ = '2.9.1'\nimport ffn_ext"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert r.returncode != 0 and f"ImportError: ffn_ext needs torch>={need}, this is torch 2.9.1" in r.stderr, r.stderr
 
 
 def test_C_built_for_another_torch_is_named_not_loaded(tmp_path, monkeypatch):
