@@ -111,8 +111,8 @@ template <bool Fast, typename A> FFN_HD A silu_grad(A x) {
 // float32 and float64 storage: Phi(x) = (1 + erf(x / sqrt(2))) / 2 with the library's erf, as one fused multiply-add.
 template <typename A> FFN_HD A gelu_cdf(A x) { return A(0.5) + A(0.5) * erf_(x * A(0.70710678118654752440)); }
 
-// 16-bit storage (Fast): erff costs about 25 instructions, a third of them selects between its two polynomials,
-// which left bf16 GELU issue-bound at 71-74% of copy bandwidth on an H200. Instead, for a = |x|, the normal
+// 16-bit storage (Fast): erff's selects between its two polynomials left bf16 GELU issue-bound, short of copy
+// bandwidth on an H200 (docs/performance.md#kernel-instruction-counts). Instead, for a = |x|, the normal
 // tail Q(a) = 1 - Phi(a) is one polynomial, one reciprocal and one exponential:
 //   Q(a) = u R(u) phi(a),  u = 1 / (1 + K a),  phi(a) = exp(-a^2 / 2) / sqrt(2 pi),
 // where R(u) = (1 + K a) * Q(a) / phi(a) (a Mills ratio, smooth and bounded) is a degree-7 polynomial fitted by

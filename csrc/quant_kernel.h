@@ -124,8 +124,8 @@ struct GatedH {
 // max(m, x) that keeps a NaN from either side (fmaxf would drop it): the amax of a group with a NaN is NaN. On the
 // device one max.NaN (FMNMX.NAN, |x| folded in), whose NaN is the canonical one rather than x's: a NaN scale's
 // payload is not part of the formula (tests/test_quant.py compares NaN scales as NaN). The select form took three
-// instructions (FSETP.NAN, FSETP.GT.OR, FSEL) per element: 4.2 of bf16 SwiGLU's 42.1 per element in the sm_90 row
-// kernel.
+// instructions (FSETP.NAN, FSETP.GT.OR, FSEL) per element, a tenth of the row kernel's
+// (docs/performance.md#kernel-instruction-counts).
 FFN_HD float amax_step(float m, float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   float r;

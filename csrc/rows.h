@@ -152,8 +152,8 @@ FFN_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 // A condition that is always false and that neither nvcc nor ptxas can prove false: launch_rows always launches
 // gridDim.z == 1, which the compilers cannot know. rows_thread's kFull body is one straight block of loads and
-// math, and ptxas, free to schedule it, sank the later loads below the first vectors' math (fp32 GELU backward:
-// the last load 570 instructions after the first), so a thread had fewer bytes in flight. A never-taken branch
+// math, and ptxas, free to schedule it, sank the later loads below the first vectors' math
+// (docs/performance.md#kernel-instruction-counts), so a thread had fewer bytes in flight. A never-taken branch
 // after the loads ends their block, and all of them issue before any math (tests/test_sass.py checks the SASS).
 FFN_HD bool never() {
 #if defined(__CUDA_ARCH__)
@@ -244,7 +244,8 @@ FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const Thr
     // Body: this block's kUnroll * threads vectors; thread t takes vectors t, t + threads, ... (coalesced).
     // Written once, instantiated twice: kFull (every operand 16-byte aligned and all kUnroll vectors in range,
     // which is every thread of a large aligned tensor but the last block's) drops the per-vector range checks
-    // and alignment branches: 8% (GELU) to 28% (SwiGLU) fewer instructions per bf16 element on sm_90.
+    // and alignment branches, a sizeable share of the instructions per element
+    // (docs/performance.md#kernel-instruction-counts).
     const int64_t v0 = pos.bx * pos.threads * kUnroll + pos.t;
     auto body = [&](auto full) {
       constexpr bool kFull = decltype(full)::value;

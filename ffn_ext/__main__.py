@@ -496,7 +496,7 @@ def ffn_timing(device, out=print) -> list:
     alternating, in blocks (_time_pair). Returns the ratios (eager time / ffn_ext time)."""
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    # CPU: the walk's 16 tokens, so that a run (1-12 ms) mostly fits in a time slice of a shared machine
+    # CPU: the walk's 16 tokens, so that a run (milliseconds) mostly fits in a time slice of a shared machine
     tokens, blocks, rounds, warmup = (8192, 6, 5, 5) if gpu else (WALK_TOKENS, 12, 10, 3)
     where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
     out(

@@ -12,12 +12,10 @@ def blocked_pair(time_one: Callable[[int], float], blocks: int, rounds: int) -> 
     runs side k once and returns its time.
 
     Within a round the two sides alternate (so that a busy spell of a shared machine hits them alike), in reverse
-    order every other round: on the CPU the first of a round ran slower (FFN 768 -> 3072 fwd at 16 tokens,
-    0.94-0.97x with ffn_ext first in every round, 0.99-1.03x with eager first, the same two callables). The
-    times are each side's minimum over all rounds; the ratio is the median over blocks of the ratio of the blocks'
-    minima. On this project's 2-core VM a single min of 30 or even of 120 of two identical ATen MLPs came out below
-    0.98x in 22% / 19% of windows cut from 200-round traces (a spell that spares one side's best run spoils the
-    whole figure); the median of 12 blocks of 10 rounds did in 0.8%."""
+    order every other round: on the CPU the first of a round ran slower. The times are each side's minimum over all
+    rounds; the ratio is the median over blocks of the ratio of the blocks' minima: a single minimum of two identical
+    callables on a shared machine often strays from 1.0x (a spell that spares one side's best run spoils the whole
+    figure), a median over blocks rarely (figures: docs/performance.md#timing-on-a-shared-cpu)."""
     best = [float("inf")] * 2
     ratios = []
     for _ in range(blocks):

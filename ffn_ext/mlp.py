@@ -389,8 +389,8 @@ def _plain(op, x, ws, wd, bs, bd, chunk):
 
 
 def _no_meta(fn: str, x, weights: tuple) -> None:
-    # A loop, not any(<generator>): on every call of the CPU path, where a whole 1-token MLP takes ~13 us, the
-    # generator cost ~0.8 us of it.
+    # A loop, not any(<generator>): this runs on every call of the CPU path, where a generator's cost is a visible
+    # share of a 1-token MLP (docs/performance.md#cpu-call-overhead).
     if x.is_meta:
         return
     for w in weights:
@@ -483,12 +483,12 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     options; the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = _options(fn, recompute, token_chunk)
-    elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: ~13 us a 1-token call
+    elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: a 1-token call is microseconds
         if ws[0].is_meta or ws[-1].is_meta or wd.is_meta:  # x is not (it is on the CPU)
             _no_meta(fn, x, (*ws, wd))
         act, act_ = _CPU_ACTS[a]
-        # F.linear(x, w) where there is no bias: an explicit None costs ~0.1 us more per call in its argument parser
-        # (measured at 1 token, where the whole MLP is ~12 us)
+        # F.linear(x, w) where there is no bias: an explicit None costs more in its argument parser
+        # (docs/performance.md#cpu-call-overhead)
         b0 = bs[0]
         if len(ws) == 1:
             gate, up = (F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0)).chunk(2, -1)

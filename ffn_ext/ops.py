@@ -217,9 +217,7 @@ def _aten_only(args: tuple) -> bool:
 
 # ---- the host path: on plain CPU tensors the op IS its ATen expression
 # ffn_ext's CPU kernels are ATen composites written into preallocated outputs (csrc/aten_ops.cpp); ATen's own
-# functional ops are faster than that: F.gelu on [256, 2048] fp32, one thread, min of 40 alternating: 197-205 us,
-# aten.gelu.out into an empty_like 228-233 us (0.87x), ffn_ext.gelu through the native op 212-225 us (0.91-0.93x);
-# and a backward through ATen's autograd reuses the act(gate) its forward saved where ffn_ext's recomputes it. So
+# functional ops are faster than that (docs/performance.md#cpu-call-overhead); and a backward through ATen's autograd reuses the act(gate) its forward saved where ffn_ext's recomputes it. So
 # on CPU the public functions compute the table's ATen expression (act.aten(x), act(gate) * up),
 # under ATen's autograd, after the checks the native op would make (any input they would reject takes the native
 # path, which raises its error). Not on this path: tensor subclasses, other devices, mixed dtypes (promoted first,

@@ -76,7 +76,7 @@ class Activation:
     times_derivative_ref: Callable | None = None
     # act(x) written into x (returned), bitwise aten's on a contiguous x: the CPU MLPs apply it to the fresh output
     # of fc1 / gate where autograd records nothing (no_grad, inference, frozen weights): one allocation fewer a
-    # call, 0.5 us of a 12 us 1-token SwiGLU MLP (64 -> 256, one thread). None: the MLPs call aten there.
+    # call (docs/performance.md#cpu-call-overhead). None: the MLPs call aten there.
     aten_inplace: Callable | None = None
 
     def __post_init__(self):

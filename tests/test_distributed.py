@@ -436,7 +436,7 @@ def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
     if BACKEND == "nccl" and torch.cuda.device_count() < WORLD:
         pytest.skip(f"FFN_EXT_DIST_BACKEND=nccl needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as out:
-        # spawn, though the ranks then import torch and ffn_ext again (about 15 s of the CI's 2 cores): a forked rank
+        # spawn, though the ranks then import torch and ffn_ext again (seconds on 2 cores): a forked rank
         # cannot run backward once this process has started autograd's device threads (a backward on meta or CUDA
         # tensors in an earlier test of the same pytest-xdist worker: "Unable to handle autograd's threading in
         # combination with fork-based multiprocessing", seen with the files in xdist's order)

@@ -4,7 +4,7 @@ to the instruction's saturation), the host and sm_80 with ffn_math.h's bit-level
 casts in tests/test_quant_math.py). The host cannot run the instruction; cuda_fp8.h's __nv_cvt_float_to_fp8 and
 __nv_cvt_float2_to_fp8x2 are __host__ __device__ and their host path emulates it (the device path is that one
 instruction). tests/fp8_cvt_check.cpp compares the two bit for bit, element by element and as the device's
-pairwise chunk code; this test builds it with the host compiler (about 4 s) and runs it (about 1 s)."""
+pairwise chunk code; this test builds it with the host compiler and runs it (seconds)."""
 
 from __future__ import annotations
 

@@ -387,7 +387,7 @@ def _compare(outs, inputs, dtype, device, specials, contiguous=True, params=None
 SETTINGS = dict(
     deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-# CPU: N_UNARY cases per activation, N_GATED + N_PACKED per gated op, ~10 s per 1,000 cases on 2 cores.
+# CPU: N_UNARY cases per activation, N_GATED + N_PACKED per gated op; seconds per 1,000 cases on 2 cores.
 # FFN_EXT_FUZZ_SCALE multiplies every count (e.g. 0.1 for a quick run, 10 for a long one).
 _SCALE = float(os.environ.get("FFN_EXT_FUZZ_SCALE", "1"))
 N_UNARY, N_GATED, N_PACKED, N_HOST = (max(1, int(n * _SCALE)) for n in (1100, 950, 950, 550))

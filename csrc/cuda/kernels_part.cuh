@@ -5,9 +5,8 @@
 // in parallel: one translation unit of all the kernels was the build's critical path (csrc/build.json lists them).
 //
 // Torch-free: only rows.h (ATen/OpMathType.h and c10/util/Exception.h), ffn_math.h, ops_table.h and the CUDA
-// runtime. A part that included torch/library.h and row_ops.h (sm_90 only, loaded 2-core machine, nvcc --time,
-// wall ms) spent cudafe++ 45800, cicc 72444, ptxas 34655, host gcc 95606, of which a file of the same headers
-// and no kernels took cudafe++ 52007, cicc 46636, host gcc 37322: cicc parses the headers again per arch.
+// runtime. With torch's headers, most of a part's nvcc time went to parsing them, and cicc parses them again per
+// arch (nvcc --time figures: docs/building.md#build-time).
 // The registration, which needs torch, is ops.cpp (g++).
 #pragma once
 

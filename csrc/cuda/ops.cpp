@@ -3,8 +3,8 @@
 // (../quant_ops.h's QuantProblems, run by the kernels of quant_part<i>.cu through launch_quant.h), on the current
 // stream under a guard for the output's device. It needs torch, which the kernel files leave out
 // (kernels_part.cuh says why). One file, not one per kernel part: on 2 cores a build is bound by total CPU time,
-// and each of the five files this replaces (ops_part0..3.cpp, quant_ops.cpp) spent 7.5 of its 10-18 CPU-s parsing
-// the same torch headers (g++ 12, -O3, 2026-12-02); the kernels' instantiations are the same.
+// and each of the files this replaces (ops_part0..3.cpp, quant_ops.cpp) spent most of its time parsing the same
+// torch headers (figures: docs/building.md#build-time); the kernels' instantiations are the same.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>

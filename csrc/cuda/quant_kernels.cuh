@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) quant_kernel(QuantProblem p, F f) {
 // kThreads): each warp's xor shuffle, lane 0 of each warp into shared memory, then in every warp lane l takes warp
 // l % kMaxWarps's value (0 past the block's warps) and xor-shuffles over kMaxWarps lanes, so every thread gets the
 // max of all (a NaN is the canonical one on the device). A loop over the warps' values in shared memory, which
-// every thread ran, took about 50 instructions per row in the row kernel (sm_90, bf16 GeGLU); this takes about 10.
+// every thread ran, took several times the instructions per row (docs/performance.md#kernel-instruction-counts).
 // The second barrier lets the next call reuse warp_max.
 __device__ float block_amax(float m, float* warp_max) {
   for (int s = 16; s >= 1; s >>= 1) m = amax_step(m, __shfl_xor_sync(0xffffffffu, m, s));
