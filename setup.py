@@ -68,7 +68,9 @@ class BuildPyWithSources(build_py):
 
 # Under --no-build-isolation pip does not check pyproject.toml's build requirements, and an older setuptools fails
 # on the file itself with a schema message that names neither setuptools nor its version.
-if int(setuptools.__version__.split(".")[0]) < build.MIN_SETUPTOOLS:
+# (A setuptools without its metadata reports 0.dev0+unknown: not known to be old, so not refused.)
+_setuptools_major = setuptools.__version__.split(".")[0]
+if _setuptools_major.isdigit() and 0 < int(_setuptools_major) < build.MIN_SETUPTOOLS:
     sys.exit(
         f"ffn_ext: building needs setuptools>={build.MIN_SETUPTOOLS} (pyproject.toml's SPDX `license`), this "
         f"environment has setuptools {setuptools.__version__}: pip install -U 'setuptools>={build.MIN_SETUPTOOLS}'"
