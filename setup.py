@@ -91,8 +91,9 @@ if needs_torch:
     import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    if build.too_old(torch.__version__):
-        sys.exit(build.too_old(torch.__version__))
+    too_old = build.too_old(torch.__version__)
+    if too_old:
+        sys.exit(too_old)
 
     if "pip-build-env" in str(Path(torch.__file__).resolve()):
         sys.exit(

@@ -20,8 +20,9 @@ import torch  # (load libtorch before the native library)
 
 from . import _build
 
-if _build.too_old(torch.__version__):  # before the native library, which would fail less clearly
-    raise ImportError(_build.too_old(torch.__version__))
+_too_old = _build.too_old(torch.__version__)
+if _too_old:  # before the native library, which would fail less clearly
+    raise ImportError(_too_old)
 
 # ops first: importing it loads the native library (ffn_ext._C, or adopts ops registered before this import; see
 # ffn_ext/_loader.py), and a fallback warning then points at this line, not at a module that imported ops.

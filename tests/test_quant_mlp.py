@@ -25,7 +25,7 @@ RW = None if not hasattr(F, "scaled_mm") else F.ScalingType.RowWise
 
 def ref_linear(qa, sa, w, b, dt):
     qw, sw = reference_quantize(w.detach(), ROW)
-    if qa.is_cpu and not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm_v2", "CPU"):
+    if qa.is_cpu and not fp8._CPU_SCALED_MM:
         # torch 2.10 has no CPU scaled_mm: the product it computes, from the dequantized values in float32
         y = ((qa.float() * sa) @ (qw.float() * sw.reshape(-1, 1)).t()).to(dt)
     else:
