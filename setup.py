@@ -103,6 +103,8 @@ if needs_torch:
             )
         )
 
+    if build.write_ops_table(ROOT):  # the C++ op table, from ffn_ext/table.py (not in git)
+        print(f"ffn_ext: wrote {build.OPS_TABLE} from ffn_ext/table.py", flush=True)
     torch_version = build.torch_base_version(torch.__version__)
     install_requires = [f"torch=={torch_version}"]  # the binary loads only with this torch
     with_cuda, why = build.decide_cuda()

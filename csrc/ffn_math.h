@@ -238,17 +238,18 @@ struct Relu2 : ActBase<Relu2> {
 // quick_gelu(x) = x sigmoid(a x), a = 1.702 (CLIP; transformers' QuickGELUActivation): SiLU at z = a x, scaled,
 // quick_gelu' = s (1 + z (1 - s)) = silu'(z). z, not x, decides the limits: z overflows to inf for finite x.
 struct QuickGelu : ActBase<QuickGelu> {
+  static constexpr double kA = 1.702;
   template <bool Fast, typename A> static FFN_HD A f(A x) {
-    const A s = sigmoid<Fast>(A(1.702) * x);
+    const A s = sigmoid<Fast>(A(kA) * x);
     return s == A(0) ? A(-0.0) : x * s;
   }
   template <bool Fast, typename A> static FFN_HD A df(A x) {
-    const A z = A(1.702) * x;
+    const A z = A(kA) * x;
     if (isinf_(z)) return z > A(0) ? A(1) : A(0);
     const A s = sigmoid<Fast>(z);
     return s * (A(1) + z * (A(1) - s));
   }
-  template <class M, class V> static V d2(const V& x) { return Silu::d2<M>(x * 1.702) * 1.702; }
+  template <class M, class V> static V d2(const V& x) { return Silu::d2<M>(x * kA) * kA; }
 };
 
 // ---- gates: the element math of a gated op, gate(g, u) and its two partial derivatives, over an activation or

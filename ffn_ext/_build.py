@@ -35,6 +35,103 @@ def too_old(torch_version: str) -> str | None:
     return f"ffn_ext needs torch>={need}, this is torch {torch_version}: pip install -U 'torch>={need}'"
 
 
+OPS_TABLE = "csrc/include/ffn_ext/ops_table.h"  # generated from ffn_ext/table.py (write_ops_table), not in git
+
+_OPS_TABLE_DOC = """\
+// The one table of ffn_ext's ops, generated from ffn_ext/table.py by ffn_ext/_build.py (write_ops_table) when the
+// library is built: edit table.py, not this file. Everything op by op is generated from these two lists: the schemas
+// and Meta kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels_part*.cu),
+// autograd with double backward (autograd.cpp), the fast entry points (python_module.cpp), and the public C++ API
+// (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there). README "Adding an
+// activation".
+//
+// FFN_EXT_ACTIVATIONS(X): X(name, Act, aten_forward, aten_backward), one line per activation:
+//   ops  name(Tensor x) -> Tensor                       act(x)
+//        name_backward(Tensor grad, Tensor x) -> Tensor grad * act'(x)
+//   Act  its functor in ffn_math.h (f, df for the kernels, and bwd where act' is unbounded; d2 for double backward)
+//   aten_forward, aten_backward  the CPU kernels' ATen composites, expressions in (out, x) and (out, grad, x)
+//
+// FFN_EXT_GATED(X): X(name, Gate, P), one line per gated op, Gate its functor in ffn_math.h (Glu<Act>: act(gate) * up
+// over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below):
+//   ops  name(Tensor gate, Tensor up[, *, P]) -> Tensor                       gate(gate, up)
+//        name_backward(Tensor grad, Tensor gate, Tensor up[, *, P]) -> (Tensor, Tensor)   (dgate, dup)
+//        name_packed(Tensor gate_up, *[, P], str layout="concat") -> Tensor       [..., 2M] -> [..., M]
+//        name_packed_backward(Tensor grad, Tensor gate_up, *[, P], str layout="concat") -> Tensor  [..., 2M]
+//   layout of gate_up (and of the packed backward's [dgate, dup]): "concat" [gate | up] (gate = gate_up[..., :M]),
+//   or "interleaved" [g0, u0, g1, u1, ...] (gate = gate_up[..., ::2], GPT-OSS).
+//
+// Keyword parameters of a gated op, by the name in its line's P column (pasted: FFN_EXT_P_SCHEMA_##P ...):
+//   SCHEMA  the schema's keyword arguments, each preceded by ", "; KWONLY: ", *" and them (or nothing)
+//   DECL    the same as C++ parameters of a kernel, each preceded by ", "
+//   ARGS    those parameters' names, each preceded by ", " (to pass them on)
+//   MAKE    the functor's Params (ffn_math.h) from them
+//   DEFAULTS  DECL with the schema's defaults (<ffn_ext/ops.h>'s declarations)
+#pragma once
+"""
+
+
+def _load_table(root: Path):
+    """ffn_ext/table.py under root, loaded by path: setup.py runs before the package is importable."""
+    import importlib.util
+    import sys
+
+    name = "_ffn_ext_build_table"
+    spec = importlib.util.spec_from_file_location(name, root / "ffn_ext" / "table.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def _macro(name: str, lines: list[str]) -> str:
+    return f"#define {name}(X) \\\n" + " \\\n".join(f"  {line}" for line in lines) + "\n\n"
+
+
+def render_ops_table(table) -> str:
+    """The C++ op table (OPS_TABLE) for a table module (ffn_ext.table): the op lines in table order, the gated ops'
+    parameter sets, all as preprocessor macros the C++ sources expand."""
+    acts = [f"X({a.name}, {a.functor}, {a.cpp_aten[0]}, {a.cpp_aten[1]})" for a in table.ACTIVATIONS]
+    gated: list[str] = []
+    psets: dict[str, tuple[str, tuple]] = {"NONE": ("NoParams", ())}
+    for g in table.GATED:
+        key = "NONE" if g.cpp_gate is None else g.cpp_gate[1].removesuffix("Params").upper()
+        if g.cpp_gate is not None:
+            psets[key] = (g.cpp_gate[1], g.params)
+        gated.append(f"X({g.name}, {g.functor}, {key})")
+    out = [_OPS_TABLE_DOC, "// clang-format off\n", _macro("FFN_EXT_ACTIVATIONS", acts), _macro("FFN_EXT_GATED", gated)]
+    for key, (struct, params) in psets.items():
+        names = [p.name for p in params]
+        schema = "".join(f", float {p.name}" + ("" if p.default is None else f"={p.default!r}") for p in params)
+        defaults = "".join(f", double {p.name}" + ("" if p.default is None else f" = {p.default!r}") for p in params)
+        bodies = {
+            "SCHEMA": f'"{schema}"',
+            "KWONLY": f'", *" FFN_EXT_P_SCHEMA_{key}' if params else '""',
+            "DECL": "".join(f", double {n}" for n in names),
+            "ARGS": "".join(f", {n}" for n in names),
+            "MAKE": f"math::{struct}{{{', '.join(names)}}}",
+            "DEFAULTS": defaults,
+        }
+        out += [f"#define FFN_EXT_P_{part}_{key} {body}".rstrip() + "\n" for part, body in bodies.items()]
+    return "".join(out) + "// clang-format on\n"
+
+
+def write_ops_table(root: Path) -> bool:
+    """Writes root's OPS_TABLE from root's ffn_ext/table.py when it differs (an unchanged file keeps its time, so
+    nothing rebuilds). True if it wrote. A root without table.py (an installed package's _src) has its copy."""
+    if not (root / "ffn_ext" / "table.py").is_file():
+        return False
+    text = render_ops_table(_load_table(root))
+    path = root / OPS_TABLE
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return True
+
+
 def source_root() -> Path:
     """The directory holding csrc/build.json: the checkout's root, else the package's shipped copy."""
     for root in (CHECKOUT, SHIPPED):
@@ -159,3 +256,13 @@ def rebuild_command() -> str:
 def shipped_files_abs(root: Path | None = None) -> list[str]:
     root = root or source_root()
     return [str(root / rel) for rel in shipped_files(root)]
+
+
+if __name__ == "__main__":  # python ffn_ext/_build.py --ops-table ROOT: .ci/env and CMake generate the op table
+    import sys
+
+    if sys.argv[1:2] != ["--ops-table"] or len(sys.argv) != 3:
+        sys.exit("usage: python ffn_ext/_build.py --ops-table ROOT")
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != PACKAGE]  # its modules would shadow others
+    if write_ops_table(Path(sys.argv[2]).resolve()):
+        print(f"ffn_ext: wrote {OPS_TABLE} from ffn_ext/table.py")

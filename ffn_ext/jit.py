@@ -69,6 +69,7 @@ def load(
         if verbose:
             _say(f"CUDA kernels {'on' if with_cuda else 'off'}: {why}")
     archs = _build.default_arch_list(_build.config()) if with_cuda else None
+    _build.write_ops_table(_build.source_root())  # a checkout's C++ op table, from table.py (an install ships it)
     sources, flags = _build.sources_and_flags(with_cuda, python_module=True)
     directory = Path(build_directory or cpp_extension._get_build_directory(name, verbose))
     library = directory / f"{name}.so"

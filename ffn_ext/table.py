@@ -1,4 +1,5 @@
-"""The table of ffn_ext's activations, Python side. csrc/ops_table.h is the C++ side, with the same names; the
+"""The table of ffn_ext's activations: the one list of ffn_ext's ops. The C++ op table
+(csrc/include/ffn_ext/ops_table.h) is generated from it at build time (ffn_ext/_build.py, write_ops_table); the
 functional API (ops.py), the modules, Hugging Face patching, ``python -m ffn_ext`` and the tests take their op lists
 from here, so an activation is one entry (README, "Adding an activation").
 
@@ -53,13 +54,15 @@ _K_TANH = math.sqrt(2.0 / math.pi)  # tanh GELU: u = K (x + 0.044715 x^3)
 @dataclass(frozen=True)
 class Activation:
     """One activation of the table: its ops, how Python reaches them, its ATen and eager forms, its float64
-    reference and its limits. README "Adding an activation": this entry, the functor (csrc/ffn_math.h) and the
-    table lines (csrc/include/ffn_ext/ops_table.h) are all an activation is."""
+    reference and its limits. README "Adding an activation": this entry and its functor (csrc/ffn_math.h, named
+    `functor`) are all an activation is; the C++ op table is generated from the entry."""
 
     name: str  # its unary ops: <name>, <name>_backward
     gated: str  # its gated ops: <gated>, <gated>_backward, <gated>_packed, <gated>_packed_backward
     aten: Callable  # act(x) with ATen ops: the fallback without the native library
     aten_backward: Callable  # (grad, x) -> grad * act'(x) with ATen ops
+    # the same two in C++ ATen, for the native CPU kernels: expressions writing `out` from x, and from grad, x
+    cpp_aten: tuple[str, str]
     formula: Callable  # float64 x -> (act(x), act'(x)) for finite x, NaN propagating (ref() adds the limits)
     cancel: Callable  # float64 x -> (S, S'): size of the terms the kernels' formulas for act, act' cancel
     doc: str
@@ -86,6 +89,11 @@ class Activation:
             object.__setattr__(self, "eager", self.aten)
 
     @property
+    def functor(self) -> str:
+        """Its functor in csrc/ffn_math.h: the CamelCase of its name (gelu_tanh -> GeluTanh)."""
+        return _camel(self.name)
+
+    @property
     def bounded_derivative(self) -> bool:
         """act' bounded (its limits finite): grad * act'(x) cannot overflow where grad and act'(x) are finite."""
         return all(math.isfinite(v) for v in self.limits[2:])
@@ -100,6 +108,10 @@ class Activation:
         fn, fp, dn, dp = (torch.full_like(x, v) for v in self.limits)
         ninf, pinf = x == -_INF, x == _INF
         return torch.where(ninf, fn, torch.where(pinf, fp, f)), torch.where(ninf, dn, torch.where(pinf, dp, d))
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
 
 
 def _finite(t):
@@ -195,6 +207,7 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "none"}),
         aten=F.gelu,
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
+        cpp_aten=("at::gelu_out(out, x)", "at::gelu_backward_out(out, grad, x)"),
         aten_inplace=_GELU_,
         hf_names=("gelu", "gelu_python"),
         formula=_gelu_ref,
@@ -207,6 +220,7 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
+        cpp_aten=('at::gelu_out(out, x, "tanh")', 'at::gelu_backward_out(out, grad, x, "tanh")'),
         aten_inplace=None if _GELU_ is None else (lambda x: _GELU_(x, approximate="tanh")),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
         formula=_gelu_tanh_ref,
@@ -219,6 +233,7 @@ ACTIVATIONS = (
         api=("silu", {}),
         aten=F.silu,
         aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
+        cpp_aten=("at::silu_out(out, x)", "at::silu_backward_out(out, grad, x)"),
         aten_inplace=lambda x: F.silu(x, inplace=True),
         hf_names=("silu", "swish"),
         formula=_silu_ref,
@@ -232,6 +247,10 @@ ACTIVATIONS = (
         # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
         aten=F.relu,
         aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
+        cpp_aten=(
+            "at::clamp_min_out(out, x, 0)",
+            "at::mul_out(out, grad, at::where(x.isnan(), x, (x > 0).to(x.scalar_type())))",
+        ),
         aten_inplace=torch.relu_,
         hf_names=("relu",),
         formula=_relu_ref,
@@ -245,6 +264,10 @@ ACTIVATIONS = (
         api=("relu2", {}),
         aten=lambda x: torch.square(F.relu(x)),
         aten_backward=lambda g, x: g * F.relu(x) * 2,
+        cpp_aten=(
+            "[&] { const auto r = at::relu(x); at::mul_out(out, r, r); }()",
+            "at::mul_out(out, grad, at::relu(x)).mul_(2)",
+        ),
         aten_inplace=lambda x: torch.relu_(x).square_(),
         hf_names=("relu2",),
         formula=_relu2_ref,
@@ -259,6 +282,11 @@ ACTIVATIONS = (
         api=("quick_gelu", {}),
         aten=lambda x: x * torch.sigmoid(_QUICK * x),
         aten_backward=_quick_gelu_aten_backward,
+        cpp_aten=(
+            "at::mul_out(out, x, at::sigmoid(x * math::QuickGelu::kA))",  # the functor's constant: C++ states it once
+            "[&] { const auto s = at::sigmoid(x * math::QuickGelu::kA); "
+            "at::mul_out(out, grad, s * (x * math::QuickGelu::kA * (1 - s) + 1)); }()",
+        ),
         aten_inplace=lambda x: x.mul_(torch.sigmoid(_QUICK * x)),
         hf_names=("quick_gelu",),
         formula=_quick_gelu_ref,
@@ -305,6 +333,13 @@ class Gated:
     terms: Callable | None = None  # see gated_terms
     check: Callable | None = None  # (op, **params): the ValueErrors the native ops raise for bad parameters
     doc: str = ""
+    # a gate of its own: (its functor, its parameters' struct), both in csrc/ffn_math.h; None: Glu<act>, no parameters
+    cpp_gate: tuple[str, str] | None = None
+
+    @property
+    def functor(self) -> str:
+        """Its gate functor in csrc/ffn_math.h (Glu<Act>: act(gate) * up, or its own)."""
+        return f"Glu<math::{self.act.functor}>" if self.cpp_gate is None else self.cpp_gate[0]
 
     @property
     def example(self) -> dict:
@@ -392,6 +427,7 @@ GATED = tuple(Gated(a.gated, a, doc=f"{a.name}(gate) * up") for a in ACTIVATIONS
         aten_backward=_clamped_backward,
         terms=_clamped_terms,
         check=_check_clamp,
+        cpp_gate=("SwigluClamped", "ClampParams"),
         doc="(clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit) "
         "(GPT-OSS: alpha=1.702, up_offset=1, limit=7; DeepSeek-V4: alpha=1, up_offset=0)",
     ),

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import HANG_GUARD_S, needs_source_tree
 
-from ffn_ext import _build, _loader
+from ffn_ext import _build, _loader, table
 from ffn_ext.table import OPS
 
 
@@ -196,6 +196,27 @@ def test_public_header_declares_every_forward_op():
     declared = set(acts) | set(gated) | {g + "_packed" for g in gated}
     forward = {name for name, spec in OPS.items() if not spec.backward}
     assert declared == forward, (sorted(forward - declared), sorted(declared - forward))
+
+
+def test_op_table_is_generated_from_the_python_table():
+    """The C++ op table the library is built from is ffn_ext/table.py's rendering, not a second list: git tracks no
+    copy of it, and the registered schemas carry each gated op's parameters with the table's defaults."""
+    root = _build.source_root()
+    text = (root / _build.OPS_TABLE).read_text()
+    assert text == _build.render_ops_table(table), f"{_build.OPS_TABLE} is stale: rebuild (it is written by builds)"
+    for a in table.ACTIVATIONS:
+        assert f"  X({a.name}, {a.functor}, {a.cpp_aten[0]}, {a.cpp_aten[1]})" in text, a.name
+    for g in table.GATED:
+        assert f"  X({g.name}, {g.functor}, " in text, g.name
+        if not hasattr(torch.ops.ffn_ext, g.name):
+            continue  # the native library is not loaded (the ATen path): its schemas are not registered
+        for op in (g.name, g.name + "_backward", g.name + "_packed", g.name + "_packed_backward"):
+            schema = getattr(torch.ops.ffn_ext, op).default._schema
+            kwargs = {a.name: a.default_value for a in schema.arguments if a.kwarg_only and a.name != "layout"}
+            assert kwargs == {p.name: p.default for p in g.params}, (op, str(schema))
+    if _build.in_checkout() and shutil.which("git") and (root / ".git").exists():
+        tracked = subprocess.run(["git", "ls-files", _build.OPS_TABLE], cwd=root, capture_output=True, text=True)
+        assert tracked.stdout.strip() == "", "the generated op table is tracked by git"
 
 
 def test_fallback_warning_recommends_only_what_works():

@@ -1,6 +1,6 @@
 """The recipe "Adding an activation" as a measured fact: a scratch activation added to a copy of the tree by the
-recipe alone (its functor in csrc/ffn_math.h, its two table lines in csrc/include/ffn_ext/ops_table.h, its entry in
-ffn_ext/table.py; the entry's `doc` is its documentation), built CPU-only, passes the table-driven tests that pick
+recipe alone (its functor in csrc/ffn_math.h and its entry in ffn_ext/table.py, from which the build generates the C++
+op table; the entry's `doc` is its documentation), built CPU-only, passes the table-driven tests that pick
 it up, with no test file edited. The files and hunks the recipe touched are printed and checked (README "Adding an
 activation" quotes them).
 
@@ -33,16 +33,12 @@ struct ScratchLeaky : ActBase<ScratchLeaky> {
 };
 
 """
-ACT_LINE = (
-    "  X(scratch_leaky, ScratchLeaky, at::leaky_relu_out(out, x, 0.0625),                        \\\n"
-    "    at::mul_out(out, grad, at::where(x > 0, at::ones_like(x),                             \\\n"
-    "                            at::where(x <= 0, at::full_like(x, 0.0625), x))))            \\\n"
-)
-GATED_LINE = "  X(scratch_leaky_glu, Glu<math::ScratchLeaky>, NONE) \\\n"
 ENTRY = """    Activation(
         name="scratch_leaky", gated="scratch_leaky_glu",
         aten=lambda x: F.leaky_relu(x, 0.0625),
         aten_backward=lambda g, x: g * torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x)),  # NaN in, NaN out
+        cpp_aten=("at::leaky_relu_out(out, x, 0.0625)", "at::mul_out(out, grad, at::where(x > 0, at::ones_like(x), "
+                  "at::where(x <= 0, at::full_like(x, 0.0625), x)))"),
         formula=lambda x: (torch.where(x < 0, 0.0625 * x, x),
                            torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x))),
         cancel=lambda x: (torch.zeros_like(x), torch.zeros_like(x)),
@@ -51,8 +47,6 @@ ENTRY = """    Activation(
 """
 RECIPE = [
     ("csrc/ffn_math.h", "// ---- gates:", FUNCTOR),
-    ("csrc/include/ffn_ext/ops_table.h", "  X(relu, Relu,", ACT_LINE),
-    ("csrc/include/ffn_ext/ops_table.h", "  X(swiglu_clamped, SwigluClamped, CLAMP)", GATED_LINE),
     ("ffn_ext/table.py", ")\nBY_NAME = ", ENTRY),
 ]
 # The table-driven test files the scratch activation runs through (the CPU ones; -k NAME picks its cases).
