@@ -19,12 +19,15 @@ _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
 _DYNAMO_FOLDS_DEPTH = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
-def _depth() -> int:
+def _depth_while_traced() -> int:
     return _layer_depth()
 
 
-# the decorator imports dynamo (a second, and torch.distributed.tensor with it): only on the releases that need it
-_depth_while_traced = _depth if _DYNAMO_FOLDS_DEPTH else torch.compiler.assume_constant_result(_depth)
+if not _DYNAMO_FOLDS_DEPTH:
+    # what torch.compiler.assume_constant_result does in those releases (2.10 to 2.12, fixed now), without calling it:
+    # the call imports dynamo at ffn_ext's import, and torch.distributed.tensor with it (0.7 s; and the DTensor
+    # strategies would then register at import, not on a first DTensor call)
+    _depth_while_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def functorch_active() -> bool:

@@ -9,9 +9,14 @@ fake kernels run under dynamo/AOTAutograd). Compile tests are few: each costs se
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
+from conftest import HANG_GUARD_S
 from optable import (
     ACTIVATIONS,
     BACKWARD_OPS,
@@ -116,18 +121,31 @@ def test_compile_fullgraph_matches_eager(device):
     _compare(model, compiled, [torch.randn(2, 5, 16, device=device)])
 
 
+def test_import_loads_neither_dynamo_nor_dtensor():
+    """`import ffn_ext` leaves dynamo and torch.distributed.tensor unloaded on every torch (the older releases' depth
+    function is marked, not decorated): they cost a second, and DTensor loaded at import registers the sharding
+    strategies there instead of on a first DTensor call."""
+    import ffn_ext
+
+    code = "import sys, ffn_ext; print([m for m in ('torch._dynamo', 'torch.distributed.tensor') if m in sys.modules])"
+    where = Path(ffn_ext.__file__).resolve().parents[1]  # this ffn_ext, a checkout's or an install's
+    r = subprocess.run([sys.executable, "-c", code], cwd=where, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
 def test_compile_fullgraph_where_dynamo_cannot_trace_the_functorch_depth(monkeypatch):
     """Before torch 2.13 dynamo cannot trace the functorch layer depth that the functional API reads (fullgraph
-    failed there): ffn_ext reads it through assume_constant_result on those releases. That path, taken here on this
+    failed there): ffn_ext reads it through a function marked as assume_constant_result marks it, on those releases. That path, taken here on this
     torch: a fullgraph compile of every forward op, and of grad and vmap(grad) over the lean MLP, equals eager."""
     from torch.func import functional_call, grad, vmap
 
     import ffn_ext
 
+    # ffn_ext marks the function as assume_constant_result does (it does not call it: that imports dynamo)
+    assert vars(torch.compiler.assume_constant_result(lambda: 0)) == {"_dynamo_marked_constant": True}
     monkeypatch.setattr(ffn_ext._compat, "_DYNAMO_FOLDS_DEPTH", False)
-    monkeypatch.setattr(
-        ffn_ext._compat, "_depth_while_traced", torch.compiler.assume_constant_result(ffn_ext._compat._depth)
-    )
+    monkeypatch.setattr(ffn_ext._compat._depth_while_traced, "_dynamo_marked_constant", True, raising=False)
     torch._dynamo.reset()
     model = TinyMLP().double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)

@@ -42,13 +42,27 @@ def test_opcheck_partial_requires_grad_and_bf16(name, device):
     torch.library.opcheck(op(name).default, tuple(inputs), op_kwargs(name, packing))
 
 
-def test_opcheck_can_fail():
-    # opcheck is able to fail here: a fake kernel with the wrong strides is caught.
-    lib = torch.library.Library("ffn_ext_opcheck_probe", "FRAGMENT")
+# torch before 2.13 (2.10.0 checked) compares a fake kernel's shape and dtype with the real kernel's, not its strides
+_OPCHECK_STRIDES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+@pytest.mark.parametrize("wrong", ["shape", "dtype", "strides"])
+def test_opcheck_can_fail(wrong):
+    # opcheck is able to fail here: a fake kernel that differs from the real one in `wrong` is caught.
+    if wrong == "strides" and not _OPCHECK_STRIDES:
+        pytest.skip(f"torch {torch.__version__}'s opcheck does not compare strides (from 2.13 on it does)")
+    fakes = {
+        "shape": lambda x: x.new_empty((x.shape[0], x.shape[1] + 1)),
+        "dtype": lambda x: x.new_empty(x.shape, dtype=torch.float64),
+        "strides": lambda x: torch.empty_strided(x.shape, (1, x.shape[0]), dtype=x.dtype, device=x.device),
+    }
+    lib = torch.library.Library(f"ffn_ext_opcheck_probe_{wrong}", "FRAGMENT")
     lib.define("bad(Tensor x) -> Tensor")
     lib.impl("bad", lambda x: x.clone().contiguous(), "CPU")
-    lib._register_fake("bad", lambda x: torch.empty_strided(x.shape, (1, x.shape[0]), dtype=x.dtype, device=x.device))
+    lib._register_fake("bad", fakes[wrong])
     with pytest.raises(Exception, match="test_faketensor"):
         torch.library.opcheck(
-            torch.ops.ffn_ext_opcheck_probe.bad.default, (torch.randn(3, 4),), test_utils=("test_faketensor",)
+            getattr(torch.ops, f"ffn_ext_opcheck_probe_{wrong}").bad.default,
+            (torch.randn(3, 4),),
+            test_utils=("test_faketensor",),
         )
