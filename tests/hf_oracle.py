@@ -1,6 +1,27 @@
-"""What transformers 5.24 had, as the product's class lists held it before ffn_ext recognised forms from the code:
-test oracles only (the recogniser must agree with them on the classes the installed transformers still defines with
-the same code). Copied from ffn_ext/hf at 1952e74."""
+"""Shared by the Hugging Face tests. What transformers 5.24 had, as the product's class lists held it before ffn_ext
+recognised forms from the code: test oracles only (the recogniser must agree with them on the classes the installed
+transformers still defines with the same code; copied from ffn_ext/hf at 1952e74). And the tiny decoder configs'
+common fields and the gradient comparison of a patched model with its unpatched copy.
+"""
+
+import torch
+
+# a tiny decoder's config fields, less its widths (each test file picks hidden and intermediate sizes of its own)
+_TOKENS = dict(vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TINY_DECODER = dict(_TOKENS, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def grads_equal(model, ref, atol=2e-6):
+    """Every parameter's gradient equals ref's, to fp32 rounding relative to the gradient's scale: atol is relative
+    to max(1, the largest |gradient|) (the fused ops round differently from ATen's several ops, by an ulp)."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        p0 = ref_params[name]
+        assert (p.grad is None) == (p0.grad is None), name
+        if p.grad is not None:
+            scale = max(1.0, float(p0.grad.abs().max()))
+            torch.testing.assert_close(p.grad, p0.grad, atol=atol * scale, rtol=1e-4, msg=name)
+
 
 KNOWN = frozenset(
     """

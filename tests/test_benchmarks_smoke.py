@@ -70,6 +70,23 @@ def _run(script: str, out: Path, args=("--no-progress",)) -> subprocess.Complete
     return proc
 
 
+def _quick(name: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/<name> run with args, as the installed package; skips when the benchmarks were not copied."""
+    script = ROOT / "benchmarks" / name
+    if not script.is_file():
+        pytest.skip(f"benchmarks/{name} is not next to the tests (copied without benchmarks/)")
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=package_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -276,18 +293,7 @@ def test_device_check_script_is_well_formed(tmp_path):
 def test_bench_cpu_quick(tmp_path):
     """benchmarks/bench_cpu.py --quick (tiny shapes, 1 thread, min of 3): every implementation, fwd and fwd+bwd,
     a positive time and ratio each, the worst ratio named in the markdown."""
-    script = ROOT / "benchmarks" / "bench_cpu.py"
-    if not script.is_file():
-        pytest.skip("benchmarks/bench_cpu.py is not next to the tests (copied without benchmarks/)")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--reps", "2", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=package_env(),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _quick("bench_cpu.py", "--quick", "--reps", "2", "--out", str(tmp_path))
     data = json.loads((tmp_path / "cpu.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
     assert {"SwiGLUFFN", "GeGLUFFN (tanh)", "GatedFFN (gelu)", "FFN (gelu)", "swiglu_mlp"} <= impls, impls
@@ -302,18 +308,7 @@ def test_moe_saved_bytes_quick():
     """benchmarks/moe_saved_bytes.py --quick (one Qwen3-MoE experts layer, 1 block): a row with every experts
     implementation's saved bytes, ffn_ext's below grouped_mm's and eager's, and positive times."""
     pytest.importorskip("transformers.integrations.moe")
-    script = ROOT / "benchmarks" / "moe_saved_bytes.py"
-    if not script.is_file():
-        pytest.skip("benchmarks/moe_saved_bytes.py is not next to the tests (copied without benchmarks/)")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--rounds", "1"],
-        cwd=ROOT,
-        env=package_env(),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _quick("moe_saved_bytes.py", "--quick", "--rounds", "1")
     rows = [line for line in proc.stdout.splitlines() if line.startswith("qwen3_moe")]
     assert len(rows) == 1, proc.stdout
     sizes, times = rows[0].split("|")[1].split(), rows[0].split("|")[2].split()

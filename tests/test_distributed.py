@@ -186,6 +186,17 @@ def _graph_names(y) -> set:
     return names
 
 
+def _same_and_grads(y, y_ref, xt, x, dts, full):
+    """y (from xt and the DTensor weights dts) equals y_ref (from x and the full weights), and so do the gradients
+    of the same loss: xt's and x's, each DTensor's gathered and its full tensor's."""
+    torch.testing.assert_close(y, y_ref, **TOL)
+    y_ref.square().sum().backward()
+    y.square().sum().backward()
+    torch.testing.assert_close(xt.grad, x.grad, **TOL)
+    for t, d in zip(full, dts):
+        torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
+
+
 def _check_tp_gated_mlp(mesh):
     """tp_gated_mlp (the lean autograd on each rank's d_ff shard, partial outputs summed) with and without biases:
     output, x's gradient and the weights' gradients (DTensors) equal the single-process gated_mlp's; the lean
@@ -208,12 +219,7 @@ def _check_tp_gated_mlp(mesh):
                 y_ref = ffn_ext.gated_mlp(x, *full[:3], *(full[3:] if bias else [None] * 3), activation=act)
                 xt = x.detach().clone().requires_grad_()
                 y = tp_gated_mlp(xt, *dts[:3], *(dts[3:] if bias else [None] * 3), activation=act)
-                torch.testing.assert_close(y, y_ref, **TOL)
-                y_ref.square().sum().backward()
-                y.square().sum().backward()
-                torch.testing.assert_close(xt.grad, x.grad, **TOL)
-                for t, d in zip(full, dts):
-                    torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
+                _same_and_grads(y, y_ref, xt, x, dts, full)
                 names = _graph_names(y)
                 assert any("GatedMLP" in n for n in names), sorted(names)
             except Exception:
@@ -288,12 +294,7 @@ def _check_tp_plain_mlp(mesh):
             y_ref = ffn_ext.plain_mlp(x, *args(full), activation="gelu_tanh", transposed=transposed)
             xt = x.detach().clone().requires_grad_()
             y = tp_plain_mlp(xt, *args(dts), activation="gelu_tanh", transposed=transposed, **opts)
-            torch.testing.assert_close(y, y_ref, **TOL)
-            y_ref.square().sum().backward()
-            y.square().sum().backward()
-            torch.testing.assert_close(xt.grad, x.grad, **TOL)
-            for t, d in zip(full, dts):
-                torch.testing.assert_close(d.grad.full_tensor(), t.grad, **TOL)
+            _same_and_grads(y, y_ref, xt, x, dts, full)
             assert any("PlainMLP" in n for n in _graph_names(y)), sorted(_graph_names(y))
         except Exception:
             failures.append(

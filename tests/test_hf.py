@@ -13,7 +13,7 @@ import textwrap
 import types
 import warnings
 
-import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
+import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles; tiny configs)
 import pytest
 import torch
 import torch.nn as nn
@@ -24,18 +24,7 @@ from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+TINY = dict(hf_oracle.TINY_DECODER, hidden_size=64, intermediate_size=176)
 MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-mlp-bias": ("LlamaConfig", "LlamaForCausalLM", {"mlp_bias": True}),
@@ -124,19 +113,8 @@ def test_patched_model_pickles(kind):
 
 
 # Gemma family: GeGLU MLPs with the tanh GELU (hidden_activation / hidden_act "gelu_pytorch_tanh")
-GEMMA_TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+GEMMA_HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+GEMMA_TINY = dict(hf_oracle.TINY_DECODER, hidden_size=32, intermediate_size=64, **GEMMA_HEADS)
 GEMMAS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
@@ -209,21 +187,8 @@ def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
 # Granite MoE models' shared experts: GraniteMoeSharedMLP, GraniteMoeSWAMLP and GraniteMoeHybridMLP, the packed form
 # under the names input_linear / output_linear / activation (ffn_ext.hf._PACKED_NAMES), next to each layer's routed
 # experts (GraniteMoe*Experts: tests/test_hf_moe.py). GraniteMoeHybrid: a Mamba layer, then an attention layer.
-GRANITE_TINY = dict(
-    hidden_size=32,
-    intermediate_size=16,
-    shared_intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+GRANITE_WIDTHS = dict(hidden_size=32, intermediate_size=16, shared_intermediate_size=24)
+GRANITE_TINY = dict(hf_oracle.TINY_DECODER, **GRANITE_WIDTHS, num_local_experts=4, num_experts_per_tok=2)
 GRANITES = {
     "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "GraniteMoeSharedMLP", {}),
     "granitemoe_swa": (
@@ -292,13 +257,7 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     w = torch.randn_like(logits)
     (logits * w).sum().backward()
     (logits0 * w).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        p0 = ref_params[name]
-        assert (p.grad is None) == (p0.grad is None), name
-        if p.grad is not None:
-            scale = max(1.0, float(p0.grad.abs().max()))
-            torch.testing.assert_close(p.grad, p0.grad, atol=2e-6 * scale, rtol=1e-4, msg=name)
+    hf_oracle.grads_equal(model, ref)
     x = torch.randn(3, 32, requires_grad=True)
     assert all("_GatedMLPPacked" in type(m(x).grad_fn).__name__ for m in mlps)
 

@@ -33,17 +33,7 @@ transformers = pytest.importorskip("transformers")
 import hf_oracle  # noqa: E402  (transformers 5.24's class lists, from ffn_ext/hf at 1952e74: test oracles only)
 
 IMPLS = ("eager", "grouped_mm", "batched_mm")  # the experts implementations that run on the CPU
-BASE = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+BASE = dict(hf_oracle.TINY_DECODER, hidden_size=32)
 # name: (config, model, config kwargs, the classes patch_model patches (all its MLP and experts modules),
 #        the attribute of the clamp limit or None, whether the experts class's own (eager) forward calls
 #        self._apply_gate: True for GPT-OSS and DeepSeek-V4; the others inline act_fn(gate) * up in their loop)
@@ -203,18 +193,6 @@ class Spy:
         return above, beyond
 
 
-def _grads_equal(model, ref):
-    """Every parameter's gradient equals ref's, to fp32 rounding relative to the gradient's scale (the fused gating
-    rounds differently from ATen's several ops, by an ulp; the 20x weights make gradients of up to a few hundred)."""
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        p0 = ref_params[name]
-        assert (p.grad is None) == (p0.grad is None), name
-        if p.grad is not None:
-            scale = max(1.0, float(p0.grad.abs().max()))
-            torch.testing.assert_close(p.grad, p0.grad, atol=2e-6 * scale, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_moe_models_patch_every_expert_module_and_match(kind, impl, monkeypatch):
@@ -259,7 +237,7 @@ def test_moe_models_patch_every_expert_module_and_match(kind, impl, monkeypatch)
     w = torch.randn_like(logits)
     (logits * w).sum().backward()
     (logits0 * w).sum().backward()
-    _grads_equal(model, ref)
+    hf_oracle.grads_equal(model, ref)
 
     prompt = ids[:1, :5]
     out = model.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
@@ -536,7 +514,7 @@ def test_other_patched_experts_and_clamped_mlps_match(name, monkeypatch):
         for a, a0 in zip(args, args0):
             if a.is_floating_point():
                 torch.testing.assert_close(a.grad, a0.grad, atol=1e-5, rtol=1e-4)
-        _grads_equal(m, ref)
+        hf_oracle.grads_equal(m, ref)
         m.zero_grad(), ref.zero_grad()
     assert ffn_ext.hf.unpatch_model(m) == 1
     assert not any(hasattr(s, hf._MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())

@@ -12,6 +12,7 @@ import torch.nn as nn
 from ffn_ext.hf import common, experts, moe
 
 transformers = pytest.importorskip("transformers")
+import hf_oracle  # noqa: E402
 from test_hf_moe import BASE  # noqa: E402
 from test_hf_moe import MODELS as _MOE_MODELS  # noqa: E402
 
@@ -79,14 +80,13 @@ class Counts:
         monkeypatch.setattr(tf_moe, "grouped_mm_experts_forward", count_fallback)
 
 
-def _grads_equal(model, ref):
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        p0 = ref_params[name]
-        assert (p.grad is None) == (p0.grad is None), name
-        if p.grad is not None:
-            scale = max(1.0, float(p0.grad.abs().max()))
-            torch.testing.assert_close(p.grad, p0.grad, atol=1e-4 * scale, rtol=1e-4, msg=name)
+def _against(model, monkeypatch, reference="eager"):
+    """Switches model to the ffn_ext experts implementation; returns an unchanged copy that runs `reference`, and
+    the call counts from here on."""
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation(reference)
+    model.set_experts_implementation("ffn_ext")
+    return ref, Counts(monkeypatch)
 
 
 def test_register_is_idempotent():
@@ -104,12 +104,9 @@ def test_matches_eager(kind, grouped, monkeypatch):
     if not grouped:
         monkeypatch.setattr(moe, "_can_group", lambda *t: False)
     model = _tiny(kind)
-    ref = copy.deepcopy(model)
-    ref.set_experts_implementation("eager")
-    model.set_experts_implementation("ffn_ext")
+    ref, counts = _against(model, monkeypatch)
     n = len(_experts(model))
     assert n == 2
-    counts = Counts(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         logits = model(IDS).logits
@@ -120,7 +117,7 @@ def test_matches_eager(kind, grouped, monkeypatch):
     (logits * w).sum().backward()
     (logits0 * w).sum().backward()
     assert counts.fused == 2 * n
-    _grads_equal(model, ref)
+    hf_oracle.grads_equal(model, ref, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, logits0, atol=1e-4, rtol=1e-4)
     with torch.inference_mode():
@@ -152,10 +149,7 @@ def test_from_pretrained_and_config(tmp_path, monkeypatch):
 def test_bf16(kind, monkeypatch):
     """bf16 on the CPU: forward and backward run, close to grouped_mm's (both bf16 GEMMs, other rounding)."""
     model = _tiny(kind).to(torch.bfloat16)
-    ref = copy.deepcopy(model)
-    ref.set_experts_implementation("grouped_mm")
-    model.set_experts_implementation("ffn_ext")
-    counts = Counts(monkeypatch)
+    ref, counts = _against(model, monkeypatch, "grouped_mm")
     logits, logits0 = model(IDS).logits, ref(IDS).logits
     assert logits.dtype == torch.bfloat16 and counts.gating == 2
     scale = float(logits0.detach().abs().max())
@@ -179,10 +173,7 @@ def test_fallback_warns_once_and_matches(why, monkeypatch):
     if why == "expert_parallel":
         for m in _experts(model):
             m._is_expert_parallel = True
-    ref = copy.deepcopy(model)
-    ref.set_experts_implementation("eager")
-    model.set_experts_implementation("ffn_ext")
-    counts = Counts(monkeypatch)
+    ref, counts = _against(model, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logits = model(IDS).logits
@@ -197,7 +188,7 @@ def test_fallback_warns_once_and_matches(why, monkeypatch):
     w = torch.randn_like(logits)
     (logits * w).sum().backward()
     (logits0 * w).sum().backward()
-    _grads_equal(model, ref)
+    hf_oracle.grads_equal(model, ref, atol=1e-4)
 
 
 def test_a_gating_the_self_check_refuses_falls_back(monkeypatch):
@@ -208,10 +199,7 @@ def test_a_gating_the_self_check_refuses_falls_back(monkeypatch):
     real = experts._fused_gate
     monkeypatch.setattr(experts, "_fused_gate", lambda *a: real(*a) * 1.01)
     model = _tiny("qwen3_moe")
-    ref = copy.deepcopy(model)
-    ref.set_experts_implementation("eager")
-    model.set_experts_implementation("ffn_ext")
-    counts = Counts(monkeypatch)
+    ref, counts = _against(model, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logits = model(IDS).logits
@@ -288,4 +276,4 @@ def test_post_expert_norm_and_bias_grads_match_grouped_mm():
     (out0 * g).sum().backward()
     torch.testing.assert_close(x.grad, x0.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(weights.grad, w0.grad, atol=1e-4, rtol=1e-4)
-    _grads_equal(experts, ref)
+    hf_oracle.grads_equal(experts, ref, atol=1e-4)

@@ -581,6 +581,17 @@ def test_backward_peak_memory_below_eager(packed, act):
     assert peak < peak_eager and (peak_eager >= 7 * unit or act.name == "relu"), (peak / unit, peak_eager / unit)
 
 
+def _bf16_close(mlp, x, y, y0):
+    """y (bfloat16 under CPU autocast) and its gradients w.r.t. x and mlp's parameters match eager's y0 and its
+    gradients, in dtype and to bfloat16's accuracy relative to each tensor's largest value."""
+    assert y.dtype == y0.dtype == torch.bfloat16
+    got = torch.autograd.grad(y.float().sum(), (x, *mlp.parameters()))
+    ref = torch.autograd.grad(y0.float().sum(), (x, *mlp.parameters()))
+    for a, b in zip((y, *got), (y0, *ref)):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+
+
 def test_autocast_cpu_bf16():
     torch.manual_seed(10)
     mlp = ffn_ext.SwiGLUFFN(32, 96, bias=True)
@@ -588,12 +599,7 @@ def test_autocast_cpu_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mlp(x)
         y0 = _eager(mlp, x)
-    assert y.dtype == y0.dtype == torch.bfloat16
-    got = torch.autograd.grad(y.float().sum(), (x, *mlp.parameters()))
-    ref = torch.autograd.grad(y0.float().sum(), (x, *mlp.parameters()))
-    for a, b in zip((y, *got), (y0, *ref)):
-        assert a.dtype == b.dtype
-        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+    _bf16_close(mlp, x, y, y0)
 
 
 def test_autocast_region_keeps_weight_gradients_after_an_mlp_call():
@@ -797,12 +803,7 @@ def test_gated_ffn_autocast_cpu_bf16(act):
     x = torch.randn(8, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, y0 = mlp(x), _eager_act(act, mlp, x)
-    assert y.dtype == y0.dtype == torch.bfloat16
-    got = torch.autograd.grad(y.float().sum(), (x, *mlp.parameters()))
-    ref = torch.autograd.grad(y0.float().sum(), (x, *mlp.parameters()))
-    for a, b in zip((y, *got), (y0, *ref)):
-        assert a.dtype == b.dtype
-        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 3e-2
+    _bf16_close(mlp, x, y, y0)
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import hf_oracle
 import pytest
 import torch
 import torch.nn as nn
@@ -20,18 +21,7 @@ pytestmark = pytest.mark.skipif(
     not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm is not in this torch"
 )
 
-DECODER = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+DECODER = dict(hf_oracle.TINY_DECODER, hidden_size=128, intermediate_size=256)
 MODELS = {  # config, model, extra config, the FP8 class the MLPs become
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, FP8GatedFFN),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, FP8GatedFFN),
