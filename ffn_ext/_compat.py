@@ -24,7 +24,7 @@ def _depth_while_traced() -> int:
 
 
 if not _DYNAMO_FOLDS_DEPTH:
-    # what torch.compiler.assume_constant_result does in those releases (2.10 to 2.12, fixed now), without calling it:
+    # what torch.compiler.assume_constant_result does in those (released, unchanging) 2.10 to 2.12, without calling it:
     # the call imports dynamo at ffn_ext's import, and torch.distributed.tensor with it (0.7 s; and the DTensor
     # strategies would then register at import, not on a first DTensor call)
     _depth_while_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
