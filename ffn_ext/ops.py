@@ -217,11 +217,12 @@ def _aten_only(args: tuple) -> bool:
 
 # ---- the host path: on plain CPU tensors the op IS its ATen expression
 # ffn_ext's CPU kernels are ATen composites written into preallocated outputs (csrc/aten_ops.cpp); ATen's own
-# functional ops are faster than that (docs/performance.md#cpu-call-overhead); and a backward through ATen's autograd reuses the act(gate) its forward saved where ffn_ext's recomputes it. So
-# on CPU the public functions compute the table's ATen expression (act.aten(x), act(gate) * up),
-# under ATen's autograd, after the checks the native op would make (any input they would reject takes the native
-# path, which raises its error). Not on this path: tensor subclasses, other devices, mixed dtypes (promoted first,
-# below), and calls under a torch function or dispatch mode, which see the ffn_ext op as on every other device.
+# functional ops are faster than that (docs/performance.md#cpu-call-overhead); and a backward through ATen's autograd
+# reuses the act(gate) its forward saved where ffn_ext's recomputes it. So on CPU the public functions compute the
+# table's ATen expression (act.aten(x), act(gate) * up), under ATen's autograd, after the checks the native op would
+# make (any input they would reject takes the native path, which raises its error). Not on this path: tensor
+# subclasses, other devices, mixed dtypes (promoted first, below), and calls under a torch function or dispatch
+# mode, which see the ffn_ext op as on every other device.
 _Tensor, _STRIDED = torch.Tensor, torch.strided
 _FLOATS = frozenset(_FLOAT_DTYPES)
 _function_mode = torch._C._is_torch_function_mode_enabled

@@ -43,7 +43,7 @@ def test_opcheck_partial_requires_grad_and_bf16(name, device):
 
 
 # torch before 2.13 (2.10.0 checked) compares a fake kernel's shape and dtype with the real kernel's, not its strides
-_OPCHECK_STRIDES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_OPCHECK_STRIDES = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 @pytest.mark.parametrize("wrong", ["shape", "dtype", "strides"])
