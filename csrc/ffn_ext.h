@@ -1,10 +1,8 @@
 // Declarations shared by the ffn_ext sources. Map of the code:
 //   ops_table.h        the table of ops: every activation and gated activation, one line each
-//   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; Meta kernels (shape + input checks, used by fake
-//                      tensors, torch.compile and export); build information
-//   shapes.cpp         the input checks and output allocation every kernel starts with
-//   aten_ops.cpp       CPU kernels: ATen composites (also serve CUDA tensors in a build without CUDA kernels)
-//   autograd.cpp       Autograd kernels of every op (double backward included)
+//   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; build information
+//   shapes.cpp         the input checks and output allocation every CUDA kernel starts with
+//   (the CPU and fake kernels and autograd of the table's ops are Python: ffn_ext/_kernels.py)
 //   ffn_math.h         the element math of every op (activations and op functors, __host__ __device__)
 //   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
 //   cuda/ops.cpp       the CUDA kernels' registration, all of it: row_ops.h's problems, launched through
@@ -32,8 +30,8 @@
 namespace ffn_ext {
 
 // ---- input checks and output allocation (shapes.cpp) ----
-// Every kernel starts with one of these, and the Meta kernels are exactly these, so real and fake tensors accept
-// and reject the same inputs. Errors (TypeError / ValueError / RuntimeError) name the op, the argument, what was
+// Every CUDA kernel starts with one of these; the CPU and fake kernels (ffn_ext/_kernels.py) make the same checks,
+// so real and fake tensors accept and reject the same inputs. Errors (TypeError / ValueError / RuntimeError) name the op, the argument, what was
 // expected and what was given. Outputs are always freshly allocated and contiguous.
 // `op` is the name messages give, e.g. "ffn_ext.swiglu".
 at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu, ...
@@ -51,10 +49,6 @@ at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, c
 // is a ValueError naming `layout`.
 enum class Layout { kConcat, kInterleaved };
 Layout parse_layout(const char* op, c10::string_view layout);
-// The two operands of a packed [..., 2M] tensor in a layout, as views: its halves, or its even and odd elements;
-// and the inverse, a new [..., 2M] tensor from two [..., M] ones.
-std::pair<at::Tensor, at::Tensor> split_packed(const at::Tensor& t, int64_t m, Layout layout);
-at::Tensor join_packed(const at::Tensor& a, const at::Tensor& b, Layout layout);
 
 // A gated op's keyword parameters (ops_table.h's P column), checked before anything else: swiglu_clamped's `limit`
 // must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite; ValueErrors name the parameter.
@@ -66,9 +60,6 @@ void check_params(const char* op, const math::ClampParams& p);
 // scalar multiply and add, which compute in float.
 inline math::NoParams for_dtype(const math::NoParams& p, at::ScalarType) { return p; }
 math::ClampParams for_dtype(const math::ClampParams& p, at::ScalarType dtype);
-// Where swiglu_clamped's clamps pass the gradient (bool tensors; ffn_math.h's SwigluClamped::pass_g / pass_u).
-at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p);
-at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p);
 
 // ---- what the build contains ----
 std::vector<std::pair<std::string, std::string>> build_info();

@@ -182,12 +182,11 @@ template <bool Fast, typename A> FFN_HD A gelu_tanh_grad(A x) {
   return sp == A(0) ? s : s + x * (A(1.5957691216057308) + A(0.21406444881780076) * x * x) * sp;
 }
 
-// ---- activations: value f and first derivative df for the kernels (Fast as above), the backward product
-// bwd(grad, x) = grad * act'(x), and the second derivative d2 for double backward. d2 is written over any value
-// type V with M's elementwise functions (autograd.cpp's TensorMath: at::Tensor and ATen ops, so that it is itself
-// differentiable; M::step(x) is 1 for x > 0, else 0, for piecewise functions); csrc/ops_table.h lists the
-// activations. Each derives from ActBase<Self>, whose bwd is grad * df(x): an activation with an unbounded derivative
-// (relu2: 2x) defines its own bwd, so that the product is finite wherever it is (df(x) alone may overflow).
+// ---- activations: value f and first derivative df for the kernels (Fast as above), and the backward product
+// bwd(grad, x) = grad * act'(x) (double backward is the table's ATen form's, ffn_ext/_kernels.py); csrc/ops_table.h
+// lists the activations. Each derives from ActBase<Self>, whose bwd is grad * df(x): an activation with an unbounded
+// derivative (relu2: 2x) defines its own bwd, so that the product is finite wherever it is (df(x) alone may
+// overflow).
 template <class Self>
 struct ActBase {
   template <bool Fast, typename A> static FFN_HD A bwd(A grad, A x) { return grad * Self::template df<Fast>(x); }
@@ -195,34 +194,19 @@ struct ActBase {
 struct Gelu : ActBase<Gelu> {  // exact (erf) GELU
   template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_grad<Fast>(x); }
-  template <class M, class V> static V d2(const V& x) {  // phi(x) (2 - x^2)
-    const V x2 = x * x;
-    return M::exp(x2 * -0.5) * 0.3989422804014327 * (2.0 - x2);
-  }
 };
 struct GeluTanh : ActBase<GeluTanh> {  // tanh GELU: x s, s = sigmoid(z), z = x (kA + kB x^2)
   template <bool Fast, typename A> static FFN_HD A f(A x) { return gelu_tanh<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return gelu_tanh_grad<Fast>(x); }
-  template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 z' + x (1 - 2 s) z'^2 + x z''), z'' = 6 kB x
-    const V x2 = x * x;
-    const V s = M::sigmoid(x * (1.5957691216057308 + 0.07135481627260025 * x2));
-    const V dz = 1.5957691216057308 + 0.21406444881780076 * x2;
-    return s * (1.0 - s) * (2.0 * dz + x * (1.0 - 2.0 * s) * dz * dz + 0.42812889763560147 * x2);
-  }
 };
 struct Silu : ActBase<Silu> {
   template <bool Fast, typename A> static FFN_HD A f(A x) { return silu<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return silu_grad<Fast>(x); }
-  template <class M, class V> static V d2(const V& x) {  // s (1 - s) (2 + x (1 - 2 s))
-    const V s = M::sigmoid(x);
-    return s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s));
-  }
 };
 // relu(x) = max(x, 0), a select (NaN passes: NaN < 0 is false); relu' = step, 0 at 0 as ATen's, NaN for NaN.
 struct Relu : ActBase<Relu> {
   template <bool Fast, typename A> static FFN_HD A f(A x) { return x < A(0) ? A(0) : x; }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return x > A(0) ? A(1) : (x <= A(0) ? A(0) : x); }
-  template <class M, class V> static V d2(const V& x) { return M::step(x) * 0.0; }
 };
 // relu2(x) = relu(x)^2 (Primer; Nemotron-H, Arcee AFM): relu2' = 2 relu(x) is unbounded, so the backward product
 // is 2 (grad relu(x)): it overflows only where the product itself does (grad * df overflows for x > max / 2).
@@ -233,7 +217,6 @@ struct Relu2 : ActBase<Relu2> {
   }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return A(2) * Relu::f<Fast>(x); }
   template <bool Fast, typename A> static FFN_HD A bwd(A grad, A x) { return A(2) * (grad * Relu::f<Fast>(x)); }
-  template <class M, class V> static V d2(const V& x) { return M::step(x) * 2.0; }
 };
 // quick_gelu(x) = x sigmoid(a x), a = 1.702 (CLIP; transformers' QuickGELUActivation): SiLU at z = a x, scaled,
 // quick_gelu' = s (1 + z (1 - s)) = silu'(z). z, not x, decides the limits: z overflows to inf for finite x.
@@ -249,7 +232,6 @@ struct QuickGelu : ActBase<QuickGelu> {
     const A s = sigmoid<Fast>(z);
     return s * (A(1) + z * (A(1) - s));
   }
-  template <class M, class V> static V d2(const V& x) { return Silu::d2<M>(x * kA) * kA; }
 };
 
 // ---- gates: the element math of a gated op, gate(g, u) and its two partial derivatives, over an activation or

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
@@ -84,9 +85,17 @@ PyObject* fast_call(PyObject* /*module*/, PyObject* const* args, Py_ssize_t narg
   }
   using Sig = std::conditional_t<NT == 1, at::Tensor(TRef, Extra...), at::Tensor(TRef, TRef, Extra...)>;
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(Op, "").typed<Sig>();
+  // With no gradient to record, the call starts below autograd: the ops' autograd is Python
+  // (ffn_ext/_kernels.py), which would cost microseconds a call just to find nothing to record.
+  bool record = false;
+  if (at::GradMode::is_enabled()) {
+    for (int i = 0; i < NT; ++i) record = record || THPVariable_Unpack(args[i]).requires_grad();
+  }
   at::Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!record) below.emplace();
     if constexpr (NT == 1) {
       out = std::apply([&](const auto&... e) { return op.call(a, e...); }, extra);
     } else {

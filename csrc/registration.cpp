@@ -1,6 +1,6 @@
-// The one TORCH_LIBRARY(ffn_ext): every schema, the Meta kernels, and build information.
-// Kernels: CPU in aten_ops.cpp, CUDA in cuda/ops.cpp (the kernels: cuda/kernels_part*.cu), Autograd in
-// autograd.cpp. Python API: ffn_ext/ops.py.
+// The one TORCH_LIBRARY(ffn_ext): every schema, and build information. Kernels: CUDA in cuda/ops.cpp (the kernels:
+// cuda/kernels_part*.cu); the CPU and fake kernels and autograd are Python, registered from the table
+// (ffn_ext/_kernels.py). Python API: ffn_ext/ops.py.
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -42,37 +42,6 @@ TORCH_LIBRARY(ffn_ext, m) {
         ", str layout=\"concat\") -> Tensor");
   FFN_EXT_ACTIVATIONS(FFN_EXT_DEF_ACT)
   FFN_EXT_GATED(FFN_EXT_DEF_GATED)
-}
-
-// Meta kernels: the checks and output allocation every real kernel also runs (shapes.cpp).
-TORCH_LIBRARY_IMPL(ffn_ext, Meta, m) {
-  using T = const at::Tensor&;
-#define FFN_EXT_META_ACT(name, ...) \
-  m.impl(#name, [](T x) { return alloc_unary("ffn_ext." #name, x); }); \
-  m.impl(#name "_backward", [](T g, T x) { return alloc_unary_backward("ffn_ext." #name "_backward", g, x); }); \
-  m.impl(#name "_backward_recompute", \
-         [](T g, T x) { return alloc_unary_backward_recompute("ffn_ext." #name "_backward_recompute", g, x); });
-#define FFN_EXT_META_GATED(name, Gate, P) \
-  m.impl(#name, [](T gate, T up FFN_EXT_P_DECL_##P) { \
-    check_params("ffn_ext." #name, FFN_EXT_P_MAKE_##P); \
-    return alloc_gated("ffn_ext." #name, gate, up); \
-  }); \
-  m.impl(#name "_backward", [](T g, T gate, T up FFN_EXT_P_DECL_##P) { \
-    check_params("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P); \
-    return alloc_gated_backward("ffn_ext." #name "_backward", g, gate, up); \
-  }); \
-  m.impl(#name "_packed", [](T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
-    check_params("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P); \
-    parse_layout("ffn_ext." #name "_packed", layout); \
-    return alloc_gated_packed("ffn_ext." #name "_packed", gu); \
-  }); \
-  m.impl(#name "_packed_backward", [](T g, T gu FFN_EXT_P_DECL_##P, c10::string_view layout) { \
-    check_params("ffn_ext." #name "_packed_backward", FFN_EXT_P_MAKE_##P); \
-    parse_layout("ffn_ext." #name "_packed_backward", layout); \
-    return alloc_gated_packed_backward("ffn_ext." #name "_packed_backward", g, gu); \
-  });
-  FFN_EXT_ACTIVATIONS(FFN_EXT_META_ACT)
-  FFN_EXT_GATED(FFN_EXT_META_GATED)
 }
 
 }  // namespace ffn_ext

@@ -1,10 +1,8 @@
-// Input checks and output sizes, written once over SymInts so that the real kernels and the Meta kernels
-// (fake tensors, torch.compile with dynamic shapes, export) accept and reject exactly the same inputs.
+// Input checks and output allocation of the CUDA kernels (and of the quantizing ops' Meta kernels, over SymInts).
+// The CPU and fake kernels make the same checks, with the same messages, in Python (ffn_ext/_kernels.py).
 #include "ffn_ext.h"
 
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/stack.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -96,7 +94,8 @@ at::Tensor empty_like_sizes(const at::Tensor& ref, c10::SymIntArrayRef sizes,
 // The memory format of a same-shape op's outputs: channels_last (4-D) or channels_last_3d (5-D) when every input
 // is dense in it and not plainly contiguous, as ATen's pointwise ops keep it; else contiguous. The CUDA launcher
 // then runs one long row over the storage (row_ops.h run_same_shape), the CPU kernels' ATen *_out calls take any
-// strides. The Meta kernels decide with the same function, so fake tensors get the real outputs' strides.
+// strides. The fake kernels (ffn_ext/_kernels.py _format) decide the same way, so fake tensors get the real outputs'
+// strides.
 at::MemoryFormat same_shape_format(std::initializer_list<std::reference_wrapper<const at::Tensor>> ins) {
   const at::Tensor& first = ins.begin()->get();
   const auto fmt = first.dim() == 4   ? at::MemoryFormat::ChannelsLast
@@ -170,23 +169,6 @@ Layout parse_layout(const char* op, c10::string_view layout) {
   if (layout == "concat") return Layout::kConcat;
   if (layout == "interleaved") return Layout::kInterleaved;
   TORCH_CHECK_VALUE(false, op, ": `layout` must be \"concat\" or \"interleaved\", got \"", std::string(layout), "\"");
-}
-
-std::pair<at::Tensor, at::Tensor> split_packed(const at::Tensor& t, int64_t m, Layout layout) {
-  if (layout == Layout::kConcat) return {t.narrow(-1, 0, m), t.narrow(-1, m, m)};
-  return {t.slice(-1, 0, std::nullopt, 2), t.slice(-1, 1, std::nullopt, 2)};
-}
-at::Tensor join_packed(const at::Tensor& a, const at::Tensor& b, Layout layout) {
-  if (layout == Layout::kConcat) return at::cat({a, b}, -1);
-  return at::stack({a, b}, -1).flatten(-2);
-}
-
-at::Tensor clamp_pass_g(const at::Tensor& gate, const math::ClampParams& p) {
-  return math::kClampGradAtBound ? gate.le(p.limit) : gate.lt(p.limit);
-}
-at::Tensor clamp_pass_u(const at::Tensor& up, const math::ClampParams& p) {
-  return math::kClampGradAtBound ? up.ge(-p.limit).logical_and_(up.le(p.limit))
-                                 : up.gt(-p.limit).logical_and_(up.lt(p.limit));
 }
 
 math::ClampParams for_dtype(const math::ClampParams& p, at::ScalarType dtype) {

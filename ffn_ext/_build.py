@@ -39,17 +39,16 @@ OPS_TABLE = "csrc/include/ffn_ext/ops_table.h"  # generated from ffn_ext/table.p
 
 _OPS_TABLE_DOC = """\
 // The one table of ffn_ext's ops, generated from ffn_ext/table.py by ffn_ext/_build.py (write_ops_table) when the
-// library is built: edit table.py, not this file. Everything op by op is generated from these two lists: the schemas
-// and Meta kernels (registration.cpp), the CPU kernels (aten_ops.cpp), the CUDA kernels (cuda/kernels_part*.cu),
-// autograd with double backward (autograd.cpp), the fast entry points (python_module.cpp), and the public C++ API
-// (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there). README "Adding an
+// library is built: edit table.py, not this file. The C++ op by op is generated from these two lists: the schemas
+// (registration.cpp), the CUDA kernels (cuda/kernels_part*.cu), the fast entry points (python_module.cpp), and the
+// public C++ API (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there). The
+// CPU and fake kernels and autograd are Python, registered from table.py (ffn_ext/_kernels.py). README "Adding an
 // activation".
 //
-// FFN_EXT_ACTIVATIONS(X): X(name, Act, aten_forward, aten_backward), one line per activation:
+// FFN_EXT_ACTIVATIONS(X): X(name, Act), one line per activation:
 //   ops  name(Tensor x) -> Tensor                       act(x)
 //        name_backward(Tensor grad, Tensor x) -> Tensor grad * act'(x)
-//   Act  its functor in ffn_math.h (f, df for the kernels, and bwd where act' is unbounded; d2 for double backward)
-//   aten_forward, aten_backward  the CPU kernels' ATen composites, expressions in (out, x) and (out, grad, x)
+//   Act  its functor in ffn_math.h (f, df for the kernels, and bwd where act' is unbounded)
 //
 // FFN_EXT_GATED(X): X(name, Gate, P), one line per gated op, Gate its functor in ffn_math.h (Glu<Act>: act(gate) * up
 // over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below):
@@ -93,7 +92,7 @@ def _macro(name: str, lines: list[str]) -> str:
 def render_ops_table(table) -> str:
     """The C++ op table (OPS_TABLE) for a table module (ffn_ext.table): the op lines in table order, the gated ops'
     parameter sets, all as preprocessor macros the C++ sources expand."""
-    acts = [f"X({a.name}, {a.functor}, {a.cpp_aten[0]}, {a.cpp_aten[1]})" for a in table.ACTIVATIONS]
+    acts = [f"X({a.name}, {a.functor})" for a in table.ACTIVATIONS]
     gated: list[str] = []
     psets: dict[str, tuple[str, tuple]] = {"NONE": ("NoParams", ())}
     for g in table.GATED:

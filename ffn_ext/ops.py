@@ -1,9 +1,9 @@
 """The ffn_ext ops from Python: loading the native library and the functional API.
 
-The ops themselves (schemas; Meta, CPU, CUDA and Autograd kernels, double backward included) are registered in C++
-when the native library loads: the installed ``ffn_ext._C`` or a JIT build (``ffn_ext.jit.load``). The functional
-API calls them, and falls back to plain ATen when no native library could be loaded or the tensor's device has no
-ffn_ext kernel.
+The native library (the installed ``ffn_ext._C`` or a JIT build, ``ffn_ext.jit.load``) registers the ops' schemas
+and CUDA kernels when it loads; their CPU and fake kernels and their autograd, double backward included, are
+registered from the table when the package adopts it (ffn_ext/_kernels.py). The functional API calls them, and falls
+back to plain ATen when no native library could be loaded or the tensor's device has no ffn_ext kernel.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .table import ACTIVATIONS, BY_NAME, LAYOUTS, OPS, check_params, join_packed, split_packed
+from . import _compat, _kernels
+from ._kernels import FLOAT_DTYPES as _FLOAT_DTYPES
+from ._kernels import check_extra as _check_extra
+from ._kernels import check_kinds as _check_kinds
+from .table import ACTIVATIONS, BY_NAME, LAYOUTS, OPS, split_packed
 
 __all__ = [
     "gelu",
@@ -55,6 +58,7 @@ def _adopt(module, source: str) -> None:
     with _lock:
         if _native is None:
             _native, _native_source, _native_error = module, source, None
+            _kernels.register(cuda_kernels=module.build_info().get("cuda_kernels") == "yes")
             _register_vmap_rules()
             _register_dtensor()
             _fast.update(
@@ -137,54 +141,12 @@ def _load_installed() -> None:
 
 
 # ---------------------------------------------------------------- functional API
-# Input checks. The native ops check everything in C++ (csrc/shapes.cpp), but sparse, nested and quantized tensors
-# (and non-tensors) never reach those checks: the dispatcher routes them to SparseCPU/NestedTensorCPU/QuantizedCPU/...
-# keys where ffn_ext has no kernel and fails with an unclear "Could not run ..." error. The API therefore calls the
-# native op first (no Python checks on the hot path: decode-sized calls are bound by host time) and, only if it
-# raises, looks at the tensor kinds to raise the clear error instead. When it falls back to plain ATen it checks
-# everything, with the same messages as the C++ checks: TypeError (not a tensor, layout, dtype), ValueError (shape),
-# RuntimeError (device).
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def _kind_error(op: str, name: str, t) -> Exception | None:
-    if not isinstance(t, torch.Tensor):
-        return TypeError(f"{op}: expected `{name}` to be a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested:
-        return TypeError(f"{op}: `{name}` is a nested tensor; expected a dense strided tensor")
-    if t.layout != torch.strided:
-        return TypeError(f"{op}: expected `{name}` to be a dense strided tensor, got layout {t.layout}")
-    if t.is_quantized:
-        return TypeError(f"{op}: `{name}` is a quantized tensor; expected a floating-point tensor")
-    return None
-
-
-def _check_kinds(op: str, names: tuple, args: tuple) -> None:
-    for name, t in zip(names, args):
-        err = _kind_error(op, name, t)
-        if err is not None:
-            raise err from None
-
-
-def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:  # ATen fallback only
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: expected `{name}` to have dtype float64, float32, float16 or bfloat16, got {t.dtype}")
-
-
-def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:  # ATen fallback only
-    _check_dtype(op, name, t)
-    if t.dtype != ref.dtype:
-        raise TypeError(f"{op}: expected `{name}` to have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}")
-    if t.device != ref.device:
-        raise RuntimeError(
-            f"{op}: expected `{name}` to be on the device of `{ref_name}` ({ref.device}), got {t.device}"
-        )
-    if t.shape != ref.shape:
-        raise ValueError(
-            f"{op}: expected `{name}` to have the shape of `{ref_name}` {list(ref.shape)}, got {list(t.shape)}"
-        )
-
-
+# Input checks. The ops' kernels check everything (the CUDA kernels in C++, csrc/shapes.cpp; the CPU and fake
+# kernels in ffn_ext/_kernels.py), but sparse, nested and quantized tensors (and non-tensors) never reach those
+# checks: the dispatcher routes them to SparseCPU/NestedTensorCPU/QuantizedCPU/... keys where ffn_ext has no kernel
+# and fails with an unclear "Could not run ..." error. The API therefore calls the op first (no Python checks on the
+# hot path: decode-sized calls are bound by host time) and, only if it raises, looks at the tensor kinds to raise
+# the clear error instead. When it falls back to plain ATen it makes the kernels' checks (_kernels.check).
 def _native_for(t: torch.Tensor) -> bool:
     """True when the native ops serve t's device (cpu, cuda, meta); other devices take the ATen fallback."""
     return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
@@ -342,16 +304,6 @@ def _promoted(args: tuple) -> tuple:
     return tuple(t.to(dtype) for t in args)
 
 
-def _check_extra(name: str, kwargs: dict) -> None:
-    """The checks the native ops make of a gated op's parameters and a packed op's layout, same messages."""
-    spec, op = OPS[name], f"ffn_ext.{name}"
-    if spec.gated is not None and spec.params:
-        check_params(op, spec.gated, {p.name: kwargs.get(p.name, p.default) for p in spec.params})
-    layout = kwargs.get("layout", "concat")
-    if spec.kind == "packed" and layout not in LAYOUTS:
-        raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
-
-
 def _fallback(name: str, args: tuple, kwargs: dict | None = None):
     """Op `name` (any op of the table, backward ops included) with ATen ops, after the checks the native ops make,
     with the same messages. kwargs: the gated op's parameters, and a packed op's layout."""
@@ -364,46 +316,8 @@ def _fallback(name: str, args: tuple, kwargs: dict | None = None):
     missing = [k for k, v in params.items() if v is None]
     if missing:
         raise TypeError(f"{op}: missing required keyword argument(s) {missing}")
-    _check_extra(name, dict(params, **({"layout": layout} if layout is not None else {})))
-    _check_kinds(op, spec.args, args)
-    r = 1 if spec.backward else 0  # the argument the others are checked against: x, gate or gate_up
-    ref_name, ref = spec.args[r], args[r]
-    _check_dtype(op, ref_name, ref)
-    if spec.kind == "packed":
-        assert layout is not None  # popped above for the packed ops
-        if ref.dim() == 0:
-            raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
-        if ref.shape[-1] % 2:
-            raise ValueError(
-                f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), got shape {list(ref.shape)}"
-            )
-        gate, up = split_packed(ref, layout)
-        if not spec.backward:
-            return spec.gated.forward(gate, up, **params)
-        grad = args[0]
-        _check_dtype(op, "grad", grad)
-        if grad.dtype != ref.dtype:
-            raise TypeError(f"{op}: expected `grad` to have the dtype of `gate_up` ({ref.dtype}), got {grad.dtype}")
-        if grad.device != ref.device:
-            raise RuntimeError(
-                f"{op}: expected `grad` to be on the device of `gate_up` ({ref.device}), got {grad.device}"
-            )
-        if grad.shape != gate.shape:
-            raise ValueError(
-                f"{op}: expected `grad` to have the forward output's shape {list(gate.shape)} "
-                f"(gate_up's with the last dimension halved), got {list(grad.shape)}"
-            )
-        dgate, dup = spec.gated.backward(grad, gate, up, **params)
-        return join_packed(dgate, dup, layout)
-    for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
-        _check_like(op, spec.args[k], args[k], ref_name, ref)
-    if spec.recompute:
-        return spec.act.aten_backward(*args), spec.act.aten(args[1])
-    if spec.kind == "unary":
-        return spec.act.aten_backward(*args) if spec.backward else spec.act.aten(*args)
-    if spec.backward:
-        return spec.gated.backward(*args, **params)
-    return spec.gated.forward(*args, **params)
+    _kernels.check(name, args, params, layout)
+    return _kernels.compute(name, args, params, layout)
 
 
 def call_op(name: str, *args, **kwargs):

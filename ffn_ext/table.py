@@ -61,8 +61,6 @@ class Activation:
     gated: str  # its gated ops: <gated>, <gated>_backward, <gated>_packed, <gated>_packed_backward
     aten: Callable  # act(x) with ATen ops: the fallback without the native library
     aten_backward: Callable  # (grad, x) -> grad * act'(x) with ATen ops
-    # the same two in C++ ATen, for the native CPU kernels: expressions writing `out` from x, and from grad, x
-    cpp_aten: tuple[str, str]
     formula: Callable  # float64 x -> (act(x), act'(x)) for finite x, NaN propagating (ref() adds the limits)
     cancel: Callable  # float64 x -> (S, S'): size of the terms the kernels' formulas for act, act' cancel
     doc: str
@@ -207,7 +205,6 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "none"}),
         aten=F.gelu,
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
-        cpp_aten=("at::gelu_out(out, x)", "at::gelu_backward_out(out, grad, x)"),
         aten_inplace=_GELU_,
         hf_names=("gelu", "gelu_python"),
         formula=_gelu_ref,
@@ -220,7 +217,6 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
-        cpp_aten=('at::gelu_out(out, x, "tanh")', 'at::gelu_backward_out(out, grad, x, "tanh")'),
         aten_inplace=None if _GELU_ is None else (lambda x: _GELU_(x, approximate="tanh")),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
         formula=_gelu_tanh_ref,
@@ -233,7 +229,6 @@ ACTIVATIONS = (
         api=("silu", {}),
         aten=F.silu,
         aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
-        cpp_aten=("at::silu_out(out, x)", "at::silu_backward_out(out, grad, x)"),
         aten_inplace=lambda x: F.silu(x, inplace=True),
         hf_names=("silu", "swish"),
         formula=_silu_ref,
@@ -247,10 +242,6 @@ ACTIVATIONS = (
         # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
         aten=F.relu,
         aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
-        cpp_aten=(
-            "at::clamp_min_out(out, x, 0)",
-            "at::mul_out(out, grad, at::where(x.isnan(), x, (x > 0).to(x.scalar_type())))",
-        ),
         aten_inplace=torch.relu_,
         hf_names=("relu",),
         formula=_relu_ref,
@@ -264,10 +255,6 @@ ACTIVATIONS = (
         api=("relu2", {}),
         aten=lambda x: torch.square(F.relu(x)),
         aten_backward=lambda g, x: g * F.relu(x) * 2,
-        cpp_aten=(
-            "[&] { const auto r = at::relu(x); at::mul_out(out, r, r); }()",
-            "at::mul_out(out, grad, at::relu(x)).mul_(2)",
-        ),
         aten_inplace=lambda x: torch.relu_(x).square_(),
         hf_names=("relu2",),
         formula=_relu2_ref,
@@ -282,11 +269,6 @@ ACTIVATIONS = (
         api=("quick_gelu", {}),
         aten=lambda x: x * torch.sigmoid(_QUICK * x),
         aten_backward=_quick_gelu_aten_backward,
-        cpp_aten=(
-            "at::mul_out(out, x, at::sigmoid(x * math::QuickGelu::kA))",  # the functor's constant: C++ states it once
-            "[&] { const auto s = at::sigmoid(x * math::QuickGelu::kA); "
-            "at::mul_out(out, grad, s * (x * math::QuickGelu::kA * (1 - s) + 1)); }()",
-        ),
         aten_inplace=lambda x: x.mul_(torch.sigmoid(_QUICK * x)),
         hf_names=("quick_gelu",),
         formula=_quick_gelu_ref,

@@ -270,9 +270,9 @@ def test_double_backward_matches_aten(name, device):
 # ---------------------------------------------------------------- the inference path of the Autograd kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_path_records_no_graph_and_matches(device):
-    """With nothing to record (no_grad, or inputs without requires_grad) the Autograd kernels call the op below
-    autograd directly (csrc/autograd.cpp, records_grad): same values, no grad_fn; with requires_grad the graph
-    is recorded as before."""
+    """With nothing to record (no_grad, or inputs without requires_grad) the ops record nothing (the fast entry
+    points start below autograd; torch.library's autograd finds nothing to record): same values, no grad_fn; with
+    requires_grad the graph is recorded as before."""
     # forward ops through the public API, backward ops through torch.ops; chunk views as inputs
     calls = [
         (
@@ -301,9 +301,9 @@ def test_no_grad_path_records_no_graph_and_matches(device):
 
 @pytest.mark.parametrize("no_grad", [False, True], ids=["grad", "no_grad"])
 def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
-    """The dispatcher ops have no forward-mode formula; a dual input must raise (from Function::apply), also under
-    no_grad where the kernels otherwise skip autograd, never return a primal without its tangent. (The functional
-    API routes dual tensors to ATen's ops instead: tests/test_transforms.py.)"""
+    """The dispatcher ops have no forward-mode formula; a dual input must raise (their Autograd kernel,
+    ffn_ext/_kernels.py), also under no_grad where the kernels otherwise skip autograd, never return a primal
+    without its tangent. (The functional API routes dual tensors to ATen's ops instead: tests/test_transforms.py.)"""
     import torch.autograd.forward_ad as fwAD
 
     for name in [n for n in FORWARD_OPS + BACKWARD_OPS if n not in NO_AUTOGRAD_OPS]:

@@ -29,7 +29,6 @@ FUNCTOR = """// scratch_leaky: the recipe check's activation (tests/test_recipe.
 struct ScratchLeaky : ActBase<ScratchLeaky> {
   template <bool Fast, typename A> static FFN_HD A f(A x) { return x < A(0) ? A(0.0625) * x : x; }
   template <bool Fast, typename A> static FFN_HD A df(A x) { return x > A(0) ? A(1) : (x <= A(0) ? A(0.0625) : x); }
-  template <class M, class V> static V d2(const V& x) { return M::step(x) * 0.0; }
 };
 
 """
@@ -37,8 +36,6 @@ ENTRY = """    Activation(
         name="scratch_leaky", gated="scratch_leaky_glu",
         aten=lambda x: F.leaky_relu(x, 0.0625),
         aten_backward=lambda g, x: g * torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x)),  # NaN in, NaN out
-        cpp_aten=("at::leaky_relu_out(out, x, 0.0625)", "at::mul_out(out, grad, at::where(x > 0, at::ones_like(x), "
-                  "at::where(x <= 0, at::full_like(x, 0.0625), x)))"),
         formula=lambda x: (torch.where(x < 0, 0.0625 * x, x),
                            torch.where(x > 0, 1.0, torch.where(x <= 0, 0.0625, x))),
         cancel=lambda x: (torch.zeros_like(x), torch.zeros_like(x)),

@@ -297,8 +297,8 @@ DISPATCHER_ONLY = [
         NotImplementedError,
         _NO_KERNEL.format(op="swiglu", key="SparseCPU"),
     ),
-    # with the C++ Autograd-key kernels (csrc/autograd.cpp) a strided nested tensor fails inside the autograd
-    # kernel ("NestedTensorImpl doesn't support sizes") before reaching the NestedTensorCPU key
+    # a strided nested tensor may fail inside the autograd kernel ("NestedTensorImpl doesn't support sizes")
+    # before reaching the NestedTensorCPU key
     (
         "ops-gelu-nested",
         lambda: OPS.gelu(_nested()),
