@@ -108,3 +108,57 @@ def remedy() -> str:
     except FileNotFoundError:
         ways.append(f"reinstall ffn_ext for this torch: {_build.rebuild_command()}")
     return "To get the fused kernels, " + ", or ".join(ways) + "."
+
+
+# ---- the CUDA kernels: lib/libffn_ext_cuda.so (stable ABI, docs/internals/stable-abi.md §1.7, §3) ----
+# A library of its own, so that _C loads under any torch >= 2.10, CUDA or not. It needs libtorch_cuda and the
+# libcudart.so of the CUDA major it was built with, so it is loaded only when the running torch has that major;
+# otherwise, or when the load fails, the CUDA kernels are off and cuda_status() says why.
+_cuda_status: dict = {"loaded": False, "reason": "not tried"}
+
+
+def cuda_library_path() -> Path:
+    return _build.PACKAGE / "lib" / "libffn_ext_cuda.so"
+
+
+def _built_cuda_info(path: Path) -> dict:
+    """The library's own record ('cuda_version=13.0;cuda_archs=900;...'), read through ctypes."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path))
+    lib.ffn_ext_cuda_build_info.restype = ctypes.c_char_p
+    return dict(kv.split("=", 1) for kv in lib.ffn_ext_cuda_build_info().decode().split(";") if "=" in kv)
+
+
+def load_cuda_library() -> dict:
+    """Loads the CUDA kernels once, when this torch can run them; returns cuda_status()."""
+    if _cuda_status["loaded"] or _cuda_status["reason"] != "not tried":
+        return cuda_status()
+    path = cuda_library_path()
+    record = _build.read_record(_build.PACKAGE) or {}
+    built = record.get("torch_cuda") or ""
+    if not path.is_file():
+        reason = f"this build has no CUDA kernels ({path} does not exist)"
+    elif torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU-only build"
+    elif built and built.split(".")[0] != torch.version.cuda.split(".")[0]:
+        reason = f"built for CUDA {built.split('.')[0]}.x, torch is built for CUDA {torch.version.cuda}"
+    else:
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:  # load_library hides dlerror(); ctypes shows it
+            try:
+                _built_cuda_info(path)
+                reason = f"torch.ops.load_library({path}) failed: {e}"
+            except OSError as why:
+                reason = f"cannot load {path}: {why}"
+        else:
+            _cuda_status.update(loaded=True, reason="", **_built_cuda_info(path))
+            return cuda_status()
+    _cuda_status.update(loaded=False, reason=reason)
+    return cuda_status()
+
+
+def cuda_status() -> dict:
+    """{'loaded': bool, 'reason': why not ('' when loaded), and the library's cuda_version / cuda_archs}."""
+    return dict(_cuda_status)
