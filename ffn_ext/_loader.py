@@ -155,6 +155,7 @@ def load_cuda_library() -> dict:
         else:
             _cuda_status.update(loaded=True, reason="", **_built_cuda_info(path))
             return cuda_status()
+    _cuda_status.clear()
     _cuda_status.update(loaded=False, reason=reason)
     return cuda_status()
 
