@@ -1,11 +1,12 @@
-"""Builds ffn_ext._C: a CUDAExtension when a CUDA build of torch and nvcc are present, else a CppExtension.
+"""Builds ffn_ext on torch's stable ABI (TORCH_TARGET_VERSION 2.10, docs/internals/stable-abi.md §3): ffn_ext._C
+(pybind11, per Python: the schemas, no kernels) and, when a CUDA build of torch and nvcc are present, the plain
+shared library ffn_ext/lib/libffn_ext_cuda.so (the CUDA kernels; loaded on demand by ffn_ext/_loader.py).
 
-    pip install torch ninja                   # first: ffn_ext compiles against the torch it will run with
+    pip install torch ninja
     pip install --no-build-isolation .        (or -e . for development; python -m build --no-isolation for dists)
 
-The binary loads only with the torch it was compiled against, so the build uses the environment's torch: plain
-`pip install .` (build isolation) stops at once with a message saying this, instead of building against another
-torch in pip's throwaway environment. The wheel requires exactly the torch version it was built against.
+Both binaries load under any torch >= 2.10 (the CUDA library only under a torch of its CUDA major). The build
+still uses the environment's torch for its headers and its CUDA major.
 
 Environment: FFN_EXT_FORCE_CPU=1 builds CPU-only; TORCH_CUDA_ARCH_LIST picks the GPU architectures (default
 "8.0;9.0+PTX"); MAX_JOBS limits parallel compile jobs. Sources and flags: csrc/build.json. Making an sdist
@@ -78,7 +79,7 @@ if _setuptools_major.isdigit() and 0 < int(_setuptools_major) < build.MIN_SETUPT
 
 cmdclass = {"build_py": BuildPyWithSources}
 ext_modules = []
-install_requires = [f"torch>={'.'.join(map(str, build.MIN_TORCH))}"]  # an sdist's; a wheel pins its own below
+install_requires = [f"torch>={'.'.join(map(str, build.MIN_TORCH))}"]  # stable ABI: any torch from the 2.10 target on
 
 if needs_torch:
     if importlib.util.find_spec("torch") is None:
@@ -89,7 +90,7 @@ if needs_torch:
             )
         )
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    from torch.utils.cpp_extension import BuildExtension
 
     too_old = build.too_old(torch.__version__)
     if too_old:
@@ -105,33 +106,81 @@ if needs_torch:
 
     if build.write_ops_table(ROOT):  # the C++ op table, from ffn_ext/table.py (not in git)
         print(f"ffn_ext: wrote {build.OPS_TABLE} from ffn_ext/table.py", flush=True)
-    torch_version = build.torch_base_version(torch.__version__)
-    install_requires = [f"torch=={torch_version}"]  # the binary loads only with this torch
+    # Stable ABI (docs/internals/stable-abi.md §3): both binaries serve every torch >= the 2.10 target, so the
+    # wheel requires torch>=2.10, not the build's torch; only the CUDA library is tied to one CUDA major.
+    from torch.utils import cpp_extension
+
     with_cuda, why = build.decide_cuda()
-    sources, flags = build.sources_and_flags(with_cuda, python_module=True, root=ROOT)
-    sources = [os.path.relpath(s, ROOT) for s in sources]
+    torch_inc = cpp_extension.include_paths()[:1]  # torch/include: the stable headers need no other
+    torch_lib = cpp_extension.library_paths()
+    try:  # pip's pybind11 first; torch/include ships a copy otherwise
+        import pybind11
+
+        pybind_inc = [pybind11.get_include()]
+    except ImportError:
+        pybind_inc = []
     # -g0: Python's CFLAGS carry -g, which made _C 26 MB of debug info (the CMake build, without it, is 4 MB).
-    cxx = flags["cxx"] + ["-g0"]
+    srcs, flags, libs = build.python_target(ROOT)
+    ext_modules = [
+        setuptools.Extension(
+            "ffn_ext._C",
+            [os.path.relpath(x, ROOT) for x in srcs],
+            include_dirs=[*pybind_inc, *torch_inc],
+            library_dirs=torch_lib,
+            libraries=libs,
+            language="c++",
+            extra_compile_args={"cxx": flags["cxx"] + ["-g0"]},
+        )
+    ]
+    cuda_lib = build.cuda_library_relpath(ROOT)
+    cuda_ext = cuda_lib.removesuffix(".so").replace("/", ".")
     if with_cuda:
         archs = build.default_arch_list(build.config(ROOT))
-        banner = f"ffn_ext: building the CUDA extension for TORCH_CUDA_ARCH_LIST={archs}: {why}"
-        ext = CUDAExtension("ffn_ext._C", sources, extra_compile_args={"cxx": cxx, "nvcc": flags["nvcc"]})
+        banner = f"ffn_ext: building _C and {cuda_lib} for TORCH_CUDA_ARCH_LIST={archs}: {why}"
+        srcs, flags, libs = build.cuda_target(ROOT)
+        cuda_lib_dirs = [
+            d for d in (os.path.join(cpp_extension.CUDA_HOME, x) for x in ("lib64", "lib")) if os.path.isdir(d)
+        ]
+        ext_modules.append(
+            setuptools.Extension(
+                cuda_ext,
+                [os.path.relpath(x, ROOT) for x in srcs],
+                include_dirs=[*torch_inc, os.path.join(cpp_extension.CUDA_HOME, "include")],
+                library_dirs=[*torch_lib, *cuda_lib_dirs],
+                libraries=libs,
+                language="c++",
+                extra_compile_args={"cxx": flags["cxx"] + ["-g0"], "nvcc": flags["nvcc"]},
+            )
+        )
     else:
-        banner = f"ffn_ext: building the CPU-only extension (no CUDA kernels): {why}"
-        ext = CppExtension("ffn_ext._C", sources, extra_compile_args={"cxx": cxx})
-    ext_modules = [ext]
+        banner = f"ffn_ext: building _C only (no CUDA kernels): {why}"
 
     class BuildExt(BuildExtension):
-        """Says once what it builds, and leaves the build record (_build.RECORD) next to _C."""
+        """Says once what it builds, names the CUDA library as a plain shared library (no Python ABI suffix: it is
+        loaded with torch.ops.load_library), and leaves the build record (_build.RECORD) next to _C."""
+
+        def get_ext_filename(self, fullname):
+            if fullname == cuda_ext:
+                return cuda_lib
+            if fullname == cuda_ext.rpartition(".")[2]:
+                return Path(cuda_lib).name
+            return super().get_ext_filename(fullname)
+
+        def get_ext_fullpath(self, ext_name):
+            if ext_name == cuda_ext:  # next to _C's package dir, in place or in build_lib alike
+                return str(Path(super().get_ext_fullpath("ffn_ext._C")).parent / Path(cuda_lib).relative_to("ffn_ext"))
+            return super().get_ext_fullpath(ext_name)
 
         def run(self):
             print(banner, flush=True)
+            if with_cuda and self.inplace:  # the in-place copy does not create the folder
+                (ROOT / cuda_lib).parent.mkdir(parents=True, exist_ok=True)
             super().run()
             for path in self._records():
                 path.write_text(json.dumps(build.build_record(with_cuda, ROOT), indent=1) + "\n")
 
         def _records(self):
-            return [Path(self.get_ext_fullpath(e.name)).with_name(build.RECORD) for e in self.extensions]
+            return [Path(self.get_ext_fullpath("ffn_ext._C")).with_name(build.RECORD)]
 
         def get_outputs(self):
             return super().get_outputs() + [str(p) for p in self._records()]

@@ -1,26 +1,27 @@
-// Declarations shared by the ffn_ext sources. Map of the code:
+// Declarations shared by the ffn_ext sources, on PyTorch's stable ABI (torch/csrc/stable, torch/headeronly and the
+// C shims only; every TU is compiled with -DTORCH_TARGET_VERSION=0x020a000000000000: docs/internals/stable-abi.md).
+// Map of the code:
 //   ops_table.h        the table of ops: every activation and gated activation, one line each
-//   registration.cpp   TORCH_LIBRARY(ffn_ext): every schema; build information
+//   registration.cpp   STABLE_TORCH_LIBRARY(ffn_ext): every schema (quantizing ones included), pointwise tags
+//   python_module.cpp  the pybind11 module ffn_ext._C (registration.cpp + build info): no kernels, so it loads
+//                      under any torch >= 2.10, CUDA or not
 //   shapes.cpp         the input checks and output allocation every CUDA kernel starts with
-//   (the CPU and fake kernels and autograd of the table's ops are Python: ffn_ext/_kernels.py)
 //   ffn_math.h         the element math of every op (activations and op functors, __host__ __device__)
 //   rows.h, row_ops.h  the launcher (per-thread code, launch shape) and tensors -> launcher problems
-//   cuda/ops.cpp       the CUDA kernels' registration, all of it: row_ops.h's problems, launched through
-//                      cuda/launch_rows.h, and quant_ops.h's, launched through cuda/launch_quant.h
-//   cuda/kernels_part*.cu  the kernels (cuda/rows_launcher.cuh), torch-free; the table's lines are split across
-//                      the parts (cuda/kernels_part.cuh); cuda/kernels.cu: build info
-//   quant.h, quant.cpp, quant_recipe.cpp, quant_ops.h, quant_kernel.h  the FP8 quantizing ops (registration and
-//                      CPU kernels; recipes, outputs and the ATen formula; the kernels' problems and per-lane code)
-//   cuda/quant_part*.cu    their kernels (cuda/quant_kernels.cuh), torch-free, split across four parts
-//   python_module.cpp  the pybind11 module ffn_ext._C (build info, the functional API's fast entry points)
-//   library.cpp        what the build compiles of the files above: several to a translation unit (it says why)
-// Not part of ffn_ext: the tests' host math and emulated launches of these headers (tests/csrc, tests/native.py).
+//   cuda/ops.cpp       libffn_ext_cuda.so: the CUDA kernels' registration and glue (stream, guard, SM count)
+//   cuda/kernels_part*.cu, cuda/quant_part*.cu  the kernels, torch-free
+//   quant.h, quant_recipe.cpp, quant_ops.h, quant_kernel.h  the FP8 quantizing ops (recipe checks, outputs,
+//                      the kernels' problems and per-lane code)
+// Fake (Meta) kernels, autograd, autocast, vmap and the CPU kernels are Python (ffn_ext/table.py).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/string_view.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -28,48 +29,85 @@
 #include "ffn_math.h"
 
 namespace ffn_ext {
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// ---- errors ----
+// Only RuntimeError crosses the stable boundary reliably (doc §1.3), so a check that is a ValueError or TypeError
+// in the Python API starts its message with "[ValueError] " / "[TypeError] "; ffn_ext/ops.py re-raises that type
+// and strips the tag. Messages are concatenated strings (numbers through std::to_string): no ostream, which a
+// broken libstdc++ stream link turned into segfaults before (shapes.cpp), and no "func, file:line" prefix.
+namespace detail {
+inline void append(std::string& s, const char* p) { s += p; }
+inline void append(std::string& s, const std::string& p) { s += p; }
+inline void append(std::string& s, std::string_view p) { s.append(p.data(), p.size()); }
+template <class... A>
+[[noreturn]] void fail(const char* tag, const A&... parts) {
+  std::string s(tag);
+  (append(s, parts), ...);
+  throw std::runtime_error(s);
+}
+}  // namespace detail
+#define FFN_EXT_CHECK_TAGGED(tag, cond, ...) \
+  do { \
+    if (!(cond)) ::ffn_ext::detail::fail(tag, __VA_ARGS__); \
+  } while (0)
+#define FFN_EXT_CHECK(cond, ...) FFN_EXT_CHECK_TAGGED("", cond, __VA_ARGS__)
+#define FFN_EXT_CHECK_VALUE(cond, ...) FFN_EXT_CHECK_TAGGED("[ValueError] ", cond, __VA_ARGS__)
+#define FFN_EXT_CHECK_TYPE(cond, ...) FFN_EXT_CHECK_TAGGED("[TypeError] ", cond, __VA_ARGS__)
+
+// A shim call that must succeed (an error code becomes a RuntimeError naming the call).
+#define FFN_EXT_SHIM(call) \
+  do { \
+    if ((call) != AOTI_TORCH_SUCCESS) ::ffn_ext::detail::fail("", "ffn_ext: ", #call, " failed"); \
+  } while (0)
+
+// ---- tensors through the C shims (no dispatcher round trips: docs/internals/stable-abi.md §1.4) ----
+// The dtype as c10's enum value, read with aoti_torch_get_dtype: Tensor::scalar_type() throws at the 2.10 target
+// for dtypes it cannot convert (float8_e8m0fnu, §1.6).
+inline ScalarType dtype_of(const Tensor& t) {
+  int32_t code = 0;
+  FFN_EXT_SHIM(aoti_torch_get_dtype(t.get(), &code));
+  return static_cast<ScalarType>(code);
+}
+// A new tensor with the given sizes and strides, dtype (c10's enum value) on like's device.
+Tensor empty_strided(const Tensor& like, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                     ScalarType dtype);
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes);
+inline std::vector<int64_t> vec(torch::headeronly::IntHeaderOnlyArrayRef a) { return {a.begin(), a.end()}; }
 
 // ---- input checks and output allocation (shapes.cpp) ----
-// Every CUDA kernel starts with one of these; the CPU and fake kernels (ffn_ext/_kernels.py) make the same checks,
-// so real and fake tensors accept and reject the same inputs. Errors (TypeError / ValueError / RuntimeError) name the op, the argument, what was
-// expected and what was given. Outputs are always freshly allocated and contiguous.
+// Every CUDA kernel starts with one of these; the Python fake impls make the same checks with the same messages.
+// Errors name the op, the argument, what was expected and what was given. Outputs are freshly allocated:
+// contiguous, or channels_last(_3d) when every input is (same_shape_format).
 // `op` is the name messages give, e.g. "ffn_ext.swiglu".
-at::Tensor alloc_unary(const char* op, const at::Tensor& x);  // gelu, silu, ...
-at::Tensor alloc_unary_backward(const char* op, const at::Tensor& grad, const at::Tensor& x);
+Tensor alloc_unary(const char* op, const Tensor& x);  // gelu, silu, ...
+Tensor alloc_unary_backward(const char* op, const Tensor& grad, const Tensor& x);
 // name_backward_recompute: (grad * act'(x), act(x)), both of alloc_unary_backward's shape and format
-std::tuple<at::Tensor, at::Tensor> alloc_unary_backward_recompute(const char* op, const at::Tensor& grad,
-                                                                  const at::Tensor& x);
-at::Tensor alloc_gated(const char* op, const at::Tensor& gate, const at::Tensor& up);  // swiglu, geglu, ...
-std::tuple<at::Tensor, at::Tensor> alloc_gated_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate,
-                                                        const at::Tensor& up);
-at::Tensor alloc_gated_packed(const char* op, const at::Tensor& gate_up);
-at::Tensor alloc_gated_packed_backward(const char* op, const at::Tensor& grad, const at::Tensor& gate_up);
+std::tuple<Tensor, Tensor> alloc_unary_backward_recompute(const char* op, const Tensor& grad, const Tensor& x);
+Tensor alloc_gated(const char* op, const Tensor& gate, const Tensor& up);  // swiglu, geglu, ...
+std::tuple<Tensor, Tensor> alloc_gated_backward(const char* op, const Tensor& grad, const Tensor& gate,
+                                                const Tensor& up);
+Tensor alloc_gated_packed(const char* op, const Tensor& gate_up);
+Tensor alloc_gated_packed_backward(const char* op, const Tensor& grad, const Tensor& gate_up);
 
 // A packed op's `layout` argument: "concat" ([gate | up]) or "interleaved" ([g0, u0, g1, u1, ...]); anything else
 // is a ValueError naming `layout`.
 enum class Layout { kConcat, kInterleaved };
-Layout parse_layout(const char* op, c10::string_view layout);
+Layout parse_layout(const char* op, std::string_view layout);
 
 // A gated op's keyword parameters (ops_table.h's P column), checked before anything else: swiglu_clamped's `limit`
 // must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite; ValueErrors name the parameter.
 inline void check_params(const char*, const math::NoParams&) {}
 void check_params(const char* op, const math::ClampParams& p);
-// A gated op's parameters as its kernels use them on tensors of `dtype`. torch.clamp rounds a Scalar bound to the
-// tensor's dtype (and compares with it there), so swiglu_clamped's limit is rounded to float16 / bfloat16 for
-// 16-bit tensors (for float32 the kernels' float math does it); alpha and up_offset stay as they are, as in ATen's
-// scalar multiply and add, which compute in float.
-inline math::NoParams for_dtype(const math::NoParams& p, at::ScalarType) { return p; }
-math::ClampParams for_dtype(const math::ClampParams& p, at::ScalarType dtype);
+// A gated op's parameters as its kernels use them on tensors of `dtype`: swiglu_clamped's limit is rounded to
+// float16 / bfloat16 for 16-bit tensors, as torch.clamp rounds a Scalar bound to the tensor's dtype.
+inline math::NoParams for_dtype(const math::NoParams& p, ScalarType) { return p; }
+math::ClampParams for_dtype(const math::ClampParams& p, ScalarType dtype);
 
-// ---- what the build contains ----
-std::vector<std::pair<std::string, std::string>> build_info();
-
-#ifdef FFN_EXT_WITH_CUDA
-namespace cuda {
-// CUDA runtime version the kernels were compiled with, and the architectures (nvcc's __CUDA_ARCH_LIST__).
-std::string compiled_cuda_version();
-std::string compiled_arch_list();
-}  // namespace cuda
-#endif
+// "torch.float32", ... (the names the messages give)
+const char* dtype_name(ScalarType st);
+// "[3, 5]"
+std::string shape_str(const std::vector<int64_t>& sizes);
 
 }  // namespace ffn_ext

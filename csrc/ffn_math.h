@@ -18,7 +18,7 @@
 // act(+inf) = +inf, act'(-inf) = 0, act'(+inf) = 1; relu2: act'(+inf) = +inf). NaN in -> NaN out.
 #pragma once
 
-#include <torch/version.h>
+#include <torch/headeronly/version.h>  // header-only: allowed at the stable target
 
 #include <math.h>  // ::isinf on the host
 #include <cmath>
@@ -241,6 +241,8 @@ struct NoParams {};
 // torch.clamp's gradient at the bound itself, which swiglu_clamped's gradients follow: passed (subgradient 1)
 // before torch 2.14, 0 since (pytorch#191142: the minimum-norm subgradient, as relu and hardtanh). A build of
 // ffn_ext loads only with the torch it was built against, so the torch headers decide.
+// TODO(stable port): a stable build serves every torch >= 2.10, so the build torch no longer tells the running
+// one; this must become a run-time value (aoti_torch_abi_version) passed in the gate's params.
 constexpr bool kClampGradAtBound = TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14);
 struct ClampParams {  // swiglu_clamped: limit > 0 (checked in shapes.cpp), alpha, up_offset
   double limit, alpha, up_offset;
@@ -357,6 +359,10 @@ struct Interleaved : F {
 
 // Fast math for 16-bit storage types (see the top of this file).
 template <typename T> constexpr bool fast_math_for() { return sizeof(T) == 2; }
+
+// The accumulation type of storage type T, as ATen's opmath_type (double for double, else float), which is not in
+// torch's header-only set.
+template <typename T> using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 }  // namespace math
 }  // namespace ffn_ext

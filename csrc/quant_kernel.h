@@ -38,8 +38,6 @@
 // per block) into the same amax and scale; block 0's thread 0 stores it.
 #pragma once
 
-#include <ATen/OpMathType.h>
-
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -172,7 +170,7 @@ FFN_HD void load_part(rows::Pack<T, N>& dst, const T* src, int n) {
 template <typename T, class F, bool Pair, bool Vec>
 FFN_HD float lane_h_as(const QuantProblem& p, const F& f, int64_t row, int64_t col, float (&h)[kLaneElems], int n) {
   constexpr bool kFast = math::fast_math_for<T>();
-  using A = at::opmath_type<T>;
+  using A = math::opmath_t<T>;
   A a[2][kLaneElems] = {};  // the identity reads one operand
   if constexpr (Pair) {     // [g0, u0, g1, u1, ...]: 16 elements hold the lane's 8 pairs
     rows::Pack<T, 2 * kLaneElems> raw;

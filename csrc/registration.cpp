@@ -1,47 +1,75 @@
-// The one TORCH_LIBRARY(ffn_ext): every schema, and build information. Kernels: CUDA in cuda/ops.cpp (the kernels:
-// cuda/kernels_part*.cu); the CPU and fake kernels and autograd are Python, registered from the table
-// (ffn_ext/_kernels.py). Python API: ffn_ext/ops.py.
-#include <torch/library.h>
-#include <torch/version.h>
+// The one STABLE_TORCH_LIBRARY(ffn_ext): every schema, from the table (ops_table.h says what each computes), the
+// quantizing ops' included, and the pointwise tags. Linked into ffn_ext._C, which holds no kernels: CUDA kernels
+// are libffn_ext_cuda.so's (cuda/ops.cpp); fake, autograd, autocast, vmap and CPU are Python (ffn_ext/table.py).
+#include <torch/csrc/stable/library.h>
+
+#include <dlfcn.h>
 
 #include "ffn_ext.h"
 #include "ops_table.h"
+#include "quant.h"
 
 namespace ffn_ext {
 
-std::vector<std::pair<std::string, std::string>> build_info() {
-  std::vector<std::pair<std::string, std::string>> info;
-  info.emplace_back("torch_version_built_against", TORCH_VERSION);
-#ifdef FFN_EXT_WITH_CUDA
-  info.emplace_back("cuda_kernels", "yes");
-  info.emplace_back("cuda_version", cuda::compiled_cuda_version());
-  info.emplace_back("cuda_archs", cuda::compiled_arch_list());
-#else
-  info.emplace_back("cuda_kernels", "no");
-  info.emplace_back("cuda_version", "");
-  info.emplace_back("cuda_archs", "");
-#endif
-  return info;
+// ---- pointwise tags ----
+// The unary and gated ops (forward and backward) are elementwise over same-shaped inputs: tagged pointwise, as
+// ATen's gelu/silu/mul. StableLibrary::def(schema, tags) and its shim torch_library_def_with_tags are 2.12+, so at
+// the 2.10 target they are looked up at run time (never linked: the library still loads on 2.10/2.11, untagged
+// there) and called on a fragment handle of our own, held for the process's life (a tag cannot be added after
+// the definition). Docs: docs/internals/stable-abi.md §1.2.
+namespace {
+bool g_tagged = false;
+using DefWithTags = AOTITorchError (*)(TorchLibraryHandle, const char*, const int32_t*, int32_t);
+using TagFn = int32_t (*)();
+
+TorchLibraryHandle pointwise_fragment() {
+  static TorchLibraryHandle h = [] {
+    TorchLibraryHandle lib = nullptr;
+    FFN_EXT_SHIM(aoti_torch_library_init_fragment("ffn_ext", __FILE__, __LINE__, &lib));
+    return lib;  // never deleted: deleting it would deregister its schemas
+  }();
+  return h;
 }
 
-// Schemas, from the table (ops_table.h says what each computes). The unary and gated ops (forward and backward)
-// are elementwise over same-shaped inputs: tagged pointwise, as ATen's gelu/silu/mul (torch.Tag.pointwise; tests/
-// test_ops.py). The packed ops pair elements along the last dim, so they are not.
-TORCH_LIBRARY(ffn_ext, m) {
-  const std::vector<at::Tag> pointwise{at::Tag::pointwise};
+void def_pointwise(const char* schema) {
+  static const auto def_tags = reinterpret_cast<DefWithTags>(dlsym(RTLD_DEFAULT, "torch_library_def_with_tags"));
+  static const auto tag_pw = reinterpret_cast<TagFn>(dlsym(RTLD_DEFAULT, "torch_tag_pointwise"));
+  if (def_tags != nullptr && tag_pw != nullptr) {
+    const int32_t tags[1] = {tag_pw()};
+    FFN_EXT_SHIM(def_tags(pointwise_fragment(), schema, tags, 1));
+    g_tagged = true;
+  } else {
+    FFN_EXT_SHIM(aoti_torch_library_def(pointwise_fragment(), schema));
+  }
+}
+}  // namespace
+
+bool pointwise_tagged() { return g_tagged; }
+
+}  // namespace ffn_ext
+
+// The packed ops pair elements along the last dim, so they are not pointwise; nor are the quantizing ops.
+STABLE_TORCH_LIBRARY(ffn_ext, m) {
+  using ffn_ext::def_pointwise;
 #define FFN_EXT_DEF_ACT(name, ...) \
-  m.def(#name "(Tensor x) -> Tensor", pointwise); \
-  m.def(#name "_backward(Tensor grad, Tensor x) -> Tensor", pointwise); \
-  m.def(#name "_backward_recompute(Tensor grad, Tensor x) -> (Tensor, Tensor)", pointwise);
+  def_pointwise(#name "(Tensor x) -> Tensor"); \
+  def_pointwise(#name "_backward(Tensor grad, Tensor x) -> Tensor"); \
+  def_pointwise(#name "_backward_recompute(Tensor grad, Tensor x) -> (Tensor, Tensor)");
 #define FFN_EXT_DEF_GATED(name, Gate, P) \
-  m.def(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor", pointwise); \
-  m.def(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)", \
-        pointwise); \
+  def_pointwise(#name "(Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> Tensor"); \
+  def_pointwise(#name "_backward(Tensor grad, Tensor gate, Tensor up" FFN_EXT_P_KWONLY_##P ") -> (Tensor, Tensor)"); \
   m.def(#name "_packed(Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P ", str layout=\"concat\") -> Tensor"); \
   m.def(#name "_packed_backward(Tensor grad, Tensor gate_up, *" FFN_EXT_P_SCHEMA_##P \
         ", str layout=\"concat\") -> Tensor");
+#define FFN_EXT_DEF_QUANT(name, Gate, P) \
+  m.def(#name "_quant(Tensor gate, Tensor up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P ") -> (Tensor, Tensor)"); \
+  m.def(#name "_packed_quant(Tensor gate_up, *, " FFN_EXT_QUANT_SCHEMA FFN_EXT_P_SCHEMA_##P \
+        ", str layout=\"concat\") -> (Tensor, Tensor)");
   FFN_EXT_ACTIVATIONS(FFN_EXT_DEF_ACT)
   FFN_EXT_GATED(FFN_EXT_DEF_GATED)
+  FFN_EXT_GATED(FFN_EXT_DEF_QUANT)  // [..., M] x2 -> q [..., M], scale; [..., 2M] -> q [..., M], scale
+  m.def("quantize(Tensor x, *, " FFN_EXT_QUANT_SCHEMA ") -> (Tensor, Tensor)");  // [..., K] -> q [..., K], scale
+#undef FFN_EXT_DEF_ACT
+#undef FFN_EXT_DEF_GATED
+#undef FFN_EXT_DEF_QUANT
 }
-
-}  // namespace ffn_ext

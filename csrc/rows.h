@@ -22,12 +22,13 @@
 // outputs) in registers, so interleaved operands stay vectorized.
 #pragma once
 
-#include <ATen/OpMathType.h>
-#include <c10/util/Exception.h>
+#include <torch/headeronly/util/BFloat16.h>  // c10::Half / c10::BFloat16, header-only (stable target)
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -192,7 +193,7 @@ template <typename T, typename F, int VEC>
 FFN_HD void rows_thread(const RowProblem<F::NI, F::NO>& p, const F& f, const ThreadPos pos) {
   constexpr int NI = F::NI, NO = F::NO, PI = F::kPairIn, PO = F::kPairOut;
   constexpr bool kFast = math::fast_math_for<T>();
-  using A = at::opmath_type<T>;
+  using A = math::opmath_t<T>;
   const int64_t cols = p.cols;
 
   for (int64_t row = pos.by; row < p.rows; row += pos.grid_y) {
@@ -315,7 +316,8 @@ inline LaunchShape launch_shape(int64_t rows, int64_t cols, int vec, int sms) {
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (lanes + 31) / 32 * 32)));
   const int64_t per_block = static_cast<int64_t>(threads) * kUnroll;
   const int64_t grid_x = std::max<int64_t>(1, (vecs + per_block - 1) / per_block);
-  TORCH_CHECK(grid_x <= 0x7fffffff, "ffn_ext: row of ", std::to_string(cols), " elements is too long for one launch");
+  if (grid_x > 0x7fffffff)
+    throw std::runtime_error("ffn_ext: row of " + std::to_string(cols) + " elements is too long for one launch");
   return {grid_x, grid_y, threads};
 }
 

@@ -195,21 +195,34 @@ def default_arch_list(cfg: dict) -> str:
     return os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
-def sources_and_flags(with_cuda: bool, python_module: bool, root: Path | None = None) -> tuple[list[str], dict]:
-    """Absolute source paths and {'cxx': [...], 'nvcc': [...]} for one build."""
+TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10: (2 << 56) | (10 << 48), in build.json's flags
+
+
+def python_target(root: Path | None = None) -> tuple[list[str], dict, list[str]]:
+    """ffn_ext._C (pybind11, the schemas): absolute sources, {'cxx': flags}, libraries to link (libtorch_cpu only:
+    no torch_python, c10 or torch, which the stable ABI does not need)."""
     root = root or source_root()
     cfg = config(root)
-    srcs = list(cfg["library_sources"])
-    if python_module:
-        srcs += cfg["python_sources"]
-    cxx = list(cfg["cxx_flags"])
-    nvcc = list(cfg["nvcc_flags"])
-    if with_cuda:
-        srcs += cfg["cuda_sources"]
-        define = "-D" + cfg["cuda_define"]
-        cxx.append(define)
-        nvcc.append(define)
-    return [str(root / s) for s in srcs], {"cxx": cxx, "nvcc": nvcc}
+    return (
+        [str(root / s) for s in cfg["python_sources"]],
+        {"cxx": list(cfg["cxx_flags"])},
+        list(cfg["python_libraries"]),
+    )
+
+
+def cuda_target(root: Path | None = None) -> tuple[list[str], dict, list[str]]:
+    """The CUDA library (cuda_library in build.json): absolute sources, {'cxx': [...], 'nvcc': [...]}, libraries.
+    USE_CUDA declares the shim's CUDA functions (aoti_torch_get_current_cuda_stream)."""
+    root = root or source_root()
+    cfg = config(root)
+    define = "-D" + cfg["cuda_define"]
+    flags = {"cxx": [*cfg["cxx_flags"], define], "nvcc": [*cfg["nvcc_flags"], define]}
+    return [str(root / s) for s in cfg["cuda_sources"]], flags, list(cfg["cuda_libraries"])
+
+
+def cuda_library_relpath(root: Path | None = None) -> str:
+    """Where the build puts the CUDA library, relative to the repository root ('ffn_ext/lib/libffn_ext_cuda.so')."""
+    return config(root)["cuda_library"]
 
 
 def torch_base_version(version: str) -> str:

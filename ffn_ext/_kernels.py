@@ -24,7 +24,7 @@ import torch
 from . import _compat
 from .table import LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["FLOAT_DTYPES", "check", "check_kinds", "check_extra", "compute", "register"]
+__all__ = ["FLOAT_DTYPES", "check", "check_kinds", "check_extra", "compute", "register", "retyped"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -111,6 +111,23 @@ def check(name: str, args: tuple, params: dict, layout: str | None) -> None:
         return
     for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
         _check_like(op, spec.args[k], args[k], ref_name, ref)
+
+
+# The C++ checks (the CUDA kernels') can raise only RuntimeError across torch's stable ABI: they tag the message
+# with the type they mean, which the functional API restores (docs/internals/stable-abi.md, section 1.3).
+_TAGS = {"[ValueError] ": ValueError, "[TypeError] ": TypeError}
+
+
+def retyped(err: Exception) -> Exception | None:
+    """The ValueError or TypeError a C++ check's tagged RuntimeError stands for, its tag stripped; else None."""
+    if type(err) is not RuntimeError:
+        return None
+    msg = str(err)
+    for tag, kind in _TAGS.items():
+        i = msg.find(tag)
+        if i != -1 and not msg[:i].strip():
+            return kind(msg[i + len(tag) :])
+    return None
 
 
 # ---------------------------------------------------------------- the ATen forms

@@ -1,14 +1,13 @@
 """What `import ffn_ext` does about its native library before and after trying ffn_ext._C (called from
-ops._load_installed): ops registered before the import, a _C built for another torch, and the fallback warning's
-advice.
+ops._load_installed): ops registered before the import, the CUDA library, and the fallback warning's advice.
 
 - ffn_ext's ops are one TORCH_LIBRARY(ffn_ext); a second registration of the namespace aborts the process (c10
   "Only a single TORCH_LIBRARY can be used ..."), not a Python error. So when torch.ops.ffn_ext is already there
   (libffn_ext_ops.so loaded with torch.ops.load_library, or linked into a C++ host), the package adopts those ops
   and does not import _C.
-- setup.py leaves _build.RECORD next to _C: the torch version it compiled against. A _C built for another torch
-  is not loaded (its load fails with a linker message, or worse, succeeds against a changed ABI); the warning names
-  both versions and the command that rebuilds.
+- _C and the CUDA library are built on torch's stable ABI at the 2.10 target: one build serves every torch from
+  2.10 on. setup.py leaves _build.RECORD next to _C (the torch and CUDA it was built with): the CUDA library is
+  loaded only under a torch of the same CUDA major, else the CUDA kernels are off and build_info() says why.
 - The advice names only what works here: rebuilding in a checkout, ffn_ext.jit.load() when the sources are there.
 """
 
@@ -30,12 +29,14 @@ class Registered:
 
     source = "ops registered before import (e.g. libffn_ext_ops.so)"
 
-    @staticmethod
-    def build_info() -> dict:
-        has = torch._C._dispatch_has_kernel_for_dispatch_key(PROBE_OP, "CUDA")
+    def __init__(self):
+        # asked now, before ffn_ext registers its Python kernels (which serve CUDA tensors when nothing else does)
+        self._cuda = torch._C._dispatch_has_kernel_for_dispatch_key(PROBE_OP, "CUDA")
+
+    def build_info(self) -> dict:
         return {
             "torch_version_built_against": "unknown (not ffn_ext._C)",
-            "cuda_kernels": "yes" if has else "no",
+            "cuda_kernels": "yes" if self._cuda else "no",
             "cuda_version": "",
             "cuda_archs": "",
         }
@@ -68,7 +69,8 @@ def installed_elsewhere() -> Path | None:
 
 
 def check_installed_C() -> None:
-    """Raises ImportError (before loading anything) when _C is absent or was built for another torch."""
+    """Raises ImportError (before loading anything) when _C is absent. A _C built with any torch from the 2.10
+    target on loads under any other (stable ABI); `import ffn_ext` refuses a torch older than that itself."""
     if not _built_C():
         other = installed_elsewhere()
         shadowed = (
@@ -78,20 +80,6 @@ def check_installed_C() -> None:
             else ""
         )
         raise ImportError(f"ffn_ext._C is not built: no _C extension module in {_build.PACKAGE}{shadowed}")
-    record = _build.read_record(_build.PACKAGE)
-    if not record:
-        return
-    built = (record.get("torch_version"), record.get("torch_cuda"))
-    here = (_build.torch_base_version(torch.__version__), torch.version.cuda)
-    if built != here:  # the version, or a CUDA build against a CPU one (or another CUDA) of the same version
-
-        def name(version, cuda):
-            return f"torch {version} ({f'CUDA {cuda}' if cuda else 'CPU-only'})"
-
-        raise ImportError(
-            f"ffn_ext._C was built against {name(*built)}, this is {name(torch.__version__, here[1])}; "
-            f"it loads only with the torch it was built against. Rebuild it: {_build.rebuild_command()}"
-        )
 
 
 def remedy() -> str:
@@ -108,3 +96,58 @@ def remedy() -> str:
     except FileNotFoundError:
         ways.append(f"reinstall ffn_ext for this torch: {_build.rebuild_command()}")
     return "To get the fused kernels, " + ", or ".join(ways) + "."
+
+
+# ---- the CUDA kernels: lib/libffn_ext_cuda.so (stable ABI, docs/internals/stable-abi.md §1.7, §3) ----
+# A library of its own, so that _C loads under any torch >= 2.10, CUDA or not. It needs libtorch_cuda and the
+# libcudart.so of the CUDA major it was built with, so it is loaded only when the running torch has that major;
+# otherwise, or when the load fails, the CUDA kernels are off and cuda_status() says why.
+_cuda_status: dict = {"loaded": False, "reason": "not tried"}
+
+
+def cuda_library_path() -> Path:
+    return _build.PACKAGE / "lib" / "libffn_ext_cuda.so"
+
+
+def _built_cuda_info(path: Path) -> dict:
+    """The library's own record ('cuda_version=13.0;cuda_archs=900;...'), read through ctypes."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(path))
+    lib.ffn_ext_cuda_build_info.restype = ctypes.c_char_p
+    return dict(kv.split("=", 1) for kv in lib.ffn_ext_cuda_build_info().decode().split(";") if "=" in kv)
+
+
+def load_cuda_library() -> dict:
+    """Loads the CUDA kernels once, when this torch can run them; returns cuda_status()."""
+    if _cuda_status["loaded"] or _cuda_status["reason"] != "not tried":
+        return cuda_status()
+    path = cuda_library_path()
+    record = _build.read_record(_build.PACKAGE) or {}
+    built = record.get("torch_cuda") or ""
+    if not path.is_file():
+        reason = f"this build has no CUDA kernels ({path} does not exist)"
+    elif torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is a CPU-only build"
+    elif built and built.split(".")[0] != torch.version.cuda.split(".")[0]:
+        reason = f"built for CUDA {built.split('.')[0]}.x, torch is built for CUDA {torch.version.cuda}"
+    else:
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:  # load_library hides dlerror(); ctypes shows it
+            try:
+                _built_cuda_info(path)
+                reason = f"torch.ops.load_library({path}) failed: {e}"
+            except OSError as why:
+                reason = f"cannot load {path}: {why}"
+        else:
+            _cuda_status.update(loaded=True, reason="", **_built_cuda_info(path))
+            return cuda_status()
+    _cuda_status.clear()
+    _cuda_status.update(loaded=False, reason=reason)
+    return cuda_status()
+
+
+def cuda_status() -> dict:
+    """{'loaded': bool, 'reason': why not ('' when loaded), and the library's cuda_version / cuda_archs}."""
+    return dict(_cuda_status)

@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 NO_C_ENV = "FFN_EXT_NO_C"  # set to 1 to skip importing ffn_ext._C (e.g. to use ffn_ext.jit.load instead)
-_API_OPS = tuple(name for name, spec in OPS.items() if not spec.backward)  # those with a fast entry point
 
 _lock = threading.Lock()
 _native: Any = None  # the loaded native module (ffn_ext._C or the JIT module), or a _loader.Registered
@@ -58,12 +57,9 @@ def _adopt(module, source: str) -> None:
     with _lock:
         if _native is None:
             _native, _native_source, _native_error = module, source, None
-            _kernels.register(cuda_kernels=module.build_info().get("cuda_kernels") == "yes")
+            _kernels.register(cuda_kernels=_cuda_info()["cuda_kernels"] == "yes")
             _register_vmap_rules()
             _register_dtensor()
-            _fast.update(
-                (name, getattr(module, "_fast_" + name)) for name in _API_OPS if hasattr(module, "_fast_" + name)
-            )
 
 
 def _batch_rule(name: str):
@@ -129,6 +125,8 @@ def _load_installed() -> None:
     try:
         _loader.check_installed_C()
         from . import _C  # type: ignore[attr-defined]  # the compiled extension: mypy sees no module (no stub)
+
+        _loader.load_cuda_library()  # before the Python kernels register: they serve CUDA tensors only without it
     except ImportError as e:
         _native_error = f"ffn_ext._C could not be imported ({e})"
         warnings.warn(
@@ -155,8 +153,8 @@ def _native_for(t: torch.Tensor) -> bool:
 _overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
 # op name -> its keyword-only scalar arguments, in schema order: the gated op's parameters, then a packed op's layout
 _KEYWORDS = {n: tuple(p.name for p in s.params) + (("layout",) if s.kind == "packed" else ()) for n, s in OPS.items()}
-_fast: dict = {}  # op name -> the native library's fast entry point (csrc/python_module.cpp), set by _adopt
 _is_compiling = torch.compiler.is_compiling
+_below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
 def _transformed(args: tuple) -> bool:
@@ -247,44 +245,44 @@ def _call(name: str, args: tuple, extra: tuple = ()):
     """The op on tensors `args` and its scalar arguments `extra` (a gated op's parameters, then a packed op's
     layout: every one, in schema order, _KEYWORDS[name]), by the cheapest path that serves them:
     0. plain CPU tensors (_on_host): the op's ATen expression, under ATen's autograd (_host_form; why above);
-    1. the native library's fast entry point: plain tensors on cpu/cuda/meta, no __torch_function__ mode, not
-       under torch.compile. It calls the op through the dispatcher as ATen's own bindings do: on a CPU core
-       ffn_ext.gelu takes about 1.1 us instead of 2.3 (meta tensors; benchmarks/host_overhead.py). It returns
-       NotImplemented for everything else;
-    2. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device (tensor subclasses, torch function
-       modes, and what torch.compile traces);
-    3. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
+    1. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device; started below autograd when there is
+       nothing to record (outside torch.compile), so that a call does not pay the ops' Python autograd kernel
+       (ffn_ext/_kernels.py) to find that out;
+    2. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
        library, torch.func transforms and forward-mode AD (_transformed).
-    Bad tensor kinds get the clear error on every path. Floating-point inputs of different dtypes are promoted to
-    their common dtype first (_promoted), as ATen's act(gate) * up promotes."""
+    Bad tensor kinds get the clear error on every path, and the C++ checks' ValueError and TypeError their type
+    (_kernels.retyped). Floating-point inputs of different dtypes are promoted to their common dtype first
+    (_promoted), as ATen's act(gate) * up promotes."""
     host = _HOST.get(name)
     if host is not None and _on_host(args):
         out = host(args, extra)
         if out is not NotImplemented:
             return out
     try:
-        fast = _fast.get(name)
-        if fast is not None and not _is_compiling():
-            out = fast(*args, *extra)
-            if out is not NotImplemented:
-                return out
         if len(args) > 1:
             args = _promoted(args)
         if _native_for(args[0]) and not _aten_only(args):
             # Under torch.compile the op is looked up, never cached: filling _overloads while traced made dynamo
             # guard on the cache's contents, so every compiled function recompiled on its second call
             # (tests/test_compile_export.py runs a second call under set_stance("fail_on_recompile")).
-            overload = getattr(torch.ops.ffn_ext, name).default if _is_compiling() else _overloads.get(name)
+            if _is_compiling():
+                return getattr(torch.ops.ffn_ext, name).default(*args, **dict(zip(_KEYWORDS[name], extra)))
+            overload = _overloads.get(name)
             if overload is None:
                 overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
-            return overload(*args, **dict(zip(_KEYWORDS[name], extra))) if extra else overload(*args)
-    except Exception:
+            kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else {}
+            if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+                return overload(*args, **kwargs)
+            with _below_autograd():
+                return overload(*args, **kwargs)
+    except Exception as e:
         if _has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
-        if len(args) > 1 and _promoted(args) is not args:  # the fast entry point refuses mixed dtypes
-            return _call(name, _promoted(args), extra)
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
+        retyped = _kernels.retyped(e)
+        if retyped is not None:
+            raise retyped from None
         raise
     return _fallback(name, args, dict(zip(_KEYWORDS[name], extra)))
 
@@ -324,7 +322,13 @@ def call_op(name: str, *args, **kwargs):
     """torch.ops.ffn_ext.<name>(*args, **kwargs) for any op of the table (backward ops too) where the native ops
     serve the arguments, else its ATen fallback: what the modules' lean autograd calls."""
     if _native_for(args[-1]) and not _aten_only(args):
-        return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
+        try:
+            return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
+        except RuntimeError as e:
+            retyped = _kernels.retyped(e)
+            if retyped is not None:
+                raise retyped from None
+            raise
     return _fallback(name, args, kwargs)
 
 
@@ -444,13 +448,33 @@ def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str
 
 # ---------------------------------------------------------------- build information
 def build_info() -> dict:
-    """What is loaded: native library or ATen fallback, CUDA kernels, CUDA version and archs, torch versions."""
+    """What is loaded: native library or ATen fallback, CUDA kernels (and why not), CUDA version and archs, torch
+    versions."""
     info: dict[str, Any] = {"native": _native_source or "none (ATen fallback)", "torch_version": torch.__version__}
     if _native is None:
         info.update(reason=_native_error, cuda_kernels="no")
     else:
         info.update(_native.build_info())
+        info.update(_cuda_info())
     return info
+
+
+def _cuda_info() -> dict:
+    """The CUDA kernels' part of build_info(): _C has none; the CUDA library the loader loaded (or why not), or the
+    ops another library registered."""
+    if _native_source == "ffn_ext._C":
+        from . import _loader
+
+        status = _loader.cuda_status()
+        info = {
+            "cuda_kernels": "yes" if status["loaded"] else "no",
+            "cuda_version": status.get("cuda_version", ""),
+            "cuda_archs": status.get("cuda_archs", ""),
+        }
+        if not status["loaded"]:
+            info["cuda_kernels_off"] = status["reason"]
+        return info
+    return {k: v for k, v in _native.build_info().items() if k.startswith("cuda_")}
 
 
 def native_ops() -> bool:
