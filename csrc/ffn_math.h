@@ -239,13 +239,15 @@ struct QuickGelu : ActBase<QuickGelu> {
 // schema's keyword arguments) on the host and passed to the kernel by value.
 struct NoParams {};
 // torch.clamp's gradient at the bound itself, which swiglu_clamped's gradients follow: passed (subgradient 1)
-// before torch 2.14, 0 since (pytorch#191142: the minimum-norm subgradient, as relu and hardtanh). A build of
-// ffn_ext loads only with the torch it was built against, so the torch headers decide.
-// TODO(stable port): a stable build serves every torch >= 2.10, so the build torch no longer tells the running
-// one; this must become a run-time value (aoti_torch_abi_version) passed in the gate's params.
-constexpr bool kClampGradAtBound = TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 14);
+// before torch 2.14, 0 since (pytorch#191142: the minimum-norm subgradient, as relu and hardtanh).
+constexpr bool clamp_grad_at_bound(int torch_major, int torch_minor) {
+  return torch_major < 2 || (torch_major == 2 && torch_minor < 14);
+}
 struct ClampParams {  // swiglu_clamped: limit > 0 (checked in shapes.cpp), alpha, up_offset
   double limit, alpha, up_offset;
+  // One build serves every torch from 2.10 on, so the running torch's convention is a value: the CUDA glue sets it
+  // (for_dtype, shapes.cpp); the default is the torch the code is compiled with (the tests' host math).
+  bool grad_at_bound = clamp_grad_at_bound(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
 };
 
 // act(g) * u for an activation above (ops_table.h FFN_EXT_GATED: swiglu is Glu<Silu>, ...). dgate goes through the
@@ -266,7 +268,7 @@ struct Glu {
 // Clamped SwiGLU (GPT-OSS with alpha = 1.702, up_offset = 1, limit = 7; DeepSeek-V4 with alpha = 1, no offset):
 //   (clamp(u, -L, L) + up_offset) h(clamp(g, max=L)),  h(x) = x sigmoid(alpha x)
 // h'(x) = silu'(alpha x), so the derivative is SiLU's at z = alpha x. The gradients are torch.clamp's: each passes
-// where its input is within the bounds, is 0 beyond, and at the bound itself follows kClampGradAtBound (and for
+// where its input is within the bounds, is 0 beyond, and at the bound itself follows p.grad_at_bound (and for
 // NaN: 0, a select like ATen's where, so grad = NaN there gives 0 too). The clamps are selects, not fminf/fmaxf,
 // so NaN passes through.
 struct SwigluClamped {
@@ -276,9 +278,9 @@ struct SwigluClamped {
   // limit > 0 (as float: >= +0), so -limit is <= -0: clamp_hi / clamp_lo's condition holds
   template <typename A> FFN_HD A clamp_g(A g) const { return clamp_hi(g, A(p.limit)); }
   // where the clamps pass the gradient
-  template <typename A> FFN_HD bool pass_g(A g) const { return kClampGradAtBound ? g <= A(p.limit) : g < A(p.limit); }
+  template <typename A> FFN_HD bool pass_g(A g) const { return p.grad_at_bound ? g <= A(p.limit) : g < A(p.limit); }
   template <typename A> FFN_HD bool pass_u(A u) const {
-    return kClampGradAtBound ? u >= A(-p.limit) && u <= A(p.limit) : u > A(-p.limit) && u < A(p.limit);
+    return p.grad_at_bound ? u >= A(-p.limit) && u <= A(p.limit) : u > A(-p.limit) && u < A(p.limit);
   }
   // clamp(u, -L, L): two clamps, not nested, compile to no branch (NaN passes both): the forward's cost went from
   // 33.9 to 27.6 instructions per bf16 element on sm_90 (selects), then to 24.6 (FMNMX.NAN). The backward keeps the

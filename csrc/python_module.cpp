@@ -21,7 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::dict d;
         d["torch_version_built_against"] = TORCH_VERSION;  // the headers' torch; the binary serves >= the target
         d["torch_target_version"] = "2.10";
-        d["torch_abi_version_running"] = std::to_string(aoti_torch_abi_version());
+        const uint64_t v = aoti_torch_abi_version();  // the running torch's version: major << 56 | minor << 48 | ...
+        d["torch_version_running"] = std::to_string(v >> 56) + "." + std::to_string((v >> 48) & 0xFF) + "." +
+                                     std::to_string((v >> 40) & 0xFF);
         d["pointwise_tags"] = ffn_ext::pointwise_tagged() ? "yes" : "no";
         d["cuda_kernels"] = "no";  // _C's own; the loader reports lib/libffn_ext_cuda.so's
         d["cuda_version"] = "";

@@ -9,6 +9,7 @@
 #include <torch/headeronly/util/Half.h>
 
 #include <cmath>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 
@@ -242,7 +243,12 @@ Layout parse_layout(const char* op, std::string_view layout) {
 }
 
 math::ClampParams for_dtype(const math::ClampParams& p, ScalarType dtype) {
+  static const bool at_bound = [] {  // the running torch's: aoti_torch_abi_version() is its version, 0xMMmmpp...
+    const uint64_t v = aoti_torch_abi_version();
+    return math::clamp_grad_at_bound(static_cast<int>(v >> 56), static_cast<int>((v >> 48) & 0xFF));
+  }();
   math::ClampParams q = p;
+  q.grad_at_bound = at_bound;
   if (dtype == ScalarType::Half) q.limit = static_cast<double>(static_cast<torch::headeronly::Half>(p.limit));
   if (dtype == ScalarType::BFloat16) q.limit = static_cast<double>(static_cast<torch::headeronly::BFloat16>(p.limit));
   return q;

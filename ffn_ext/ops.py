@@ -292,13 +292,14 @@ def _promoted(args: tuple) -> tuple:
     float32 and bfloat16 -> float32), as ATen's silu(gate) * up promotes (under autocast, a projection's bfloat16
     output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args itself when
     the dtypes agree, or when anything but floating-point tensors is there (the checks then name it)."""
-    dtype = None
     for t in args:
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             return args
-        dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
-    if all(t.dtype == dtype for t in args):
+    dtype = args[0].dtype
+    if all(t.dtype is dtype for t in args):  # the common case: no promote_types call (a dispatcher op)
         return args
+    for t in args[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
     return tuple(t.to(dtype) for t in args)
 
 

@@ -359,7 +359,7 @@ def _check_clamp(op, limit, alpha, up_offset):
 
 
 # torch.clamp's gradient at the bound itself: passed before torch 2.14, 0 since (pytorch#191142, the minimum-norm
-# subgradient); the kernels follow the torch they were built against (csrc/ffn_math.h kClampGradAtBound).
+# subgradient); the CUDA kernels follow the running torch too (csrc/shapes.cpp for_dtype).
 CLAMP_GRAD_AT_BOUND = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
 
 

@@ -176,9 +176,9 @@ def test_kernel_math_equals_transformers_expression(pname, dtype):
 # ---------------------------------------------------------------- the gradient at the bound: torch's convention
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_clamp_grad_at_bound_is_torchs(dtype):
-    """ffn_ext.table.CLAMP_GRAD_AT_BOUND (which the tests and the ATen fallback use; the kernels take
-    csrc/ffn_math.h's kClampGradAtBound from the torch headers they were built with) says what the running torch's
-    clamp autograd does at the bound itself: a torch that changes it fails here first."""
+    """ffn_ext.table.CLAMP_GRAD_AT_BOUND (which the tests and the ATen forms use; the CUDA kernels ask the running
+    torch's version, csrc/shapes.cpp for_dtype) says what the running torch's clamp autograd does at the bound
+    itself: a torch that changes it fails here first."""
     x = torch.tensor([-2.0, 2.0, 1.0, -3.0, 3.0], dtype=dtype, requires_grad=True)
     (g_both,) = torch.autograd.grad(x.clamp(-2.0, 2.0).sum(), x)
     (g_max,) = torch.autograd.grad(x.clamp(max=2.0).sum(), x)
