@@ -310,15 +310,16 @@ def cuobjdump() -> str | None:
 
 
 def native_library() -> tuple[str | None, str]:
-    """(path of the loaded ffn_ext native library, "") or (None, why there is no CUDA code to read)."""
+    """(path of the loaded ffn_ext CUDA library, "") or (None, why there is no CUDA code to read)."""
     import ffn_ext
+    from ffn_ext import _loader
 
-    native = ffn_ext.ops._native
-    if native is None:
-        return None, f"no native ffn_ext library is loaded ({ffn_ext.build_info().get('reason')})"
+    info = ffn_ext.build_info()
+    if ffn_ext.ops._native is None:
+        return None, f"no native ffn_ext library is loaded ({info.get('reason')})"
     if not ffn_ext.has_cuda_kernels():
-        return None, "the loaded ffn_ext was built without CUDA kernels"
-    return native.__file__, ""
+        return None, f"the loaded ffn_ext has no CUDA kernels ({info.get('cuda_kernels_off', 'not built')})"
+    return str(_loader.cuda_library_path()), ""
 
 
 _FLAGS = {
