@@ -14,7 +14,10 @@ environment. `.ci/env` builds it once before the tests run (python tests/native.
 finds it stale rebuilds it (one process builds, the others wait for it).
 
 The headers are those of the ffn_ext under test (ffn_ext._build.source_root(): the checkout's csrc/, or the copy
-an installed package carries), so the host code matches the kernels of the _C being tested.
+an installed package carries), so the host code matches the kernels of the _C being tested. The emulations compile
+the CUDA library's glue (row_ops.h, quant_ops.h, shapes.cpp, quant_recipe.cpp) as that library does: on torch's
+stable API at ffn_ext's TORCH_TARGET_VERSION (ffn_ext/_build.py), in translation units of their own
+(tests/csrc/testing.h); the module itself is on the full API (pybind11's tensor casters).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from types import ModuleType
 
 NAME = "ffn_ext_testing"
 HERE = Path(__file__).resolve().parent
-SOURCES = HERE / "csrc"  # module.cpp, emulate_rows.cpp and what they include
-TRANSLATION_UNITS = ("module.cpp", "emulate_rows.cpp")
+SOURCES = HERE / "csrc"  # module.cpp, emulate_rows.cpp, emulate_quant.cpp and what they include
+# module.cpp: the pybind11 module and host math on the full torch API; emulate_*.cpp: the CUDA ops' glue on the
+# stable API (tests/csrc/testing.h). emulate_rows.cpp is the largest job (its every-op instantiations).
+TRANSLATION_UNITS = ("module.cpp", "emulate_rows.cpp", "emulate_quant.cpp")
 CXX_FLAGS = ["-O3", "-g0", "-fvisibility=hidden"]  # hidden: its copies of the library's functions stay its own
 
 _module: ModuleType | None = None
@@ -59,8 +64,19 @@ def is_stale() -> bool:
 
 
 def _headers() -> Path:
-    """csrc/ of the ffn_ext under test: a checkout's, or the copy an installed package carries (found by
-    ffn_ext/_build.py, loaded by its path: importing the package would import torch)."""
+    """csrc/ of the ffn_ext under test: a checkout's, or the copy an installed package carries."""
+    return _build_module().source_root() / "csrc"
+
+
+def _target_flag() -> str:
+    """The stable translation units' target version: ffn_ext's own (_build.TORCH_TARGET_VERSION, build.json's
+    -DTORCH_TARGET_VERSION), under a name of its own that tests/csrc/stable_target.h turns into TORCH_TARGET_VERSION
+    there only (module.cpp is on the full API, which refuses it)."""
+    return f"-DFFN_EXT_TESTING_TARGET_VERSION={_build_module().TORCH_TARGET_VERSION}"
+
+
+def _build_module() -> ModuleType:
+    """ffn_ext/_build.py of the ffn_ext under test, loaded by its path: importing the package would import torch."""
     import importlib.util
 
     spec = importlib.util.find_spec("ffn_ext")
@@ -71,7 +87,7 @@ def _headers() -> Path:
     assert bspec is not None and bspec.loader is not None
     mod = importlib.util.module_from_spec(bspec)
     bspec.loader.exec_module(mod)
-    return mod.source_root() / "csrc"
+    return mod
 
 
 @contextlib.contextmanager
@@ -101,7 +117,7 @@ def build(verbose: bool = False) -> ModuleType:
             return cpp_extension.load(
                 name=NAME,
                 sources=[str(SOURCES / tu) for tu in TRANSLATION_UNITS],
-                extra_cflags=CXX_FLAGS,
+                extra_cflags=[*CXX_FLAGS, _target_flag()],
                 extra_include_paths=[str(SOURCES), str(headers)],
                 build_directory=str(directory),
                 with_cuda=False,

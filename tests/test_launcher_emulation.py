@@ -227,9 +227,29 @@ def test_emulate_cuda_rejects_bad_calls():
             native.testing()._emulate_cuda(op, [torch.ones(2)] * (n + 1), 132, host_params(op))
         with pytest.raises(ValueError, match=f"{op} takes (no params|params)"):
             native.testing()._emulate_cuda(op, [torch.ones(2, 4)] * n, 132, host_params(op) + [1.0])
-    for op in list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:  # the layout, as the ops check it
-        ins = [torch.ones(2, 2)] * (N_INPUTS[op] - 1) + [torch.ones(2, 4)]
-        with pytest.raises(ValueError, match=r"`layout` must be \"concat\" or \"interleaved\", got \"bogus\""):
-            native.testing()._emulate_cuda(op, ins, 132, host_params(op), "bogus")
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native.testing()._emulate_cuda("gelu", [torch.ones(2, device="meta")])
     with pytest.raises(ValueError, match="sms"):
         native.testing()._emulate_cuda("gelu", [torch.ones(2)], 0)
+
+
+def test_emulate_cuda_raises_what_the_cuda_kernels_raise():
+    # the ops' own checks are the CUDA glue's (row_ops.h, shapes.cpp): across torch's stable ABI only RuntimeError
+    # is portable, tagged with the type the functional API restores (ffn_ext/_kernels.py retyped), as on a GPU
+    from ffn_ext import _kernels
+
+    for op in list(PACKED_OPS) + [p + "_backward" for p in PACKED_OPS]:  # the layout, as the ops check it
+        ins = [torch.ones(2, 2)] * (N_INPUTS[op] - 1) + [torch.ones(2, 4)]
+        with pytest.raises(RuntimeError) as info:
+            native.testing()._emulate_cuda(op, ins, 132, host_params(op), "bogus")
+        assert type(info.value) is RuntimeError
+        assert str(info.value) == (
+            f'[ValueError] ffn_ext.{op}: `layout` must be "concat" or "interleaved", got "bogus"'
+        ), str(info.value)
+        assert isinstance(_kernels.retyped(info.value), ValueError)
+    with pytest.raises(RuntimeError, match=r"^\[TypeError\] ffn_ext\.gelu: .*torch\.int64") as info:
+        native.testing()._emulate_cuda("gelu", [torch.ones(2, dtype=torch.int64)])
+    assert isinstance(_kernels.retyped(info.value), TypeError)
+    with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.swiglu: .*shape") as info:
+        native.testing()._emulate_cuda("swiglu", [torch.ones(2, 3), torch.ones(2, 4)])
+    assert isinstance(_kernels.retyped(info.value), ValueError)

@@ -1,5 +1,11 @@
-// ffn_ext_testing's _emulate_quant: the quantizing kernels' launches emulated on the host (quant_kernel.h's per-lane
-// and per-thread code, block by block, through quant_ops.h's QuantOps as on the device).
+// ffn_ext_testing's _emulate_quant: the quantizing ops' CUDA kernels as libffn_ext_cuda.so registers them
+// (quant_ops.h's QuantKernels: the recipe's checks, the outputs and the QuantProblem of csrc/cuda/ops.cpp's glue)
+// with a host launcher: quant_kernel.h's per-lane and per-thread code run block by block on the CPU. A translation
+// unit on torch's stable API at the library's target version (module.cpp says why), with the library code the glue
+// calls: csrc/shapes.cpp (the ops' checks and output allocation) and csrc/quant_recipe.cpp (the recipe), compiled
+// here as cuda/ops.cpp compiles them, rather than taken from ffn_ext's libraries, whose symbols are not an interface.
+#include "stable_target.h"  // first: the target version, before any torch header
+
 #include <cstring>
 #include <optional>
 #include <string>
@@ -7,14 +13,16 @@
 #include <vector>
 
 #include "quant_ops.h"
+#include "quant_recipe.cpp"
+#include "shapes.cpp"
 #include "testing.h"
 
 namespace ffn_ext {
 namespace testing {
 namespace {
 struct HostQuant {
-  struct Guard {
-    explicit Guard(const c10::Device&) {}
+  struct Guard {  // cuda/ops.cpp's Guard takes the output's device index; the host has one device
+    explicit Guard(int32_t) {}
   };
   // The outputs poisoned first (q bytes 0xA5, scales 12345.0f or e8m0 0x5A: values the formula never gives for
   // these tests' data), so that an element or scale the emulated kernels never write fails the comparison.
@@ -37,50 +45,43 @@ struct HostQuant {
     quant::emulate<T, F, Pair>(p, f);
   }
 };
+using K = quant::QuantKernels<HostQuant>;
+}  // namespace
 
-std::vector<at::Tensor> emulate_quant(const std::string& op, const std::vector<at::Tensor>& in, const Doubles& params,
-                                      const std::string& layout, const std::string& format, int64_t group_size,
-                                      bool pow2, bool e8m0, bool column, const std::string& scaling,
-                                      std::optional<double> static_scale) {
-  using Q = quant::QuantOps<HostQuant>;
-  const auto r =
-      quant::parse_recipe(op.c_str(), format == "e5m2" ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, scaling, group_size,
-                          pow2, e8m0 ? at::kFloat8_e8m0fnu : at::kFloat, column ? "column" : "row", static_scale);
-  for (const auto& t : in) TORCH_CHECK_VALUE(t.device().is_cpu(), "_emulate_quant: inputs must be CPU tensors");
-  const auto no_composite = []() -> at::Tensor {
-    TORCH_CHECK(false, "_emulate_quant: this recipe and dtype run the composite, not the kernel");
+Handles emulate_quant(const std::string& op, const Handles& in, const Doubles& prm, const std::string& layout,
+                      int32_t dtype, const std::string& scaling, int64_t group_size, bool pow2_scales,
+                      int32_t scale_dtype, const std::string& scale_layout, std::optional<double> static_scale) {
+  const std::vector<Tensor> a(in.begin(), in.end());  // owned from here on
+  auto inputs = [&](size_t n) {
+    if (a.size() != n) usage_error("_emulate_quant: ", op, " takes ", std::to_string(n), " input", n > 1 ? "s" : "");
   };
-  std::tuple<at::Tensor, at::Tensor> out;
+  std::tuple<Tensor, Tensor> out;
   if (op == "quantize") {
-    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: quantize takes 1 input");
-    out = Q::quantize(r, in[0]);
+    inputs(1);
+    if (!prm.empty()) usage_error("_emulate_quant: quantize takes no params");
+    out = K::quantize(a[0], FFN_EXT_QUANT_ARGS);
   }
+// The gated op's schema parameters as the table's ARGS macro names them (limit, alpha, up_offset).
 #define FFN_EXT_EMU_QUANT(name, Gate, P) \
-  else if (op == #name "_quant") { \
-    TORCH_CHECK_VALUE(in.size() == 2, "_emulate_quant: " #name "_quant takes 2 inputs"); \
-    out = \
-        Q::gated<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], in[1], no_composite); \
-  } \
-  else if (op == #name "_packed_quant") { \
-    TORCH_CHECK_VALUE(in.size() == 1, "_emulate_quant: " #name "_packed_quant takes 1 input"); \
-    out = Q::packed<math::Gate>(op.c_str(), params_from<math::Gate::Params>(op, params), r, in[0], layout, \
-                                no_composite); \
+  else if (op == #name "_quant" || op == #name "_packed_quant") { \
+    params_from<math::Gate::Params>(op, prm); \
+    [[maybe_unused]] const double limit = prm.size() > 0 ? prm[0] : 0.0, alpha = prm.size() > 1 ? prm[1] : 0.0, \
+                                  up_offset = prm.size() > 2 ? prm[2] : 0.0; \
+    if (op == #name "_quant") { \
+      inputs(2); \
+      out = K::name##_quant(a[0], a[1], FFN_EXT_QUANT_ARGS FFN_EXT_P_ARGS_##P); \
+    } else { \
+      inputs(1); \
+      out = K::name##_packed_quant(a[0], FFN_EXT_QUANT_ARGS FFN_EXT_P_ARGS_##P, layout); \
+    } \
   }
   FFN_EXT_GATED(FFN_EXT_EMU_QUANT)
 #undef FFN_EXT_EMU_QUANT
-  else TORCH_CHECK_VALUE(false, "_emulate_quant: unknown op '", op, "'");
-  return {std::get<0>(out), std::get<1>(out)};
-}
-}  // namespace
-
-void add_quant_emulation(pybind11::module& m) {
-  m.def("_emulate_quant", &emulate_quant, pybind11::arg("op"), pybind11::arg("inputs"),
-        pybind11::arg("params") = Doubles{}, pybind11::arg("layout") = "concat", pybind11::arg("format") = "e4m3fn",
-        pybind11::arg("group_size") = 128, pybind11::arg("pow2") = false, pybind11::arg("e8m0") = false,
-        pybind11::arg("column") = false, pybind11::arg("scaling") = "group",
-        pybind11::arg("static_scale") = std::optional<double>{},
-        "A quantizing op's CUDA launches (quant_kernel.h's per-lane and per-thread code: the group, row "
-        "and tensor kernels, block by block and thread by thread) emulated on the host with CPU tensors.");
+  else usage_error("_emulate_quant: unknown op '", op, "'");
+  Handles h(2, nullptr);
+  FFN_EXT_SHIM(aoti_torch_new_tensor_handle(std::get<0>(out).get(), &h[0]));
+  FFN_EXT_SHIM(aoti_torch_new_tensor_handle(std::get<1>(out).get(), &h[1]));
+  return h;
 }
 }  // namespace testing
 }  // namespace ffn_ext

@@ -1,17 +1,19 @@
 // ffn_ext_testing's element math on the host: every op's functors (csrc/ffn_math.h, the code the kernels run)
 // applied element by element (_host_math), and the FP8 conversion and scale (_host_fp8, _host_quant_scale); the op
 // list comes from the op table (ops_table.h). The kernels' whole launches emulated on the host are emulate_rows.cpp
-// (_emulate_cuda) and emulate_quant.cpp (_emulate_quant).
+// (_emulate_cuda) and emulate_quant.cpp (_emulate_quant). On the full torch API: part of module.cpp's translation
+// unit, which includes no stable header (ffn_ext.h): the element math needs none of the glue.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <string>
 
-#include "ffn_ext.h"
 #include "ffn_math.h"
 #include "ops_table.h"
 #include "testing.h"
@@ -74,11 +76,11 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
   {#name, \
    [](const std::string& op, const V& in, const Doubles& prm) { \
      using G = math::Gate; \
-     return host_apply(math::GatedFwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
+     return host_apply(math::GatedFwd<G>(G(params_for(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
    }}, \
       {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) { \
          using G = math::Gate; \
-         return host_apply(math::GatedBwd<G>(G(for_dtype(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
+         return host_apply(math::GatedBwd<G>(G(params_for(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
        }},
       FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
 #undef FFN_EXT_HOST_ACT
@@ -112,7 +114,15 @@ at::Tensor host_quant_scale(const at::Tensor& amax, double fp8_max, bool pow2) {
 }  // namespace
 
 void add_host_math(pybind11::module& m) {
-  m.def("_host_math", &host_math, pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("params") = Doubles{},
+  m.def("_host_math",
+        [](const std::string& op, const std::vector<at::Tensor>& inputs, const Doubles& params) {
+          try {
+            return host_math(op, inputs, params);
+          } catch (const UsageError& e) {  // params_from's: a ValueError, as this function's own checks
+            throw pybind11::value_error(e.what());
+          }
+        },
+        pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("params") = Doubles{},
         "The kernels' element math (ffn_math.h) run on the host, element by element.");
   m.def("_host_fp8", &host_fp8, pybind11::arg("x"), pybind11::arg("format"),
         "ffn_math.h's float -> fp8 conversion (codes as uint8) on the host.");
