@@ -186,3 +186,29 @@ def test_tensor_static_scale_edges():
             r = quant.QuantRecipe(torch.float8_e4m3fn, "tensor", 128, pow2, sdt, static_scale=s)
             got = native.testing()._emulate_quant("quantize", [x], **_emu_kw(r))
             assert_same(tuple(got), quant.reference_quantize(x, r), msg=f"static {s} pow2={pow2} {sdt}")
+
+
+def test_emulate_quant_raises_what_the_cuda_kernels_raise():
+    # the recipe's and inputs' checks are the CUDA glue's (quant_ops.h, quant_recipe.cpp): RuntimeErrors tagged with
+    # the type the functional API restores (ffn_ext/_kernels.py retyped); a bad call of the test function is a
+    # ValueError of its own
+    from ffn_ext import _kernels
+
+    x = torch.randn(2, 128)
+    with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.quantize: .*group_size") as info:
+        native.testing()._emulate_quant("quantize", [x], group_size=48)
+    assert isinstance(_kernels.retyped(info.value), ValueError)
+    with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.swiglu_packed_quant: `layout`") as info:
+        native.testing()._emulate_quant("swiglu_packed_quant", [x], layout="bogus")
+    assert isinstance(_kernels.retyped(info.value), ValueError)
+    with pytest.raises(RuntimeError, match=r"^\[TypeError\] ffn_ext\.quantize: .*float64") as info:
+        native.testing()._emulate_quant("quantize", [x.double()])
+    assert isinstance(_kernels.retyped(info.value), TypeError)
+    with pytest.raises(ValueError, match="unknown op"):
+        native.testing()._emulate_quant("tanh_quant", [x])
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        native.testing()._emulate_quant("swiglu_quant", [x])
+    with pytest.raises(ValueError, match="takes params"):
+        native.testing()._emulate_quant("swiglu_clamped_quant", [x, x])
+    with pytest.raises(ValueError, match="format"):
+        native.testing()._emulate_quant("quantize", [x], format="e3m4")
