@@ -1,7 +1,10 @@
 """Build and load the native library from the C++/CUDA sources with torch.utils.cpp_extension.load.
 
-Works from a checkout (csrc/) and from an installed package (the copy under ffn_ext/_src that setup.py ships), with
-the sources and flags setup.py and CMake use (csrc/build.json). One process can hold only one registration of the
+Two binaries, as setup.py builds them (stable ABI, docs/internals/stable-abi.md §3): the module _C (pybind11, the
+schemas), then, with CUDA, the CUDA library (a plain shared library, is_python_module=False, loaded with
+torch.ops.load_library); the CPU kernels, fake kernels and autograd are the package's Python, registered when the
+module is adopted. Works from a checkout (csrc/) and from an installed package (the copy under ffn_ext/_src that
+setup.py ships), with the sources and flags setup.py and CMake use (csrc/build.json). One process can hold only one registration of the
 ffn_ext namespace: when ops are loaded already, load() returns them if they were built from these same sources
 (ffn_ext._C, or an earlier load()), and otherwise says why it cannot load a second build.
 """
@@ -14,7 +17,9 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from . import _build, ops
+import torch
+
+from . import _build, _loader, ops
 
 
 def _say(line: str) -> None:
@@ -38,7 +43,7 @@ def _loaded_matches(with_cuda: bool | None) -> tuple[bool, str]:
     here = _build.sources_hash()
     if built != here:
         return False, f"{source} was built from other sources (hash {built}; {_build.source_root()}/csrc: {here})"
-    has_cuda = native.build_info().get("cuda_kernels") == "yes"
+    has_cuda = ops.has_cuda_kernels()  # _C's CUDA kernels are the CUDA library the loader loaded (or not)
     if with_cuda is not None and bool(with_cuda) != has_cuda:
         return False, f"{source} was built {'with' if has_cuda else 'without'} the CUDA kernels; with_cuda={with_cuda}"
     return True, ""
@@ -68,35 +73,71 @@ def load(
         with_cuda, why = _build.decide_cuda()
         if verbose:
             _say(f"CUDA kernels {'on' if with_cuda else 'off'}: {why}")
-    archs = _build.default_arch_list(_build.config()) if with_cuda else None
-    _build.write_ops_table(_build.source_root())  # a checkout's C++ op table, from table.py (an install ships it)
-    sources, flags = _build.sources_and_flags(with_cuda, python_module=True)
+    root = _build.source_root()
+    archs = _build.default_arch_list(_build.config(root)) if with_cuda else None
+    _build.write_ops_table(root)  # a checkout's C++ op table, from table.py (an install ships it)
+    py_sources, py_flags, _ = _build.python_target(root)
+    cuda_sources, cuda_flags, _ = _build.cuda_target(root) if with_cuda else ([], {}, [])
     directory = Path(build_directory or cpp_extension._get_build_directory(name, verbose))
-    library = directory / f"{name}.so"
-    newest = max(os.path.getmtime(s) for s in [*sources, *_build.shipped_files_abs()] if "csrc" in s)
-    fresh = not library.exists() or library.stat().st_mtime < newest
+    cuda_name = f"{name}_cuda"
+    cuda_directory = directory / "cuda"  # its own build.ninja: one per cpp_extension.load
+    outputs = [directory / f"{name}.so"] + ([cuda_directory / f"{cuda_name}.so"] if with_cuda else [])
+    newest = max(os.path.getmtime(s) for s in _build.shipped_files_abs(root) if "csrc" in s)
+    fresh = any(not p.exists() or p.stat().st_mtime < newest for p in outputs)
     if fresh and not verbose:
         what = (
-            f"the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 3.5 on 2 cores)"
+            f"_C and the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 1.5 per architecture "
+            "on 2 cores)"
             if with_cuda
-            else "the CPU kernels (no CUDA; 1-2 minutes on 2 cores)"
+            else "_C only (the schemas; CPU-only: no CUDA kernels; under a minute)"
         )
         _say(
-            f"compiling {len(sources)} files from {_build.source_root() / 'csrc'}: {what}; cached in {directory} "
-            "(verbose=True shows the compiler)"
+            f"compiling {len(py_sources) + len(cuda_sources)} files from {root / 'csrc'}: {what}; cached in "
+            f"{directory} (verbose=True shows the compiler)"
         )
     start = time.time()
+    # The stable-ABI flags of build.json (-DTORCH_TARGET_VERSION, hidden visibility). cpp_extension.load also links
+    # -ltorch_python -lc10 -ltorch (in NEEDED, no symbol used: nm -D shows only the shim's C functions).
     module = cpp_extension.load(
         name=name,
-        sources=sources,
-        extra_cflags=flags["cxx"],
-        extra_cuda_cflags=flags["nvcc"],
-        with_cuda=with_cuda,
+        sources=py_sources,
+        extra_cflags=py_flags["cxx"],
+        with_cuda=False,
         build_directory=str(directory),
         verbose=verbose,
     )
+    cuda_info: dict = {}
+    if with_cuda:
+        cuda_directory.mkdir(parents=True, exist_ok=True)
+        library = cpp_extension.load(
+            name=cuda_name,
+            sources=cuda_sources,
+            extra_cflags=cuda_flags["cxx"],
+            extra_cuda_cflags=cuda_flags["nvcc"],
+            with_cuda=True,
+            is_python_module=False,
+            build_directory=str(cuda_directory),
+            verbose=verbose,
+        )
+        library = str(library or cuda_directory / f"{cuda_name}.so")
+        torch.ops.load_library(library)  # the CUDA kernels, before ffn_ext registers its Python kernels
+        cuda_info = {"cuda_kernels": "yes", **_loader._built_cuda_info(Path(library))}
     if fresh and not verbose:
-        _say(f"built and loaded in {time.time() - start:.0f} s: {getattr(module, '__file__', library)}")
-    module._ffn_ext_sources_hash = _build.sources_hash()
+        _say(f"built and loaded in {time.time() - start:.0f} s: {getattr(module, '__file__', outputs[0])}")
+    _describe(module, cuda_info)
+    module._ffn_ext_sources_hash = _build.sources_hash(root)
     ops._adopt(module, "jit")
     return module
+
+
+def _describe(module: ModuleType, cuda_info: dict) -> None:
+    """The JIT _C's build_info() with the CUDA library's part (_C itself has no CUDA kernels)."""
+    own = module.build_info
+
+    def build_info() -> dict:
+        info = dict(own())
+        info.update(cuda_info)
+        return info
+
+    build_info.__doc__ = own.__doc__
+    module.build_info = build_info
