@@ -1,5 +1,6 @@
 """The other ways to build and load ffn_ext: the JIT build (ffn_ext.jit.load), the CMake build (CMakeLists.txt:
-plain libtorch library ffn_ext_ops and Python module _C), and the pure-ATen fallback when ffn_ext._C is missing.
+libffn_ext_ops.so with the schemas for C++ consumers, and the Python module _C), and the pure-ATen fallback when
+ffn_ext._C is missing. Every binary is on torch's stable ABI: no c10::/at::/torch:: symbol but torch::stable.
 
 Builds run CPU-only (FFN_EXT_FORCE_CPU=1 / -DFFN_EXT_WITH_CUDA=OFF) in temporary directories, in subprocesses (one
 registration of the ffn_ext namespace per process), with two parallel jobs. Subprocesses import the ffn_ext under
@@ -14,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -22,8 +24,7 @@ import torch
 from conftest import HANG_GUARD_S, PACKAGE_PARENT, needs_source_tree
 
 import ffn_ext
-from ffn_ext import _build
-from ffn_ext.table import OPS as TABLE_OPS
+from ffn_ext import _build, _loader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +54,15 @@ def _run_python(*parts: str, env: dict, cwd: Path | None = None):
         f"subprocess failed ({r.returncode}):\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-6000:]}"
     )
     return r
+
+
+def _unstable_symbols(path) -> list[str]:
+    """The C++ symbols of torch's unstable API that the binary `path` needs (nm -D --undefined-only, demangled):
+    a stable-ABI binary needs none but torch::stable's (docs/internals/stable-abi.md §5, step 1)."""
+    out = subprocess.run(
+        ["nm", "-D", "-C", "--undefined-only", str(path)], capture_output=True, text=True, timeout=HANG_GUARD_S
+    ).stdout
+    return [line.strip().removeprefix("U ") for line in out.splitlines() if re.search(r"\b(c10|at|torch)::(?!stable::)", line)]
 
 
 # Every op of the table (ffn_ext/table.py) against ATen, and gradients, in whatever process runs it (the ops are
@@ -109,8 +119,6 @@ for act in ACTIVATIONS:
 print("GRAD_OK")
 """
 
-# The functional API's fast entry points: one per forward op of the table.
-FAST = repr(sorted(name for name, s in TABLE_OPS.items() if not s.backward))
 
 
 # ---------------------------------------------------------------- (a) JIT build
@@ -135,16 +143,15 @@ def test_jit_build_cpu_only(tmp_path):
         assert "already registered" in str(e) and "without the CUDA kernels" in str(e), e
     else:
         raise AssertionError("jit.load(with_cuda=True) next to a CPU-only build did not raise")
-    # the product carries no test code (tests/native.py builds that apart), and has the functional API's fast entry
-    # points
-    assert not [n for n in dir(mod) if n.startswith(("_host_", "_emulate_"))], dir(mod)
-    assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
-    x = torch.randn(3, 7, dtype=torch.float64)
-    torch.testing.assert_close(mod._fast_gelu(x), torch.nn.functional.gelu(x))
+    # the product carries no test code (tests/native.py builds that apart): _C is the schemas and build_info
+    assert not [n for n in dir(mod) if n.startswith(("_host_", "_emulate_", "_fast_"))], dir(mod)
+    assert info["torch_target_version"] == "2.10", info
     """
     r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1", FFN_EXT_FORCE_CPU="1"))
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout, r.stdout
-    assert list(tmp_path.glob("*.so")), f"no library in the build directory: {list(tmp_path.iterdir())}"
+    (built,) = tmp_path.glob("*.so")
+    if shutil.which("nm"):
+        assert not _unstable_symbols(built), f"{built} needs unstable torch symbols: {_unstable_symbols(built)[:5]}"
     # a first build says so: one line before (what, where cached) and one after, without verbose=True
     said = [line for line in r.stderr.splitlines() if line.startswith("ffn_ext.jit: ")]
     assert len(said) == 2 and "compiling" in said[0] and str(tmp_path) in said[0] and "CPU" in said[0], said
@@ -173,6 +180,8 @@ def test_jit_load_next_to_a_loaded_C(tmp_path, monkeypatch, record):
     fake = _FakeC(tmp_path)
     monkeypatch.setattr(ffn_ext.ops, "_native", fake)
     monkeypatch.setattr(ffn_ext.ops, "_native_source", "ffn_ext._C")
+    # _C's CUDA kernels are the CUDA library's, which the loader did not load here
+    monkeypatch.setattr(_loader, "_cuda_status", {"loaded": False, "reason": "test"})
     if record == "same sources":
         assert ffn_ext.jit.load() is fake
         with pytest.raises(RuntimeError, match="built without the CUDA kernels; with_cuda=True"):
@@ -214,25 +223,24 @@ def _cmake() -> str | None:
 
 @pytest.mark.slow
 def test_cmake_build_cpu_only(tmp_path):
-    """The CMake build (both targets) from the checkout; then the library installed with its header and config, a C++
-    consumer found through find_package(ffn_ext) (tests/cpp_consumer: forward and autograd through the
-    dispatcher), and `import ffn_ext` in a process that loaded the library first (adopts its ops)."""
+    """The CMake build (libffn_ext_ops.so and _C) from the checkout, both on the stable ABI (nm); the library loaded
+    by torch.ops.load_library registers the schemas, and `import ffn_ext` after it adopts those ops and adds its
+    Python CPU kernels and autograd; the library installed with its headers and config, and a C++ consumer found
+    through find_package(ffn_ext) (tests/cpp_consumer: embeds Python, imports ffn_ext, calls the ops and their
+    backward ops through <ffn_ext/ops.h>, checks a shape error's message) linked with --as-needed and a static
+    libstdc++; and _C standing in for ffn_ext._C."""
     ROOT = needs_source_tree("the CMake build")
     cmake = _cmake()
     if cmake is None:
         pytest.skip("cmake >= 3.19 not found")
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    if torch.version.cuda is not None and not Path(cuda_home, "bin", "nvcc").exists():
-        pytest.skip(
-            "torch is a CUDA build: its CMake config needs a CUDA toolkit (set CUDA_HOME) even for a CPU-only ffn_ext"
-        )
     build = tmp_path / "build"
-    env = _env(CUDA_HOME=cuda_home)
+    env = _env(CUDA_HOME=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     # The venv's bin (ninja from pip) on PATH.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     gen = ["-G", "Ninja"] if shutil.which("ninja", path=env["PATH"]) else []
     # libstdc++ linked statically, as the H200 image's toolchain did by itself: there, streaming a number into an
-    # error message crashed (here it loses the number); the messages must come out whole anyway.
+    # error message crashed (here it loses the number); the messages must come out whole anyway. The stable
+    # headers' error path (torch::stable::detail::throw_exception) streams the line number.
     static = "-static-libstdc++"
     cfg = subprocess.run(
         [
@@ -254,14 +262,15 @@ def test_cmake_build_cpu_only(tmp_path):
     )
     assert cfg.returncode == 0, f"cmake configure failed:\n{cfg.stdout[-4000:]}\n{cfg.stderr[-6000:]}"
     assert "ffn_ext: CUDA kernels OFF" in cfg.stdout, cfg.stdout[-3000:]
-    # the source list came from csrc/build.json
+    # the source lists and the stable flags came from csrc/build.json
     cfg_json = json.loads((ROOT / "csrc" / "build.json").read_text())
     rules = (build / ("build.ninja" if gen else "Makefile")).read_text()
     if gen:
-        for src in cfg_json["library_sources"] + cfg_json["python_sources"]:
+        for src in cfg_json["ops_sources"] + cfg_json["python_sources"]:
             assert src in rules, f"{src} (build.json) is not in the CMake build"
         for src in cfg_json["cuda_sources"]:
             assert src not in rules, f"{src} is built although FFN_EXT_WITH_CUDA=OFF"
+        assert f"-DTORCH_TARGET_VERSION={_build.TORCH_TARGET_VERSION}" in rules
     bld = subprocess.run(
         [cmake, "--build", str(build), "-j", "2", "--target", "ffn_ext_ops", "_C"],
         env=env,
@@ -272,17 +281,32 @@ def test_cmake_build_cpu_only(tmp_path):
     assert bld.returncode == 0, f"cmake build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
     (lib,) = [p for p in build.glob("libffn_ext_ops.*") if p.suffix in (".so", ".dylib")]
     (mod,) = build.glob("_C*.so")
-    if shutil.which("nm"):  # the static copy is really there (else this test would not test the above)
+    if shutil.which("nm"):
+        # the static copy is really there (else this test would not test the above)
         syms = subprocess.run(["nm", "-C", "--defined-only", str(lib)], capture_output=True, text=True).stdout
         assert "std::ostream::_M_insert<long>" in syms, "libstdc++ was not linked statically"
+        for so in (lib, mod):  # stable ABI: nothing of c10/at/torch but torch::stable
+            assert not _unstable_symbols(so), f"{so.name} needs unstable torch symbols: {_unstable_symbols(so)[:5]}"
 
-    # the plain library: torch.ops.load_library, no ffn_ext package involved
+    # the plain library: torch.ops.load_library registers the schemas (no kernels for CPU: those are Python)
     code = f"""
     import sys, torch
     torch.ops.load_library({str(lib)!r})
     assert not any(m == "ffn_ext" or m.startswith("ffn_ext.") for m in sys.modules), "ffn_ext was imported"
+    assert str(torch.ops.ffn_ext.swiglu.default._schema) == "ffn_ext::swiglu(Tensor gate, Tensor up) -> Tensor"
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::swiglu", "CPU")
+    """
+    # then `import ffn_ext`: adopts the ops the library registered (importing _C next to them would abort) and
+    # registers its Python kernels and autograd; the checks' messages and types are the Python API's
+    adopt = """
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        import ffn_ext
+    info = ffn_ext.build_info()
+    assert info["native"].startswith("ops registered before import"), info
+    assert "ffn_ext._C" not in sys.modules
     g, u = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, 50, dtype=torch.float64)
-    torch.testing.assert_close(torch.ops.ffn_ext.swiglu(g, u), torch.nn.functional.silu(g) * u)
     try:
         torch.ops.ffn_ext.swiglu(g, u[:, :3])
     except ValueError as e:
@@ -296,25 +320,15 @@ def test_cmake_build_cpu_only(tmp_path):
                                  "([..., 2*M]), got shape [2, 3, 5]"), e
     else:
         raise AssertionError("odd packed width accepted")
-    """
-    # then `import ffn_ext`: adopts the ops the library registered (importing _C next to them would abort)
-    adopt = """
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning either
-        import ffn_ext
-    info = ffn_ext.build_info()
-    assert info["native"].startswith("ops registered before import"), info
-    assert "ffn_ext._C" not in sys.modules
     x = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(ffn_ext.silu(x), torch.nn.functional.silu(x))
     ffn_ext.swiglu(x, x).sum().backward()
     print("ADOPT_OK")
     """
-    r = _run_python(code, OPS_VS_ATEN, adopt, env=_env(), cwd=tmp_path)
+    r = _run_python(code, adopt, OPS_VS_ATEN, env=_env(), cwd=tmp_path)
     assert "OPS_OK" in r.stdout and "ADOPT_OK" in r.stdout
 
-    # installed: header, library, ffn_extConfig.cmake; a consumer program through find_package(ffn_ext)
+    # installed: headers, library, ffn_extConfig.cmake; a consumer program through find_package(ffn_ext)
     prefix = tmp_path / "prefix"
     inst = subprocess.run(
         [cmake, "--install", str(build), "--prefix", str(prefix)],
@@ -326,6 +340,8 @@ def test_cmake_build_cpu_only(tmp_path):
     assert inst.returncode == 0, inst.stdout[-3000:] + inst.stderr[-3000:]
     for rel in (
         "include/ffn_ext/ops.h",
+        "include/ffn_ext/ops_table.h",
+        "lib/libffn_ext_ops.so",
         "lib/cmake/ffn_ext/ffn_extConfig.cmake",
         "lib/cmake/ffn_ext/ffn_extTargets.cmake",
     ):
@@ -339,9 +355,10 @@ def test_cmake_build_cpu_only(tmp_path):
             "-B",
             str(consumer),
             *gen,
-            # --as-needed: the linker drops libraries nothing references (the default of some
-            # distributions); <ffn_ext/ops.h>'s functions make the reference
             f"-DCMAKE_PREFIX_PATH={prefix}",
+            f"-DPython3_EXECUTABLE={sys.executable}",  # the embedded Python, and the torch ffn_ext's config uses
+            # --as-needed: the linker drops libraries nothing references (the default of some distributions);
+            # <ffn_ext/ops.h> references libffn_ext_ops.so, whose loading registers the schemas
             f"-DCMAKE_EXE_LINKER_FLAGS={static} -Wl,--as-needed",
         ],
         env=env,
@@ -354,8 +371,17 @@ def test_cmake_build_cpu_only(tmp_path):
         [cmake, "--build", str(consumer), "-j", "2"], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
     assert bld.returncode == 0, f"consumer build failed:\n{bld.stdout[-6000:]}\n{bld.stderr[-4000:]}"
-    run = subprocess.run([str(consumer / "consumer")], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    exe = consumer / "consumer"
+    if shutil.which("readelf"):
+        dyn = subprocess.run(["readelf", "-d", str(exe)], capture_output=True, text=True).stdout
+        assert "libffn_ext_ops.so" in dyn, f"--as-needed dropped libffn_ext_ops.so:\n{dyn}"
+    # the embedded interpreter finds ffn_ext and this environment's packages (torch) through PYTHONPATH
+    site = sysconfig.get_paths()["purelib"]
+    run_env = _env(PYTHONPATH=os.pathsep.join([str(PACKAGE_PARENT), site]))
+    run = subprocess.run([str(exe)], env=run_env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0 and "CONSUMER_OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    # the shape check's message reached C++ whole, number included (static libstdc++)
+    assert "expected `up` to have the shape of `gate` [4, 50], got [4, 3]" in run.stdout, run.stdout[-3000:]
 
     # the Python module: stands in for ffn_ext._C (the package is told to skip its own _C and adopt this one)
     code = f"""
@@ -367,11 +393,8 @@ def test_cmake_build_cpu_only(tmp_path):
     spec.loader.exec_module(C)
     ffn_ext.ops._adopt(C, "ffn_ext._C")
     info = ffn_ext.build_info()
-    assert info["native"] == "ffn_ext._C" and info["cuda_kernels"] == "no", info
-    assert not [n for n in dir(C) if n.startswith(("_host_", "_emulate_"))], dir(C)  # no test code
-    assert sorted(ffn_ext.ops._fast) == {FAST}, ffn_ext.ops._fast
-    g, u = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
-    torch.testing.assert_close(C._fast_swiglu(g, u), torch.nn.functional.silu(g) * u)
+    assert info["native"] == "ffn_ext._C" and info["torch_target_version"] == "2.10", info
+    assert not [n for n in dir(C) if n.startswith(("_host_", "_emulate_", "_fast_"))], dir(C)  # no test code
     """
     r = _run_python(code, OPS_VS_ATEN, GRADCHECK, env=_env(FFN_EXT_NO_C="1"), cwd=tmp_path)
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout
@@ -473,7 +496,7 @@ def test_cuda_kernel_files_are_torch_free():
     runtime; cuda/ops.cpp (g++) registers the ops. With torch/library.h and row_ops.h in them, a row part took about
     three times the nvcc time (docs/building.md#build-time)."""
     root = needs_source_tree("the kernel sources")
-    allowed = {"ATen/OpMathType.h", "c10/util/Exception.h", "torch/version.h"}  # rows.h, ffn_math.h
+    # the stable port's header-only set (torch/headeronly: c10::Half/BFloat16, the version): no ATen/c10 parse
 
     def includes(path: Path, seen: set) -> set:
         angled = set()
@@ -492,4 +515,5 @@ def test_cuda_kernel_files_are_torch_free():
     assert len(parts) == 4 and len(quant_parts) == 4, cu
     for src in cu:
         torch_headers = {h for h in includes(root / src, set()) if h.split("/")[0] in ("torch", "ATen", "c10")}
-        assert torch_headers <= allowed, f"{src} includes torch headers: {sorted(torch_headers - allowed)}"
+        heavy = sorted(h for h in torch_headers if not h.startswith("torch/headeronly/"))
+        assert not heavy, f"{src} includes torch headers: {heavy}"
