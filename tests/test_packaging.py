@@ -77,8 +77,8 @@ def test_wheel_requires_any_supported_torch(tmp_path):
 
 
 def test_isolated_build_stops_at_once_with_the_command(tmp_path):
-    """What plain `pip install .` (build isolation) meets: a build environment with setuptools and no torch.
-    setup.py stops in seconds, printing the command to run, and makes no build directory."""
+    """A build environment without torch (pip's isolated one installs it from pyproject.toml; a hand-made one may
+    not): setup.py stops in seconds, printing the command to run, and makes no build directory."""
     root = needs_source_tree("setup.py")
     import setuptools
 
