@@ -119,9 +119,13 @@ def load(
             build_directory=str(cuda_directory),
             verbose=verbose,
         )
+        # load() has loaded it with torch.ops.load_library (the CUDA kernels register before ffn_ext's Python
+        # kernels, which serve CUDA tensors only without them)
         library = str(library or cuda_directory / f"{cuda_name}.so")
-        torch.ops.load_library(library)  # the CUDA kernels, before ffn_ext registers its Python kernels
-        cuda_info = {"cuda_kernels": "yes", **_loader._built_cuda_info(Path(library))}
+        if os.path.realpath(library) not in torch.ops.loaded_libraries:
+            torch.ops.load_library(library)
+        built = _loader._built_cuda_info(Path(library))
+        cuda_info = {"cuda_kernels": "yes", **{k: v for k, v in built.items() if k.startswith("cuda_")}}
     if fresh and not verbose:
         _say(f"built and loaded in {time.time() - start:.0f} s: {getattr(module, '__file__', outputs[0])}")
     _describe(module, cuda_info)
