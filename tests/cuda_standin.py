@@ -9,7 +9,9 @@ Without a GPU, conftest.py runs the first `cuda`-marked parametrization of every
 - every torch.ops.ffn_ext op reaching a kernel runs _emulate_cuda of the tests' host-code extension (tests/native.py)
   instead: the CUDA ops' own problem setup, checks, output allocation and launch shape (csrc/row_ops.h, rows.h) with
   each block's and thread's code run on the host (tests/test_launcher_emulation.py checks that launch against the host
-  math, bit for bit);
+  math, bit for bit). It runs the glue libffn_ext_cuda.so registers, so its checks raise what the CUDA kernels raise:
+  a RuntimeError tagged "[ValueError] " / "[TypeError] " (the stable ABI's one portable type), which the functional
+  API retypes (ffn_ext/ops.py, _kernels.retyped) as on a GPU: nothing here retypes;
 - torch.cuda's stream, synchronization and memory calls the tests make are no-ops or neutral answers, and
   torch.autocast("cuda", dtype) is the host's autocast with that dtype.
 
