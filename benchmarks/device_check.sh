@@ -65,8 +65,13 @@ $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torc
 # 48 kernels per architecture since the op table (24 before): nvcc on kernels.cu for sm_90 took 1.35x as long on a
 # 2-core CPU (77 s against 57 s), and the whole build took 50 s on the H200 machine with 24. 88 kernels now (one
 # translation unit, one architecture here, so nvcc's --threads does not help): 180 s, not yet timed.
+# The build makes _C (the schemas) and the CUDA kernels' library, ffn_ext/lib/libffn_ext_cuda.so, both on torch's
+# stable ABI; `import ffn_ext` loads the library when torch's CUDA major is the build's. Its glue (stream, device
+# guard, allocation, checks) first runs on a GPU here: if the library did not load, every CUDA test below would run
+# PyTorch's ops instead, so that fails the build stage, loudly.
 stage build 180 $PY -m pip install -v --no-build-isolation --no-deps -e .
-$PY -c "import ffn_ext; print(ffn_ext.build_summary())" | tee -a "$LOGS/summary.txt"
+$PY -c "import ffn_ext, sys; print(ffn_ext.build_summary()); ffn_ext.has_cuda_kernels() or sys.exit('CUDA kernels not loaded')" \
+  | tee -a "$LOGS/summary.txt" || { note "build        the CUDA library did not load: see build_summary above"; failed=$((failed + 1)); }
 # The instruction count per element that the bandwidth prediction rests on, from the SASS just built (no GPU use),
 # then registers and any spills, and the kernels over budget: a report that fails only when it cannot read the
 # binary. Most of its time is cuobjdump's single-threaded dump of the sm_90 SASS, so its limit leaves about twice
