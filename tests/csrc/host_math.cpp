@@ -114,16 +114,17 @@ at::Tensor host_quant_scale(const at::Tensor& amax, double fp8_max, bool pow2) {
 }  // namespace
 
 void add_host_math(pybind11::module& m) {
-  m.def("_host_math",
-        [](const std::string& op, const std::vector<at::Tensor>& inputs, const Doubles& params) {
-          try {
-            return host_math(op, inputs, params);
-          } catch (const UsageError& e) {  // params_from's: a ValueError, as this function's own checks
-            throw pybind11::value_error(e.what());
-          }
-        },
-        pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("params") = Doubles{},
-        "The kernels' element math (ffn_math.h) run on the host, element by element.");
+  m.def(
+      "_host_math",
+      [](const std::string& op, const std::vector<at::Tensor>& inputs, const Doubles& params) {
+        try {
+          return host_math(op, inputs, params);
+        } catch (const UsageError& e) {  // params_from's: a ValueError, as this function's own checks
+          throw pybind11::value_error(e.what());
+        }
+      },
+      pybind11::arg("op"), pybind11::arg("inputs"), pybind11::arg("params") = Doubles{},
+      "The kernels' element math (ffn_math.h) run on the host, element by element.");
   m.def("_host_fp8", &host_fp8, pybind11::arg("x"), pybind11::arg("format"),
         "ffn_math.h's float -> fp8 conversion (codes as uint8) on the host.");
   m.def("_host_quant_scale", &host_quant_scale, pybind11::arg("amax"), pybind11::arg("fp8_max"), pybind11::arg("pow2"),

@@ -58,9 +58,8 @@ auto python_errors(Fn&& fn) -> decltype(fn()) {
 
 std::vector<at::Tensor> emulate_cuda_py(const std::string& op, const std::vector<at::Tensor>& in, int sms,
                                         const Doubles& params, const std::string& layout) {
-  return python_errors([&] {
-    return from_handles(emulate_cuda(op, to_handles("_emulate_cuda", in), sms, params, layout));
-  });
+  return python_errors(
+      [&] { return from_handles(emulate_cuda(op, to_handles("_emulate_cuda", in), sms, params, layout)); });
 }
 
 std::vector<at::Tensor> emulate_quant_py(const std::string& op, const std::vector<at::Tensor>& in,
@@ -71,9 +70,9 @@ std::vector<at::Tensor> emulate_quant_py(const std::string& op, const std::vecto
     if (format != "e4m3fn" && format != "e5m2") usage_error("_emulate_quant: format must be e4m3fn or e5m2");
     const auto dtype = format == "e5m2" ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn;
     const auto scale_dtype = e8m0 ? at::kFloat8_e8m0fnu : at::kFloat;
-    return from_handles(emulate_quant(op, to_handles("_emulate_quant", in), params, layout,
-                                      static_cast<int32_t>(dtype), scaling, group_size, pow2,
-                                      static_cast<int32_t>(scale_dtype), column ? "column" : "row", static_scale));
+    return from_handles(emulate_quant(op, to_handles("_emulate_quant", in), params, layout, static_cast<int32_t>(dtype),
+                                      scaling, group_size, pow2, static_cast<int32_t>(scale_dtype),
+                                      column ? "column" : "row", static_scale));
   });
 }
 

@@ -51,7 +51,8 @@ template <> inline math::NoParams params_from(const std::string& op, const Doubl
   return {};
 }
 template <> inline math::ClampParams params_from(const std::string& op, const Doubles& v) {
-  if (v.size() != 3) usage_error(op, " takes params [limit, alpha, up_offset], got ", std::to_string(v.size()), " values");
+  if (v.size() != 3)
+    usage_error(op, " takes params [limit, alpha, up_offset], got ", std::to_string(v.size()), " values");
   return {v[0], v[1], v[2]};
 }
 // The Params as the kernels take them on tensors of `dtype` (ffn_ext.h's for_dtype).
