@@ -36,7 +36,9 @@
 //
 // From at::Tensor code (built against one torch anyway): convert at the edge with torch's
 // torch::aot_inductor::new_tensor_handle / tensor_handle_to_tensor_pointer
-// (torch/csrc/inductor/aoti_torch/utils.h), e.g. torch::stable::Tensor(new_tensor_handle(at::Tensor(t))).
+// (torch/csrc/inductor/aoti_torch/utils.h), e.g. torch::stable::Tensor(new_tensor_handle(at::Tensor(t))); such a
+// target sets the CMake property FFN_EXT_NO_TARGET_VERSION ON (ATen's headers refuse TORCH_TARGET_VERSION) and links
+// torch itself.
 // Define FFN_EXT_NO_LIBRARY_ANCHOR to use this header without linking libffn_ext_ops (when something else, such as
 // the Python package's ffn_ext._C, registers the schemas).
 #pragma once
