@@ -57,8 +57,6 @@ NO_STANDIN = {
     "test_cuda_safety.py::test_cpu_only_build_serves_cuda_tensors_with_one_warning": "a CPU-only build serving real CUDA tensors (JIT build in a subprocess, outside the stand-in)",
     "test_validation.py::test_cuda_cpu_device_mismatch_every_op": "an argument on another device than the others: the stand-in puts every tensor on the one host device",
     "test_validation.py::test_cuda_cpu_device_mismatch_names_the_argument": "an argument on another device than the others: the stand-in puts every tensor on the one host device",
-    "test_api_paths.py::test_plain_tensors_take_the_fast_entry_and_match_torch_ops": "checks that the native fast entry point serves CUDA tensors: it declines under any torch function mode, the "
-    "stand-in's too (its cpu and meta parametrizations run the same Python)",
     **{
         name: "torch.compile (and export) refuse to trace under a torch dispatch mode, which the emulated kernels "
         "are (its cpu parametrization, where there is one, runs the same Python)"
