@@ -187,7 +187,7 @@ def test_sources_reachable_for_jit():
 def test_public_header_declares_every_forward_op():
     """<ffn_ext/ops.h> declares a typed function for every forward op of the table, from the table itself: it
     expands the op lists of <ffn_ext/ops_table.h> (installed next to it), whose lines are ffn_ext/table.py's
-    activations and gated ops (ops_api.cpp defines the functions from the same lists)."""
+    activations and gated ops (its functions are defined inline, from the same lists)."""
     inc = _build.source_root() / "csrc" / "include" / "ffn_ext"
     header, table = (inc / "ops.h").read_text(), (inc / "ops_table.h").read_text()
     assert '#include "ops_table.h"' in header
