@@ -333,6 +333,7 @@ def _autograd(name: str):
 
 # ---------------------------------------------------------------- registration
 _libs: list = []  # the torch.library.Library objects: registrations last as long as these live
+hooks: list = []  # register()s of the layers above (ffn_ext/_quant_kernels.py), run by register: no import
 
 
 def register(cuda_kernels: bool) -> None:
@@ -348,3 +349,5 @@ def register(cuda_kernels: bool) -> None:
         if not cuda_kernels:
             lib.impl(name, _aten_kernel(name, warn=True), "CUDA")
         lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
+    for hook in hooks:
+        hook()

@@ -39,10 +39,12 @@ The ops are torch.ops.ffn_ext.<gated>_quant, <gated>_packed_quant and quantize (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from . import _kernels
 from .table import GATED_BY_NAME, activation_for
 
 __all__ = [
@@ -165,8 +167,8 @@ def _pow2_up(scale: torch.Tensor) -> torch.Tensor:
 
 
 def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.reference_quantize"):
-    """(q, scale) of h by the documented formula, with plain PyTorch ops (the tests' reference; the CPU kernels
-    are this same sequence of ATen ops in C++)."""
+    """(q, scale) of h by the documented formula, with plain PyTorch ops: the tests' reference, and the ops' CPU
+    kernels and ATen composite (ffn_ext/_quant_kernels.py)."""
     fmax = recipe.fp8_max
     x = h.float()
     if recipe.scaling != "tensor" and x.dim() == 0:
@@ -277,13 +279,27 @@ def register_vmap_rules() -> None:
         torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
 
 
+# Set by ffn_ext._quant_kernels (the layer above, imported by the package): name -> the op's ATen composite kernel.
+# A hook, not an import, so that this module depends on nothing above it.
+_composite: Callable[[str], Callable] | None = None
+
+
 def _run(op: str, unfused, args: tuple, names: tuple, recipe, kwargs: dict):
     """torch.ops.ffn_ext.<op> when the native ops are loaded; else the reference on ffn_ext's unfused output."""
     recipe = _recipe("ffn_ext." + op, recipe)
     _check_no_grad("ffn_ext." + op, zip(names, args))
     overload = _native(op, args[0])
     if overload is not None:
-        return overload(*args, **recipe.op_kwargs(), **kwargs)
+        if args[0].dtype == torch.float64 and args[0].is_cuda and _composite is not None:
+            # the stable CUDA kernels refuse float64 (a [TypeError] RuntimeError): the op's own ATen composite
+            return _composite(op)(*args, **recipe.op_kwargs(), **kwargs)
+        try:
+            return overload(*args, **recipe.op_kwargs(), **kwargs)
+        except RuntimeError as e:  # the C++ checks' ValueError / TypeError, tagged across the stable ABI
+            retyped = _kernels.retyped(e)
+            if retyped is not None:
+                raise retyped from None
+            raise
     return reference_quantize(unfused(*args), recipe, "ffn_ext." + op)
 
 
