@@ -13,7 +13,7 @@ import torch
 from optable import DEVICES, GATED, PACKINGS
 
 import ffn_ext
-from ffn_ext import quant
+from ffn_ext import _quant_kernels, quant
 from ffn_ext.quant import QuantRecipe, reference_quantize
 
 FP8 = tuple(quant.FP8_MAX)
@@ -106,6 +106,8 @@ def run_form(name, g, packing, recipe, shape, dtype, device, gen, strided=False)
     kw = recipe.op_kwargs()
     params = g.example if g is not None else {}
     opf = getattr(torch.ops.ffn_ext, name)
+    if dtype == torch.float64 and device == "cuda":  # the CUDA kernels refuse float64: the API takes the composite
+        opf = _quant_kernels.composite(name)
     if g is None:
         x = rand_h(shape, dtype, device, gen)
         if strided:
@@ -140,6 +142,14 @@ def test_recipes_bit_identical(recipe, device):
 def test_fuzzed_shapes(dtype, device):
     # shapes: rows 0, 1, odd, 3-D leading dims; group counts 1..many; strided and packed inputs; specials
     gen = torch.Generator().manual_seed(1234 + dtype.itemsize)
+    if dtype == torch.float64 and device == "cuda":
+        # the stable CUDA kernels quantize float32/16 and bfloat16 only (a TypeError tagged across the stable ABI);
+        # the Python API computes float64 with the op's ATen composite, which run_form calls below
+        x, r = torch.randn(3, 256, dtype=dtype, device=device), QuantRecipe()
+        with pytest.raises(RuntimeError, match=r"\[TypeError\] ffn_ext\.quantize: the CUDA kernels quantize float32"):
+            torch.ops.ffn_ext.quantize(x, **r.op_kwargs())
+        assert_same(ffn_ext.quantize(x, r), reference_quantize(x, r))
+        assert_same(ffn_ext.swiglu_quant(x, x, r), reference_quantize(ffn_ext.swiglu(x, x), r))
     all_recipes = recipes()
     for trial in range(24):
         recipe = all_recipes[int(torch.randint(len(all_recipes), (1,), generator=gen))]
@@ -285,6 +295,21 @@ def test_input_errors():
             call()
     with torch.no_grad():
         assert_same(ffn_ext.quantize(x, r), reference_quantize(x.detach(), r))
+
+
+@pytest.mark.parametrize("tag, kind", [("[ValueError] ", ValueError), ("[TypeError] ", TypeError), ("", RuntimeError)])
+def test_api_restores_the_cpp_checks_error_types(monkeypatch, tag, kind):
+    # the CUDA kernels' checks cross torch's stable ABI as RuntimeErrors tagged with the type they mean: the API
+    # raises that type, the tag stripped (the CUDA kernel stood in for: no GPU needed)
+    msg = "ffn_ext.quantize: `group_size`=128 must divide the last dimension of h, got 96"
+
+    def op(*args, **kwargs):
+        raise RuntimeError(tag + msg)
+
+    monkeypatch.setattr(quant, "_native", lambda name, t: op)
+    with pytest.raises(kind) as info:
+        ffn_ext.quantize(torch.randn(2, 96))
+    assert type(info.value) is kind and str(info.value) == msg
 
 
 OPCHECK = [
