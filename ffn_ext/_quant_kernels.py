@@ -34,7 +34,9 @@ def _unfused(name: str) -> str | None:
 
 def _dtype_name(dtype) -> str:
     """c10's name of a dtype ("Char", "BFloat16", ...): what the C++ messages print (torch::headeronly::toString)."""
-    return torch.empty(0, dtype=dtype).type()[len("torch.") : -len("Tensor")] if isinstance(dtype, torch.dtype) else str(dtype)
+    if not isinstance(dtype, torch.dtype):
+        return str(dtype)
+    return torch.empty(0, dtype=dtype).type()[len("torch.") : -len("Tensor")]
 
 
 def parse_recipe(op, dtype, scaling, group_size, pow2_scales, scale_dtype, scale_layout, static_scale) -> QuantRecipe:
@@ -53,11 +55,15 @@ def parse_recipe(op, dtype, scaling, group_size, pow2_scales, scale_dtype, scale
             f"{op}: `scale_dtype` must be torch.float32 or torch.float8_e8m0fnu, got {_dtype_name(scale_dtype)}"
         )
     if scale_dtype != torch.float32 and not pow2_scales:
-        raise ValueError(f"{op}: `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs pow2_scales=True")
+        raise ValueError(
+            f"{op}: `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs pow2_scales=True"
+        )
     if scale_layout not in ("row", "column"):
         raise ValueError(f'{op}: `scale_layout` must be "row" or "column", got "{scale_layout}"')
     if scale_layout == "column" and scaling == "tensor":
-        raise ValueError(f'{op}: `scale_layout`="column" is for scaling="row" or "group"; a per-tensor scale has no layout')
+        raise ValueError(
+            f'{op}: `scale_layout`="column" is for scaling="row" or "group"; a per-tensor scale has no layout'
+        )
     if static_scale is not None:
         if scaling != "tensor":
             raise ValueError(f'{op}: `static_scale` is for scaling="tensor", got scaling="{scaling}"')
@@ -91,7 +97,9 @@ def _alloc(op: str, ref: torch.Tensor, h_shape: list, r: QuantRecipe):
     if r.scaling == "tensor":
         return q, torch.empty((), dtype=r.scale_dtype, device=ref.device)
     if not h_shape:
-        raise ValueError(f'{op}: scaling="{r.scaling}" needs h with at least 1 dimension ([..., K]), got a 0-dim tensor')
+        raise ValueError(
+            f'{op}: scaling="{r.scaling}" needs h with at least 1 dimension ([..., K]), got a 0-dim tensor'
+        )
     k, n = h_shape[-1], 1
     if r.scaling == "group":
         if k % r.group_size != 0:
