@@ -2,9 +2,9 @@
 // with the CUDA launcher (cuda/launch_quant.h's launch_quant, the kernels in cuda/quant_part*.cu),
 // the tests' host emulation (tests/csrc/emulate_quant.cpp). Every recipe has a kernel: scaling "group" (one
 // launch), "row" (one launch: the row's amax in the block) and "tensor" (static scale: one launch; dynamic: two, the
-// tensor's amax first). float64 inputs have no fused kernel: they are refused here, and
-// the Python API routes them to the ATen formula (ffn_ext/table.py); the C++ ATen formula did not survive the
-// stable port (docs/internals/stable-port-status.md). A Launcher has `template <typename T, class F, bool Pair> static void
+// tensor's amax first). float64 inputs have no fused kernel: they are refused here, and the Python API routes them
+// to the ATen formula (ffn_ext/quant.py), which the stable ABI cannot call from here without a second copy of it.
+// A Launcher has `template <typename T, class F, bool Pair> static void
 // run(const quant::QuantProblem&, const F&)` (it picks the kernels from p.scaling) and a `Guard` made from the
 // device.
 #pragma once

@@ -1,6 +1,7 @@
 // The one STABLE_TORCH_LIBRARY(ffn_ext): every schema, from the table (ops_table.h says what each computes), the
 // quantizing ops' included, and the pointwise tags. Linked into ffn_ext._C, which holds no kernels: CUDA kernels
-// are libffn_ext_cuda.so's (cuda/ops.cpp); fake, autograd, autocast, vmap and CPU are Python (ffn_ext/table.py).
+// are libffn_ext_cuda.so's (cuda/ops.cpp); fake, autograd, vmap and CPU are Python, from the table
+// (ffn_ext/_kernels.py).
 #include <torch/csrc/stable/library.h>
 
 #include <dlfcn.h>
