@@ -40,8 +40,8 @@ OPS_TABLE = "csrc/include/ffn_ext/ops_table.h"  # generated from ffn_ext/table.p
 _OPS_TABLE_DOC = """\
 // The one table of ffn_ext's ops, generated from ffn_ext/table.py by ffn_ext/_build.py (write_ops_table) when the
 // library is built: edit table.py, not this file. The C++ op by op is generated from these two lists: the schemas
-// (registration.cpp), the CUDA kernels (cuda/kernels_part*.cu), the fast entry points (python_module.cpp), and the
-// public C++ API (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there). The
+// (registration.cpp), the CUDA kernels (cuda/kernels_part*.cu, registered by row_ops.h's Kernels), and the public C++
+// API (<ffn_ext/ops.h>, which installs this header next to it: its lines are only macro text there). The
 // CPU and fake kernels and autograd are Python, registered from table.py (ffn_ext/_kernels.py). README "Adding an
 // activation".
 //
@@ -231,8 +231,9 @@ def torch_base_version(version: str) -> str:
 
 
 def build_record(with_cuda: bool, root: Path | None = None) -> dict:
-    """What a build of _C records next to it (RECORD): read at import without loading the library, so that a _C
-    built for another torch is named with both versions instead of failing to load with a linker message."""
+    """What a build of _C records next to it (RECORD): read at import without loading a library, so that the CUDA
+    library is loaded only under a torch of the CUDA major it was built with (_loader.py; _C itself, stable-ABI,
+    loads under any torch >= 2.10), and ffn_ext.jit can compare the sources it was built from."""
     import torch
 
     return {
@@ -256,7 +257,7 @@ def in_checkout() -> bool:
 
 
 def rebuild_command() -> str:
-    """The command that rebuilds _C against the torch in this environment, for messages."""
+    """The command that rebuilds ffn_ext in this environment (with its torch's CUDA major), for messages."""
     if in_checkout():
         return f"cd {CHECKOUT} && pip install --no-build-isolation -e ."
     return (

@@ -1,6 +1,8 @@
-"""Every use of a torch-private API in ffn_ext, in one place, each with the public behaviour it stands for. When a
-torch release moves one of these, this file is what changes. (The C++ side has one more: the fast entry points in
-csrc/python_module.cpp test the FuncTorchDynamicLayerFrontMode dispatch key, which a torch.func transform sets.)
+"""The torch-private APIs ffn_ext uses for torch's public behaviour (transforms, forward AD, module hooks), in one
+place, each with the behaviour it stands for. When a torch release moves one of these, this file is what changes.
+The dispatcher's private calls (below autograd, kernel lookups, mode stacks) stay where the ops are called and
+registered: ops.py, _kernels.py, _quant_kernels.py, _loader.py. The C++ side has none: it is on torch's stable ABI
+(docs/internals/stable-abi.md).
 """
 
 from __future__ import annotations

@@ -270,9 +270,9 @@ def test_double_backward_matches_aten(name, device):
 # ---------------------------------------------------------------- the inference path of the Autograd kernels
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_path_records_no_graph_and_matches(device):
-    """With nothing to record (no_grad, or inputs without requires_grad) the ops record nothing (the fast entry
-    points start below autograd; torch.library's autograd finds nothing to record): same values, no grad_fn; with
-    requires_grad the graph is recorded as before."""
+    """With nothing to record (no_grad, or inputs without requires_grad) the ops record nothing (the public API
+    starts them below autograd; through torch.ops the ops' Autograd kernel, ffn_ext/_kernels.py, finds nothing to
+    record and calls below itself): same values, no grad_fn; with requires_grad the graph is recorded as before."""
     # forward ops through the public API, backward ops through torch.ops; chunk views as inputs
     calls = [
         (

@@ -1,6 +1,6 @@
 """torch.library.opcheck on every ffn_ext op of the table (tests/optable.py): schema (no aliasing or mutation),
-fake/Meta kernels match the real kernel's sizes and strides, autograd registration, and AOT dispatch with dynamic
-shapes. Ops are called with their keyword arguments (optable.op_kwargs: a gated op's example parameters, and for
+fake kernels (Python, ffn_ext/_kernels.py) match the real kernels' sizes and strides, autograd registration, and
+AOT dispatch with dynamic shapes. Ops are called with their keyword arguments (optable.op_kwargs: a gated op's example parameters, and for
 the packed ops layout="interleaved" as well as the default)."""
 
 from __future__ import annotations

@@ -796,7 +796,7 @@ def _in_format(t, fmt):
 def test_outputs_keep_channels_last(name, fmt, shape):
     """Every unary and gated op (forward and backward): inputs all channels_last (channels_last_3d) give outputs in
     that format, as ATen's pointwise ops, with the values of contiguous inputs; on the CPU kernels, on the CUDA
-    launch emulated on the host (one long row over the storage, rows.h) and under FakeTensorMode (the Meta kernels
+    launch emulated on the host (one long row over the storage, rows.h) and under FakeTensorMode (the fake kernels
     give the real strides). One input in another format: contiguous outputs, the same values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -416,9 +416,9 @@ BACKWARD_BAD = [
 # ---------------------------------------------------------------- the same errors for every op of the table
 def _table_cases():
     """(id, op name, args, exception, message regex, paths): for every op, bad inputs built from its argument
-    names (spec.args) with the messages the C++ checks (csrc/shapes.cpp) and the ATen fallback give. paths: where
-    the error is expected, "ops" (torch.ops.ffn_ext; not for non-tensors, which the dispatcher rejects itself),
-    "fallback" (ops._fallback) and "api" (the public API, forward ops)."""
+    names (spec.args) with the messages the kernels' checks (ffn_ext/_kernels.py; csrc/shapes.cpp on CUDA) and the
+    ATen fallback give. paths: where the error is expected, "ops" (torch.ops.ffn_ext; not for non-tensors, which the
+    dispatcher rejects itself), "fallback" (ops._fallback) and "api" (the public API, forward ops)."""
     cases = []
     for name in OP_NAMES:
         sp, nm = spec(name), re.escape(f"ffn_ext.{name}")
@@ -617,7 +617,7 @@ def test_backward_ops_reject(case):
 @pytest.mark.parametrize("case", TABLE_CASES, ids=_ids(TABLE_CASES))
 def test_every_op_rejects(case):
     """torch.ops.ffn_ext.<op>, the public API (forward ops) and the ATen fallback (ops._fallback) give the same
-    error for the same bad input; under FakeTensorMode (the Meta kernels) too, but for the device mismatches and
+    error for the same bad input; under FakeTensorMode (the fake kernels) too, but for the device mismatches and
     non-tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -818,7 +818,8 @@ def _to_meta(v):
     return v.to("meta") if isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_nested else v
 
 
-# Fake/meta tensors run only the Meta kernels (csrc/shapes.cpp): the same checks, so the same errors.
+# Fake/meta tensors run only the fake kernels (ffn_ext/_kernels.py): the checks of the CPU and CUDA kernels, so the
+# same errors.
 _META_CASES = [c for c in BAD_INPUTS if c[2] is not None and "cpu-meta" not in c[0] and "meta-cpu" not in c[0]]
 
 
@@ -828,7 +829,7 @@ def test_fake_tensor_mode_rejects_the_same(case):
 
     _, api, ops_call, exc, msg = case
     # The real tensors the lambdas close over become fake when they reach an op under the mode; ffn_ext then runs
-    # its Meta kernel. (The public API promotes mixed dtypes: those cases go through the dispatcher op.)
+    # its fake kernel. (The public API promotes mixed dtypes: those cases go through the dispatcher op.)
     with FakeTensorMode(allow_non_fake_inputs=True):
         with pytest.raises(exc, match=msg):
             (api or ops_call)()
