@@ -8,14 +8,15 @@
 At 16x4864 (a decode step's MLP activation) a kernel takes a few microseconds of GPU time and a call costs more
 host time than that, so what decides the latency is the host path. ATen's `F.gelu` reaches its kernel through a
 generated Python binding; `ffn_ext.gelu` through a Python wrapper, `torch.ops` (a boxed call parsed against the
-schema), the C++ Autograd kernel and the CUDA kernel's checks. Each row times one layer of that path, so the
+schema; started below autograd when nothing is recorded) and the CUDA kernel's checks (a direct `torch.ops` call
+also passes the ops' Python autograd kernel, ffn_ext/_kernels.py). Each row times one layer of that path, so the
 differences between rows say where the time goes:
 
     ffn_ext.<op>            - torch.ops ffn_ext    = the Python wrapper (ffn_ext/ops.py _call); the ops are the op
                                                      table's (gelu, gelu_tanh, silu, geglu, ..., swiglu_packed), each
                                                      by its public call (ffn_ext.gelu(approximate='tanh'), ...)
     torch.ops ffn_ext       - OpOverload._op       = OpOverload.__call__ (Python)
-    torch.ops ffn_ext       - torch.ops aten       = ffn_ext's C++ path (autograd, checks, alloc, launch) minus ATen's
+    torch.ops ffn_ext       - torch.ops aten       = ffn_ext's path (autograd kernel, checks, alloc, launch) minus ATen's
                                                      (gelu and silu: the same boxed path around both)
     torch.ops aten          - ATen eager           = torch.ops' boxed call minus ATen's generated binding
 

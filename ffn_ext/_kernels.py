@@ -201,9 +201,12 @@ def _warn_no_cuda_kernels() -> None:
     global _warned_no_cuda
     if not _warned_no_cuda:
         _warned_no_cuda = True
+        from . import ops  # the reason lives with the loaded library (imported here: ops imports this module)
+
+        why = ops.build_info().get("cuda_kernels_off") or "ffn_ext was built without CUDA kernels (CPU-only build)"
         warnings.warn(
-            "ffn_ext was built without CUDA kernels (CPU-only build); CUDA tensors use the ATen composite. Rebuild "
-            "with a CUDA toolkit and a CUDA build of torch for the fused kernels.",
+            f"ffn_ext's CUDA kernels are off ({why}); CUDA tensors use the ATen composite. For the fused kernels, "
+            "build ffn_ext with a CUDA toolkit against a torch of the CUDA major you run.",
             stacklevel=2,
         )
 

@@ -166,8 +166,8 @@ def _transformed(args: tuple) -> bool:
 
 def _aten_only(args: tuple) -> bool:
     """True where the native op cannot serve the call, so it takes ATen's ops (which support everything; no fusion
-    there): a grad, jvp or functionalize transform level (the ops' autograd is a C++ autograd::Function, which
-    functorch refuses) or a forward-mode dual tensor. Under vmap alone the native op serves, through its batching
+    there): a grad, jvp or functionalize transform level (the ops' autograd is an autograd.Function without
+    setup_context, ffn_ext/_kernels.py, which functorch refuses) or a forward-mode dual tensor. Under vmap alone the native op serves, through its batching
     rule (_register_vmap_rules), in eager; while torch.compile traces, any transform takes ATen's ops (dynamo cannot
     read which transforms are active), which inductor fuses into one kernel whatever the batch."""
     if _compat.functorch_active():
@@ -176,8 +176,9 @@ def _aten_only(args: tuple) -> bool:
 
 
 # ---- the host path: on plain CPU tensors the op IS its ATen expression
-# ffn_ext's CPU kernels are ATen composites written into preallocated outputs (csrc/aten_ops.cpp); ATen's own
-# functional ops are faster than that (docs/performance.md#cpu-call-overhead); and a backward through ATen's autograd
+# ffn_ext's CPU kernels are the same ATen expressions behind the dispatcher and the ops' checks (ffn_ext/_kernels.py);
+# ATen's own functional ops, called directly, cost less host time (docs/performance.md#cpu-call-overhead); and a
+# backward through ATen's autograd
 # reuses the act(gate) its forward saved where ffn_ext's recomputes it. So on CPU the public functions compute the
 # table's ATen expression (act.aten(x), act(gate) * up), under ATen's autograd, after the checks the native op would
 # make (any input they would reject takes the native path, which raises its error). Not on this path: tensor
@@ -484,7 +485,7 @@ def native_ops() -> bool:
 
 
 def has_cuda_kernels() -> bool:
-    """True when the loaded native library was compiled with the ffn_ext CUDA kernels."""
+    """True when ffn_ext's CUDA kernels are loaded (built, and their CUDA major is the running torch's)."""
     return build_info().get("cuda_kernels") == "yes"
 
 
