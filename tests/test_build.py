@@ -62,7 +62,11 @@ def _unstable_symbols(path) -> list[str]:
     out = subprocess.run(
         ["nm", "-D", "-C", "--undefined-only", str(path)], capture_output=True, text=True, timeout=HANG_GUARD_S
     ).stdout
-    return [line.strip().removeprefix("U ") for line in out.splitlines() if re.search(r"\b(c10|at|torch)::(?!stable::)", line)]
+    return [
+        line.strip().removeprefix("U ")
+        for line in out.splitlines()
+        if re.search(r"\b(c10|at|torch)::(?!stable::)", line)
+    ]
 
 
 # Every op of the table (ffn_ext/table.py) against ATen, and gradients, in whatever process runs it (the ops are
@@ -118,7 +122,6 @@ for act in ACTIVATIONS:
         assert torch.autograd.gradgradcheck(f, args), (act.name, args)
 print("GRAD_OK")
 """
-
 
 
 # ---------------------------------------------------------------- (a) JIT build
