@@ -83,11 +83,7 @@ install_requires = [f"torch>={'.'.join(map(str, build.MIN_TORCH))}"]  # stable A
 
 if needs_torch:
     if importlib.util.find_spec("torch") is None:
-        sys.exit(
-            ISOLATION_MESSAGE.format(
-                what="torch is not importable in this build environment."
-            )
-        )
+        sys.exit(ISOLATION_MESSAGE.format(what="torch is not importable in this build environment."))
     import torch
     from torch.utils.cpp_extension import BuildExtension
 

@@ -12,7 +12,6 @@ namespace ffn_ext {
 bool pointwise_tagged();  // registration.cpp
 }
 
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ffn_ext native module: importing it registers the torch.ops.ffn_ext schemas (stable ABI, torch >= 2.10)";
   m.def(
@@ -22,8 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["torch_version_built_against"] = TORCH_VERSION;  // the headers' torch; the binary serves >= the target
         d["torch_target_version"] = "2.10";
         const uint64_t v = aoti_torch_abi_version();  // the running torch's version: major << 56 | minor << 48 | ...
-        d["torch_version_running"] = std::to_string(v >> 56) + "." + std::to_string((v >> 48) & 0xFF) + "." +
-                                     std::to_string((v >> 40) & 0xFF);
+        d["torch_version_running"] =
+            std::to_string(v >> 56) + "." + std::to_string((v >> 48) & 0xFF) + "." + std::to_string((v >> 40) & 0xFF);
         d["pointwise_tags"] = ffn_ext::pointwise_tagged() ? "yes" : "no";
         d["cuda_kernels"] = "no";  // _C's own; the loader reports lib/libffn_ext_cuda.so's
         d["cuda_version"] = "";

@@ -13,7 +13,8 @@ Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
   Recipe r{};
   const auto dt = static_cast<ScalarType>(dtype), sdt = static_cast<ScalarType>(scale_dtype);
   FFN_EXT_CHECK_TYPE(dt == ScalarType::Float8_e4m3fn || dt == ScalarType::Float8_e5m2, op,
-                     ": `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got ", torch::headeronly::toString(dt));
+                     ": `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got ",
+                     torch::headeronly::toString(dt));
   r.dtype = dt;
   if (scaling == "tensor")
     r.scaling = Scaling::kTensor;
@@ -41,8 +42,8 @@ Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
                       ": `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a per-tensor scale has no ",
                       "layout");
   if (static_scale) {
-    FFN_EXT_CHECK_VALUE(r.scaling == Scaling::kTensor, op,
-                        ": `static_scale` is for scaling=\"tensor\", got scaling=\"", scaling, "\"");
+    FFN_EXT_CHECK_VALUE(r.scaling == Scaling::kTensor, op, ": `static_scale` is for scaling=\"tensor\", got scaling=\"",
+                        scaling, "\"");
     FFN_EXT_CHECK_VALUE(std::isfinite(*static_scale) && *static_scale > 0, op,
                         ": `static_scale` must be a finite number > 0, got ", std::to_string(*static_scale));
   }

@@ -69,9 +69,7 @@ void dispatch_float(ScalarType dtype, const char* what, Fn&& fn) {
 
 template <class Launcher, typename F>
 void launch(const F& f, ScalarType dtype, const RowProblem<F::NI, F::NO>& p) {
-  dispatch_float(dtype, "ffn_ext_rows_kernel", [&](auto tag) {
-    Launcher::template run<decltype(tag)>(f, p);
-  });
+  dispatch_float(dtype, "ffn_ext_rows_kernel", [&](auto tag) { Launcher::template run<decltype(tag)>(f, p); });
 }
 
 // Pointer to element `offset` of t's storage view.
@@ -163,8 +161,8 @@ struct Ops {
     return out;
   }
   template <class Gate>
-  static std::tuple<Tensor, Tensor> gated_backward(const char* op, const typename Gate::Params& prm,
-                                                   const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  static std::tuple<Tensor, Tensor> gated_backward(const char* op, const typename Gate::Params& prm, const Tensor& grad,
+                                                   const Tensor& gate, const Tensor& up) {
     check_params(op, prm);
     auto outs = alloc_gated_backward(op, grad, gate, up);
     run_same_shape<Launcher>(math::GatedBwd<Gate>(Gate(for_dtype(prm, dtype_of(gate)))), {grad, gate, up},

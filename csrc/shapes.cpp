@@ -100,10 +100,9 @@ void check_input(const char* op, const char* name, const Tensor& t) {
   FFN_EXT_CHECK_TYPE(t.layout() == torch::headeronly::Layout::Strided, op, ": expected `", name,
                      "` to be a dense strided tensor, got layout ", std::to_string(static_cast<int>(t.layout())));
   const auto st = dtype_of(t);
-  FFN_EXT_CHECK_TYPE(st == ScalarType::Double || st == ScalarType::Float || st == ScalarType::Half ||
-                         st == ScalarType::BFloat16,
-                     op, ": expected `", name, "` to have dtype float64, float32, float16 or bfloat16, got ",
-                     dtype_name(st));
+  FFN_EXT_CHECK_TYPE(
+      st == ScalarType::Double || st == ScalarType::Float || st == ScalarType::Half || st == ScalarType::BFloat16, op,
+      ": expected `", name, "` to have dtype float64, float32, float16 or bfloat16, got ", dtype_name(st));
 }
 
 void check_like(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref) {
@@ -177,7 +176,8 @@ Format same_shape_format(std::initializer_list<const Tensor*> ins) {
 }
 
 Tensor empty_format(const Tensor& like, const std::vector<int64_t>& sizes, Format fmt = Format::kContiguous) {
-  return empty_strided(like, sizes, fmt == Format::kChannelsLast ? channels_last_strides(sizes) : contiguous_strides(sizes),
+  return empty_strided(like, sizes,
+                       fmt == Format::kChannelsLast ? channels_last_strides(sizes) : contiguous_strides(sizes),
                        dtype_of(like));
 }
 }  // namespace

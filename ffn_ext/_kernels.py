@@ -135,10 +135,12 @@ def compute(name: str, args: tuple, params: dict, layout: str | None):
     """Op `name` on checked inputs, with the table's ATen forms (differentiable ATen ops throughout)."""
     spec = OPS[name]
     if spec.kind == "packed":
+        assert layout is not None  # a packed op's (_split fills in the default)
         if not spec.backward:
             return spec.gated.forward(*split_packed(args[0], layout), **params)
         grad, gate_up = args
-        return join_packed(*spec.gated.backward(grad, *split_packed(gate_up, layout), **params), layout)
+        dgate, dup = spec.gated.backward(grad, *split_packed(gate_up, layout), **params)
+        return join_packed(dgate, dup, layout)
     if spec.recompute:
         return spec.act.aten_backward(*args), spec.act.aten(args[1])
     if spec.kind == "unary":

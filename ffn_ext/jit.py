@@ -144,4 +144,4 @@ def _describe(module: ModuleType, cuda_info: dict) -> None:
         return info
 
     build_info.__doc__ = own.__doc__
-    module.build_info = build_info
+    module.build_info = build_info  # type: ignore[attr-defined]  # the compiled module's, wrapped

@@ -37,8 +37,8 @@ Tensor gelu(const Tensor& x, const std::string& approximate) {
 Tensor last(Tensor x, int64_t start, int64_t length) { return torch::stable::narrow(x, -1, start, length); }
 Tensor randn(std::vector<int64_t> shape) {  // float64, CPU
   std::array<StableIValue, 5> stack{sd::from(torch::headeronly::HeaderOnlyArrayRef<int64_t>(shape)),
-                                     sd::from(std::optional(torch::headeronly::ScalarType::Double)), sd::from(std::nullopt),
-                                     sd::from(std::nullopt), sd::from(std::nullopt)};
+                                    sd::from(std::optional(torch::headeronly::ScalarType::Double)),
+                                    sd::from(std::nullopt), sd::from(std::nullopt), sd::from(std::nullopt)};
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::randn", "", stack.data(), TORCH_ABI_VERSION));
   return sd::to<Tensor>(stack[0]);
 }
@@ -91,13 +91,14 @@ int main() {
     Tensor x = randn({3, 10});
     bad += check(ffn_ext::gelu(x), gelu(x, "none"), "gelu");
     bad += check(ffn_ext::gelu_tanh(x), gelu(x, "tanh"), "gelu_tanh");
-    bad += check(ffn_ext::silu_backward(grad, gate), aten<3>("aten::silu_backward", "", {sd::from(grad), sd::from(gate)}),
-                 "silu_backward");
+    bad += check(ffn_ext::silu_backward(grad, gate),
+                 aten<3>("aten::silu_backward", "", {sd::from(grad), sd::from(gate)}), "silu_backward");
     Tensor gu = randn({3, 20});
     Tensor a = last(gu, 0, 10), b = last(gu, 10, 10);
     bad += check(ffn_ext::swiglu_packed(gu), mul(unary("aten::silu", a), b), "swiglu_packed");
     Tensor gi = torch::stable::view(gu, {3, 10, 2});  // interleaved: [g0, u0, g1, u1, ...]
-    bad += check(ffn_ext::swiglu_packed(gu, "interleaved"), mul(unary("aten::silu", torch::stable::select(gi, -1, 0)), torch::stable::select(gi, -1, 1)),
+    bad += check(ffn_ext::swiglu_packed(gu, "interleaved"),
+                 mul(unary("aten::silu", torch::stable::select(gi, -1, 0)), torch::stable::select(gi, -1, 1)),
                  "swiglu_packed interleaved");
     Tensor gp = randn({3, 10});
     Tensor pb = ffn_ext::swiglu_packed_backward(gp, gu);  // [dgate | dup]

@@ -57,7 +57,8 @@
 #include "ops_table.h"
 
 #if TORCH_FEATURE_VERSION < TORCH_VERSION_2_10_0
-#error "<ffn_ext/ops.h> needs torch's stable ABI at 2.10 or newer: -DTORCH_TARGET_VERSION=0x020a000000000000 (ffn_ext::ops sets it)"
+#error \
+    "<ffn_ext/ops.h> needs torch's stable ABI at 2.10 or newer: -DTORCH_TARGET_VERSION=0x020a000000000000 (ffn_ext::ops sets it)"
 #endif
 
 // Defined by libffn_ext_ops.so (csrc/ops_library.cpp): returns its API version (FFN_EXT_OPS_API_VERSION).
@@ -100,26 +101,25 @@ inline std::pair<torch::stable::Tensor, torch::stable::Tensor> call2(const char*
 
 using Tensor = torch::stable::Tensor;
 
-#define FFN_EXT_DECLARE_ACT(name, ...)                                                \
+#define FFN_EXT_DECLARE_ACT(name, ...) \
   inline Tensor name(const Tensor& x) { return detail::call1("ffn_ext::" #name, x); } \
-  inline Tensor name##_backward(const Tensor& grad, const Tensor& x) {            \
-    return detail::call1("ffn_ext::" #name "_backward", grad, x);                 \
+  inline Tensor name##_backward(const Tensor& grad, const Tensor& x) { \
+    return detail::call1("ffn_ext::" #name "_backward", grad, x); \
   }
-#define FFN_EXT_DECLARE_GATED(name, Gate, P)                                                                          \
-  inline Tensor name(const Tensor& gate, const Tensor& up FFN_EXT_P_DEFAULTS_##P) {                               \
-    return detail::call1("ffn_ext::" #name, gate, up FFN_EXT_P_ARGS_##P);                                          \
-  }                                                                                                               \
-  inline std::pair<Tensor, Tensor> name##_backward(const Tensor& grad, const Tensor& gate,                        \
-                                                   const Tensor& up FFN_EXT_P_DEFAULTS_##P) {                     \
-    return detail::call2("ffn_ext::" #name "_backward", grad, gate, up FFN_EXT_P_ARGS_##P);                        \
-  }                                                                                                               \
-  inline Tensor name##_packed(const Tensor& gate_up FFN_EXT_P_DEFAULTS_##P,                                        \
-                              const std::string& layout = "concat") {                                             \
-    return detail::call1("ffn_ext::" #name "_packed", gate_up FFN_EXT_P_ARGS_##P, layout);                         \
-  }                                                                                                               \
-  inline Tensor name##_packed_backward(const Tensor& grad, const Tensor& gate_up FFN_EXT_P_DEFAULTS_##P,            \
-                                       const std::string& layout = "concat") {                                    \
-    return detail::call1("ffn_ext::" #name "_packed_backward", grad, gate_up FFN_EXT_P_ARGS_##P, layout);          \
+#define FFN_EXT_DECLARE_GATED(name, Gate, P) \
+  inline Tensor name(const Tensor& gate, const Tensor& up FFN_EXT_P_DEFAULTS_##P) { \
+    return detail::call1("ffn_ext::" #name, gate, up FFN_EXT_P_ARGS_##P); \
+  } \
+  inline std::pair<Tensor, Tensor> name##_backward(const Tensor& grad, const Tensor& gate, \
+                                                   const Tensor& up FFN_EXT_P_DEFAULTS_##P) { \
+    return detail::call2("ffn_ext::" #name "_backward", grad, gate, up FFN_EXT_P_ARGS_##P); \
+  } \
+  inline Tensor name##_packed(const Tensor& gate_up FFN_EXT_P_DEFAULTS_##P, const std::string& layout = "concat") { \
+    return detail::call1("ffn_ext::" #name "_packed", gate_up FFN_EXT_P_ARGS_##P, layout); \
+  } \
+  inline Tensor name##_packed_backward(const Tensor& grad, const Tensor& gate_up FFN_EXT_P_DEFAULTS_##P, \
+                                       const std::string& layout = "concat") { \
+    return detail::call1("ffn_ext::" #name "_packed_backward", grad, gate_up FFN_EXT_P_ARGS_##P, layout); \
   }
 FFN_EXT_ACTIVATIONS(FFN_EXT_DECLARE_ACT)
 FFN_EXT_GATED(FFN_EXT_DECLARE_GATED)
