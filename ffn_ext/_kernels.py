@@ -197,15 +197,14 @@ def _fake(name: str):
 
 
 _warned_no_cuda = False
+_cuda_off: str | None = None  # why the CUDA kernels are off (the loader's reason), for the warning
 
 
 def _warn_no_cuda_kernels() -> None:
     global _warned_no_cuda
     if not _warned_no_cuda:
         _warned_no_cuda = True
-        from . import ops  # the reason lives with the loaded library (imported here: ops imports this module)
-
-        why = ops.build_info().get("cuda_kernels_off") or "ffn_ext was built without CUDA kernels (CPU-only build)"
+        why = _cuda_off or "ffn_ext was built without CUDA kernels (CPU-only build)"
         warnings.warn(
             f"ffn_ext's CUDA kernels are off ({why}); CUDA tensors use the ATen composite. For the fused kernels, "
             "build ffn_ext with a CUDA toolkit against a torch of the CUDA major you run.",
@@ -341,11 +340,14 @@ _libs: list = []  # the torch.library.Library objects: registrations last as lon
 hooks: list = []  # register()s of the layers above (ffn_ext/_quant_kernels.py), run by register: no import
 
 
-def register(cuda_kernels: bool) -> None:
+def register(cuda_kernels: bool, cuda_off: str | None = None) -> None:
     """Registers the Python kernels and autograd of every op of the table, once the native library has defined the
-    schemas. cuda_kernels: whether that library has CUDA kernels; without, the ATen kernels serve CUDA tensors."""
+    schemas. cuda_kernels: whether that library has CUDA kernels; without, the ATen kernels serve CUDA tensors, and
+    warn once, giving `cuda_off` (why they are off) when known."""
+    global _cuda_off
     if _libs:
         return
+    _cuda_off = cuda_off
     lib = torch.library.Library("ffn_ext", "IMPL")  # noqa: TOR901  # (not a new namespace: the schemas exist)
     _libs.append(lib)
     for name in OPS:

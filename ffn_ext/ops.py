@@ -57,7 +57,8 @@ def _adopt(module, source: str) -> None:
     with _lock:
         if _native is None:
             _native, _native_source, _native_error = module, source, None
-            _kernels.register(cuda_kernels=_cuda_info()["cuda_kernels"] == "yes")
+            cuda = _cuda_info()
+            _kernels.register(cuda_kernels=cuda["cuda_kernels"] == "yes", cuda_off=cuda.get("cuda_kernels_off"))
             _register_vmap_rules()
             _register_dtensor()
 
