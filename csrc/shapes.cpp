@@ -97,8 +97,11 @@ bool same_device(const Tensor& a, const Tensor& b) {
 // is_nested / is_quantized costs nothing here; the Python fake impls keep those checks.
 void check_input(const char* op, const char* name, const Tensor& t) {
   FFN_EXT_CHECK_VALUE(t.defined(), op, ": `", name, "` is an undefined tensor");
-  FFN_EXT_CHECK_TYPE(t.layout() == torch::headeronly::Layout::Strided, op, ": expected `", name,
-                     "` to be a dense strided tensor, got layout ", std::to_string(static_cast<int>(t.layout())));
+  // the shim, not Tensor::layout(): torch 2.10's stable headers have no such method (2.10's shim has the call)
+  int32_t layout = 0;
+  FFN_EXT_SHIM(aoti_torch_get_layout(t.get(), &layout));
+  FFN_EXT_CHECK_TYPE(layout == aoti_torch_layout_strided(), op, ": expected `", name,
+                     "` to be a dense strided tensor, got layout ", std::to_string(layout));
   const auto st = dtype_of(t);
   FFN_EXT_CHECK_TYPE(
       st == ScalarType::Double || st == ScalarType::Float || st == ScalarType::Half || st == ScalarType::BFloat16, op,
