@@ -238,3 +238,32 @@ def test_package_holds_no_sass_reader():
     import importlib.util
 
     assert importlib.util.find_spec("ffn_ext.sass") is None
+
+
+def test_shipped_binaries_use_only_torchs_stable_abi():
+    """Every binary the package ships (_C and, with CUDA, lib/libffn_ext_cuda.so) needs no libtorch C++ symbol
+    (c10::, at::, torch:: but torch::stable) from torch, only its C shims: what lets one build load under every torch
+    from 2.10 on. And each shim it needs, torch has (the symbols resolve in this torch's libraries)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not found")
+    libs = [*_build.PACKAGE.glob("_C*.so"), *_build.PACKAGE.glob("lib/*.so")]
+    if not libs:
+        pytest.skip("no built binary in the package")
+    torch_lib = Path(torch.__file__).parent / "lib"
+    have = set()
+    for name in ("libtorch_cpu.so", "libtorch_cuda.so"):
+        if (torch_lib / name).is_file():
+            out = subprocess.run([nm, "-D", "--defined-only", str(torch_lib / name)], capture_output=True, text=True)
+            have |= {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    for lib in libs:
+        out = subprocess.run([nm, "-D", "--undefined-only", "-C", str(lib)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        cpp = [
+            ln for ln in out.stdout.splitlines() if re.search(r"\b(c10|at|torch)::", ln) and "torch::stable" not in ln
+        ]
+        assert not cpp, (lib.name, cpp[:10])
+        raw = subprocess.run([nm, "-D", "--undefined-only", str(lib)], capture_output=True, text=True).stdout
+        shims = {ln.split()[-1] for ln in raw.splitlines() if ln.split()[-1].startswith(("aoti_torch_", "torch_"))}
+        assert shims, lib.name
+        assert shims <= have, (lib.name, sorted(shims - have))
