@@ -24,7 +24,7 @@ import torch
 from . import _compat
 from .table import LAYOUTS, OPS, check_params, join_packed, split_packed
 
-__all__ = ["FLOAT_DTYPES", "check", "check_kinds", "check_extra", "compute", "register", "retyped"]
+__all__ = ["FLOAT_DTYPES", "check", "check_kinds", "check_extra", "compute", "register", "retyped", "split_kwargs"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -135,7 +135,7 @@ def compute(name: str, args: tuple, params: dict, layout: str | None):
     """Op `name` on checked inputs, with the table's ATen forms (differentiable ATen ops throughout)."""
     spec = OPS[name]
     if spec.kind == "packed":
-        assert layout is not None  # a packed op's (_split fills in the default)
+        assert layout is not None  # a packed op's (split_kwargs fills in the default)
         if not spec.backward:
             return spec.gated.forward(*split_packed(args[0], layout), **params)
         grad, gate_up = args
@@ -175,8 +175,9 @@ def _out_shapes(name: str, args: tuple):
     return [(args[-1].shape, fmt)] * spec.n_outputs
 
 
-def _split(name: str, args: tuple, kwargs: dict):
-    """(params, layout) of a call's keyword arguments, the schema's defaults filled in."""
+def split_kwargs(name: str, kwargs: dict):
+    """(params, layout) of a call of op `name` from its keyword arguments, the schema's defaults filled in (layout:
+    None but for the packed ops)."""
     spec = OPS[name]
     params = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
     return params, (kwargs.get("layout", "concat") if spec.kind == "packed" else None)
@@ -184,7 +185,7 @@ def _split(name: str, args: tuple, kwargs: dict):
 
 def _fake(name: str):
     def fake(*args, **kwargs):
-        params, layout = _split(name, args, kwargs)
+        params, layout = split_kwargs(name, kwargs)
         check(name, args, params, layout)
         ref = args[-1]
         outs = tuple(
@@ -216,7 +217,7 @@ def _aten_kernel(name: str, warn: bool = False):
     def kernel(*args, **kwargs):
         if warn:
             _warn_no_cuda_kernels()
-        params, layout = _split(name, args, kwargs)
+        params, layout = split_kwargs(name, kwargs)
         check(name, args, params, layout)
         outs = compute(name, args, params, layout)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -297,7 +298,7 @@ def _backward_of_backward(name: str, saved: tuple, kwargs: dict, cotangents: tup
     _Vjp's."""
     spec = OPS[name]
     grad, *primals = saved
-    params, layout = _split(name, saved, kwargs)
+    params, layout = split_kwargs(name, kwargs)
 
     def forward(*ins):
         return compute(spec.forward_name, ins, params, layout)

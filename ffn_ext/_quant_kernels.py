@@ -77,8 +77,7 @@ def _check_inputs(name: str, args: tuple, kwargs: dict) -> list:
     op's name in the messages, as the C++ checks give it; returns h's shape."""
     unfused = _unfused(name) or _FIRST_UNARY
     spec = OPS[unfused]
-    params = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
-    layout = kwargs.get("layout", "concat") if spec.kind == "packed" else None
+    params, layout = _kernels.split_kwargs(unfused, kwargs)
     try:
         _kernels.check(unfused, args, params, layout)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -134,16 +133,14 @@ def composite(name: str):
     formula, written into the outputs the kernels allocate. The CPU kernel; the CUDA kernel where the CUDA library
     is not loaded; what the functional API calls for float64 CUDA inputs, which the CUDA kernels refuse."""
     unfused = _unfused(name)
-    spec = OPS[unfused] if unfused else None
 
     def kernel(*args, **kwargs):
         recipe, (q, scale) = _prepare(name, args, kwargs)
-        if spec is None:
+        if unfused is None:
             h = args[0]
         else:
-            extra = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
-            if spec.kind == "packed":
-                extra["layout"] = kwargs.get("layout", "concat")
+            params, layout = _kernels.split_kwargs(unfused, kwargs)
+            extra = params if layout is None else dict(params, layout=layout)
             h = getattr(torch.ops.ffn_ext, unfused).default(*args, **extra)
         hq, hs = reference_quantize(h, recipe, f"ffn_ext.{name}")
         return q.copy_(hq), scale.copy_(hs)
