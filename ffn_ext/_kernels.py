@@ -318,13 +318,14 @@ def _autograd(name: str):
 
     def kernel(keyset, *args, **kwargs):
         record = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
-        if not spec.differentiable and (record or _compat.has_tangent(args)):
+        tangent = _compat.has_tangent(args)
+        if not spec.differentiable and (record or tangent):
             raise RuntimeError(
                 f"ffn_ext::{name} has no autograd formula (it serves a backward pass); call it under torch.no_grad() "
                 f"or with inputs that do not require grad, or differentiate ffn_ext::{spec.forward_name}_backward "
                 "instead"
             )
-        if _compat.has_tangent(args):
+        if tangent:
             raise RuntimeError(
                 f"ffn_ext::{name}: forward-mode AD is not supported (jvp is not implemented); the functional API "
                 "(ffn_ext.swiglu, ...) computes dual tensors with ATen's ops"
