@@ -61,6 +61,7 @@ __all__ = [
     "plain_mlp",
     "fusable",
     "linear_args",
+    "check_options",
 ]
 
 
@@ -454,7 +455,8 @@ def _gelu(fn: str, approximate) -> str:
     return act
 
 
-def _options(fn: str, recompute, token_chunk) -> tuple:
+def check_options(fn: str, recompute, token_chunk) -> tuple:
+    """(recompute, token_chunk) when valid for `fn` (the MLPs' memory options), else a ValueError naming the option."""
     if not isinstance(recompute, bool):
         raise ValueError(f"ffn_ext.{fn}: `recompute` must be True or False, got {recompute!r}")
     if token_chunk is not None and (
@@ -482,7 +484,7 @@ def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
     """Every functional form: the activation's name `a`, the projections ((w_gate, w_up) or (w_gate_up,)), the
     options; the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
-        recompute, token_chunk = _options(fn, recompute, token_chunk)
+        recompute, token_chunk = check_options(fn, recompute, token_chunk)
     elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: a 1-token call is microseconds
         if ws[0].is_meta or ws[-1].is_meta or wd.is_meta:  # x is not (it is on the CPU)
             _no_meta(fn, x, (*ws, wd))
@@ -701,7 +703,7 @@ def plain_mlp(
     ValueError."""
     a = _activation("plain_mlp", activation)
     if recompute is not False or token_chunk is not None:
-        recompute, token_chunk = _options("plain_mlp", recompute, token_chunk)
+        recompute, token_chunk = check_options("plain_mlp", recompute, token_chunk)
     elif _ATEN_ON_CPU and x.is_cpu and type(w_fc1) in _PLAIN:  # _aten_path, inlined (as in _run)
         if w_fc1.is_meta or w_fc2.is_meta:
             _no_meta("plain_mlp", x, (w_fc1, w_fc2))

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import _options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp, swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
+from .mlp import check_options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp, swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
 
@@ -272,7 +272,7 @@ class FFN(nn.Module):
                 f"{sorted(_FFN_ACTIVATIONS)} (for a gated FFN use ffn_ext.GatedFFN, SwiGLUFFN or "
                 "GeGLUFFN)"
             )
-        _options("FFN", recompute, token_chunk)
+        check_options("FFN", recompute, token_chunk)
         self.activation = key
         self.recompute, self.token_chunk = recompute, token_chunk
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
@@ -374,7 +374,7 @@ class GatedFFN(nn.Module):
         act = _entry(who, activation)
         if not isinstance(fused_gate_up, bool):
             raise ValueError(f"ffn_ext.{who}: `fused_gate_up` must be True or False, got {fused_gate_up!r}")
-        _options(who, recompute, token_chunk)
+        check_options(who, recompute, token_chunk)
         self.d_model, self.d_ff = d_model, d_ff
         self.fused_gate_up, self.recompute, self.token_chunk = fused_gate_up, recompute, token_chunk
         if fused_gate_up:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch.nn as nn
 
-from ..mlp import _options
+from ..mlp import check_options
 from .clamped import _clamped_forward, _clamped_packed_forward
 from .classic import (
     _DISAGREES_CLASSIC,
@@ -188,7 +188,7 @@ def patch_model(
     forward and backward over chunks of N tokens). A later call sets them anew on the MLPs patched before. They do
     not apply to the clamped MLPs and the MoE experts (their projections run as modules): with other than the
     defaults, those are named in a RuntimeWarning (strict=True: a ValueError, nothing patched)."""
-    opts = _options("patch_model", recompute, token_chunk)
+    opts = check_options("patch_model", recompute, token_chunk)
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
