@@ -26,7 +26,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import check_options, fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp, swiglu_mlp, swiglu_mlp_packed  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
+from .mlp import (
+    check_options,
+    fusable,
+    gated_mlp,
+    gated_mlp_packed,
+    linear_args,
+    plain_mlp,
+    swiglu_mlp,
+    swiglu_mlp_packed,
+)  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
 
