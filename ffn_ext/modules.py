@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops as _ops
-from .mlp import (
+from .mlp import (  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
     check_options,
     fusable,
     gated_mlp,
@@ -35,7 +35,7 @@ from .mlp import (
     plain_mlp,
     swiglu_mlp,
     swiglu_mlp_packed,
-)  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
+)
 from .sizing import swiglu_hidden_dim
 from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
 
