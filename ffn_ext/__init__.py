@@ -32,6 +32,7 @@ from .ops import (
     build_summary,
     gated,
     gated_packed,
+    Gating,
     geglu,
     geglu_packed,
     gelu,
@@ -46,7 +47,7 @@ from .ops import (
     swiglu_packed,
 )
 from .mlp import gated_mlp, gated_mlp_packed, geglu_mlp, geglu_mlp_packed, plain_mlp, swiglu_mlp, swiglu_mlp_packed
-from .modules import FFN, GELU, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
+from .modules import FFN, GELU, Act, Gated, GatedFFN, GeGLU, GeGLUFFN, SiLU, SwiGLU, SwiGLUFFN
 from .sizing import ffn_params, gated_ffn_params, swiglu_ffn_params, swiglu_hidden_dim
 from . import distributed  # noqa: F401  (registers its hooks in ops and mlp; torch.distributed.tensor stays unloaded)
 from . import hf  # noqa: F401
@@ -69,12 +70,14 @@ __all__ = [
     "geglu_packed",
     "gated",
     "gated_packed",
+    "Gating",
     "has_cuda_kernels",
     "build_info",
     "build_summary",
     "jit",
 ]
 __all__ += [
+    "Act",
     "GELU",
     "SiLU",
     "Gated",

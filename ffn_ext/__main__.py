@@ -131,19 +131,13 @@ def walk_layer(label: str, module, d_model: int, d_ff: int, params: int, out=pri
     xg = x.clone().requires_grad_()
     ours = saved_activation_tensors(lambda: module(xg), WALK_TOKENS, d_ff)[0]
     eager = saved_activation_tensors(lambda: eager_form(module)(xg), WALK_TOKENS, d_ff)[0]
-    lean_ctx = getattr(ffn_ext.mlp, "_lean_on_cpu", None)  # on the CPU the modules run eager's ops by default
-    lean = None
-    if lean_ctx is not None:
-        with lean_ctx():
-            lean = saved_activation_tensors(lambda: module(xg), WALK_TOKENS, d_ff)[0]
     n = len(_linears(module))
-    name = type(module).__name__
-    mine = f"{name} {ours}" if lean is None or lean == ours else f"{name} {ours} here (eager's ops), {lean} lean"
+    mine = f"{type(module).__name__} {ours}"
     out(
         f"    params {counted:,} = {n} x {d_model} x {d_ff}; saved [{WALK_TOKENS}, {d_ff}] tensors: eager PyTorch {eager}, "
         f"{mine}"
     )
-    return ours if lean is None else lean, eager
+    return ours, eager
 
 
 def walk(out=print) -> None:

@@ -7,11 +7,13 @@ registered: ops.py, _kernels.py, _quant_kernels.py, _loader.py. The C++ side has
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.autograd.forward_ad as _fwAD
 import torch.nn.modules.module as _module_mod
 
-__all__ = ["functorch_active", "vmap_only", "has_tangent", "global_module_hooks", "module_hooks"]
+__all__ = ["functorch_active", "vmap_only", "has_tangent", "has_dtensor", "global_module_hooks", "module_hooks"]
 
 
 _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
@@ -53,6 +55,12 @@ def has_tangent(args) -> bool:
     return _fwAD._current_level >= 0 and any(
         isinstance(t, torch.Tensor) and _fwAD.unpack_dual(t).tangent is not None for t in args
     )
+
+
+def has_dtensor(args) -> bool:
+    """True when one of args is a DTensor (torch.distributed.tensor loaded: ffn_ext never imports it, 1.3 s)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and any(isinstance(a, dtensor) for a in args)
 
 
 def global_module_hooks() -> bool:

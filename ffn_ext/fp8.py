@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modules import FFN, Gated, GatedFFN, GeGLU, SwiGLU
+from .modules import FFN, GatedFFN, activation_of, gating_of
+from .ops import Gating
 from .quant import QuantRecipe, gated_packed_quant, quantize
 
 __all__ = ["quantize_fp8", "FP8GatedFFN", "FP8FFN", "ROW", "BLOCK", "RECIPES"]
@@ -51,7 +52,6 @@ ROW = QuantRecipe(torch.float8_e4m3fn, "row")  # per output channel (weights), p
 BLOCK = QuantRecipe(torch.float8_e4m3fn, "group", 128, scale_layout="column")  # x and h: 1x128 groups, MN-major
 _WEIGHT_BLOCK = 128
 RECIPES = ("row", "block")
-_FUSED_ACTS = (Gated, SwiGLU, GeGLU)
 _EMULATED_WARNED: set = set()  # devices the block emulation or the CPU's RowWise GEMM was named for (once each)
 
 
@@ -183,20 +183,24 @@ def _act_recipe(recipe: str) -> QuantRecipe:
 
 class FP8GatedFFN(nn.Module):
     """down(act(gate(x)) * up(x)) with FP8 weights and activations; see the module docstring. Made by quantize_fp8
-    from the [gate | up] weight rows (one GEMM), the down projection's weight, the gated activation's name (an
-    activation of the table, or "swiglu_clamped" with its `params`) and the recipe."""
+    from the [gate | up] weight rows (one GEMM), the down projection's weight, the gated activation (as
+    Gating.of(activation, **params) takes it: a table name, a gated op and its parameters, or a Gating, whose
+    layout is not used: the rows are [gate | up]) and the recipe."""
 
     def __init__(self, gate_up_weight, gate_up_bias, down_weight, down_bias, activation, params=None, recipe="row"):
         super().__init__()
         self.gate_up = _FP8Linear(gate_up_weight, gate_up_bias, recipe, "the gate and up projections")
         self.down = _FP8Linear(down_weight, down_bias, recipe, "the down projection")
-        self.activation, self.params, self.recipe = activation, dict(params or {}), recipe
+        g = Gating.of(activation, **(params or {}))
+        self.gating, self.recipe = Gating(g.op, **g.kwargs), recipe
 
     @classmethod
     def from_ffn(cls, ffn: GatedFFN, recipe: str = "row") -> FP8GatedFFN:
         mods: dict[str, Any] = dict(ffn.named_children())
-        act = mods["act"]
-        if "gate_up_proj" in mods and act.layout == "concat":
+        gating = gating_of(mods["act"])
+        if gating is None:
+            raise ValueError(f"ffn_ext.FP8GatedFFN.from_ffn: {_NOT_FFN_EXT}")
+        if "gate_up_proj" in mods and gating.layout == "concat":
             w, b = mods["gate_up_proj"].weight, mods["gate_up_proj"].bias
         elif "gate_up_proj" in mods:  # interleaved rows: reorder to [gate | up] once
             gu = mods["gate_up_proj"]
@@ -206,22 +210,18 @@ class FP8GatedFFN(nn.Module):
             g, u = mods["gate_proj"], mods["up_proj"]
             w = torch.cat([g.weight, u.weight])
             b = None if g.bias is None else torch.cat([g.bias, u.bias])
-        if isinstance(act, SwiGLU) and act.clamped:
-            name = "swiglu_clamped"
-            params = dict(limit=math.inf if act.limit is None else act.limit, alpha=act.alpha, up_offset=act.up_offset)
-        else:
-            name, params = act.activation, {}
-        return cls(w, b, mods["down_proj"].weight, mods["down_proj"].bias, name, params, recipe)
+        return cls(w, b, mods["down_proj"].weight, mods["down_proj"].bias, gating, recipe=recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dt, r = x.shape[:-1], x.dtype, _act_recipe(self.recipe)
         qx, sx = quantize(x.reshape(-1, x.shape[-1]), r)
         gu = self.gate_up(qx, sx, dt)
-        qh, sh = gated_packed_quant(gu, r, self.activation, **self.params)
+        g = self.gating
+        qh, sh = gated_packed_quant(gu, r, g.op, **g.kwargs)
         return self.down(qh, sh, dt).reshape(*lead, -1)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, recipe={self.recipe!r}"
+        return f"{self.gating!r}, recipe={self.recipe!r}"
 
 
 class FP8FFN(nn.Module):
@@ -254,13 +254,15 @@ _NOT_FFN_EXT = "its projections are not nn.Linear or its activation is not one o
 def _convert(m: nn.Module, recipe: str):
     """(the FP8 module for m, None) or (None, why m is left as it is); (None, None) for modules of no MLP form."""
     if isinstance(m, GatedFFN):
-        if type(m._modules["act"]) in _FUSED_ACTS and all(
+        if gating_of(m._modules["act"]) is not None and all(
             type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"
         ):
             return FP8GatedFFN.from_ffn(m, recipe), None
         return None, _NOT_FFN_EXT
     if type(m) is FFN:
-        if all(type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"):
+        if activation_of(m._modules["act"]) is not None and all(
+            type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"
+        ):
             return FP8FFN.from_ffn(m, recipe), None
         return None, _NOT_FFN_EXT
     for hook in _CONVERTERS:

@@ -4,6 +4,7 @@ every activation of the table.
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down)                       # silu (Llama, Qwen2, Mistral)
     y = ffn_ext.geglu_mlp(x, w_gate, w_up, w_down, approximate="tanh")    # tanh GELU (Gemma)
     y = ffn_ext.gated_mlp(x, w_gate, w_up, w_down, activation="gelu")     # any table activation by name
+    y = ffn_ext.gated_mlp(x, w_gate, w_up, w_down, activation=ffn_ext.Gating("swiglu_clamped", limit=7.0))
     y = ffn_ext.swiglu_mlp_packed(x, w_gate_up, w_down)                   # packed gate/up projection (Phi-3)
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, recompute=True)       # saves only x for backward
     y = ffn_ext.swiglu_mlp(x, w_gate, w_up, w_down, token_chunk=8192)     # long sequences: 8192 tokens at a time
@@ -16,16 +17,14 @@ gate and up (packed: gate_up) and recomputes h = act(gate) * up in backward (for
 gradient) instead of keeping it. Eager PyTorch keeps four [tokens, d_ff] tensors (gate, act(gate), up, h); this
 keeps two. The recompute is one memory-bound elementwise pass next to three GEMMs. recompute=True keeps none (x
 only; backward recomputes the projections) and token_chunk=N bounds every tensor inside the MLP by N x 2*d_ff
-elements, forward and backward, for sequences whose [tokens, d_ff] tensors do not fit (_OPTIONS_DOC). The activation is a table entry
-(ffn_ext/table.py): the forward runs its gated op <gated> (or <gated>_packed), the backward <gated>_backward and
-the recompute through ops.call_op / the functional API, natively where the native ops serve the tensors, else by
-their ATen fallback.
+elements, forward and backward, for sequences whose [tokens, d_ff] tensors do not fit (_OPTIONS_DOC).
 
-The classic FFN (plain_mlp) saves x and z = fc1(x) (one [tokens, d_ff] tensor; eager keeps z and act(z)) and
-recomputes act(z) in backward from the step that computes dz, over blocks of _PLAIN_BLOCK_ROWS rows.
-
-On the CPU, without recompute or token_chunk, every functional form runs eager PyTorch's own ops instead
-(_ATEN_ON_CPU): the ffn_ext ops are ATen composites there, and the lean backward's recompute costs time.
+The gated MLPs' activation is a Gating (ffn_ext.ops): a gated op of the table with its parameters and, packed, its
+layout (an activation's table name stands for its plain gated op: "silu" for swiglu). The forward runs the Gating,
+the backward its backward op and the recompute, through the ops' public API. The classic FFN (plain_mlp) saves x
+and z = fc1(x) (one [tokens, d_ff] tensor; eager keeps z and act(z)) and recomputes act(z) in backward from the step
+that computes dz, over blocks of _PLAIN_BLOCK_ROWS rows. Every device runs the same code: the ops' kernels differ
+(on the CPU, PyTorch's own ops).
 
 Double backward (create_graph=True, e.g. gradient penalties) is supported: when backward runs with grad mode on,
 it recomputes gate and up from the saved x and weights with differentiable ops, so second derivatives flow to x,
@@ -49,7 +48,8 @@ import torch.nn.functional as F
 
 from . import _compat
 from . import ops as _ops
-from .table import ACTIVATIONS
+from .ops import Gating
+from .table import ACTIVATIONS, BY_NAME
 
 __all__ = [
     "gated_mlp",
@@ -65,11 +65,15 @@ __all__ = [
 ]
 
 
-# activation name -> (its gated op, its packed op); _call is the functional API's path to an op (the native fast
-# entry point, the dispatcher op or the ATen fallback), without the public functions' argument lookups: a decode
-# step's MLP is bound by host time.
-_OPS = {a.name: (a.gated, a.gated + "_packed") for a in ACTIVATIONS}
-_call, _call_op = _ops._call, _ops.call_op
+def _activate(act, pre):
+    """h from the projections `pre`: the gated MLPs' Gating on (gate, up) or (gate_up,); the plain MLP's activation
+    (its table name) on (z,)."""
+    return _ops.act(pre[0], act) if isinstance(act, str) else act(*pre)
+
+
+def _act_backward(act, dh, pre) -> list:
+    """The gradients of the projections `pre` from h's gradient dh (as _activate's act)."""
+    return [_ops.call_op(act + "_backward", dh, pre[0])] if isinstance(act, str) else list(act.backward(dh, *pre))
 
 
 def _cast(t, dtype):
@@ -78,10 +82,6 @@ def _cast(t, dtype):
 
 def _rows(t):  # [..., K] -> [N, K]
     return t.reshape(-1, t.shape[-1])
-
-
-def _tuple(t):  # a packed backward op returns one tensor, a gated one two
-    return t if isinstance(t, tuple) else (t,)
 
 
 def _project(x, ws, bs):
@@ -137,7 +137,7 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
         for s in range(0, n, chunk):
             pre = first if s == 0 else _project(xr[s : s + chunk], ws, bs)
             first = None
-            h = _call(op, pre)
+            h = _activate(op, pre)
             del pre
             if functional:
                 outs.append(F.linear(h, wd, bd))
@@ -189,7 +189,7 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
             ctx.chunk, pre = chunk, ()
         else:
             pre = _project(x, ws, bs)
-            y = _linear_out(_call(op, pre), wd, bd)
+            y = _linear_out(_activate(op, pre), wd, bd)
             ctx.chunk, ctx.dtype = None, pre[0].dtype
             if recompute:
                 pre = ()
@@ -238,7 +238,7 @@ def _plain_block(rows: int) -> int:
 def _backward_recompute(act: str, grad, z):
     """(grad * act'(z), act(z)): the plain MLP's backward step, dz for fc1's gradients and the recomputed
     activation for fc2's weight gradient: one pass over grad and z (<act>_backward_recompute) instead of two."""
-    return tuple(_call_op(act + "_backward_recompute", grad, z))
+    return tuple(_ops.backward_recompute(grad, z, act))
 
 
 def _backward(ctx, dy, needs):
@@ -267,7 +267,7 @@ def _backward(ctx, dy, needs):
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     want_pre = n_x or any(n_ws) or any(n_bs)
     if want_pre:
-        d_pre = list(_tuple(_call_op(op + "_backward", dy.matmul(wd), *pre)))
+        d_pre = _act_backward(op, dy.matmul(wd), pre)
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
                 d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
@@ -275,7 +275,7 @@ def _backward(ctx, dy, needs):
             d_pre[i] = None
         d_x = None if d_x is None else d_x.reshape(x.shape)
     if n_wd:  # recompute h
-        h = _rows(_call(op, pre))
+        h = _rows(_activate(op, pre))
         d_wd = _wgrad(h, _rows(dy)) if ctx.transposed else _wgrad(_rows(dy), h)
     d_bd = _rows(dy).sum(0) if n_bd else None
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
@@ -306,7 +306,7 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
             d_pre = [d_pre]
         else:
-            h = _call(op, pre) if n_wd else None
+            h = _activate(op, pre) if n_wd else None
         if n_wd:
             d_wd = _acc_mm(d_wd, h, dys, wd.dtype) if tr else _acc_mm(d_wd, dys, h, wd.dtype)
         del h  # before the gated backward's d_pre: a [step, d_ff] tensor fewer at its peak
@@ -314,7 +314,7 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             d_bd = _acc_sum(d_bd, dys, ctx.bd_dtype)
         if want_pre:
             if d_pre is None:
-                d_pre = list(_tuple(_call_op(op + "_backward", dys.matmul(wdc), *pre)))
+                d_pre = _act_backward(op, dys.matmul(wdc), pre)
             del pre
             for i in range(k):
                 if n_x:
@@ -336,15 +336,15 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
-# The Functions take the activation's table name (a str, so torch.compile treats it as a constant), recompute (bool)
-# and token_chunk (int or None) first; their gradients are None.
+# The Functions take the activation (the gated MLPs' Gating, the plain MLP's table name), recompute (bool) and
+# token_chunk (int or None) first; their gradients are None.
 class _GatedMLP(torch.autograd.Function):
-    """y = down(act(gate(x)) * up(x)) for the table activation `activation`; saves x, gate, up (recompute or
-    token_chunk: x only); recomputes h in backward."""
+    """y = down(gating(gate(x), up(x))); saves x, gate, up (recompute or token_chunk: x only); recomputes h in
+    backward."""
 
     @staticmethod
-    def forward(ctx, activation, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        return _forward(ctx, _OPS[activation][0], recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
+    def forward(ctx, gating, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        return _forward(ctx, gating, recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -352,12 +352,12 @@ class _GatedMLP(torch.autograd.Function):
 
 
 class _GatedMLPPacked(torch.autograd.Function):
-    """y = down(act(gate) * up) with gate, up = gate_up(x).chunk(2, -1); saves x and gate_up (recompute or
-    token_chunk: x only); recomputes h in backward."""
+    """y = down(gating(gate_up(x))), the [..., 2*d_ff] projection's halves in the Gating's layout; saves x and gate_up
+    (recompute or token_chunk: x only); recomputes h in backward."""
 
     @staticmethod
-    def forward(ctx, activation, recompute, chunk, x, w_gate_up, w_down, b_gate_up, b_down):
-        return _forward(ctx, _OPS[activation][1], recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
+    def forward(ctx, gating, recompute, chunk, x, w_gate_up, w_down, b_gate_up, b_down):
+        return _forward(ctx, gating, recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
 
     @staticmethod
     def backward(ctx, dy):
@@ -386,7 +386,7 @@ def _plain(op, x, ws, wd, bs, bd, chunk):
     chunks with token_chunk."""
     if _chunks(x, chunk):
         return _chunked(op, x, ws, wd, bs, bd, chunk, functional=torch.is_grad_enabled() or torch.jit.is_tracing())[0]
-    return F.linear(_call(op, _project(x, ws, bs)), wd, bd)
+    return F.linear(_activate(op, _project(x, ws, bs)), wd, bd)
 
 
 def _no_meta(fn: str, x, weights: tuple) -> None:
@@ -403,56 +403,46 @@ def _no_meta(fn: str, x, weights: tuple) -> None:
             )
 
 
-# On the CPU the ffn_ext ops are ATen's composites plus a dispatch, and the lean backward's extra elementwise passes
-# (the recompute of h or act(z)) cost more than the memory they save is worth there: SwiGLUFFN fwd+bwd ran at
-# 0.91-0.98x of eager PyTorch. So on the CPU, when no memory option (recompute, token_chunk) is asked, the MLPs run
-# eager PyTorch's own ops (ATen autograd); the options keep their memory contract on every device. The tests switch
-# this off (tests/conftest.py) to check the lean autograd, the device path, on a CPU-only machine, and keep it on
-# where they check the CPU path itself.
-_ATEN_ON_CPU = True
-
-
-@contextlib.contextmanager
-def _lean_on_cpu():
-    """Within it the MLPs run their lean autograd on the CPU too (the device path: its saved tensors and peak), as
-    bench_ffn's "lean" rows; not thread-safe (a module global)."""
-    global _ATEN_ON_CPU
-    was, _ATEN_ON_CPU = _ATEN_ON_CPU, False
-    try:
-        yield
-    finally:
-        _ATEN_ON_CPU = was
-
-
-def _aten_path(x, w) -> bool:
-    """Whether the MLP runs eager PyTorch's ops: plain CPU tensors (a DTensor weight takes the TP path)."""
-    return _ATEN_ON_CPU and x.is_cpu and type(w) in _PLAIN
-
-
 def _lean_autograd(fn: str, x, weights: tuple) -> bool:
     """Whether the functional forms run their autograd.Function. Not without grad mode (nothing to save; the plain
     ops skip its bookkeeping), under torch.jit.trace (it cannot record or save a Python autograd.Function), or
-    under torch.func transforms and forward-mode AD (which it does not support; ops._transformed): the plain ops
-    serve those. Weights on the meta device with a real x raise ValueError, as F.linear would return
+    under torch.func transforms and forward-mode AD (which it does not support): the plain ops serve those, and the
+    ops' own autograd differentiates them. Weights on the meta device with a real x raise ValueError, as F.linear would return
     uninitialised memory."""
     _no_meta(fn, x, weights)
-    return torch.is_grad_enabled() and not torch.jit.is_tracing() and not _ops._transformed((x, *weights))
+    return (
+        torch.is_grad_enabled()
+        and not torch.jit.is_tracing()
+        and not _compat.functorch_active()
+        and not _compat.has_tangent((x, *weights))
+    )
 
 
 def _activation(fn: str, activation) -> str:
-    if not (isinstance(activation, str) and activation in _OPS):
-        raise ValueError(f"ffn_ext.{fn}: `activation` must be one of {sorted(_OPS)}, got {activation!r}")
+    """The table name of a plain MLP's activation, or a ValueError naming it."""
+    if not (isinstance(activation, str) and activation in BY_NAME):
+        raise ValueError(f"ffn_ext.{fn}: `activation` must be one of {sorted(BY_NAME)}, got {activation!r}")
     return activation
 
 
-_GELUS = {a.api[1]["approximate"]: a.name for a in ACTIVATIONS if a.api[0] == "gelu"}  # "none" | "tanh" -> name
+def _gating(fn: str, activation) -> Gating:
+    """The Gating of a gated MLP's `activation`: a table name ("silu", "gelu_tanh", ...: its gated op) or a Gating
+    (any gated op with its parameters and, packed, its layout); a ValueError otherwise."""
+    if isinstance(activation, Gating):
+        return activation
+    return _GATINGS.get(activation) or Gating.of(_activation(fn, activation))
 
 
-def _gelu(fn: str, approximate) -> str:
-    act = _GELUS.get(approximate) if isinstance(approximate, str) else None
-    if act is None:
+_GATINGS = {a.name: Gating(a.gated) for a in ACTIVATIONS}
+_SWIGLU = _GATINGS["silu"]
+_GELUS = {a.api[1]["approximate"]: _GATINGS[a.name] for a in ACTIVATIONS if a.api[0] == "gelu"}  # "none" | "tanh"
+
+
+def _gelu(fn: str, approximate) -> Gating:
+    g = _GELUS.get(approximate) if isinstance(approximate, str) else None
+    if g is None:
         raise ValueError(f"ffn_ext.{fn}: `approximate` must be one of {sorted(_GELUS)}, got {approximate!r}")
-    return act
+    return g
 
 
 def check_options(fn: str, recompute, token_chunk) -> tuple:
@@ -469,51 +459,27 @@ def check_options(fn: str, recompute, token_chunk) -> tuple:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
-# name -> (act, act in place) of the CPU path: the table's ATen forms (aten_inplace where it has one, else aten)
-_CPU_ACTS = {a.name: (a.aten, a.aten_inplace or a.aten) for a in ACTIVATIONS}
 # "gated", "plain" -> the tensor-parallel MLP (DTensor weights, a local x), registered by ffn_ext.distributed (a
 # higher layer: a hook, not an import)
 _tp_mlps: dict = {}
 
 
 def _tp(weights: tuple, x) -> bool:
-    return bool(_tp_mlps) and _ops._has_dtensor(weights) and not _ops._has_dtensor((x,))
+    return bool(_tp_mlps) and _compat.has_dtensor(weights) and not _compat.has_dtensor((x,))
 
 
-def _run(fn, a, x, ws, wd, bs, bd, recompute, token_chunk):
-    """Every functional form: the activation's name `a`, the projections ((w_gate, w_up) or (w_gate_up,)), the
-    options; the autograd.Function where _lean_autograd says so, else the plain ops."""
+def _run(fn, g, x, ws, wd, bs, bd, recompute, token_chunk):
+    """Every gated functional form: its Gating `g`, the projections ((w_gate, w_up) or (w_gate_up,)), the options;
+    the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = check_options(fn, recompute, token_chunk)
-    elif _ATEN_ON_CPU and x.is_cpu and type(ws[0]) in _PLAIN:  # _aten_path, inlined: a 1-token call is microseconds
-        if ws[0].is_meta or ws[-1].is_meta or wd.is_meta:  # x is not (it is on the CPU)
-            _no_meta(fn, x, (*ws, wd))
-        act, act_ = _CPU_ACTS[a]
-        # F.linear(x, w) where there is no bias: an explicit None costs more in its argument parser
-        # (docs/performance.md#cpu-call-overhead)
-        b0 = bs[0]
-        if len(ws) == 1:
-            gate, up = (F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0)).chunk(2, -1)
-            h = act(gate)  # gate is a strided view: act_ there would leave h one too (F.linear would copy it)
-        else:  # eager's order: act(gate) while gate is still in cache, then up
-            h = F.linear(x, ws[0]) if b0 is None else F.linear(x, ws[0], b0)
-            h = act(h) if h.requires_grad else act_(h)
-            up = F.linear(x, ws[1]) if bs[1] is None else F.linear(x, ws[1], bs[1])
-        # Where autograd records nothing (no_grad, inference, nothing requiring grad) act(gate) and the product go
-        # into gate's own fresh tensor: two allocations fewer than eager's act(gate) * up, the same bits (each op
-        # is ATen's own, in place). Where it records, act(gate) may be saved (relu's backward reads its output, the
-        # product's backward reads both), so it stays as eager has it. (gate and up have one dtype: F.linear of one
-        # x, which it requires of each weight, or autocast's.)
-        h = h * up if h.requires_grad or up.requires_grad else h.mul_(up)
-        return F.linear(h, wd) if bd is None else F.linear(h, wd, bd)
     if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
-        return _tp_mlps["gated"](x, *ws, wd, *bs, bd, activation=a, recompute=recompute, token_chunk=token_chunk)
+        return _tp_mlps["gated"](x, *ws, wd, *bs, bd, activation=g, recompute=recompute, token_chunk=token_chunk)
     if _lean_autograd(fn, x, (*ws, wd)):
         if len(ws) == 1:
-            return _GatedMLPPacked.apply(a, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
-        return _GatedMLP.apply(a, recompute, token_chunk, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
-    # _OPS[a] is (gated, packed), indexed by an int: torch 2.10's dynamo cannot index a tuple with a bool
-    return _plain(_OPS[a][2 - len(ws)], x, ws, wd, bs, bd, token_chunk)
+            return _GatedMLPPacked.apply(g, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
+        return _GatedMLP.apply(g, recompute, token_chunk, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
+    return _plain(g, x, ws, wd, bs, bd, token_chunk)
 
 
 _OPTIONS_DOC = """
@@ -536,7 +502,7 @@ def gated_mlp(
     b_gate: torch.Tensor | None = None,
     b_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    activation: str = "silu",
+    activation: str | Gating = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
@@ -549,7 +515,7 @@ def gated_mlp(
     instead (_lean_autograd). Weights on the meta device with a real x raise ValueError."""
     return _run(
         "gated_mlp",
-        _activation("gated_mlp", activation),
+        _gating("gated_mlp", activation),
         x,
         (w_gate, w_up),
         w_down,
@@ -566,7 +532,7 @@ def gated_mlp_packed(
     w_down: torch.Tensor,
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
-    activation: str = "silu",
+    activation: str | Gating = "silu",
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
@@ -575,7 +541,7 @@ def gated_mlp_packed(
     backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
     return _run(
         "gated_mlp_packed",
-        _activation("gated_mlp_packed", activation),
+        _gating("gated_mlp_packed", activation),
         x,
         (w_gate_up,),
         w_down,
@@ -600,7 +566,7 @@ def swiglu_mlp(
 ) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd: gated_mlp(...,
     activation="silu")."""
-    return _run("swiglu_mlp", "silu", x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk)
+    return _run("swiglu_mlp", _SWIGLU, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk)
 
 
 def swiglu_mlp_packed(
@@ -615,7 +581,7 @@ def swiglu_mlp_packed(
 ) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
     gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
-    return _run("swiglu_mlp_packed", "silu", x, (w_gate_up,), w_down, (b_gate_up,), b_down, recompute, token_chunk)
+    return _run("swiglu_mlp_packed", _SWIGLU, x, (w_gate_up,), w_down, (b_gate_up,), b_down, recompute, token_chunk)
 
 
 def geglu_mlp(
@@ -696,25 +662,11 @@ def plain_mlp(
     fc1: one more GEMM); token_chunk=N runs forward and backward over chunks of N tokens (implies recompute), so no
     tensor inside has more than N x d_ff elements; weight gradients accumulate in the parameters' dtype.
 
-    On the CPU without recompute or token_chunk it runs eager PyTorch's own ops (F.linear, the activation's ATen
-    function, F.linear: ATen's autograd, which saves z and act(z)): there the ffn_ext ops are ATen composites, and
-    the lean backward's extra passes cost time (_aten_path). Without grad mode, under torch.jit.trace and under
-    torch.func transforms the plain ops run (_lean_autograd). Weights on the meta device with a real x raise
-    ValueError."""
+    Without grad mode, under torch.jit.trace and under torch.func transforms the plain ops run (_lean_autograd).
+    Weights on the meta device with a real x raise ValueError."""
     a = _activation("plain_mlp", activation)
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = check_options("plain_mlp", recompute, token_chunk)
-    elif _ATEN_ON_CPU and x.is_cpu and type(w_fc1) in _PLAIN:  # _aten_path, inlined (as in _run)
-        if w_fc1.is_meta or w_fc2.is_meta:
-            _no_meta("plain_mlp", x, (w_fc1, w_fc2))
-        if transposed is True:
-            w_fc1, w_fc2 = w_fc1.t(), w_fc2.t()
-        elif transposed is not False:
-            _transposed(transposed)
-        z = F.linear(x, w_fc1) if b_fc1 is None else F.linear(x, w_fc1, b_fc1)  # no explicit None: as in _run
-        act, act_ = _CPU_ACTS[a]
-        h = act(z) if z.requires_grad else act_(z)  # in z's fresh tensor where autograd records nothing, as in _run
-        return F.linear(h, w_fc2) if b_fc2 is None else F.linear(h, w_fc2, b_fc2)
     transposed = _transposed(transposed)
     if type(w_fc1) not in _PLAIN and _tp((w_fc1, w_fc2), x):  # tensor-parallel weights (shard_plain_ffns)
         return _tp_mlps["plain"](

@@ -13,7 +13,10 @@ recomputes act(z) in backward; eager PyTorch keeps z and act(z). The gated FFNs'
 (ffn_ext.mlp: ``gated_mlp``) saves the input x and the two projections gate and up, and recomputes h =
 act(gate) * up in backward (for the down projection's weight gradient) instead of keeping it. Eager PyTorch keeps
 four [tokens, d_ff] tensors (gate, act(gate), up, h); this keeps two. Double backward is supported (see
-ffn_ext/mlp.py). On the CPU without recompute / token_chunk the modules run eager PyTorch's ops (ffn_ext.mlp).
+ffn_ext/mlp.py).
+
+An activation module says what it computes in one place (Act.activation, Gated.gating), and the FFN modules fuse
+with exactly that (activation_of, gating_of), or run their submodules as they are.
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ from .mlp import (  # noqa: F401  (their home before ffn_ext.mlp: still importab
     swiglu_mlp,
     swiglu_mlp_packed,
 )
+from .ops import Gating
 from .sizing import swiglu_hidden_dim
-from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, check_params
+from .table import ACTIVATIONS, BY_NAME, LAYOUTS, join_packed, split_packed
 
-__all__ = ["GELU", "SiLU", "Gated", "SwiGLU", "GeGLU", "FFN", "GatedFFN", "SwiGLUFFN", "GeGLUFFN"]
+__all__ = [
+    "Act",
+    "GELU",
+    "SiLU",
+    "Gated",
+    "SwiGLU",
+    "GeGLU",
+    "FFN",
+    "GatedFFN",
+    "SwiGLUFFN",
+    "GeGLUFFN",
+    "activation_of",
+    "gating_of",
+]
 
 
 # ---------------------------------------------------------------- activation modules
@@ -56,7 +73,35 @@ def _gelu_entry(who: str, approximate):
     return act
 
 
-class GELU(nn.Module):
+def _entry(who: str, activation):
+    """The table entry named `activation`, or a ValueError naming the choices."""
+    act = BY_NAME.get(activation) if isinstance(activation, str) else None
+    if act is None:
+        raise ValueError(f"ffn_ext.{who}: `activation` must be one of {sorted(BY_NAME)}, got {activation!r}")
+    return act
+
+
+class Act(nn.Module):
+    """act(x) for an activation of the table by name (``Act("relu2")``); GELU and SiLU are this with torch's
+    signatures. ``activation`` is the table name of what it computes, which FFN fuses with."""
+
+    activation = "silu"
+
+    def __init__(self, activation: str = "silu") -> None:
+        super().__init__()
+        self.activation = _entry(type(self).__name__, activation).name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ops.act(x, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+_Unary = Act  # its name before it was public (ffn_ext.hf reads it)
+
+
+class GELU(Act):
     """GELU with nn.GELU's signature, on ffn_ext's kernels: approximate='none' (the default) is the exact (erf)
     GELU, approximate='tanh' the tanh form (ffn_ext.gelu(x, approximate)), so the module is a drop-in for
     nn.GELU(approximate=...)."""
@@ -64,25 +109,27 @@ class GELU(nn.Module):
     approximate = "none"  # class defaults: modules pickled before these arguments existed still load
 
     def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         _gelu_entry("GELU", approximate)
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops.gelu(x, self.approximate)
+    @property  # type: ignore[override]
+    def activation(self) -> str:
+        return _gelu_entry("GELU", self.approximate).name
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
 
 
-class SiLU(nn.Module):
+class SiLU(Act):
     """SiLU / swish, x * sigmoid(x), with nn.SiLU's signature; uses ffn_ext.silu. inplace=True overwrites x as
-    nn.SiLU(inplace=True) does, with ATen's silu_ (ffn_ext has no in-place kernel)."""
+    nn.SiLU(inplace=True) does, with ATen's silu_ (ffn_ext has no in-place kernel); inside an FFN, whose input to it
+    is its own intermediate, it computes the same and fuses as SiLU()."""
 
     inplace = False
 
     def __init__(self, inplace: bool = False) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.inplace = inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,58 +139,74 @@ class SiLU(nn.Module):
         return "inplace=True" if self.inplace else ""
 
 
-def _entry(who: str, activation):
-    """The table entry named `activation`, or a ValueError naming the choices."""
-    act = BY_NAME.get(activation) if isinstance(activation, str) else None
-    if act is None:
-        raise ValueError(f"ffn_ext.{who}: `activation` must be one of {sorted(BY_NAME)}, got {activation!r}")
-    return act
+_ACT_FORWARDS = (Act.forward, SiLU.forward)
 
 
-class _Unary(nn.Module):
-    """act(x) for a table activation that has no module of its own (FFN uses it; GELU and SiLU cover the table
-    today)."""
-
-    def __init__(self, activation: str) -> None:
-        super().__init__()
-        self.activation = activation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops.call_op(self.activation, x)
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}"
-
-
-def _check_layout(who: str, layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"ffn_ext.{who}: `layout` must be one of {list(LAYOUTS)}, got {layout!r}")
-    return layout
+def activation_of(module: nn.Module) -> str | None:
+    """The table name of what `module` computes when it is one of ffn_ext's activation modules (Act, GELU, SiLU, or a
+    subclass that keeps their forward), else None: then FFN runs its modules as they are."""
+    return module.activation if isinstance(module, Act) and type(module).forward in _ACT_FORWARDS else None
 
 
 class Gated(nn.Module):
     """act(gate) * up for an activation of the table by name ("silu", "gelu", "gelu_tanh", ...):
     ``Gated("gelu")(gate, up)``; with one argument it takes the packed tensor [..., 2M] and returns [..., M]:
     layout="concat" (gate first, then up, as ``chunk(2, -1)``) or "interleaved" ([g0, u0, g1, u1, ...], GPT-OSS).
-    SwiGLU and GeGLU are this with their activation fixed."""
+    ``activation`` may also be a Gating (any gated op of the table with its parameters and layout). SwiGLU and
+    GeGLU are this with their activation fixed.
 
-    activation = "silu"
-    layout = "concat"
+    What it computes is its ``gating`` (ffn_ext.Gating), one attribute: forward runs it, and the FFN modules, the
+    MLPs and FP8 conversion fuse with it (gating_of), so they compute exactly what the module does."""
 
-    def __init__(self, activation: str = "silu", *, layout: str = "concat") -> None:
+    def __init__(self, activation: str | Gating = "silu", *, layout: str = "concat") -> None:
         super().__init__()
-        self.activation = _entry(type(self).__name__, activation).name
-        self.layout = _check_layout(type(self).__name__, layout)
+        who = type(self).__name__
+        if isinstance(activation, Gating):
+            self.gating = activation
+        else:
+            self.gating = Gating(_entry(who, activation).gated, layout=_check_layout(who, layout))
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        a = self.activation
-        return _ops.gated_packed(gate, a, layout=self.layout) if up is None else _ops.gated(gate, up, a)
+        return self.gating(gate, up)
+
+    @property
+    def activation(self) -> str:
+        """The table name of the activation applied to the gate ("silu" for the clamped SwiGLU too)."""
+        return self.gating.activation
+
+    @property
+    def layout(self) -> str:
+        return self.gating.layout
+
+    def __setstate__(self, state: dict) -> None:
+        # modules pickled by ffn_ext 0.1.0 kept activation, layout and SwiGLU's limit, alpha, up_offset as attributes
+        if "gating" not in state:
+            old = {k: state.pop(k) for k in ("activation", "layout", "limit", "alpha", "up_offset") if k in state}
+            layout, clamp = (
+                old.get("layout", "concat"),
+                {k: old[k] for k in ("limit", "alpha", "up_offset") if k in old},
+            )
+            if clamp.get("limit") is None and clamp.get("alpha", 1.0) == 1.0 and clamp.get("up_offset", 0.0) == 0.0:
+                state["gating"] = Gating.of(old.get("activation", type(self).__dict__.get("_default", "silu")), layout)
+            else:
+                clamp["limit"] = math.inf if clamp.get("limit") is None else clamp["limit"]
+                state["gating"] = Gating("swiglu_clamped", layout=layout, **clamp)
+        super().__setstate__(state)
 
     def _layout_repr(self) -> str:
         return "" if self.layout == "concat" else f"layout={self.layout!r}"
 
     def extra_repr(self) -> str:
+        g = self.gating
+        if g.params:
+            return repr(g)[len("Gating(") : -1]
         return ", ".join(filter(None, (f"activation={self.activation!r}", self._layout_repr())))
+
+
+def _check_layout(who: str, layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"ffn_ext.{who}: `layout` must be one of {list(LAYOUTS)}, got {layout!r}")
+    return layout
 
 
 class SwiGLU(Gated):
@@ -155,32 +218,37 @@ class SwiGLU(Gated):
     max=limit); GPT-OSS is ``SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0, layout="interleaved")``. Without a limit
     nothing is clamped (limit=inf)."""
 
-    limit = None
-    alpha = 1.0
-    up_offset = 0.0
+    _default = "silu"
 
     def __init__(
         self, *, limit: float | None = None, alpha: float = 1.0, up_offset: float = 0.0, layout: str = "concat"
     ) -> None:
-        super().__init__("silu", layout=layout)
-        check_params(
-            "ffn_ext.SwiGLU",
-            GATED_BY_NAME["swiglu_clamped"],
-            dict(limit=math.inf if limit is None else limit, alpha=alpha, up_offset=up_offset),
-        )
-        self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
+        layout = _check_layout("SwiGLU", layout)
+        if limit is None and alpha == 1.0 and up_offset == 0.0:
+            super().__init__("silu", layout=layout)
+            return
+        lim = math.inf if limit is None else limit
+        super().__init__(_clamped("SwiGLU", layout, limit=lim, alpha=alpha, up_offset=up_offset))
 
     @property
     def clamped(self) -> bool:
-        return self.limit is not None or self.alpha != 1.0 or self.up_offset != 0.0
+        return self.gating.op == "swiglu_clamped"
 
-    def forward(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.clamped:
-            return super().forward(gate, up)
-        p = dict(limit=math.inf if self.limit is None else self.limit, alpha=self.alpha, up_offset=self.up_offset)
-        if up is None:
-            return _ops.swiglu_clamped_packed(gate, layout=self.layout, **p)
-        return _ops.swiglu_clamped(gate, up, **p)
+    def _param(self, name: str, default):
+        return self.gating.kwargs.get(name, default)
+
+    @property
+    def limit(self) -> float | None:
+        lim = self._param("limit", None)
+        return None if lim == math.inf else lim
+
+    @property
+    def alpha(self) -> float:
+        return self._param("alpha", 1.0)
+
+    @property
+    def up_offset(self) -> float:
+        return self._param("up_offset", 0.0)
 
     def extra_repr(self) -> str:
         parts = [f"limit={self.limit}"] if self.limit is not None else []
@@ -189,11 +257,19 @@ class SwiGLU(Gated):
         return ", ".join(parts + ([self._layout_repr()] if self.layout != "concat" else []))
 
 
+def _clamped(who: str, layout: str, **params) -> Gating:
+    """The clamped SwiGLU's Gating, its parameter errors named for `who`."""
+    try:
+        return Gating("swiglu_clamped", layout=layout, **params)
+    except ValueError as e:
+        raise ValueError(str(e).replace("ffn_ext.Gating(swiglu_clamped)", f"ffn_ext.{who}")) from None
+
+
 class GeGLU(Gated):
     """gelu(gate, approximate) * up, approximate as nn.GELU's: "none" (exact, erf) or "tanh" (Gemma's
     gelu_pytorch_tanh). ``GeGLU()(gate, up)`` or packed ``GeGLU()(gate_up)``, as SwiGLU."""
 
-    activation = "gelu"
+    _default = "gelu"
 
     def __init__(self, approximate: str = "none", *, layout: str = "concat") -> None:
         super().__init__(_gelu_entry("GeGLU", approximate).name, layout=layout)
@@ -206,58 +282,42 @@ class GeGLU(Gated):
         return ", ".join(filter(None, (f"approximate={self.approximate!r}", self._layout_repr())))
 
 
-def _gated_module(act) -> Gated:
-    """The module of the gated form of table entry `act`: SwiGLU, GeGLU(approximate) or Gated(name)."""
-    if act.api[0] == "silu":
-        return SwiGLU()
-    if act.api[0] == "gelu":
-        return GeGLU(**act.api[1])
-    return Gated(act.name)
+def gating_of(module: nn.Module) -> Gating | None:
+    """The Gating `module` computes when it is one of ffn_ext's gated activation modules (Gated, SwiGLU, GeGLU, or a
+    subclass that keeps their forward), else None: then the FFN runs its modules as they are."""
+    return module.gating if isinstance(module, Gated) and type(module).forward is Gated.forward else None
+
+
+def _gated_module(g: Gating) -> Gated:
+    """The module of Gating g: SwiGLU (plain or clamped), GeGLU(approximate), or Gated."""
+    act = BY_NAME[g.activation]
+    cls = SwiGLU if act.api[0] == "silu" else GeGLU if act.api[0] == "gelu" else Gated
+    module = cls.__new__(cls)
+    Gated.__init__(module, g)
+    return module
 
 
 def _unary_module(act) -> nn.Module:
-    """The module of table entry `act`: GELU(approximate), SiLU() or the generic one."""
+    """The module of table entry `act`: GELU(approximate), SiLU() or Act(name)."""
     if act.api[0] == "gelu":
         return GELU(**act.api[1])
     if act.api[0] == "silu":
         return SiLU(**act.api[1])
-    return _Unary(act.name)
+    return Act(act.name)
 
 
 # ---------------------------------------------------------------- FFN modules
-# FFN's activation names: the table's, and "relu" as nn.ReLU while the table has no entry of that name
-_FFN_ACTIVATIONS = {
-    **{a.name: (lambda a=a: _unary_module(a)) for a in ACTIVATIONS},
-    **({} if "relu" in BY_NAME else {"relu": nn.ReLU}),
-}
-
-
-def _unary_name(act) -> str | None:
-    """The table name of what an activation module of ffn_ext's computes (GELU, SiLU, the generic one), exactly these
-    types (a subclass may compute something else), else None: then FFN runs its modules."""
-    t = type(act)
-    if t is GELU:
-        entry = _GELUS.get(act.approximate)
-        return None if entry is None else entry.name
-    if t is SiLU:
-        return None if act.inplace else "silu"
-    if t is _Unary:
-        return act.activation
-    return None
-
-
 class FFN(nn.Module):
     """Standard (classic) transformer FFN: down_proj(act(up_proj(x))), d_model -> d_ff -> d_model, on the lean
     autograd of ffn_ext.plain_mlp.
 
-    activation: an activation of the table by name ("gelu": exact erf GELU, "gelu_tanh": tanh GELU, "silu", ...;
-    case-insensitive; "relu" is nn.ReLU while the table has no ReLU). Training keeps one [tokens, d_ff] tensor
+    activation: an activation of the table by name ("gelu": exact erf GELU, "gelu_tanh": tanh GELU, "silu", "relu",
+    ...; case-insensitive). Training keeps one [tokens, d_ff] tensor
     (up_proj's output; eager PyTorch keeps two: it and act's output) and recomputes the activation in backward.
     recompute=True keeps none (only x), token_chunk=N bounds every tensor inside by N x d_ff elements, forward and
-    backward; both are attributes, settable at any time. On the CPU without either option it runs eager PyTorch's
-    ops (ffn_ext.plain_mlp). Hooks on the submodules, a projection that is not a plain nn.Linear or an `act`
-    replaced by a module that is not one of ffn_ext's unary activations (GELU, SiLU) make it run its submodules,
-    as GatedFFN."""
+    backward; both are attributes, settable at any time. Hooks on the submodules, a projection that is not a plain
+    nn.Linear or an `act` replaced by a module that is not one of ffn_ext's activation modules (Act, GELU, SiLU:
+    activation_of) make it run its submodules, as GatedFFN."""
 
     recompute, token_chunk = False, None  # class defaults: older pickles load
 
@@ -275,23 +335,22 @@ class FFN(nn.Module):
     ):
         super().__init__()
         key = activation.lower() if isinstance(activation, str) else activation
-        if key not in _FFN_ACTIVATIONS:
+        if key not in BY_NAME:
             raise ValueError(
-                f"ffn_ext.FFN: unknown activation {activation!r}; expected one of "
-                f"{sorted(_FFN_ACTIVATIONS)} (for a gated FFN use ffn_ext.GatedFFN, SwiGLUFFN or "
-                "GeGLUFFN)"
+                f"ffn_ext.FFN: unknown activation {activation!r}; expected one of {sorted(BY_NAME)} (for a gated FFN "
+                "use ffn_ext.GatedFFN, SwiGLUFFN or GeGLUFFN)"
             )
         check_options("FFN", recompute, token_chunk)
         self.activation = key
         self.recompute, self.token_chunk = recompute, token_chunk
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
-        self.act = _FFN_ACTIVATIONS[key]()
+        self.act = _unary_module(BY_NAME[key])
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and the type checks vet them
         u, act, d = mods["up_proj"], mods["act"], mods["down_proj"]
-        name = _unary_name(act)
+        name = activation_of(act)
         if name is not None and fusable((u, d), (act,)):
             w1, w2, b1, b2 = linear_args(u, d)
             return plain_mlp(x, w1, w2, b1, b2, name, recompute=self.recompute, token_chunk=self.token_chunk)
@@ -305,18 +364,24 @@ class FFN(nn.Module):
         return f"activation={self.activation!r}" + "".join(", " + o for o in opts if o)
 
 
-_FUSED_ACTS = frozenset((Gated, SwiGLU, GeGLU))  # exactly these types: a subclass may compute something else
+_PROJ = ("gate_proj", "up_proj")  # the Llama names of the separate projections; fused: gate_up_proj
 
 
-_PROJ = ("gate_proj", "up_proj")  # the Llama names of the separate projections; fused: gate_up_proj, gate rows first
+def _packed_layout(module) -> str:
+    """The layout of a fused_gate_up module's gate_up_proj rows: its activation's (concat when that is not one of
+    ffn_ext's gated modules)."""
+    g = gating_of(module._modules["act"])
+    return "concat" if g is None else g.layout
 
 
 def _fuse_state(module, state_dict, prefix, *args):
-    """Load pre-hook of a fused_gate_up module: a checkpoint's gate_proj / up_proj tensors become gate_up_proj's."""
+    """Load pre-hook of a fused_gate_up module: a checkpoint's gate_proj / up_proj tensors become gate_up_proj's (its
+    rows in the activation's layout)."""
     for kind in ("weight", "bias"):
         g, u = (prefix + p + "." + kind for p in _PROJ)
         if g in state_dict and u in state_dict:
-            state_dict[prefix + "gate_up_proj." + kind] = torch.cat((state_dict.pop(g), state_dict.pop(u)))
+            gu = join_packed(state_dict.pop(g).movedim(0, -1), state_dict.pop(u).movedim(0, -1), _packed_layout(module))
+            state_dict[prefix + "gate_up_proj." + kind] = gu.movedim(-1, 0).contiguous()
 
 
 def _split_state(module, state_dict, prefix, *args):
@@ -330,13 +395,14 @@ def _split_state(module, state_dict, prefix, *args):
 
 
 def _save_split(module, state_dict, prefix, local_metadata):
-    """state_dict hook of a fused_gate_up module: saves gate_proj / up_proj (Hugging Face's Llama names), as
-    contiguous tensors of their own (safetensors refuses tensors that share memory)."""
+    """state_dict hook of a fused_gate_up module: saves gate_proj / up_proj (Hugging Face's Llama names), its rows
+    split by the activation's layout, as contiguous tensors of their own (safetensors refuses shared memory)."""
     for kind in ("weight", "bias"):
         key = prefix + "gate_up_proj." + kind
         if key in state_dict:
-            g, u = state_dict.pop(key).chunk(2, 0)
-            state_dict[prefix + "gate_proj." + kind], state_dict[prefix + "up_proj." + kind] = g.clone(), u.clone()
+            g, u = split_packed(state_dict.pop(key).movedim(0, -1), _packed_layout(module))
+            state_dict[prefix + "gate_proj." + kind] = g.movedim(-1, 0).contiguous()
+            state_dict[prefix + "up_proj." + kind] = u.movedim(-1, 0).contiguous()
 
 
 class GatedFFN(nn.Module):
@@ -355,12 +421,16 @@ class GatedFFN(nn.Module):
     token_chunk=N runs forward and backward over chunks of N tokens (long sequences: no tensor inside the MLP larger
     than N x 2*d_ff elements); both are attributes, settable at any time (ffn_ext.mlp's docs give the trade).
 
+    `activation` may also be a Gating (ffn_ext.Gating: any gated op of the table with its parameters, e.g. the
+    clamped SwiGLU, and the layout of gate_up_proj's rows with fused_gate_up). The fused forward computes the Gating
+    of `act` (gating_of), whatever `act` is set to later: an `act` replaced by another of ffn_ext's gated modules
+    (SwiGLU(limit=...), GeGLU("tanh"), ...) is fused with what that module computes.
+
     When hooks (forward or backward) are registered on the projections or on `act` (or globally), one of them has a
     forward wrapper set on the instance (accelerate's hooks, CPU/disk offload), a projection is not a plain
-    nn.Linear (LoRA, quantized layers) or `act` was replaced by a module that is not one of ffn_ext's gated
-    activations (Gated, SwiGLU, GeGLU), the submodules run as modules, so the hooks and wrappers run and the
-    replacement is what runs (an `act` replaced by another of ffn_ext's gated activations is fused with its
-    activation); recompute and token_chunk do not apply then. torch.jit.trace records the plain ops.
+    nn.Linear (LoRA, quantized layers) or `act` is not one of ffn_ext's gated modules (gating_of is None), the
+    submodules run as modules, so the hooks and wrappers run and the replacement is what runs; recompute and
+    token_chunk do not apply then. torch.jit.trace records the plain ops.
     """
 
     fused_gate_up, recompute, token_chunk = False, False, None  # class defaults: older pickles load
@@ -369,7 +439,7 @@ class GatedFFN(nn.Module):
         self,
         d_model: int,
         d_ff: int,
-        activation: str = "silu",
+        activation: str | Gating = "silu",
         bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -380,7 +450,7 @@ class GatedFFN(nn.Module):
     ):
         super().__init__()
         who = type(self).__name__
-        act = _entry(who, activation)
+        g = activation if isinstance(activation, Gating) else Gating(_entry(who, activation).gated)
         if not isinstance(fused_gate_up, bool):
             raise ValueError(f"ffn_ext.{who}: `fused_gate_up` must be True or False, got {fused_gate_up!r}")
         check_options(who, recompute, token_chunk)
@@ -395,39 +465,32 @@ class GatedFFN(nn.Module):
             self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
             self.register_load_state_dict_pre_hook(_split_state)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
-        self.act = _gated_module(act)
+        self.act = _gated_module(g)
 
     @property
     def activation(self) -> str | None:
-        """The table name of the activation `act` computes (None when `act` is not one of ffn_ext's)."""
-        act: Any = self._modules["act"]  # has .activation when one of _FUSED_ACTS
-        return act.activation if type(act) in _FUSED_ACTS else None
+        """The table name of the activation `act` applies to the gate (None when `act` is not one of ffn_ext's)."""
+        g = gating_of(self._modules["act"])
+        return None if g is None else g.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and the type checks vet them
+        mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and gating_of vet them
         d, act = mods["down_proj"], mods["act"]
-        fused = type(act) in _FUSED_ACTS
+        g = gating_of(act)
         if "gate_up_proj" in mods:
             gu = mods["gate_up_proj"]
-            if fused and act.layout == "concat" and fusable((gu, d), (act,)):
+            if g is not None and fusable((gu, d), (act,)):
+                w, wd, b, bd = linear_args(gu, d)
                 return gated_mlp_packed(
-                    x,
-                    *linear_args(gu, d),
-                    activation=act.activation,
-                    recompute=self.recompute,
-                    token_chunk=self.token_chunk,
+                    x, w, wd, b, bd, activation=g, recompute=self.recompute, token_chunk=self.token_chunk
                 )
             return d(act(gu(x)))
-        g, u = mods["gate_proj"], mods["up_proj"]
-        if fused and fusable((g, u, d), (act,)):
+        gp, up = mods["gate_proj"], mods["up_proj"]
+        if g is not None and fusable((gp, up, d), (act,)):
             return gated_mlp(
-                x,
-                *linear_args(g, u, d),
-                activation=act.activation,
-                recompute=self.recompute,
-                token_chunk=self.token_chunk,
+                x, *linear_args(gp, up, d), activation=g, recompute=self.recompute, token_chunk=self.token_chunk
             )
-        return d(act(g(x), u(x)))
+        return d(act(gp(x), up(x)))
 
     def _options_repr(self) -> str:
         opts = (
@@ -445,8 +508,11 @@ class SwiGLUFFN(GatedFFN):
     """SwiGLU FFN: down_proj(silu(gate_proj(x)) * up_proj(x)) (GatedFFN with activation="silu"), with the
     Llama/Qwen2 submodule names, so a Hugging Face MLP's state_dict loads unchanged.
 
-    d_ff=None: the 8/3 rule rounded up to `multiple_of` (swiglu_hidden_dim). fused_gate_up, recompute, token_chunk,
-    training memory, hooks, wrappers and replaced submodules: as GatedFFN.
+    Clamped (DeepSeek-V4's shared expert, a GPT-OSS-style dense MLP): `limit`, `alpha`, `up_offset` as SwiGLU's
+    (its act is ``SwiGLU(limit=, alpha=, up_offset=, layout=)``); `layout` is that of gate_up_proj's rows with
+    fused_gate_up ("interleaved": GPT-OSS's [g0, u0, g1, u1, ...]). d_ff=None: the 8/3 rule rounded up to
+    `multiple_of` (swiglu_hidden_dim). fused_gate_up, recompute, token_chunk, training memory, hooks, wrappers and
+    replaced submodules: as GatedFFN.
     """
 
     def __init__(
@@ -461,12 +527,16 @@ class SwiGLUFFN(GatedFFN):
         fused_gate_up: bool = False,
         recompute: bool = False,
         token_chunk: int | None = None,
+        limit: float | None = None,
+        alpha: float = 1.0,
+        up_offset: float = 0.0,
+        layout: str = "concat",
     ):
         d_ff = swiglu_hidden_dim(d_model, multiple_of) if d_ff is None else d_ff
         super().__init__(
             d_model,
             d_ff,
-            "silu",
+            SwiGLU(limit=limit, alpha=alpha, up_offset=up_offset, layout=layout).gating,
             bias=bias,
             device=device,
             dtype=dtype,

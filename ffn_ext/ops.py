@@ -21,7 +21,7 @@ from . import _compat, _kernels
 from ._kernels import FLOAT_DTYPES as _FLOAT_DTYPES
 from ._kernels import check_extra as _check_extra
 from ._kernels import check_kinds as _check_kinds
-from .table import ACTIVATIONS, BY_NAME, LAYOUTS, OPS, split_packed
+from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, split_packed
 
 __all__ = [
     "gelu",
@@ -38,6 +38,7 @@ __all__ = [
     "swiglu_clamped_packed",
     "gated",
     "gated_packed",
+    "Gating",
     "has_cuda_kernels",
     "build_info",
     "build_summary",
@@ -106,11 +107,6 @@ def _register_dtensor() -> bool:
 # Set by ffn_ext.distributed (a higher layer, imported by the package): registers the strategies once and returns
 # True when it did. A hook, not an import, so that ops depends on nothing above it.
 _dtensor_registrar: Callable[[], bool] | None = None
-
-
-def _has_dtensor(args: tuple) -> bool:
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and any(isinstance(a, dtensor) for a in args)
 
 
 def _load_installed() -> None:
@@ -278,7 +274,7 @@ def _call(name: str, args: tuple, extra: tuple = ()):
             with _below_autograd():
                 return overload(*args, **kwargs)
     except Exception as e:
-        if _has_dtensor(args) and _register_dtensor():
+        if _compat.has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
         _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
         _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
@@ -447,6 +443,103 @@ def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str
     """act(gate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed), for any activation of the
     table by its name."""
     return _call(_act(activation).gated + "_packed", (gate_up,), (layout,))
+
+
+# ---------------------------------------------------------------- a gated activation as one op
+class Gating:
+    """A gated activation as one gated op of the table computes it: the op (``"swiglu"``, ``"geglu_tanh"``,
+    ``"swiglu_clamped"``, ...), its parameters (the clamped SwiGLU's limit, alpha, up_offset) and, for one packed
+    ``[..., 2M]`` input, the layout of its halves (``"concat"`` or ``"interleaved"``). The gated activation modules
+    (SwiGLU, GeGLU, Gated) compute through theirs, and everything that fuses a module (the FFN modules, the MLPs'
+    lean autograd, FP8 conversion) asks the module for it, so a fused MLP computes exactly what its activation
+    module computes::
+
+        g = ffn_ext.Gating("swiglu_clamped", limit=7.0, alpha=1.702, up_offset=1.0, layout="interleaved")
+        h = g(gate_up)                  # [..., 2M] -> [..., M]; g(gate, up) for two tensors
+        y = ffn_ext.gated_mlp(x, w_gate, w_up, w_down, activation=g)
+
+    Immutable and hashable; its checks are the op's (a ValueError naming the bad argument)."""
+
+    __slots__ = ("op", "params", "layout", "_extra", "_packed_extra")
+
+    def __init__(self, op: str = "swiglu", *, layout: str = "concat", **params: float) -> None:
+        entry = GATED_BY_NAME.get(op) if isinstance(op, str) else None
+        if entry is None:
+            raise ValueError(f"ffn_ext.Gating: `op` must be one of {sorted(GATED_BY_NAME)}, got {op!r}")
+        unknown = sorted(set(params) - {p.name for p in entry.params})
+        if unknown:
+            raise TypeError(f"ffn_ext.Gating: {op} takes no parameter(s) {unknown}")
+        values = {p.name: params.get(p.name, p.default) for p in entry.params}
+        missing = [k for k, v in values.items() if v is None]
+        if missing:
+            raise TypeError(f"ffn_ext.Gating: {op} needs the parameter(s) {missing}")
+        check_params(f"ffn_ext.Gating({op})", entry, values)
+        if layout not in LAYOUTS:
+            raise ValueError(f"ffn_ext.Gating: `layout` must be one of {list(LAYOUTS)}, got {layout!r}")
+        set_ = object.__setattr__
+        set_(self, "op", op)
+        set_(self, "params", tuple((k, float(v)) for k, v in values.items()))
+        set_(self, "layout", layout)
+        # the scalar arguments of its ops in schema order: the parameters, then (packed) the layout
+        set_(self, "_extra", tuple(v for _, v in self.params))
+        set_(self, "_packed_extra", self._extra + (layout,))
+
+    @classmethod
+    def of(cls, activation: str | Gating, layout: str = "concat", **params: float) -> Gating:
+        """`activation` itself when it is a Gating; else the Gating of an activation of the table by name ("silu" ->
+        swiglu, "gelu_tanh" -> geglu_tanh, ...) or of a gated op by name ("swiglu_clamped", with its `params`)."""
+        if isinstance(activation, Gating):
+            return activation
+        if isinstance(activation, str) and activation in GATED_BY_NAME:
+            return cls(activation, layout=layout, **params)
+        return cls(_act(activation).gated, layout=layout, **params)
+
+    @property
+    def kwargs(self) -> dict:
+        """The op's parameters as keyword arguments."""
+        return dict(self.params)
+
+    @property
+    def activation(self) -> str:
+        """The table name of the activation applied to the gate (``"silu"`` for swiglu and swiglu_clamped)."""
+        return GATED_BY_NAME[self.op].act.name
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """The op on (gate, up), or on one packed [..., 2M] tensor in this layout."""
+        if up is None:
+            return _call(self.op + "_packed", (gate,), self._packed_extra)
+        return _call(self.op, (gate, up), self._extra)
+
+    def backward(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple:
+        """The input gradients of __call__(gate, up) for the output gradient `grad`: (dgate, dup), or (d gate_up,)
+        for one packed tensor (in its layout)."""
+        if up is None:
+            return (call_op(self.op + "_packed_backward", grad, gate, layout=self.layout, **self.kwargs),)
+        return tuple(call_op(self.op + "_backward", grad, gate, up, **self.kwargs))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ffn_ext.Gating is immutable")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Gating) and (self.op, self.params, self.layout) == (
+            other.op,
+            other.params,
+            other.layout,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.op, self.params, self.layout))
+
+    def __reduce__(self):
+        return (_gating, (self.op, self.layout, self.params))
+
+    def __repr__(self) -> str:
+        args = [repr(self.op)] + [f"{k}={v!r}" for k, v in self.params]
+        return f"Gating({', '.join(args + ([] if self.layout == 'concat' else [f'layout={self.layout!r}']))})"
+
+
+def _gating(op: str, layout: str, params: tuple) -> Gating:  # pickle's constructor
+    return Gating(op, layout=layout, **dict(params))
 
 
 # ---------------------------------------------------------------- build information

@@ -14,9 +14,6 @@ Markers (registered here, so that a copy of tests/ outside the tree knows them):
          cuda_standin.NO_STANDIN with the reason, which its skip message gives.
   large  tensors past 2**31 elements (tens of GiB): skip unless FFN_EXT_RUN_LARGE=1.
   slow   builds or subprocesses.
-  cpu_default  runs with the MLPs' CPU default (eager PyTorch's ops when no memory option is asked, see
-         ffn_ext/mlp.py _ATEN_ON_CPU). Every other test runs the lean autograd on the CPU too (the _lean_on_cpu
-         fixture): it is the device path, and its memory contracts and numerics are tested on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ MARKERS = {
     "cuda": "needs a CUDA GPU and the CUDA kernels (skips elsewhere)",
     "large": "needs a GPU with tens of GiB (tensors past 2**31 elements); run by benchmarks/device_check.sh",
     "slow": "builds or subprocesses taking tens of seconds",
-    "cpu_default": "runs the MLPs' CPU default path (eager PyTorch's ops), not the lean autograd on the CPU",
 }
 
 
@@ -126,14 +122,6 @@ def pytest_runtest_setup(item):
                 "toolkit and a CUDA torch).\n" + ffn_ext.build_summary(),
                 pytrace=False,
             )
-
-
-@pytest.fixture(autouse=True)
-def _lean_on_cpu(request, monkeypatch):
-    """The MLPs run their lean autograd on the CPU too (ffn_ext.mlp._ATEN_ON_CPU off), unless the test is marked
-    cpu_default: the CPU default (eager PyTorch's ops) is ATen's own autograd, tested where it is named."""
-    if request.node.get_closest_marker("cpu_default") is None:
-        monkeypatch.setattr(ffn_ext.mlp, "_ATEN_ON_CPU", False)
 
 
 @pytest.fixture(autouse=True)

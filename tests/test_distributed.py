@@ -2,7 +2,7 @@
 costs seconds): DTensor sharding of every op of the table (forward and backward ops, both packed layouts) against
 the single-process result, the tensor-parallel plan of the gated and classic FFNs (tp_plan's module hooks, and the
 lean autograd on DTensor weights: tp_gated_mlp / tp_plain_mlp, shard_gated_ffns / shard_plain_ffns), and FSDP2's
-fully_shard. The ranks run the MLPs' lean autograd on the CPU (ffn_ext.mlp._ATEN_ON_CPU off), the device path.
+fully_shard.
 
 Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
 
@@ -403,7 +403,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     failures = []
     import ffn_ext.mlp
 
-    ffn_ext.mlp._ATEN_ON_CPU = False  # the lean autograd on the CPU too (spawned ranks do not inherit the fixture's)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -48,7 +48,6 @@ def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
 _WITH_EXAMPLES = [p for p in _pages() if python_blocks(p.read_text())]
 
 
-@pytest.mark.cpu_default  # the examples run what a user gets: on the CPU, eager PyTorch's ops unless asked
 @pytest.mark.parametrize("page", _WITH_EXAMPLES, ids=[str(p.relative_to(SOURCE_TREE)) for p in _WITH_EXAMPLES])
 def test_page_examples_run(page: Path):
     blocks = python_blocks(page.read_text())

@@ -143,20 +143,6 @@ def test_functional_output_takes_inplace_ops(form, bias, recompute, chunk, devic
     _check(ours, lambda: eager(x, *ps), leaves, x, device)
 
 
-@pytest.mark.cpu_default
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("form", list(FORMS))
-def test_cpu_default_output_takes_inplace_ops(form, bias):
-    """The CPU path without options (eager PyTorch's ops) and with them (the autograd.Function)."""
-    fn, shapes, eager = FORMS[form]
-    n_w = len(shapes) // 2
-    ps = [_leaf(s, "cpu") if i < n_w or bias else None for i, s in enumerate(shapes)]
-    x = _leaf((*SHAPE, D_MODEL), "cpu", scale=1.0)
-    leaves = [x, *(p for p in ps if p is not None)]
-    for opts in ({}, {"recompute": True}, {"token_chunk": 4}):
-        _check(lambda: fn(x, *ps, **opts), lambda: eager(x, *ps), leaves, x, "cpu")
-
-
 MODULES = {
     "SwiGLUFFN": lambda **o: ffn_ext.SwiGLUFFN(D_MODEL, D_FF, **o),
     "SwiGLUFFN-fused": lambda **o: ffn_ext.SwiGLUFFN(D_MODEL, D_FF, fused_gate_up=True, **o),

@@ -2,6 +2,7 @@
 (ffn_ext.mlp: gradcheck, saved bytes, peak memory, torch.compile), and sizing. "Every gated activation" tests run over
 ffn_ext/table.py's ACTIVATIONS, against the eager formula with the entry's ATen expression."""
 
+import math
 import re
 import warnings
 import weakref
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 import ffn_ext
 from ffn_ext import mlp as M
-from ffn_ext.table import ACTIVATIONS, BY_NAME
+from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, GATED_BY_NAME, LAYOUTS, split_packed
 
 cuda = pytest.mark.cuda
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -218,9 +219,9 @@ def test_ffn_unknown_activation(bad):
 
 
 def test_ffn_activations_come_from_the_table():
-    """FFN takes every activation of the table (and relu), each run by ffn_ext's module for it."""
-    assert set(ffn_ext.modules._FFN_ACTIVATIONS) == set(BY_NAME) | {"relu"}
+    """FFN takes every activation of the table, each run by ffn_ext's module for it, which names it."""
     acts = {name: ffn_ext.FFN(8, 16, activation=name).act for name in BY_NAME}
+    assert {name: ffn_ext.modules.activation_of(a) for name, a in acts.items()} == {n: n for n in BY_NAME}
     assert repr(acts["gelu"]) == repr(ffn_ext.GELU()) and repr(acts["silu"]) == repr(ffn_ext.SiLU())
     assert repr(acts["gelu_tanh"]) == repr(ffn_ext.GELU(approximate="tanh"))
     assert repr(ffn_ext.FFN(8, 16, activation="gelu_tanh")).startswith("FFN(\n  activation='gelu_tanh'")
@@ -778,21 +779,160 @@ def test_geglu_ffn_names_state_dict_and_repr():
     )
 
 
-@pytest.mark.parametrize("act", ACTS)
-def test_gated_ffn_act_replaced_by_another_gated_activation_is_fused_with_it(act):
-    """An `act` replaced by another of ffn_ext's gated activation modules: the fused path with that activation."""
+# ---------------------------------------------------------------- no FFN computes other than its submodules
+def _gating_cases():
+    """(op, params) of every gated op of the table: its plain form, and for an op with parameters their examples
+    together and each alone (the others at their defaults, a required one at its neutral value inf)."""
+    for g in GATED:
+        if not g.params:
+            yield pytest.param(g.name, {}, id=g.name)
+            continue
+        neutral = {p.name: math.inf if p.default is None else p.default for p in g.params}
+        yield pytest.param(g.name, g.example, id=f"{g.name}-all")
+        for p in g.params:
+            yield pytest.param(g.name, {**neutral, p.name: p.example}, id=f"{g.name}-{p.name}")
+
+
+def _act_modules(op: str, params: dict, layout: str) -> list:
+    """ffn_ext's gated modules computing (op, params, layout): the generic Gated(Gating) and the constructor that
+    names the activation (SwiGLU(**params), GeGLU(approximate), Gated(name))."""
+    gated = GATED_BY_NAME[op]
+    kind, options = gated.act.api
+    if kind == "silu":
+        named = ffn_ext.SwiGLU(layout=layout, **params)
+    elif kind == "gelu":
+        named = ffn_ext.GeGLU(layout=layout, **options)
+    else:
+        named = ffn_ext.Gated(gated.act.name, layout=layout)
+    return [ffn_ext.Gated(ffn_ext.Gating(op, layout=layout, **params)), named]
+
+
+MODES = [
+    pytest.param({}, id="default"),
+    pytest.param({"recompute": True}, id="recompute"),
+    pytest.param({"token_chunk": 3}, id="chunk"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op,params", list(_gating_cases()))
+def test_every_gated_module_in_every_gated_ffn_computes_its_submodules(op, params, mode):
+    """Every gated activation module (each gated op of the table, each parameter, both layouts, as Gated(Gating) and
+    by its named constructor) put into GatedFFN (separate projections, and fused_gate_up in each layout), in every
+    mode: the fused MLP's output and every gradient equal the composed submodules' (down(act(gate(x), up(x)))), and
+    the table's ATen form with the same parameters, in float64 on inputs past every clamp."""
+    torch.manual_seed(40)
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64) * 5
+    gated = GATED_BY_NAME[op]
+    for fused, layout in [(False, "concat")] + [(True, lay) for lay in LAYOUTS]:
+        for act in _act_modules(op, params, layout):
+            m = ffn_ext.GatedFFN(8, 12, bias=True, fused_gate_up=fused, dtype=torch.float64, **mode)
+            m.act = act
+            assert ffn_ext.modules.gating_of(act) == ffn_ext.Gating(op, layout=layout, **params)
+
+            def submodules(x, m=m):
+                if fused:
+                    return m.down_proj(m.act(m.gate_up_proj(x)))
+                return m.down_proj(m.act(m.gate_proj(x), m.up_proj(x)))
+
+            def table(x, m=m, layout=layout):
+                if fused:
+                    gate, up = split_packed(m.gate_up_proj(x), layout)
+                else:
+                    gate, up = m.gate_proj(x), m.up_proj(x)
+                return m.down_proj(gated.forward(gate, up, **params))
+
+            outs = []
+            for f in (m, submodules, table):
+                x = x0.clone().requires_grad_()
+                y = f(x)
+                if f is m:
+                    assert "_GatedMLP" in type(y.grad_fn).__name__, (type(act).__name__, fused, layout)
+                outs.append((y, *torch.autograd.grad((y * y0_weight(y)).sum(), [x, *m.parameters()])))
+            for got, want in ((outs[0], outs[1]), (outs[0], outs[2])):
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def y0_weight(y):
+    """A fixed, non-uniform weighting of the output for the loss (a sum alone would hide sign errors in dy)."""
+    return torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).reshape(y.shape)
+
+
+def _unary_cases():
+    for a in ACTIVATIONS:
+        yield pytest.param(a, lambda a=a: ffn_ext.Act(a.name), id=f"Act-{a.name}")
+    for approximate in ("none", "tanh"):
+        yield pytest.param(
+            BY_NAME[{"none": "gelu", "tanh": "gelu_tanh"}[approximate]],
+            lambda ap=approximate: ffn_ext.GELU(ap),
+            id=f"GELU-{approximate}",
+        )
+    yield pytest.param(BY_NAME["silu"], ffn_ext.SiLU, id="SiLU")
+    yield pytest.param(BY_NAME["silu"], lambda: ffn_ext.SiLU(inplace=True), id="SiLU-inplace")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("entry,make", list(_unary_cases()))
+def test_every_activation_module_in_ffn_computes_its_submodules(entry, make, mode):
+    """The classic FFN with each of ffn_ext's activation modules as `act`, in every mode: the fused MLP's output and
+    gradients equal the composed submodules' and the table entry's ATen form's."""
+    torch.manual_seed(41)
+    x0 = torch.randn(2, 5, 8, dtype=torch.float64) * 5
+    m = ffn_ext.FFN(8, 12, bias=True, dtype=torch.float64, **mode)
+    m.act = make()
+    outs = []
+    for f in (m, lambda x: m.down_proj(m.act(m.up_proj(x))), lambda x: m.down_proj(entry.aten(m.up_proj(x)))):
+        x = x0.clone().requires_grad_()
+        y = f(x)
+        if f is m:
+            assert "_PlainMLP" in type(y.grad_fn).__name__
+        outs.append((y, *torch.autograd.grad((y * y0_weight(y)).sum(), [x, *m.parameters()])))
+    for got, want in ((outs[0], outs[1]), (outs[0], outs[2])):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_module_that_is_not_ffn_exts_runs_as_it_is():
+    """An `act` that is not one of ffn_ext's activation modules, or a subclass with a forward of its own, is not
+    fused: the FFN runs it (and its error)."""
     torch.manual_seed(17)
     mlp = ffn_ext.SwiGLUFFN(16, 40).double()
-    mlp.act = _gated_module(act)
-    assert mlp.activation == act.name
     x = _rand(3, 16, dtype=torch.float64)
-    y = mlp(x)
-    assert "_GatedMLP" in type(y.grad_fn).__name__
-    _close(y, _eager_act(act, mlp, x))
+
+    class Doubled(ffn_ext.SwiGLU):
+        def forward(self, gate, up=None):
+            return 2 * super().forward(gate, up)
+
+    mlp.act = Doubled()
+    assert ffn_ext.modules.gating_of(mlp.act) is None and mlp.activation is None
+    _close(mlp(x), mlp.down_proj(2 * F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
     mlp.act = nn.Identity()  # not a gated activation at all: the module path (and its error)
-    assert mlp.activation is None
     with pytest.raises(TypeError):
         mlp(x)
+
+
+def test_clamped_swiglu_ffn_constructor():
+    """SwiGLUFFN(limit=, alpha=, up_offset=, layout=): DeepSeek-V4's shared expert, a GPT-OSS-style dense MLP; its
+    state_dict saves gate_proj / up_proj split by the layout and loads into either layout."""
+    torch.manual_seed(42)
+    kw = dict(limit=7.0, alpha=1.702, up_offset=1.0)
+    m = ffn_ext.SwiGLUFFN(8, 12, fused_gate_up=True, layout="interleaved", dtype=torch.float64, **kw)
+    assert m.act.gating == ffn_ext.Gating("swiglu_clamped", layout="interleaved", **kw)
+    x = torch.randn(4, 8, dtype=torch.float64) * 5
+    gate, up = split_packed(m.gate_up_proj(x), "interleaved")
+    _close(m(x), m.down_proj(GATED_BY_NAME["swiglu_clamped"].forward(gate, up, **kw)))
+    sd = m.state_dict()
+    assert sorted(sd) == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    torch.testing.assert_close(sd["gate_proj.weight"], m.gate_up_proj.weight[0::2], rtol=0, atol=0)
+    for other in (
+        ffn_ext.SwiGLUFFN(8, 12, dtype=torch.float64, **kw),
+        ffn_ext.SwiGLUFFN(8, 12, fused_gate_up=True, dtype=torch.float64, **kw),
+    ):
+        other.load_state_dict(sd)
+        _close(other(x), m(x))
+    with pytest.raises(ValueError, match="`limit` must be > 0"):
+        ffn_ext.SwiGLUFFN(8, 12, limit=0.0)
 
 
 @pytest.mark.parametrize("act", ACTS)

@@ -1,8 +1,7 @@
 """The classic FFN, fc2(act(fc1(x))): ffn_ext.plain_mlp's lean autograd (saves x and fc1's output z only,
 recomputes act(z) in backward), its memory options (recompute, token_chunk), GPT-2's Conv1D layout, and ffn_ext.FFN
 on it; every activation of the table, against the eager formula with the entry's ATen expression in float64. The
-compositions (double backward, compile, autocast, checkpoint, torch.func, jit.trace) as the gated MLP's. The CPU
-default path (eager PyTorch's ops, tests marked cpu_default) is checked to run exactly those ops."""
+compositions (double backward, compile, autocast, checkpoint, torch.func, jit.trace) as the gated MLP's."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from optable import RecordOps
 from test_ffn_layer import OPTIONS as GATED_OPTIONS
 from test_ffn_layer import _Largest, _saved
 from test_modules import _LiveBytes
@@ -344,109 +342,7 @@ def test_ffn_runs_a_replaced_activation():
     torch.testing.assert_close(ffn(x), ffn.down_proj(torch.tanh(ffn.up_proj(x))), rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------- the CPU default: eager PyTorch's ops
-def _graph_names(y) -> set:
-    names, todo = set(), [y.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is not None and type(fn).__name__ not in names:
-            names.add(type(fn).__name__)
-            todo += [f for f, _ in fn.next_functions]
-    return names
-
-
-def _modules_and_eager(act_name):
-    """(callable, eager twin) pairs of every MLP form on the CPU: the functional forms and the modules."""
-    ffn = ffn_ext.FFN(16, 40, activation=act_name, bias=True)
-    gated = ffn_ext.GatedFFN(16, 40, activation=act_name, bias=True)
-    packed = ffn_ext.GatedFFN(16, 40, activation=act_name, bias=True, fused_gate_up=True)
-    aten = ffn_ext.table.BY_NAME[act_name].aten
-    w_gu = packed.gate_up_proj
-    return [
-        (ffn, lambda x: ffn.down_proj(aten(ffn.up_proj(x)))),
-        (gated, lambda x: gated.down_proj(aten(gated.gate_proj(x)) * gated.up_proj(x))),
-        (packed, lambda x: packed.down_proj((lambda g, u: aten(g) * u)(*w_gu(x).chunk(2, -1)))),
-    ]
-
-
-@pytest.mark.cpu_default
-@pytest.mark.parametrize("act", ACTS)
-def test_cpu_default_runs_eager_pytorchs_ops(act):
-    """On the CPU without recompute / token_chunk the classic and gated MLPs (modules and functional forms) run
-    exactly the eager MLP's ATen ops: the same op sequence forward and backward, bitwise the same results, no
-    ffn_ext op and no lean autograd.Function; with an option the lean autograd (its memory contract) runs."""
-    x = torch.randn(2, 9, 16, requires_grad=True)
-    for mod, eager in _modules_and_eager(act.name):
-        with RecordOps() as ours:
-            y = mod(x)
-            g = torch.autograd.grad(y.sum(), [x, *mod.parameters()])
-        with RecordOps() as ref:
-            y0 = eager(x)
-            g0 = torch.autograd.grad(y0.sum(), [x, *mod.parameters()])
-        assert ours.ops == ref.ops, type(mod).__name__
-        assert not any(o.startswith("ffn_ext.") for o in ours.ops)
-        assert not any("MLP" in n for n in _graph_names(y)), _graph_names(y)
-        for a, b in zip((y, *g), (y0, *g0)):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        mod.recompute = True
-        assert any("MLP" in n for n in _graph_names(mod(x))), type(mod).__name__
-
-
-@pytest.mark.cpu_default
-def test_cpu_default_plain_mlp_conv1d_and_dtensor_free_host_path():
-    """plain_mlp on CPU tensors in GPT-2's Conv1D layout: eager's result bitwise; a meta weight still raises."""
-    act = ACTIVATIONS[0]
-    ps = _weights(8, 24, True, True, dtype=torch.float32)
-    x = torch.randn(5, 8, requires_grad=True)
-    y = _ours(act, *ps, True)(x)
-    assert not any("MLP" in n for n in _graph_names(y))
-    torch.testing.assert_close(y, F.linear(act.aten(F.linear(x, ps[0].t(), ps[2])), ps[1].t(), ps[3]), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="meta device"):
-        ffn_ext.plain_mlp(x, ps[0].to("meta"), ps[1].to("meta"), transposed=True)
-
-
-@pytest.mark.cpu_default
-def test_cpu_default_patched_hf_mlp_runs_eager_pytorchs_ops():
-    """A patched transformers Llama MLP on the CPU runs the unpatched MLP's ATen ops (forward and backward),
-    bitwise the same results."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    cfg = transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=40, hidden_act="silu", num_attention_heads=4, num_key_value_heads=2
-    )
-    ref = LlamaMLP(cfg)
-    mlp = copy.deepcopy(ref)
-    assert ffn_ext.patch_hf_model(mlp) == 1
-    x = torch.randn(2, 7, 16, requires_grad=True)
-    out = []
-    for m in (mlp, ref):
-        with RecordOps() as rec:
-            y = m(x)
-            g = torch.autograd.grad(y.sum(), [x, *m.parameters()])
-        out.append((rec.ops, y, g))
-    assert out[0][0] == out[1][0]
-    for a, b in zip((out[0][1], *out[0][2]), (out[1][1], *out[1][2])):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("act", ACTS)
-def test_table_aten_inplace_is_aten_written_in_place(act):
-    """Each table entry's aten_inplace (the CPU MLPs' no-grad activation) writes into its argument and returns it,
-    bitwise the entry's aten on contiguous tensors of every float dtype, vector tails, inf and NaN included."""
-    if act.aten_inplace is None:
-        pytest.skip(f"{act.name} has no in-place ATen form (the MLPs call aten)")
-    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-        for n in (1, 7, 64, 4103):
-            x = (torch.randn(3, n) * 4).to(dtype)
-            x[0, 0], x[-1, -1] = math.inf, -math.inf
-            x[1, 0] = math.nan
-            y, c = act.aten(x), x.clone()
-            z = act.aten_inplace(c)
-            assert z.data_ptr() == c.data_ptr() and z.dtype == dtype
-            torch.testing.assert_close(z, y, rtol=0, atol=0, equal_nan=True)
-
-
+# ---------------------------------------------------------------- forward-mode AD and torch.func
 def _cpu_forms(act, wg, wu, wd):
     """(ffn_ext's functional form, its eager expression, the weights it uses) on the CPU for the gated MLP (separate
     and packed projections) and the classic one (wg as fc1)."""
@@ -471,36 +367,10 @@ def _cpu_forms(act, wg, wu, wd):
     ]
 
 
-@pytest.mark.cpu_default
 @pytest.mark.parametrize("act", ACTS)
-@pytest.mark.parametrize("frozen", ["none", "gate", "up"])
-def test_cpu_default_mlps_without_grad_and_with_a_frozen_projection(frozen, act):
-    """The CPU path writes act(gate) (act(z)) and the product into the projection's own fresh tensor where
-    autograd records nothing (the table's aten_inplace): under no_grad and inference_mode the result is eager's
-    bitwise; with one projection frozen (autograd records the product for the other), the result and the gradients
-    are eager's bitwise too (nothing in place where autograd records)."""
-    torch.manual_seed(0)
-    wg, wu, wd = (torch.randn(24, 16) / 4, torch.randn(24, 16) / 4, torch.randn(16, 24) / 5)
-    wg.requires_grad_(frozen != "gate")
-    wu.requires_grad_(frozen != "up")
-    wd.requires_grad_()
-    x = torch.randn(5, 16) * 3  # wide enough that relu's and the GELUs' negative side acts
-    for ours, eager, weights in _cpu_forms(act, wg, wu, wd):
-        for mode in (torch.no_grad, torch.inference_mode):
-            with mode():
-                torch.testing.assert_close(ours(x), eager(x), rtol=0, atol=0)
-        y, y0 = ours(x), eager(x)
-        torch.testing.assert_close(y, y0, rtol=0, atol=0)
-        leaves = [w for w in weights if w.requires_grad]
-        for a, b in zip(torch.autograd.grad(y.sum(), leaves), torch.autograd.grad(y0.sum(), leaves)):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.cpu_default
-@pytest.mark.parametrize("act", ACTS)
-def test_cpu_default_mlps_under_forward_ad_and_torch_func(act):
-    """The CPU path's in-place activation and product (where no reverse-mode autograd records) under forward-mode
-    AD (a dual x, with and without grad mode), torch.func.jvp and vmap(grad): eager's tangents and gradients."""
+def test_mlps_under_forward_ad_and_torch_func(act):
+    """The MLPs under forward-mode AD (a dual x, with and without grad mode), torch.func.jvp and vmap(grad): eager's
+    tangents and gradients."""
     import torch.autograd.forward_ad as fwAD
     import torch.func as torch_func
 

@@ -172,8 +172,8 @@ def test_patched_clamped_mlps_quantized(name, module):
         ref = mlp(x)
         assert ffn_ext.patch_hf_model(mlp) == 1
         m8 = quantize_fp8(mlp)
-        assert isinstance(m8, FP8GatedFFN) and m8.activation == "swiglu_clamped"
-        assert m8.params["limit"] == 3.0
+        assert isinstance(m8, FP8GatedFFN) and m8.gating.op == "swiglu_clamped"
+        assert m8.gating.kwargs["limit"] == 3.0
         err = _rel(m8(x), ref)
     print(f"{name}: FP8 relative error {err:.4f} vs the fp32 MLP")
     assert err < 0.1
