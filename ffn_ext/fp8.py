@@ -34,7 +34,6 @@ is not applied (as in eval mode).
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 

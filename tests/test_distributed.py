@@ -401,7 +401,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         device = "cuda"
     dist.init_process_group(BACKEND, rank=rank, world_size=WORLD)
     failures = []
-    import ffn_ext.mlp
 
     try:
         from torch.distributed.device_mesh import init_device_mesh
