@@ -8,9 +8,7 @@
 
 The classic FFN (--classic, or --models with the classic-* names): BERT-base / ViT-B / GPT-2 widths (768 -> 3072)
 and ViT-L / CLIP-L (1024 -> 4096), GELU erf (BERT, ViT) and tanh (GPT-2), with biases, against
-fc2(act(fc1(x))) in ATen ops; the ffn_ext side is ffn_ext.FFN (ffn_ext.plain_mlp). On the CPU ffn_ext.FFN runs eager
-PyTorch's ops by default (no memory option asked), so --variants adds "lean": the lean autograd on the CPU too (the
-device path; ffn_ext.mlp._ATEN_ON_CPU off), whose saved bytes and peak are the ones a GPU sees.
+fc2(act(fc1(x))) in ATen ops; the ffn_ext side is ffn_ext.FFN (ffn_ext.plain_mlp), its lean autograd on every device.
 
 Models: SwiGLU at Llama-7B (4096 -> 11008) and Qwen2.5-0.5B (896 -> 4864) widths, against Hugging Face's
 LlamaMLP / Qwen2MLP form down(silu(gate(x)) * up(x)); tanh GeGLU at Gemma-2-2B widths (2304 -> 9216), against
@@ -36,7 +34,6 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import ffn_ext  # noqa: E402
-from ffn_ext import mlp as ffn_mlp  # noqa: E402
 from ffn_ext.table import BY_NAME  # noqa: E402
 
 # model -> (d_model, d_ff, activation of ffn_ext's op table); silu: SwiGLU (Llama, Qwen2), gelu_tanh: GeGLU (Gemma)
@@ -69,7 +66,6 @@ IMPL_LABEL = {
     "chunk": "ffn_ext token_chunk",
     "liger": "Liger SwiGLUMLP",
     "liger_tiled": "Liger TiledSwiGLUMLP",
-    "lean": "ffn_ext lean autograd",
 }
 # --variants: ffn_ext's module with these options (token_chunk: a quarter of the tokens, at least 1)
 VARIANTS = {"fused": {"fused_gate_up": True}, "recompute": {"recompute": True}, "chunk": {"token_chunk": 4}}
@@ -142,18 +138,6 @@ class EagerClassicMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.up_proj(x)))
-
-
-class LeanOnCPU(nn.Module):
-    """ffn_ext.FFN with its lean autograd on the CPU too (what runs on a GPU): the internal switch off per call."""
-
-    def __init__(self, ffn):
-        super().__init__()
-        self.ffn = ffn
-
-    def forward(self, x):
-        with ffn_mlp._lean_on_cpu():
-            return self.ffn(x)
 
 
 class LocalGatedFFN(EagerMLP):
@@ -264,13 +248,6 @@ def run(args) -> dict:
         if dev.type == "cpu":  # as bench_ops: OpenMP waits on a busy machine cost more than these tiny GEMMs
             torch.set_num_threads(1)
             notes.append("smoke run on CPU: 1 torch thread")
-    if args.lean_cpu:
-        ffn_mlp._ATEN_ON_CPU = False
-        if dev.type == "cpu":
-            notes.append(
-                "--lean-cpu: ffn_ext's MLPs run their lean autograd on the CPU (the device path), not their "
-                "CPU default (eager PyTorch's ops)"
-            )
     if not use_compile:
         notes.append("torch.compile skipped (" + ("--smoke" if mode == "smoke" else "--no-compile") + ")")
     if use_compile:
@@ -316,8 +293,6 @@ def run(args) -> dict:
             for v, opts in (("recompute", {"recompute": True}), ("chunk", {"token_chunk": chunk})):
                 mods[v] = ffn_ext.FFN(d_model, d_ff, activation=activation, bias=True, device=dev, dtype=dtype, **opts)
                 mods[v].load_state_dict(eager.state_dict())
-            if dev.type == "cpu" and not args.lean_cpu:
-                mods["lean"] = LeanOnCPU(ours)
         elif args.variants and activation in FFN_EXT_MODULES:
             name, kw = FFN_EXT_MODULES[activation]
             for v, opts in VARIANTS.items():
@@ -442,14 +417,13 @@ def targets(results, dev):
 
 def classic_targets(results, model, dev):
     """The classic FFN's: 1 [tokens, d_ff] tensor saved (eager 2) and a fwd+bwd peak <= 0.75x eager's at 4096
-    tokens (the lean autograd: on the CPU the "lean" rows), and no slower than eager on the CPU (>= 0.98x)."""
+    tokens, and no slower than eager on the CPU (>= 0.98x)."""
     out = []
-    lean = "lean" if dev.type == "cpu" else "ffn_ext"
     for r in results:
         if r["model"] != model:
             continue
         where = f"{r['dtype']} {r['tokens']} tokens on {dev.type.upper()}"
-        if r["impl"] == lean and r["activation_vs_eager"] is not None:
+        if r["impl"] == "ffn_ext" and r["activation_vs_eager"] is not None:
             out.append(
                 common.make_target(
                     f"{model}: lean FFN saves <= 0.5x eager's [tokens, d_ff] bytes",
@@ -559,12 +533,6 @@ def main(argv=None) -> int:
         "--memory-only",
         action="store_true",
         help="measure saved bytes and peak memory only (no timing): long sequences on CPU",
-    )
-    p.add_argument(
-        "--lean-cpu",
-        action="store_true",
-        help="ffn_ext's MLPs run their lean autograd on the CPU too "
-        "(by default they run eager PyTorch's ops there when no memory option is asked)",
     )
     p.add_argument(
         "--classic",

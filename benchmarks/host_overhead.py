@@ -2,8 +2,16 @@
 """Host time per call at decode size, split into the layers a call goes through.
 
     python benchmarks/host_overhead.py --device cuda --out $OUT/bench   # the device check's `host` stage
+    python benchmarks/host_overhead.py --device cpu --only call          # one small call, next to ATen and a plain
+                                                                         # custom op (docs/performance.md)
     python benchmarks/host_overhead.py --device meta                     # here: Python + dispatch + checks only
     python benchmarks/host_overhead.py --smoke --device cpu --out /tmp/x # CI's pipeline check
+
+The "call" group first: SwiGLU at 1 token of 64 (one thread on the CPU), the public call `ffn_ext.swiglu`, the
+dispatcher op `torch.ops.ffn_ext.swiglu`, ATen's two ops `F.silu(g) * u`, and the pattern torch documents for an
+extension op (`torch.library.custom_op` with `register_autograd`, its body ATen's two ops): without grad, and
+forward + backward with grads. Its ratios are the public call against ATen, torch.ops against the custom op, and
+forward + backward against ATen's.
 
 At 16x4864 (a decode step's MLP activation) a kernel takes a few microseconds of GPU time and a call costs more
 host time than that, so what decides the latency is the host path. ATen's `F.gelu` reaches its kernel through a
@@ -84,11 +92,55 @@ def make_args(op, shape, dtype, dev):
     )
 
 
-def measure(rows, args, dev, rounds: int, calls: int) -> list[dict]:
+def _plain_custom_op():
+    """SwiGLU as the documented pattern of a Python extension op: torch.library.custom_op with register_fake and
+    register_autograd (setup_context), its body and backward ATen's ops: the host time every such op pays."""
+
+    @torch.library.custom_op("ffn_ext_bench::swiglu", mutates_args=())
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    swiglu.register_fake(lambda gate, up: torch.empty_like(gate))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+    swiglu.register_autograd(backward, setup_context=setup_context)
+    return swiglu
+
+
+CALL_SHAPE = (1, 64)
+
+
+def call_rows(dev) -> tuple[list, list]:
+    """(rows without grad, rows of forward + backward with grads) of the call group."""
+    custom = _plain_custom_op()
+    nograd = [
+        ("ATen F.silu(g) * u", lambda g, u: F.silu(g) * u),
+        ("ffn_ext.swiglu", ffn_ext.swiglu),
+        ("torch.ops.ffn_ext.swiglu", torch.ops.ffn_ext.swiglu),
+        ("custom_op + register_autograd", custom),
+    ]
+
+    def fwd_bwd(fn):
+        def run(g, u, dy):
+            fn(g, u).backward(dy)
+
+        return run
+
+    grad = [(f"{label} fwd+bwd", fwd_bwd(fn)) for label, fn in nograd if not label.startswith("torch.ops")]
+    return nograd, grad
+
+
+def measure(rows, args, dev, rounds: int, calls: int, grad: bool = False) -> list[dict]:
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     issue = {label: [] for label, _ in rows}
     total = {label: [] for label, _ in rows}
-    with torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():
         for _, fn in rows:  # warm-up: caches, allocator, lazy loading of the kernels
             for _ in range(max(10, calls // 10)):
                 fn(*args)
@@ -128,6 +180,16 @@ def run(args) -> dict:
     if dev.type == "cuda" and not ffn_ext.has_cuda_kernels():
         notes.append("WARNING: the loaded ffn_ext has no CUDA kernels")
     results = []
+    if dev.type != "meta":
+        nograd, grad = call_rows(dev)
+        g, u = (torch.randn(CALL_SHAPE, device=dev) for _ in range(2))
+        for r in measure(nograd, (g, u), dev, rounds, calls):
+            results.append({"op": "call", **r})
+        gr, ur = (t.clone().requires_grad_() for t in (g, u))
+        for r in measure(grad, (gr, ur, torch.randn(CALL_SHAPE, device=dev)), dev, rounds, calls, grad=True):
+            results.append({"op": "call", **r})
+    if args.only == "call":
+        return _payload(args, dev, mode, shape, rounds, calls, notes, results)
     for op in OPS:
         rows = rows_for(op, dev)
         for r in measure(rows, make_args(op, shape, dtype, dev), dev, rounds, calls):
@@ -140,6 +202,18 @@ def run(args) -> dict:
         x = torch.randn(tokens, d_model, device=dev, dtype=dtype)
         for r in measure(rows, (x,), dev, rounds, calls):
             results.append({"op": f"MLP {tokens}x{d_model}->{d_ff}", **r})
+    return _payload(args, dev, mode, shape, rounds, calls, notes, results)
+
+
+# the call group's ratios: (what, row, against)
+CALL_RATIOS = [
+    ("public call / ATen's two ops", "ffn_ext.swiglu", "ATen F.silu(g) * u"),
+    ("torch.ops / a plain custom op", "torch.ops.ffn_ext.swiglu", "custom_op + register_autograd"),
+    ("fwd+bwd / ATen's", "ffn_ext.swiglu fwd+bwd", "ATen F.silu(g) * u fwd+bwd"),
+]
+
+
+def _payload(args, dev, mode, shape, rounds, calls, notes, results) -> dict:
     meta = common.metadata(dev, mode, sys.argv)
     if dev.type == "meta":
         meta["device_name"] = "meta tensors"
@@ -149,8 +223,12 @@ def run(args) -> dict:
         rounds=rounds,
         calls_per_round=calls,
         timing="time.perf_counter around back-to-back calls; median over rounds",
+        threads=torch.get_num_threads(),
+        call_shape=list(CALL_SHAPE),
     )
-    return {"meta": meta, "notes": notes, "results": results}
+    by = {r["layer"]: r["issue_us"] for r in results if r["op"] == "call"}
+    ratios = {what: by[a] / by[b] for what, a, b in CALL_RATIOS if a in by and b in by}
+    return {"meta": meta, "notes": notes, "results": results, "call_ratios": ratios}
 
 
 def markdown(payload: dict) -> str:
@@ -164,6 +242,13 @@ def markdown(payload: dict) -> str:
         "",
     ]
     lines += [f"- {n}" for n in payload["notes"]] + [""]
+    if payload.get("call_ratios"):
+        lines += [
+            f"One call (group `call`: SwiGLU {'x'.join(map(str, meta['call_shape']))} float32, "
+            f"{meta['threads']} thread(s)):",
+            "",
+        ]
+        lines += [f"- {what}: {ratio:.2f}x" for what, ratio in payload["call_ratios"].items()] + [""]
     table = []
     for op in dict.fromkeys(r["op"] for r in payload["results"]):
         rs = [r for r in payload["results"] if r["op"] == op]
@@ -195,8 +280,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per row and round")
     p.add_argument("--smoke", action="store_true", help="tiny shape, few calls: a CI check of the pipeline")
+    p.add_argument("--only", choices=["call"], default=None, help="call: only the one-call group")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads on the CPU (default 1)")
     p.add_argument("--out", type=Path, default=None, help="output directory for host.md / host.json")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     payload = run(args)
     md = markdown(payload)
     print(md)

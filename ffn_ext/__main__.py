@@ -209,8 +209,7 @@ def _vjp(fn, grad, *inputs):
 
 
 def api_op(spec, layout="concat"):
-    """The op of table entry `spec` through the public functional API (what is checked when torch.ops.ffn_ext is
-    not loaded: the API's ATen fallback and its autograd): the forward op's API call (ffn_ext.gelu(x,
+    """The op of table entry `spec` through the public functional API: the forward op's API call (ffn_ext.gelu(x,
     approximate="tanh"), ffn_ext.gated(g, u, activation=...), ffn_ext.gated_packed(..., layout=...),
     ffn_ext.swiglu_clamped(..., **example params)); a backward op as the vector-Jacobian product of it."""
     act = spec.act
@@ -229,11 +228,8 @@ def api_op(spec, layout="concat"):
 
 
 def _op(name: str, layout="concat"):
-    """torch.ops.ffn_ext.<name> (with the table's example parameters, and `layout` for a packed op), or the public
-    API's form of it when the native library is not loaded."""
+    """torch.ops.ffn_ext.<name> (with the table's example parameters, and `layout` for a packed op)."""
     spec = TABLE_OPS[name]
-    if ffn_ext.ops._native is None:
-        return api_op(spec, layout)
     kw = dict(spec.example, **({"layout": layout} if spec.kind == "packed" else {}))
     op = getattr(torch.ops.ffn_ext, name)
     return (lambda *a: op(*a, **kw)) if kw else op
@@ -625,7 +621,7 @@ def main(argv=None) -> int:
         print(ffn_ext.build_summary())
     walk()
 
-    what = "ffn_ext ops" if ffn_ext.ops._native is not None else "ffn_ext API (NO native library: ATen fallback)"
+    what = "ffn_ext ops" + ("" if ffn_ext.ops._native_source != "python" else " (no native library: PyTorch's ops)")
     print(f"\n== Op checks ({what}) on {_label(device)} ({device}), fp64 / fp32 / bf16 against an fp64 reference ==")
     record: list[tuple] = []
     # odd row lengths exercise the CUDA kernels' vector tails; the GPU gets more rows

@@ -1,7 +1,7 @@
 """The torch-private APIs ffn_ext uses for torch's public behaviour (transforms, forward AD, module hooks), in one
 place, each with the behaviour it stands for. When a torch release moves one of these, this file is what changes.
 The dispatcher's private calls (below autograd, kernel lookups, mode stacks) stay where the ops are called and
-registered: ops.py, _kernels.py, _quant_kernels.py, _loader.py. The C++ side has none: it is on torch's stable ABI
+registered: _kernels.py, quant.py, _loader.py. The C++ side has none: it is on torch's stable ABI
 (docs/internals/stable-abi.md).
 """
 
@@ -13,7 +13,15 @@ import torch
 import torch.autograd.forward_ad as _fwAD
 import torch.nn.modules.module as _module_mod
 
-__all__ = ["functorch_active", "vmap_only", "has_tangent", "has_dtensor", "global_module_hooks", "module_hooks"]
+__all__ = [
+    "functorch_active",
+    "vmap_only",
+    "forward_ad_level",
+    "has_tangent",
+    "has_dtensor",
+    "global_module_hooks",
+    "module_hooks",
+]
 
 
 _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
@@ -48,6 +56,11 @@ def vmap_only() -> bool:
     cannot trace CInterpreter.key()."""
     vmap = torch._C._functorch.TransformType.Vmap
     return all(i.key() == vmap for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
+def forward_ad_level() -> bool:
+    """True while a forward-mode AD level is open (torch.autograd.forward_ad.dual_level)."""
+    return _fwAD._current_level >= 0
 
 
 def has_tangent(args) -> bool:

@@ -1,32 +1,55 @@
 """The ffn_ext ops' Python halves, written from the table (ffn_ext/table.py): everything but the CUDA kernels.
 
-The native library (ffn_ext._C, a JIT build, or libffn_ext_ops) registers the schemas and the CUDA kernels;
-``register()`` adds, for every op of the table:
+The native library (ffn_ext._C, a JIT build, or libffn_ext_ops) registers the schemas and the CUDA kernels (without
+one, ``define()`` registers the schemas here); ``register()`` adds, for every op of the table:
 
 - its CPU kernel: the op's checks, then its ATen form (table.py), into outputs laid out as the CUDA kernels' are.
-  In a build without CUDA kernels it serves CUDA tensors too, after a one-time warning;
-- its fake (Meta) kernel: the same checks, and outputs of the real kernels' shapes, dtypes and strides, so fake
-  tensors, torch.compile and export accept and reject what the kernels do;
-- its autograd: a forward op's backward is its ``*_backward`` op; a ``*_backward`` op's own backward is the
-  vector-Jacobian product of its ATen form (double backward); the recompute ops refuse to record a gradient.
+  This is the CPU's whole policy: on the CPU an op is PyTorch's own ops. Without CUDA kernels it serves CUDA
+  tensors too, after a one-time warning;
+- its fake (Meta) kernel: the same checks, and outputs of the real kernels' shapes, dtypes and strides;
+- its autograd: one torch.autograd.Function per differentiable op (``FUNCTIONS``), in the form torch.func
+  supports (forward without ctx, setup_context, backward, jvp, a generated vmap rule), registered at the op's
+  Autograd key. A forward op's backward is its ``*_backward`` op; a ``*_backward`` op's own derivatives are those
+  of its forward op's ATen form (every order); every op's jvp is computed from its ATen form. The recompute ops
+  (which serve backward passes) refuse to record.
 
-So the table's ATen forms are the only ATen statement of each op, and the C++ holds kernels and checks only. The
-checks raise what the C++ checks raise, with the same messages: TypeError (not a tensor, layout, dtype), ValueError
-(shape, parameters), RuntimeError (device).
+The checks here own the user-facing rules, exception types and messages (``check``): the CPU and fake kernels run
+them, and the functional API runs them to explain an error of a CUDA kernel, whose C++ guards keep only their own
+invariants (csrc/shapes.cpp).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import _compat
-from .table import LAYOUTS, OPS, check_params, join_packed, split_packed
+from .table import LAYOUTS, OPS, SCHEMAS, check_params, join_packed, split_packed
 
-__all__ = ["FLOAT_DTYPES", "check", "check_kinds", "check_extra", "compute", "register", "retyped", "split_kwargs"]
+__all__ = [
+    "CPU_KERNELS",
+    "FLOAT_DTYPES",
+    "FUNCTIONS",
+    "KEYWORDS",
+    "check",
+    "check_kinds",
+    "compute",
+    "cpu_kernel",
+    "quiet",
+    "route",
+    "add_hook",
+    "define",
+    "register",
+    "split_kwargs",
+]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = frozenset(FLOAT_DTYPES)
+# op name -> its keyword-only scalar arguments, in schema order: a gated op's parameters, then a packed op's layout
+KEYWORDS = {n: tuple(p.name for p in s.params) + (("layout",) if s.kind == "packed" else ()) for n, s in OPS.items()}
 
 
 # ---------------------------------------------------------------- checks
@@ -43,91 +66,92 @@ def _kind_error(op: str, name: str, t) -> Exception | None:
 
 
 def check_kinds(op: str, names: tuple, args: tuple) -> None:
-    """A TypeError naming the first of args that is not a dense strided tensor."""
+    """A TypeError naming the first of args that is not a dense strided tensor (the dispatcher sends sparse, nested
+    and quantized tensors to keys without ffn_ext kernels, whose errors do not say why)."""
     for name, t in zip(names, args):
         err = _kind_error(op, name, t)
         if err is not None:
             raise err from None
 
 
-def _check_dtype(op: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: expected `{name}` to have dtype float64, float32, float16 or bfloat16, got {t.dtype}")
+def split_kwargs(name: str, kwargs: dict):
+    """(params, layout) of a call of op `name` from its keyword arguments, the schema's defaults filled in (layout:
+    None but for the packed ops); an unknown or missing one is a TypeError."""
+    spec = OPS[name]
+    unknown = set(kwargs) - set(KEYWORDS[name])
+    if unknown:
+        raise TypeError(f"ffn_ext.{name}: unexpected keyword argument(s) {sorted(unknown)}")
+    params = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
+    missing = [k for k, v in params.items() if v is None]
+    if missing:
+        raise TypeError(f"ffn_ext.{name}: missing required keyword argument(s) {missing}")
+    return params, (kwargs.get("layout", "concat") if spec.kind == "packed" else None)
 
 
-def _check_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    _check_dtype(op, name, t)
+def _dtype_error(op: str, name: str, t: torch.Tensor) -> TypeError:
+    return TypeError(f"{op}: expected `{name}` to have dtype float64, float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _like_error(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor, shape: list) -> Exception:
+    """The error of a tensor argument that does not match the one the others are checked against (dtype, device,
+    shape: `shape`, the shape it must have)."""
+    if t.dtype not in _FLOATS:
+        return _dtype_error(op, name, t)
     if t.dtype != ref.dtype:
-        raise TypeError(f"{op}: expected `{name}` to have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}")
+        return TypeError(f"{op}: expected `{name}` to have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}")
     if t.device != ref.device:
-        raise RuntimeError(
+        return RuntimeError(
             f"{op}: expected `{name}` to be on the device of `{ref_name}` ({ref.device}), got {t.device}"
         )
-    if t.shape != ref.shape:
-        raise ValueError(
-            f"{op}: expected `{name}` to have the shape of `{ref_name}` {list(ref.shape)}, got {list(t.shape)}"
-        )
-
-
-def check_extra(name: str, kwargs: dict) -> None:
-    """The checks of a gated op's parameters and a packed op's layout."""
-    spec, op = OPS[name], f"ffn_ext.{name}"
-    if spec.gated is not None and spec.params:
-        check_params(op, spec.gated, {p.name: kwargs.get(p.name, p.default) for p in spec.params})
-    layout = kwargs.get("layout", "concat")
-    if spec.kind == "packed" and layout not in LAYOUTS:
-        raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
+    if shape == list(ref.shape):
+        return ValueError(f"{op}: expected `{name}` to have the shape of `{ref_name}` {shape}, got {list(t.shape)}")
+    return ValueError(
+        f"{op}: expected `{name}` to have the forward output's shape {shape} (gate_up's with the last dimension "
+        f"halved), got {list(t.shape)}"
+    )
 
 
 def check(name: str, args: tuple, params: dict, layout: str | None) -> None:
-    """Every check op `name` makes of its tensors `args`, its parameters and (packed ops) its layout."""
-    spec, op = OPS[name], f"ffn_ext.{name}"
-    check_extra(name, dict(params, **({"layout": layout} if layout is not None else {})))
-    check_kinds(op, spec.args, args)
+    """Every check op `name` makes of its tensors `args` (the dispatcher's keys, or check_kinds, vouch that they are
+    tensors, not nested or quantized), its parameters and (packed ops) its layout, with the user-facing type and
+    message: TypeError (dtype, layout), ValueError (shape, parameters, layout argument), RuntimeError (device)."""
+    spec = OPS[name]
+    op = f"ffn_ext.{name}"
+    if spec.params:
+        check_params(op, spec.gated, params)
     r = 1 if spec.backward else 0  # the argument the others are checked against: x, gate or gate_up
-    ref_name, ref = spec.args[r], args[r]
-    _check_dtype(op, ref_name, ref)
+    ref = args[r]
+    if ref.dtype not in _FLOATS:
+        raise _dtype_error(op, spec.args[r], ref)
+    shape = list(ref.shape)
     if spec.kind == "packed":
+        if layout not in LAYOUTS:
+            raise ValueError(f'{op}: `layout` must be "concat" or "interleaved", got "{layout}"')
         if ref.dim() == 0:
             raise ValueError(f"{op}: expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a 0-dim tensor")
-        if ref.shape[-1] % 2:
+        if shape[-1] % 2:
             raise ValueError(
-                f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), got shape {list(ref.shape)}"
+                f"{op}: expected the last dimension of `gate_up` to be even ([..., 2*M]), got shape {shape}"
             )
-        if spec.backward:
-            grad, out_shape = args[0], [*ref.shape[:-1], ref.shape[-1] // 2]
-            _check_dtype(op, "grad", grad)
-            if grad.dtype != ref.dtype:
-                raise TypeError(f"{op}: expected `grad` to have the dtype of `gate_up` ({ref.dtype}), got {grad.dtype}")
-            if grad.device != ref.device:
-                raise RuntimeError(
-                    f"{op}: expected `grad` to be on the device of `gate_up` ({ref.device}), got {grad.device}"
-                )
-            if list(grad.shape) != out_shape:
-                raise ValueError(
-                    f"{op}: expected `grad` to have the forward output's shape {out_shape} "
-                    f"(gate_up's with the last dimension halved), got {list(grad.shape)}"
-                )
-        return
-    for k in [*range(r + 1, len(args)), *range(r)]:  # the C++ checks' order
-        _check_like(op, spec.args[k], args[k], ref_name, ref)
+        shape[-1] //= 2  # grad's: the forward output's
+    for k in [*range(r + 1, len(args)), *range(r)]:  # the order the C++ guards take them
+        t = args[k]
+        if t.layout is not _STRIDED:
+            raise TypeError(f"{op}: expected `{spec.args[k]}` to be a dense strided tensor, got layout {t.layout}")
+        if t.dtype is not ref.dtype or t.device != ref.device or list(t.shape) != shape:
+            raise _like_error(op, spec.args[k], t, spec.args[r], ref, shape)
 
 
-# The C++ checks (the CUDA kernels') can raise only RuntimeError across torch's stable ABI: they tag the message
-# with the type they mean, which the functional API restores (docs/internals/stable-abi.md, section 1.3).
-_TAGS = {"[ValueError] ": ValueError, "[TypeError] ": TypeError}
-
-
-def retyped(err: Exception) -> Exception | None:
-    """The ValueError or TypeError a C++ check's tagged RuntimeError stands for, its tag stripped; else None."""
-    if type(err) is not RuntimeError:
-        return None
-    msg = str(err)
-    for tag, kind in _TAGS.items():
-        i = msg.find(tag)
-        if i != -1 and not msg[:i].strip():
-            return kind(msg[i + len(tag) :])
-    return None
+def _plain(args: tuple) -> bool:
+    """A CPU kernel's arguments are plainly valid: floating point, and (more than one) of one dtype and shape, all on
+    the CPU. What check() would pass, in a few attribute reads; the kernels run check() where this is False."""
+    a = args[0]
+    if a.dtype not in _FLOATS:
+        return False
+    for t in args[1:]:
+        if t.dtype is not a.dtype or t.shape != a.shape or not t.is_cpu or t.layout is not _STRIDED:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- the ATen forms
@@ -175,16 +199,9 @@ def _out_shapes(name: str, args: tuple):
     return [(args[-1].shape, fmt)] * spec.n_outputs
 
 
-def split_kwargs(name: str, kwargs: dict):
-    """(params, layout) of a call of op `name` from its keyword arguments, the schema's defaults filled in (layout:
-    None but for the packed ops)."""
-    spec = OPS[name]
-    params = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
-    return params, (kwargs.get("layout", "concat") if spec.kind == "packed" else None)
-
-
 def _fake(name: str):
     def fake(*args, **kwargs):
+        check_kinds(f"ffn_ext.{name}", OPS[name].args, args)
         params, layout = split_kwargs(name, kwargs)
         check(name, args, params, layout)
         ref = args[-1]
@@ -197,11 +214,75 @@ def _fake(name: str):
     return fake
 
 
+def _laid_out(name: str, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """out in the layout the fake kernel promised (ATen's pointwise ops keep an input's strides: a transposed view's,
+    an interleaved pack's): as it is when contiguous, the common case."""
+    return out if out.is_contiguous() else out.contiguous(memory_format=_out_shapes(name, args)[0][1])
+
+
+def cpu_kernel(name: str):
+    """Op `name`'s CPU kernel: its checks, then its ATen form, in the fake kernel's layout. The ops without
+    parameters or layout run their form resolved once, after _plain's quick test (a decode step's activation costs
+    microseconds: docs/performance.md)."""
+    spec = OPS[name]
+    if spec.kind == "packed" or spec.params:
+
+        def kernel(*args, **kwargs):
+            params, layout = split_kwargs(name, kwargs)
+            check(name, args, params, layout)
+            out = compute(name, args, params, layout)
+            if isinstance(out, tuple):
+                return tuple(_laid_out(name, args, o) for o in out)
+            return _laid_out(name, args, out)
+
+        return kernel
+    act, act_backward = spec.act.aten, spec.act.aten_backward
+    form: Callable
+    if spec.recompute:
+
+        def form(grad, x):
+            return act_backward(grad, x), act(x)
+
+    elif spec.kind == "unary":
+        form = act_backward if spec.backward else act
+    elif spec.backward:
+
+        def form(grad, gate, up):  # the table's Gated.backward without parameters, resolved once
+            return act_backward(grad * up, gate), grad * act(gate)
+
+    else:
+
+        def form(gate, up):  # act(gate) * up
+            return act(gate) * up
+
+    if spec.n_outputs == 1:
+
+        def one(*args):
+            if not _plain(args):
+                check(name, args, _NO_PARAMS, None)
+            out = form(*args)
+            return out if out.is_contiguous() else _laid_out(name, args, out)
+
+        return one
+
+    def two(*args):
+        if not _plain(args):
+            check(name, args, _NO_PARAMS, None)
+        a, b = form(*args)
+        return _laid_out(name, args, a), _laid_out(name, args, b)
+
+    return two
+
+
+_NO_PARAMS: dict = {}
+
+
 _warned_no_cuda = False
 _cuda_off: str | None = None  # why the CUDA kernels are off (the loader's reason), for the warning
 
 
-def _warn_no_cuda_kernels() -> None:
+def warn_no_cuda_kernels() -> None:
+    """Warns once that CUDA tensors run PyTorch's ops (the CPU kernels' forms): the CUDA kernels are off."""
     global _warned_no_cuda
     if not _warned_no_cuda:
         _warned_no_cuda = True
@@ -209,154 +290,282 @@ def _warn_no_cuda_kernels() -> None:
         warnings.warn(
             f"ffn_ext's CUDA kernels are off ({why}); CUDA tensors use the ATen composite. For the fused kernels, "
             "build ffn_ext with a CUDA toolkit against a torch of the CUDA major you run.",
-            stacklevel=2,
+            stacklevel=3,
         )
 
 
-def _aten_kernel(name: str, warn: bool = False):
-    def kernel(*args, **kwargs):
-        if warn:
-            _warn_no_cuda_kernels()
-        params, layout = split_kwargs(name, kwargs)
-        check(name, args, params, layout)
-        outs = compute(name, args, params, layout)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        # the layout the fake kernel promised (ATen keeps an input's strides, e.g. of a transposed view)
-        outs = tuple(o.contiguous(memory_format=fmt) for o, (_, fmt) in zip(outs, _out_shapes(name, args)))
-        return outs if len(outs) > 1 else outs[0]
+def _no_cuda_kernel(name: str):
+    kernel = cpu_kernel(name)
 
-    return kernel
+    def cuda(*args, **kwargs):
+        warn_no_cuda_kernels()
+        return kernel(*args, **kwargs)
+
+    return cuda
+
+
+# ---------------------------------------------------------------- the route
+# One route for every call of an op from Python (the functional API, the Functions' own backward, the MLPs): the
+# dispatcher op, which routes devices, autograd, modes and subclasses; one fast path where nothing is to be
+# recorded skips the ops' Python autograd kernel (microseconds a call: a decode step on a GPU without CUDA graphs
+# pays them per activation), and on the CPU the dispatcher too (the CPU kernel is a Python function, called
+# directly). Under a torch.func transform the call starts at the op's Function: torch runs a Python autograd formula
+# under torch.func only when it is applied from Python (pytorch/pytorch#168393), and its forward calls the op. While
+# torch.compile traces a transform, the op is its ATen form: dynamo traces no Function with a custom jvp.
+_is_compiling = torch.compiler.is_compiling
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_grad_enabled = torch.is_grad_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+_tracing = torch._C._get_tracing_state  # torch.jit.trace: records the dispatcher op
+_fw_ad = torch.autograd.forward_ad  # its _current_level: >= 0 while a dual level is open
+_Tensor, _STRIDED = torch.Tensor, torch.strided
+_overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
+CPU_KERNELS: dict = {}  # op name -> its CPU kernel (register fills it): what the dispatcher would call
+
+
+def quiet(args: tuple) -> bool:
+    """The fast path's one predicate: plain dense tensors that nothing records (grad mode off, or none requires
+    grad), outside forward-mode AD, torch.func transforms, torch.compile's and torch.jit's tracing and torch
+    function / dispatch modes. Under any of those the dispatcher op runs with its autograd kernel, which decides."""
+    if _is_compiling():  # first: dynamo cannot trace the checks below
+        return False
+    grad = _grad_enabled()
+    for t in args:
+        if type(t) is not _Tensor or (grad and t.requires_grad) or t.layout is not _STRIDED or t.is_nested:
+            return False
+    return _fw_ad._current_level < 0 and not (_layer_depth() or _function_mode() or _dispatch_modes() or _tracing())
+
+
+def overload(name: str):
+    """torch.ops.ffn_ext.<name>.default. Under torch.compile it is looked up, never cached: filling the cache while
+    traced made dynamo guard on its contents, so every compiled function recompiled on its second call
+    (tests/test_compile_export.py)."""
+    if _is_compiling():
+        return getattr(torch.ops.ffn_ext, name).default
+    op = _overloads.get(name)
+    if op is None:
+        op = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
+    return op
+
+
+def route(name: str, args: tuple, kwargs: dict):
+    """Op `name` on tensors `args` with its keyword arguments, by the one route (above)."""
+    if quiet(args):
+        if args[0].is_cpu:  # (another argument on another device: the CPU kernel's check names it)
+            return CPU_KERNELS[name](*args, **kwargs)
+        with _below_autograd():
+            return overload(name)(*args, **kwargs)
+    if name in FUNCTIONS and _compat.functorch_active():
+        if _is_compiling():  # dynamo traces no Function with a custom jvp: the ATen form, which it traces whole
+            params, layout = split_kwargs(name, kwargs)
+            check(name, args, params, layout)
+            return compute(name, args, params, layout)
+        return FUNCTIONS[name].apply(*args, *(kwargs.get(k, DEFAULTS[name][k]) for k in KEYWORDS[name]))
+    return overload(name)(*args, **kwargs)
+
+
+# op name -> {keyword: default} (None: required; the op's own check names it)
+DEFAULTS = {
+    n: {**{p.name: p.default for p in s.params}, **({"layout": "concat"} if s.kind == "packed" else {})}
+    for n, s in OPS.items()
+}
 
 
 # ---------------------------------------------------------------- autograd
-def _op(name: str):
-    return getattr(torch.ops.ffn_ext, name).default
+def _tuple(t) -> tuple:
+    return t if isinstance(t, tuple) else (t,)
 
 
-def _below(name: str, keyset, args: tuple, kwargs: dict):
-    """Op `name` past the autograd keys (its CPU, CUDA or fake kernel)."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return _op(name).redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
-
-
-class _Function(torch.autograd.Function):
-    """One recorded call of a differentiable op: the kernel below autograd, then the table's backward."""
-
-    @staticmethod
-    def forward(ctx, name, keyset, kwargs, *tensors):
-        ctx.name, ctx.kwargs = name, kwargs
-        ctx.save_for_backward(*tensors)
-        return _below(name, keyset, tensors, kwargs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        spec, needs = OPS[ctx.name], ctx.needs_input_grad[3:]
-        fn = _backward_of_backward if spec.backward else _backward_of_forward
-        grads_in = fn(ctx.name, ctx.saved_tensors, ctx.kwargs, grads)
-        return (None, None, None, *(g if need else None for g, need in zip(grads_in, needs)))
-
-
-def _backward_of_forward(name: str, saved: tuple, kwargs: dict, grads: tuple) -> tuple:
-    """A forward op's input gradients: its *_backward op (differentiable in turn)."""
-    out = _op(name + "_backward")(grads[0], *saved, **kwargs)
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _vjp(fn, n: int, tensors: tuple) -> tuple:
-    """The vector-Jacobian product of fn at tensors[:n] for the cotangents tensors[n:], differentiable in all of
-    them (create_graph). The tensors must be independent leaves that require grad."""
-    ins = tensors[:n]
-    outs = fn(*ins)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    grads = torch.autograd.grad(outs, ins, tensors[n:], create_graph=True, allow_unused=True)
-    return tuple(torch.zeros_like(i) if g is None else g for g, i in zip(grads, ins))
-
-
-class _Vjp(torch.autograd.Function):
-    """_vjp(fn, n, tensors) as an autograd function of tensors whose backward is again a _Vjp, so that every order
-    of derivative is ATen's. Each order differentiates on fresh leaves: the tensors may depend on one another (a
-    double backward's grad depends on the forward's inputs), and differentiating through that dependency inside
-    would count it twice and free the caller's graph."""
-
-    @staticmethod
-    def forward(ctx, fn, n, *tensors):
-        ctx.fn, ctx.n = fn, n
-        ctx.save_for_backward(*tensors)
-        with torch.enable_grad():
-            leaves = tuple(t.detach().requires_grad_() for t in tensors)
-            return tuple(g.detach() for g in _vjp(fn, n, leaves))
-
-    @staticmethod
-    def backward(ctx, *cotangents):
-        fn, n, tensors = ctx.fn, ctx.n, ctx.saved_tensors
-        return (None, None, *_Vjp.apply(lambda *t: _vjp(fn, n, t), len(tensors), *tensors, *cotangents))
-
-
-def _backward_of_backward(name: str, saved: tuple, kwargs: dict, cotangents: tuple) -> tuple:
-    """A *_backward op's input gradients. The op is the vector-Jacobian product of its forward op's ATen form
-    (ATen's own backward formulas are not all differentiable: silu_backward is not), so its derivatives are
-    _Vjp's."""
+def _aten_fn(name: str, params: dict, layout: str | None):
+    """Op `name` as a function of its tensors from the ATen forms, differentiable to every order by torch.autograd
+    and torch.func: a forward op's own form; a *_backward op (grad, *primals) -> the vjp of its forward op's form
+    (ATen's own backward formulas are not all differentiable: silu_backward is not)."""
     spec = OPS[name]
-    grad, *primals = saved
-    params, layout = split_kwargs(name, kwargs)
+    if not spec.backward:
+        return lambda *ins: compute(name, ins, params, layout)
 
     def forward(*ins):
         return compute(spec.forward_name, ins, params, layout)
 
-    n = len(primals)
-    *d_primals, d_grad = _Vjp.apply(lambda *t: _vjp(forward, n, t), n + 1, *primals, grad, *cotangents)
-    return (d_grad, *d_primals)
+    def backward_op(grad, *primals):
+        outs = torch.func.vjp(forward, *primals)[1](grad)
+        return outs if len(outs) > 1 else outs[0]
+
+    return backward_op
+
+
+def _jvp(fn, primals: tuple, tangents: tuple):
+    """The Jacobian-vector product of fn at primals by reverse mode only (forward-mode AD does not nest, and this runs
+    inside one): the vjp u -> J^T u is linear in u, so the vjp of that map at u = 0 for the cotangent t is J t."""
+    out, vjp_fn = torch.func.vjp(fn, *primals)[:2]
+    outs = _tuple(out)
+    zeros = tuple(torch.zeros_like(o) for o in outs)
+    vjp_vjp = torch.func.vjp(lambda *us: vjp_fn(us if len(us) > 1 else us[0]), *zeros)[1]
+    js = vjp_vjp(tangents)
+    return js if len(js) > 1 else js[0]
+
+
+def _function(name: str) -> type:
+    """Op `name`'s autograd.Function, in the form torch.func takes: apply(*tensors, *its keyword arguments in
+    schema order) runs the op; backward is a forward op's *_backward op (through the route, so differentiable in
+    turn) and a *_backward op's vjp of its ATen form; jvp is its ATen form's; vmap is generated (the op's own
+    batching rule runs under it)."""
+    spec = OPS[name]
+    n, keys = len(spec.args), KEYWORDS[name]
+
+    def forward(*args):  # the dispatcher op (not route, which under torch.func would apply this Function again)
+        ins, kwargs = args[:n], dict(zip(keys, args[n:]))
+        if quiet(ins):
+            return route(name, ins, kwargs)
+        return overload(name)(*ins, **kwargs)
+
+    def setup_context(ctx, inputs, output):
+        ctx.extra = inputs[n:]
+        ctx.save_for_backward(*inputs[:n])
+        ctx.save_for_forward(*inputs[:n])
+
+    def backward(ctx, *grads):
+        tensors, kwargs = ctx.saved_tensors, dict(zip(keys, ctx.extra))
+        if not spec.backward:
+            grads_in = _tuple(route(name + "_backward", (grads[0], *tensors), kwargs))
+        else:
+            params, layout = split_kwargs(name, kwargs)
+            fn = _aten_fn(name, params, layout)
+            grads_in = torch.func.vjp(fn, *tensors)[1](grads if len(grads) > 1 else grads[0])
+        needs = ctx.needs_input_grad
+        return (*(g if needs[i] else None for i, g in enumerate(grads_in)), *(None,) * len(keys))
+
+    def jvp(ctx, *tangents):
+        params, layout = split_kwargs(name, dict(zip(keys, ctx.extra)))
+        primals = ctx.saved_tensors
+        tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents[:n]))
+        return _jvp(_aten_fn(name, params, layout), primals, tangents)
+
+    return type(
+        f"ffn_ext_{name}",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+            "generate_vmap_rule": True,
+        },
+    )
+
+
+FUNCTIONS: dict[str, Any] = {}  # differentiable op name -> its autograd.Function (register fills it)
+
+
+def _records(args: tuple) -> bool:
+    return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)) or (
+        _compat.has_tangent(args)
+    )
 
 
 def _autograd(name: str):
-    """Op `name`'s Autograd kernel: its _Function where a gradient is to be recorded, else the kernel below
-    autograd. A forward-mode dual input raises: these ops have no jvp, and dropping the tangent would be a silent
-    wrong derivative (the functional API routes dual tensors to ATen's ops). The ops without autograd formula (the
-    recompute ops, which serve backward passes) raise where a gradient would be recorded, rather than return
-    results that autograd silently treats as constants."""
+    """Op `name`'s Autograd kernel: its Function where something is to be recorded (a gradient, or a forward-mode
+    tangent), else the kernel below autograd. The recompute ops have no Function: where a gradient would be
+    recorded they raise, rather than return results autograd would silently treat as constants."""
     spec = OPS[name]
+    keys, n = KEYWORDS[name], len(spec.args)
 
     def kernel(keyset, *args, **kwargs):
-        record = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
-        tangent = _compat.has_tangent(args)
-        if not spec.differentiable and (record or tangent):
-            raise RuntimeError(
-                f"ffn_ext::{name} has no autograd formula (it serves a backward pass); call it under torch.no_grad() "
-                f"or with inputs that do not require grad, or differentiate ffn_ext::{spec.forward_name}_backward "
-                "instead"
-            )
-        if tangent:
-            raise RuntimeError(
-                f"ffn_ext::{name}: forward-mode AD is not supported (jvp is not implemented); the functional API "
-                "(ffn_ext.swiglu, ...) computes dual tensors with ATen's ops"
-            )
-        if record:
-            return _Function.apply(name, keyset, kwargs, *args)
-        return _below(name, keyset, args, kwargs)
+        if _records(args):
+            if not spec.differentiable:
+                raise RuntimeError(
+                    f"ffn_ext::{name} has no autograd formula (it serves a backward pass); call it under "
+                    "torch.no_grad() or with inputs that do not require grad, or differentiate "
+                    f"ffn_ext::{spec.forward_name}_backward instead"
+                )
+            if _layer_depth():
+                raise RuntimeError(
+                    f"torch.ops.ffn_ext.{name} under a torch.func transform (grad, jvp, ...): torch runs a Python "
+                    "autograd formula under torch.func only when it is applied from Python, not from the "
+                    f"dispatcher: call the functional API (ffn_ext.*, ffn_ext.ops.call_op({name!r}, ...)), which does"
+                )
+            return FUNCTIONS[name].apply(*args[:n], *(kwargs.get(k, DEFAULTS[name][k]) for k in keys))
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(name).redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     return kernel
 
 
+# ---------------------------------------------------------------- vmap
+def _batch_rule(name: str):
+    """The vmap batching rule of op `name`, for every op of the table: the ops are elementwise over the leading
+    dimensions (a packed op pairs elements along the last one only), so batching is free: move each input's batch
+    dimension to the front (an unbatched input is expanded, no copy), which keeps a packed tensor's last dimension
+    last, and call the op once on the whole batch. Outputs are batched at dim 0."""
+    op = overload(name)
+    n_out = OPS[name].n_outputs
+
+    def rule(info, in_dims, *args, **kwargs):
+        b = info.batch_size
+        args = [t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims)]
+        return op(*args, **kwargs), (0 if n_out == 1 else (0,) * n_out)
+
+    return rule
+
+
 # ---------------------------------------------------------------- registration
-_libs: list = []  # the torch.library.Library objects: registrations last as long as these live
-hooks: list = []  # register()s of the layers above (ffn_ext/_quant_kernels.py), run by register: no import
+_libs: list = []  # the torch.library.Library registering the kernels: registrations last as long as it lives
+_hooks: list = []  # the quantizing ops' register (ffn_ext.quant, a module this one does not import)
+_cuda_kernels = False
+_defined: list = []  # the Library that defined the schemas, where no native library did
+
+
+def add_hook(hook) -> None:
+    """hook(lib, cuda_kernels) registers more ops' kernels on register's Library: now if register has run, else
+    when it does."""
+    _hooks.append(hook)
+    if _libs:
+        hook(_libs[0], _cuda_kernels)
+
+
+def define() -> None:
+    """Defines every schema of the ffn_ext namespace from the table (table.SCHEMAS), where no native library did:
+    the ops then run the Python kernels on every device."""
+    if _defined:
+        return
+    lib = torch.library.Library("ffn_ext", "DEF")  # noqa: TOR901
+    _defined.append(lib)
+    for schema, pointwise in SCHEMAS:
+        lib.define(schema, tags=(torch.Tag.pointwise,) if pointwise else ())
+
+
+def undefine() -> None:
+    """Drops what define() and register() registered (ffn_ext.jit.load, to register a native library instead)."""
+    for lib in _libs + _defined:
+        lib._destroy()
+    _libs.clear()
+    _defined.clear()
+    FUNCTIONS.clear()
+    CPU_KERNELS.clear()
+    _overloads.clear()
 
 
 def register(cuda_kernels: bool, cuda_off: str | None = None) -> None:
-    """Registers the Python kernels and autograd of every op of the table, once the native library has defined the
-    schemas. cuda_kernels: whether that library has CUDA kernels; without, the ATen kernels serve CUDA tensors, and
+    """Registers the Python kernels and autograd of every op of the table (and the hooks'), once the schemas exist.
+    cuda_kernels: whether the native library has CUDA kernels; without, the CPU kernels serve CUDA tensors, and
     warn once, giving `cuda_off` (why they are off) when known."""
-    global _cuda_off
+    global _cuda_off, _cuda_kernels
     if _libs:
         return
-    _cuda_off = cuda_off
+    _cuda_off, _cuda_kernels = cuda_off, cuda_kernels
     lib = torch.library.Library("ffn_ext", "IMPL")  # noqa: TOR901  # (not a new namespace: the schemas exist)
     _libs.append(lib)
-    for name in OPS:
+    for name, spec in OPS.items():
         torch.library.register_fake(f"ffn_ext::{name}", _fake(name), lib=lib)
-        lib.impl(name, _aten_kernel(name), "CPU")
+        CPU_KERNELS[name] = cpu_kernel(name)
+        lib.impl(name, CPU_KERNELS[name], "CPU")
         if not cuda_kernels:
-            lib.impl(name, _aten_kernel(name, warn=True), "CUDA")
+            lib.impl(name, _no_cuda_kernel(name), "CUDA")
+        if spec.differentiable:
+            FUNCTIONS[name] = _function(name)
         lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
-    for hook in hooks:
-        hook()
+        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name), lib=lib)
+    for hook in _hooks:
+        hook(lib, cuda_kernels)

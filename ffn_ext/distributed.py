@@ -122,7 +122,7 @@ def register_strategies() -> bool:
     """Registers the sharding strategies of every op of the table with DTensor, once; True when this call did."""
     global _registered
     if _registered or not _ops.native_ops():
-        return False  # once; and without the native ops (the ATen fallback) there are no ffn_ext ops to register
+        return False  # once; and only once the ops are registered
     from torch.distributed.tensor.experimental import register_sharding
 
     for name, spec in OPS.items():

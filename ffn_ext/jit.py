@@ -1,6 +1,6 @@
 """Build and load the native library from the C++/CUDA sources with torch.utils.cpp_extension.load.
 
-Two binaries, as setup.py builds them (stable ABI, docs/internals/stable-abi.md §3): the module _C (pybind11, the
+Two binaries, as setup.py builds them (stable ABI, docs/internals/stable-abi.md): the module _C (pybind11, the
 schemas), then, with CUDA, the CUDA library (a plain shared library, is_python_module=False, loaded with
 torch.ops.load_library); the CPU kernels, fake kernels and autograd are the package's Python, registered when the
 module is adopted. Works from a checkout (csrc/) and from an installed package (the copy under ffn_ext/_src that
@@ -59,6 +59,8 @@ def load(
     cached) and one when it is done; verbose=True shows the compiler's output too."""
     from torch.utils import cpp_extension
 
+    if ops._native_source == "python":  # the ops ffn_ext defined itself, without a native library: replaced
+        ops._undefine_here()
     if ops._native is not None:
         ok, why = _loaded_matches(with_cuda)
         if ok:

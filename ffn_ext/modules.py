@@ -113,8 +113,8 @@ class GELU(Act):
         _gelu_entry("GELU", approximate)
         self.approximate = approximate
 
-    @property  # type: ignore[override]
-    def activation(self) -> str:
+    @property
+    def activation(self) -> str:  # type: ignore[override]  # (Act's attribute, derived from approximate here)
         return _gelu_entry("GELU", self.approximate).name
 
     def extra_repr(self) -> str:
@@ -142,7 +142,7 @@ class SiLU(Act):
 _ACT_FORWARDS = (Act.forward, SiLU.forward)
 
 
-def activation_of(module: nn.Module) -> str | None:
+def activation_of(module: nn.Module | None) -> str | None:
     """The table name of what `module` computes when it is one of ffn_ext's activation modules (Act, GELU, SiLU, or a
     subclass that keeps their forward), else None: then FFN runs its modules as they are."""
     return module.activation if isinstance(module, Act) and type(module).forward in _ACT_FORWARDS else None
@@ -282,7 +282,7 @@ class GeGLU(Gated):
         return ", ".join(filter(None, (f"approximate={self.approximate!r}", self._layout_repr())))
 
 
-def gating_of(module: nn.Module) -> Gating | None:
+def gating_of(module: nn.Module | None) -> Gating | None:
     """The Gating `module` computes when it is one of ffn_ext's gated activation modules (Gated, SwiGLU, GeGLU, or a
     subclass that keeps their forward), else None: then the FFN runs its modules as they are."""
     return module.gating if isinstance(module, Gated) and type(module).forward is Gated.forward else None

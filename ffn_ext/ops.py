@@ -1,9 +1,10 @@
 """The ffn_ext ops from Python: loading the native library and the functional API.
 
 The native library (the installed ``ffn_ext._C`` or a JIT build, ``ffn_ext.jit.load``) registers the ops' schemas
-and CUDA kernels when it loads; their CPU and fake kernels and their autograd, double backward included, are
-registered from the table when the package adopts it (ffn_ext/_kernels.py). The functional API calls them, and falls
-back to plain ATen when no native library could be loaded or the tensor's device has no ffn_ext kernel.
+and CUDA kernels when it loads; their CPU and fake kernels and their autograd (every order, torch.func included) are
+registered from the table when the package adopts it (ffn_ext/_kernels.py). Without a native library ffn_ext defines
+the schemas itself, and the ops run PyTorch's own ops on every device. Every public function calls its dispatcher
+op by one route (_kernels.route), and a Gating is one gated op with its parameters and layout.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import torch
 
 from . import _compat, _kernels
 from ._kernels import FLOAT_DTYPES as _FLOAT_DTYPES
-from ._kernels import check_extra as _check_extra
-from ._kernels import check_kinds as _check_kinds
-from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params, split_packed
+from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params
 
 __all__ = [
     "gelu",
@@ -57,40 +56,12 @@ def _adopt(module, source: str) -> None:
     global _native, _native_source, _native_error
     with _lock:
         if _native is None:
-            _native, _native_source, _native_error = module, source, None
+            _native, _native_source = module, source
+            if source != "python":
+                _native_error = None
             cuda = _cuda_info()
             _kernels.register(cuda_kernels=cuda["cuda_kernels"] == "yes", cuda_off=cuda.get("cuda_kernels_off"))
-            _register_vmap_rules()
             _register_dtensor()
-
-
-def _batch_rule(name: str):
-    """The vmap batching rule of op `name`, for every op of the table: the ops are elementwise over the leading
-    dimensions (a packed op pairs elements along the last one only), so batching is free: move each input's batch
-    dimension to the front (an unbatched input is expanded, no copy), which keeps a packed tensor's last dimension
-    last, and call the op once on the whole batch. Outputs are batched at dim 0."""
-    overload = getattr(torch.ops.ffn_ext, name).default
-    n_out = OPS[name].n_outputs
-
-    def rule(info, in_dims, *args, **kwargs):
-        b = info.batch_size
-        args = [t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims)]
-        return overload(*args, **kwargs), (0 if n_out == 1 else (0,) * n_out)
-
-    return rule
-
-
-_vmap_registered = False
-
-
-def _register_vmap_rules() -> None:
-    """Registers the batching rule of every op of the table (forward and backward) once, when the ops exist."""
-    global _vmap_registered
-    if _vmap_registered:
-        return
-    _vmap_registered = True
-    for name in OPS:
-        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
 
 
 def _register_dtensor() -> bool:
@@ -113,7 +84,7 @@ def _load_installed() -> None:
     global _native_error
     if os.environ.get(NO_C_ENV, "0") not in ("", "0"):
         _native_error = f"{NO_C_ENV} is set"
-        return
+        return _define_here()  # (ffn_ext.jit.load replaces these with the library it builds)
     from . import _loader  # ops registered before this import, _C built for another torch, the advice
 
     registered = _loader.registered_elsewhere()  # importing _C next to them would abort the process
@@ -127,214 +98,106 @@ def _load_installed() -> None:
     except ImportError as e:
         _native_error = f"ffn_ext._C could not be imported ({e})"
         warnings.warn(
-            f"{_native_error}; ffn_ext falls back to plain ATen ops (correct, not fused). {_loader.remedy()}",
+            f"{_native_error}; the ops run PyTorch's own ops on every device (correct, not fused). {_loader.remedy()}",
             RuntimeWarning,
             stacklevel=3,
         )
-        return
+        return _define_here()
     _adopt(_C, "ffn_ext._C")
 
 
+def _define_here() -> None:
+    """Without a native library: the ops' schemas defined from the table here, their Python kernels on every device."""
+    _kernels.define()
+    _adopt(_Python(), "python")
+
+
+def _undefine_here() -> None:
+    """Drops the ops _define_here registered, so that a native library (ffn_ext.jit.load) can register them."""
+    global _native, _native_source
+    with _lock:
+        _kernels.undefine()
+        _native, _native_source = None, None
+
+
+class _Python:
+    """Stands in for the native module when ffn_ext defined the ops itself (no native library): no CUDA kernels."""
+
+    source = "python"
+
+    @staticmethod
+    def build_info() -> dict:
+        return {
+            "cuda_kernels": "no",
+            "cuda_kernels_off": _native_error or "no native library",
+            "pointwise_tags": "yes",  # (_kernels.define tags them)
+        }
+
+
 # ---------------------------------------------------------------- functional API
-# Input checks. The ops' kernels check everything (the CUDA kernels in C++, csrc/shapes.cpp; the CPU and fake
-# kernels in ffn_ext/_kernels.py), but sparse, nested and quantized tensors (and non-tensors) never reach those
-# checks: the dispatcher routes them to SparseCPU/NestedTensorCPU/QuantizedCPU/... keys where ffn_ext has no kernel
-# and fails with an unclear "Could not run ..." error. The API therefore calls the op first (no Python checks on the
-# hot path: decode-sized calls are bound by host time) and, only if it raises, looks at the tensor kinds to raise
-# the clear error instead. When it falls back to plain ATen it makes the kernels' checks (_kernels.check).
-def _native_for(t: torch.Tensor) -> bool:
-    """True when the native ops serve t's device (cpu, cuda, meta); other devices take the ATen fallback."""
-    return _native is not None and (t.is_cuda or t.is_cpu or t.is_meta)
-
-
-_overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up once
-# op name -> its keyword-only scalar arguments, in schema order: the gated op's parameters, then a packed op's layout
-_KEYWORDS = {n: tuple(p.name for p in s.params) + (("layout",) if s.kind == "packed" else ()) for n, s in OPS.items()}
-_is_compiling = torch.compiler.is_compiling
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-
-
-def _transformed(args: tuple) -> bool:
-    """True under a torch.func transform (grad, vmap, jacrev, jvp, ...) or for a forward-mode dual tensor, also while
-    torch.compile traces (dynamo traces the interpreter stack's peek): what the gated MLPs' lean autograd.Function
-    (ffn_ext.mlp) does not support."""
-    return _compat.functorch_active() or _compat.has_tangent(args)
-
-
-def _aten_only(args: tuple) -> bool:
-    """True where the native op cannot serve the call, so it takes ATen's ops (which support everything; no fusion
-    there): a grad, jvp or functionalize transform level (the ops' autograd is an autograd.Function without
-    setup_context, ffn_ext/_kernels.py, which functorch refuses) or a forward-mode dual tensor. Under vmap alone the native op serves, through its batching
-    rule (_register_vmap_rules), in eager; while torch.compile traces, any transform takes ATen's ops (dynamo cannot
-    read which transforms are active), which inductor fuses into one kernel whatever the batch."""
-    if _compat.functorch_active():
-        return _is_compiling() or not _compat.vmap_only()
-    return _compat.has_tangent(args)
-
-
-# ---- the host path: on plain CPU tensors the op IS its ATen expression
-# ffn_ext's CPU kernels are the same ATen expressions behind the dispatcher and the ops' checks (ffn_ext/_kernels.py);
-# ATen's own functional ops, called directly, cost less host time (docs/performance.md#cpu-call-overhead); and a
-# backward through ATen's autograd
-# reuses the act(gate) its forward saved where ffn_ext's recomputes it. So on CPU the public functions compute the
-# table's ATen expression (act.aten(x), act(gate) * up), under ATen's autograd, after the checks the native op would
-# make (any input they would reject takes the native path, which raises its error). Not on this path: tensor
-# subclasses, other devices, mixed dtypes (promoted first, below), and calls under a torch function or dispatch
-# mode, which see the ffn_ext op as on every other device.
-_Tensor, _STRIDED = torch.Tensor, torch.strided
-_FLOATS = frozenset(_FLOAT_DTYPES)
-_function_mode = torch._C._is_torch_function_mode_enabled
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-
-
-def _host_form(name: str):
-    """(args, extra) -> forward op `name` as its ATen expression (an activation's act.aten(x); act.aten(gate) * up,
-    packed or not), or NotImplemented where the native op must decide (a layout it would reject, an odd width)."""
-    spec = OPS[name]
-    act = spec.act.aten
-    if spec.kind == "unary":
-        return lambda args, extra: act(args[0])
-    if spec.kind == "gated":
-        return lambda args, extra: act(args[0]) * args[1]
-
-    def packed(args, extra):
-        gu, layout = args[0], extra[0] if extra else "concat"  # (ffn_ext.mlp passes no layout)
-        if gu.dim() == 0 or gu.shape[-1] % 2 or layout not in LAYOUTS:
-            return NotImplemented
-        gate, up = split_packed(gu, layout)
-        # the op's [..., M] result is a fresh contiguous tensor; ATen's over interleaved views is strided
-        return (act(gate) * up).contiguous()
-
-    return packed
-
-
-# Not the ops of a gated op with an ATen form of its own (swiglu_clamped): ATen's autograd of that expression rounds
-# its backward differently from the op's formula (up to 1e-3 relative in fp32 where it cancels), so a compiled graph
-# (which keeps the op) and eager would disagree; for act(gate) * up and the unary ops both give the same bits.
-_HOST = {
-    name: _host_form(name)
-    for name, spec in OPS.items()
-    if not spec.backward and not spec.params and (spec.gated is None or spec.gated.aten is None)
-}
-
-
-def _on_host(args: tuple) -> bool:
-    """True for plain dense CPU tensors of one floating-point dtype and one shape, outside torch.compile and torch
-    function / dispatch modes: the calls the host path serves."""
-    if _is_compiling():  # first: dynamo cannot trace the mode checks below
-        return False
-    a = args[0]
-    if type(a) is not _Tensor or not a.is_cpu or a.dtype not in _FLOATS or a.layout is not _STRIDED or a.is_nested:
-        return False
-    for b in args[1:]:
-        if (
-            type(b) is not _Tensor
-            or not b.is_cpu
-            or b.dtype is not a.dtype
-            or b.layout is not _STRIDED
-            or b.is_nested
-            or b.shape != a.shape
-        ):
-            return False
-    return not (_function_mode() or _dispatch_modes())
-
-
 def _call(name: str, args: tuple, extra: tuple = ()):
-    """The op on tensors `args` and its scalar arguments `extra` (a gated op's parameters, then a packed op's
-    layout: every one, in schema order, _KEYWORDS[name]), by the cheapest path that serves them:
-    0. plain CPU tensors (_on_host): the op's ATen expression, under ATen's autograd (_host_form; why above);
-    1. torch.ops.ffn_ext.<name> when the native ops serve args[0]'s device; started below autograd when there is
-       nothing to record (outside torch.compile), so that a call does not pay the ops' Python autograd kernel
-       (ffn_ext/_kernels.py) to find that out;
-    2. else the op's ATen fallback (_fallback), after its own checks: devices without ffn_ext kernels, no native
-       library, torch.func transforms and forward-mode AD (_transformed).
-    Bad tensor kinds get the clear error on every path, and the C++ checks' ValueError and TypeError their type
-    (_kernels.retyped). Floating-point inputs of different dtypes are promoted to their common dtype first
-    (_promoted), as ATen's act(gate) * up promotes."""
-    host = _HOST.get(name)
-    if host is not None and _on_host(args):
-        out = host(args, extra)
-        if out is not NotImplemented:
-            return out
+    """Op `name` on tensors `args` with its scalar arguments `extra` (a gated op's parameters, then a packed op's
+    layout: all of them, in schema order): every public function's one route (_kernels.route: the dispatcher op,
+    one fast path). Floating-point inputs of different dtypes are promoted to their common dtype first
+    (_promoted), as ATen's act(gate) * up promotes. An error is explained by the Python checks when they find its
+    cause (_explained)."""
+    kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else _NO_KWARGS
     try:
         if len(args) > 1:
-            args = _promoted(args)
-        if _native_for(args[0]) and not _aten_only(args):
-            # Under torch.compile the op is looked up, never cached: filling _overloads while traced made dynamo
-            # guard on the cache's contents, so every compiled function recompiled on its second call
-            # (tests/test_compile_export.py runs a second call under set_stance("fail_on_recompile")).
-            if _is_compiling():
-                return getattr(torch.ops.ffn_ext, name).default(*args, **dict(zip(_KEYWORDS[name], extra)))
-            overload = _overloads.get(name)
-            if overload is None:
-                overload = _overloads[name] = getattr(torch.ops.ffn_ext, name).default
-            kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else {}
-            if torch.is_grad_enabled() and any(t.requires_grad for t in args):
-                return overload(*args, **kwargs)
-            with _below_autograd():
-                return overload(*args, **kwargs)
+            dtype = args[0].dtype
+            for t in args[1:]:
+                if t.dtype is not dtype:
+                    args = _promoted(args)
+                    break
+        return _kernels.route(name, args, kwargs)
     except Exception as e:
         if _compat.has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
-        _check_kinds(f"ffn_ext.{name}", OPS[name].args, args)  # raises the clear error if a kind is the cause
-        _check_extra(name, dict(zip(_KEYWORDS[name], extra)))  # ... or a parameter's (e.g. limit="7")
-        retyped = _kernels.retyped(e)
-        if retyped is not None:
-            raise retyped from None
-        raise
-    return _fallback(name, args, dict(zip(_KEYWORDS[name], extra)))
+        raise _explained(name, args, kwargs, e) from None
+
+
+_NO_KWARGS: dict = {}  # (never changed: the route passes keyword arguments on as **kwargs)
+_KEYWORDS = _kernels.KEYWORDS
+
+
+def _explained(name: str, args: tuple, kwargs: dict, err: Exception) -> Exception:
+    """The user-facing error for a call that raised `err`: the first failing Python check (the tensors' kinds,
+    then the op's own checks: what a CUDA kernel's C++ guard or the dispatcher's "could not run" stands for), or
+    `err` itself when every check passes."""
+    spec = OPS[name]
+    try:
+        _kernels.check_kinds(f"ffn_ext.{name}", spec.args, args)
+        params, layout = _kernels.split_kwargs(name, kwargs)
+        _kernels.check(name, args, params, layout)
+    except (TypeError, ValueError, RuntimeError) as why:
+        return why
+    return err
 
 
 def _promoted(args: tuple) -> tuple:
-    """args with floating-point tensors of different dtypes converted to their common dtype (torch.promote_types:
-    float32 and bfloat16 -> float32), as ATen's silu(gate) * up promotes (under autocast, a projection's bfloat16
-    output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args itself when
-    the dtypes agree, or when anything but floating-point tensors is there (the checks then name it)."""
+    """args (of different dtypes) converted to their common dtype (torch.promote_types: float32 and bfloat16 ->
+    float32) when all are floating point, as ATen's silu(gate) * up promotes (under autocast, a projection's
+    bfloat16 output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args
+    itself when anything but floating-point tensors is there (the checks then name it)."""
     for t in args:
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             return args
     dtype = args[0].dtype
-    if all(t.dtype is dtype for t in args):  # the common case: no promote_types call (a dispatcher op)
-        return args
     for t in args[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return tuple(t.to(dtype) for t in args)
 
 
-def _fallback(name: str, args: tuple, kwargs: dict | None = None):
-    """Op `name` (any op of the table, backward ops included) with ATen ops, after the checks the native ops make,
-    with the same messages. kwargs: the gated op's parameters, and a packed op's layout."""
-    spec, op = OPS[name], f"ffn_ext.{name}"
-    kwargs = dict(kwargs or {})
-    layout = kwargs.pop("layout", "concat") if spec.kind == "packed" else None
-    params = {p.name: kwargs.pop(p.name, p.default) for p in spec.params}
-    if kwargs:
-        raise TypeError(f"{op}: unexpected keyword argument(s) {sorted(kwargs)}")
-    missing = [k for k, v in params.items() if v is None]
-    if missing:
-        raise TypeError(f"{op}: missing required keyword argument(s) {missing}")
-    _kernels.check(name, args, params, layout)
-    return _kernels.compute(name, args, params, layout)
-
-
 def call_op(name: str, *args, **kwargs):
-    """torch.ops.ffn_ext.<name>(*args, **kwargs) for any op of the table (backward ops too) where the native ops
-    serve the arguments, else its ATen fallback: what the modules' lean autograd calls."""
-    if _native_for(args[-1]) and not _aten_only(args):
-        try:
-            return getattr(torch.ops.ffn_ext, name)(*args, **kwargs)
-        except RuntimeError as e:
-            retyped = _kernels.retyped(e)
-            if retyped is not None:
-                raise retyped from None
-            raise
-    return _fallback(name, args, kwargs)
+    """Any op of the table (backward ops too) by name, by the functional API's route: what the MLPs' lean autograd
+    and Gating call."""
+    return _call(name, args, tuple(kwargs.get(k, _kernels.DEFAULTS[name][k]) for k in _KEYWORDS[name]))
 
 
 def backward_recompute(grad: torch.Tensor, x: torch.Tensor, activation: str) -> tuple:
-    """(grad * act'(x), act(x)) in one pass over grad and x (torch.ops.ffn_ext.<act>_backward_recompute, or its
-    ATen fallback): the classic FFN's lean backward, which recomputes act(z) for fc2's weight gradient instead of
-    saving it. Internal; it has no autograd (RuntimeError where a gradient would be recorded)."""
+    """(grad * act'(x), act(x)) in one pass over grad and x (torch.ops.ffn_ext.<act>_backward_recompute): the
+    classic FFN's lean backward, which recomputes act(z) for fc2's weight gradient instead of saving it. Internal;
+    it has no autograd (RuntimeError where a gradient would be recorded)."""
     return call_op(_act(activation).name + "_backward_recompute", grad, x)
 
 
@@ -461,6 +324,11 @@ class Gating:
     Immutable and hashable; its checks are the op's (a ValueError naming the bad argument)."""
 
     __slots__ = ("op", "params", "layout", "_extra", "_packed_extra")
+    op: str
+    params: tuple  # ((name, value), ...) in schema order, every parameter (defaults filled in)
+    layout: str
+    _extra: tuple
+    _packed_extra: tuple
 
     def __init__(self, op: str = "swiglu", *, layout: str = "concat", **params: float) -> None:
         entry = GATED_BY_NAME.get(op) if isinstance(op, str) else None
@@ -544,10 +412,13 @@ def _gating(op: str, layout: str, params: tuple) -> Gating:  # pickle's construc
 
 # ---------------------------------------------------------------- build information
 def build_info() -> dict:
-    """What is loaded: native library or ATen fallback, CUDA kernels (and why not), CUDA version and archs, torch
-    versions."""
-    info: dict[str, Any] = {"native": _native_source or "none (ATen fallback)", "torch_version": torch.__version__}
-    if _native is None:
+    """What is loaded: the native library (or none: the ops defined by ffn_ext itself), CUDA kernels (and why not),
+    CUDA version and archs, torch versions."""
+    native = (
+        "none: the ops are defined by ffn_ext (PyTorch's own ops)" if _native_source == "python" else _native_source
+    )
+    info: dict[str, Any] = {"native": native or "none", "torch_version": torch.__version__}
+    if _native is None or _native_source == "python":
         info.update(reason=_native_error, cuda_kernels="no")
     else:
         info.update(_native.build_info())
@@ -574,7 +445,8 @@ def _cuda_info() -> dict:
 
 
 def native_ops() -> bool:
-    """True when the torch.ops.ffn_ext ops are registered (a native library is loaded), False on the ATen fallback."""
+    """True when the torch.ops.ffn_ext ops are registered (by a native library, or by ffn_ext itself without one);
+    False only with FFN_EXT_NO_C=1 between ffn_ext.jit.load's replacing them and its loading its library."""
     return _native is not None
 
 

@@ -59,12 +59,12 @@ class Activation:
 
     name: str  # its unary ops: <name>, <name>_backward
     gated: str  # its gated ops: <gated>, <gated>_backward, <gated>_packed, <gated>_packed_backward
-    aten: Callable  # act(x) with ATen ops: the fallback without the native library
+    aten: Callable  # act(x) with ATen ops: the CPU kernel's form
     aten_backward: Callable  # (grad, x) -> grad * act'(x) with ATen ops
     formula: Callable  # float64 x -> (act(x), act'(x)) for finite x, NaN propagating (ref() adds the limits)
     cancel: Callable  # float64 x -> (S, S'): size of the terms the kernels' formulas for act, act' cancel
     doc: str
-    # (act(-inf), act(+inf), act'(-inf), act'(+inf)): the mathematical limits the CUDA kernels and the host path
+    # (act(-inf), act(+inf), act'(-inf), act'(+inf)): the mathematical limits the CUDA kernels
     # return (signed zeros matter: gelu(-inf) = -0)
     limits: tuple = (-0.0, _INF, 0.0, 1.0)
     eager: Callable | None = None  # the plain-PyTorch form a model writes (benchmarks' "ATen eager"); None: aten
@@ -75,10 +75,6 @@ class Activation:
     # float64 (m, x) -> m * act'(x) for an unbounded act', computed so that it is finite wherever the product is (as
     # the functor's bwd): relu2's 2 (m relu(x)); None: m * ref(x)[1]
     times_derivative_ref: Callable | None = None
-    # act(x) written into x (returned), bitwise aten's on a contiguous x: the CPU MLPs apply it to the fresh output
-    # of fc1 / gate where autograd records nothing (no_grad, inference, frozen weights): one allocation fewer a
-    # call (docs/performance.md#cpu-call-overhead). None: the MLPs call aten there.
-    aten_inplace: Callable | None = None
 
     def __post_init__(self):
         if self.api is None:
@@ -195,9 +191,6 @@ def _quick_gelu_aten_backward(g, x):
     return g * (s * (1.0 + _QUICK * x * (1.0 - s)))
 
 
-# ATen's in-place GELU has no public Python name (F.gelu has no inplace=); absent, the MLPs call F.gelu
-_GELU_: Any = getattr(torch._C._nn, "gelu_", None)
-
 ACTIVATIONS = (
     Activation(
         name="gelu",
@@ -205,7 +198,6 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "none"}),
         aten=F.gelu,
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
-        aten_inplace=_GELU_,
         hf_names=("gelu", "gelu_python"),
         formula=_gelu_ref,
         cancel=_gelu_cancel,
@@ -217,7 +209,6 @@ ACTIVATIONS = (
         api=("gelu", {"approximate": "tanh"}),
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
-        aten_inplace=None if _GELU_ is None else (lambda x: _GELU_(x, approximate="tanh")),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
         formula=_gelu_tanh_ref,
         cancel=_gelu_tanh_cancel,
@@ -229,7 +220,6 @@ ACTIVATIONS = (
         api=("silu", {}),
         aten=F.silu,
         aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
-        aten_inplace=lambda x: F.silu(x, inplace=True),
         hf_names=("silu", "swish"),
         formula=_silu_ref,
         cancel=_silu_cancel,
@@ -242,7 +232,6 @@ ACTIVATIONS = (
         # grad * step(x), NaN for NaN as every entry (ATen's threshold_backward passes grad there)
         aten=F.relu,
         aten_backward=lambda g, x: g * torch.where(x.isnan(), x, (x > 0).to(x.dtype)),
-        aten_inplace=torch.relu_,
         hf_names=("relu",),
         formula=_relu_ref,
         cancel=_no_cancel,
@@ -255,7 +244,6 @@ ACTIVATIONS = (
         api=("relu2", {}),
         aten=lambda x: torch.square(F.relu(x)),
         aten_backward=lambda g, x: g * F.relu(x) * 2,
-        aten_inplace=lambda x: torch.relu_(x).square_(),
         hf_names=("relu2",),
         formula=_relu2_ref,
         cancel=_no_cancel,
@@ -269,7 +257,6 @@ ACTIVATIONS = (
         api=("quick_gelu", {}),
         aten=lambda x: x * torch.sigmoid(_QUICK * x),
         aten_backward=_quick_gelu_aten_backward,
-        aten_inplace=lambda x: x.mul_(torch.sigmoid(_QUICK * x)),
         hf_names=("quick_gelu",),
         formula=_quick_gelu_ref,
         cancel=_quick_gelu_cancel,
@@ -310,7 +297,7 @@ class Gated:
     name: str  # its ops: <name>, <name>_backward, <name>_packed, <name>_packed_backward
     act: Activation
     params: tuple = ()  # Params, keyword-only, in schema order
-    aten: Callable | None = None  # (gate, up, **params) -> out with ATen ops (the fallback); None: act(gate) * up
+    aten: Callable | None = None  # (gate, up, **params) -> out with ATen ops (the CPU kernel's); None: act(gate) * up
     aten_backward: Callable | None = None  # (grad, gate, up, **params) -> (dgate, dup); None: Glu's
     terms: Callable | None = None  # see gated_terms
     check: Callable | None = None  # (op, **params): the ValueErrors the native ops raise for bad parameters
@@ -419,7 +406,7 @@ LAYOUTS = ("concat", "interleaved")  # the packed ops' gate_up layouts
 
 
 def check_params(op: str, gated: Gated, params: dict) -> None:
-    """The checks the native ops make of a gated op's parameters, with the same messages (ATen fallback)."""
+    """The checks of a gated op's parameters (every route's: ffn_ext/_kernels.py check)."""
     if gated.check is not None:
         gated.check(op, **params)
 
@@ -461,6 +448,21 @@ class OpSpec:
         """Keyword arguments for a call with every parameter set to its example value (tests, live check)."""
         return {p.name: p.example for p in self.params}
 
+    @property
+    def pointwise(self) -> bool:
+        """Elementwise over same-shaped inputs (torch.Tag.pointwise, as ATen's gelu and mul): every op but the
+        packed ones, which pair elements along the last dimension."""
+        return self.kind != "packed"
+
+    @property
+    def schema(self) -> str:
+        """Its schema, as the native library registers it (csrc/registration.cpp)."""
+        params = [f"float {p.name}" + ("" if p.default is None else f"={p.default!r}") for p in self.params]
+        kw = params + (['str layout="concat"'] if self.kind == "packed" else [])
+        ins = ", ".join([f"Tensor {a}" for a in self.args] + (["*", *kw] if kw else []))
+        outs = "Tensor" if self.n_outputs == 1 else "(" + ", ".join(["Tensor"] * self.n_outputs) + ")"
+        return f"{self.name}({ins}) -> {outs}"
+
 
 def _specs(act: Activation):
     return (
@@ -483,6 +485,35 @@ def _gated_specs(g: Gated):
 
 
 OPS = {s.name: s for specs in ([_specs(a) for a in ACTIVATIONS] + [_gated_specs(g) for g in GATED]) for s in specs}
+
+# The quantizing ops (ffn_ext.quant): <gated>_quant(gate, up, *, recipe, params) and <gated>_packed_quant(gate_up,
+# *, recipe, params, layout) for every gated op, and quantize(x, *, recipe); each returns (q, scale). The recipe's
+# arguments (ffn_ext.QuantRecipe's fields, op_kwargs) in schema order:
+QUANT_RECIPE_SCHEMA = (
+    "ScalarType dtype, str scaling, int group_size, bool pow2_scales, ScalarType scale_dtype, str scale_layout, "
+    "float? static_scale"
+)
+
+
+def _quant_schemas() -> dict:
+    out = {}
+    for g in GATED:
+        for spec in (OPS[g.name], OPS[g.name + "_packed"]):
+            kw = spec.schema[spec.schema.index("(") + 1 : spec.schema.index(")")].split(", ")
+            tensors, rest = (
+                [a for a in kw if a.startswith("Tensor")],
+                [a for a in kw if not a.startswith(("Tensor", "*"))],
+            )
+            args = ", ".join([*tensors, "*", QUANT_RECIPE_SCHEMA, *rest])
+            out[spec.name + "_quant"] = f"{spec.name}_quant({args}) -> (Tensor, Tensor)"
+    out["quantize"] = f"quantize(Tensor x, *, {QUANT_RECIPE_SCHEMA}) -> (Tensor, Tensor)"
+    return out
+
+
+QUANT_SCHEMAS = _quant_schemas()  # name -> schema
+# Every schema of the ffn_ext namespace, (schema, pointwise) in registration order: what the native library
+# registers (csrc/registration.cpp, from the generated ops_table.h) and, without one, ffn_ext._kernels.define.
+SCHEMAS = [(s.schema, s.pointwise) for s in OPS.values()] + [(q, False) for q in QUANT_SCHEMAS.values()]
 
 
 def op_spec(name: str) -> OpSpec:

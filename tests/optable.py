@@ -21,7 +21,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
   applied_params(name, params, dtype)   ... as torch applies them to a dtype (a clamp bound rounded to it)
   op_kwargs(name, packing, params)   an op call's keyword arguments (parameters, layout=packing)
   host_params(name, params)    the test paths' params list ([limit, alpha, up_offset], or [])
-  call(name, packing, params), NATIVE, needs_native
+  call(name, packing, params)
                                the op with its keyword arguments, or its ATen fallback without the native library
   api_call(name, packing, params)    the public API callable of forward op `name` (gelu(approximate=),
                                gated(activation=), gated_packed(layout=), swiglu_clamped(limit=, ...), ...)
@@ -80,8 +80,6 @@ __all__ = [
     "DEVICES",
     "LAYOUTS",
     "PACKINGS",
-    "NATIVE",
-    "needs_native",
     "op",
     "call",
     "spec",
@@ -135,15 +133,6 @@ CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 # A device parameter list: `@pytest.mark.parametrize("device", DEVICES)`.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)] if pytest is not None else ["cpu", "cuda"]
 
-# The native library (ffn_ext._C or a JIT build) is loaded: the torch.ops.ffn_ext ops exist. Without it
-# (FFN_EXT_NO_C=1) the public API runs the ATen fallback; tests of the dispatcher ops skip (needs_native).
-NATIVE = not ffn_ext.build_info()["native"].startswith("none")
-needs_native = (
-    pytest.mark.skipif(not NATIVE, reason="needs the native library (torch.ops.ffn_ext ops)")
-    if pytest is not None
-    else None
-)
-
 
 def op(name: str):
     """torch.ops.ffn_ext.<name> (the packet: a gated op with parameters needs them as keyword arguments)."""
@@ -190,14 +179,10 @@ def host_params(name: str, params: dict | None = None) -> list:
 
 
 def call(name: str, packing: str | None = None, params: dict | None = None):
-    """op(name) with its keyword arguments (op_kwargs: the example parameters, layout=packing) when the native
-    library is loaded, else op `name`'s ATen fallback (ffn_ext.ops._fallback: the same checks and ATen composites)
-    with them, so that value tests also run on the fallback path (FFN_EXT_NO_C=1)."""
+    """op(name) with its keyword arguments (op_kwargs: the example parameters, layout=packing)."""
     kw = op_kwargs(name, packing, params)
-    if NATIVE:
-        o = op(name)
-        return functools.partial(o, **kw) if kw else o
-    return lambda *args: ffn_ext.ops._fallback(name, args, kw)
+    o = op(name)
+    return functools.partial(o, **kw) if kw else o
 
 
 def ops_of(kind: str | None = None, backward: bool | None = None, act=None, gated=None) -> tuple:
@@ -522,7 +507,7 @@ def assert_matches_reference(
         assert o.dtype == dtype, f"{where}: dtype {o.dtype} != input dtype {dtype}"
         assert o.device == inputs[0].device, f"{where}: device {o.device} != {inputs[0].device}"
         # the native ops' outputs are fresh contiguous tensors (the ATen fallback's take ATen's strides)
-        assert o.is_contiguous() or not NATIVE, f"{where}: output is not contiguous (strides {o.stride()})"
+        assert o.is_contiguous(), f"{where}: output is not contiguous (strides {o.stride()})"
         assert_close_to(o, r, dtype, where, scale=scale, spread=s, alt=a)
 
 

@@ -1,9 +1,9 @@
-"""The functional API's call paths (ffn_ext/ops.py `_call`) for what the host path does not serve: torch.ops, started
-below autograd when there is nothing to record (the ops' autograd kernel is Python, ffn_ext/_kernels.py, and would
-cost microseconds a call to find that out), and through that kernel when a gradient is to be recorded. Both give
-torch.ops' results, errors and dispatch-mode behaviour.
+"""The one route of every public call (ffn_ext/_kernels.py `route`): the dispatcher op, which routes devices,
+autograd, modes and subclasses; its one fast path where nothing is to be recorded (`quiet`: the op's kernel directly
+on the CPU, below the ops' Python autograd kernel elsewhere); the op's Function under torch.func. Every path gives
+torch.ops' results and the Python checks' errors.
 
-A spy wraps ops._below_autograd, so every test knows whether the call started below autograd.
+A spy counts the calls that took the fast path (the CPU kernel called directly, or the dispatcher below autograd).
 """
 
 from __future__ import annotations
@@ -23,82 +23,73 @@ from optable import (
     is_packed,
     make_inputs,
     make_layout,
-    op_kwargs,
     spec,
 )
 from torch.overrides import TorchFunctionMode
 
 import ffn_ext
-from ffn_ext import ops as api
-
-pytestmark = pytest.mark.skipif(api._native is None, reason="no native library is loaded")
-
-
-@pytest.fixture(autouse=True)
-def _native_paths_only(monkeypatch):
-    """These tests are about the native paths: plain CPU tensors would take the host path (the ATen expression,
-    ops._on_host; tests/test_host_path.py) first, so it is off here."""
-    monkeypatch.setattr(api, "_on_host", lambda args: False)
-
-
-API = {name: N_INPUTS[name] for name in FORWARD_OPS}
+from ffn_ext import _kernels
 
 
 def _args(name, device, dtype=torch.float32, requires_grad=False):
     shape = (3, 10) if is_packed(name) else (3, 5)
-    return tuple(make_layout(shape, dtype, device).requires_grad_(requires_grad) for _ in range(API[name]))
+    return tuple(make_layout(shape, dtype, device).requires_grad_(requires_grad) for _ in range(N_INPUTS[name]))
 
 
-def _extra(name, packing="concat", params=None):
-    """The scalar arguments ops.py passes op `name`'s fast entry after its tensors: op_kwargs' values (the example
-    parameters, the layout) in the order of ops._KEYWORDS."""
-    kw = op_kwargs(name, packing if is_packed(name) else None, params)
-    assert set(kw) == set(api._KEYWORDS[name]), (name, kw, api._KEYWORDS[name])
-    return tuple(kw[k] for k in api._KEYWORDS[name])
-
-
-def test_every_forward_op_passes_its_keywords_in_schema_order():
+def test_every_op_takes_its_keywords_in_schema_order_and_the_tables_schema():
     assert PARAM_OPS
-    for name in FORWARD_OPS:  # its scalar arguments: the schema's keyword-only ones, in order (parameters, layout)
+    for name, s in ffn_ext.table.OPS.items():  # the scalar arguments: the keyword-only ones, in schema order
         schema = getattr(torch.ops.ffn_ext, name).default._schema
-        assert api._KEYWORDS[name] == tuple(a.name for a in schema.arguments if a.kwarg_only), name
+        assert _kernels.KEYWORDS[name] == tuple(a.name for a in schema.arguments if a.kwarg_only), name
+        assert schema == torch._C.parse_schema("ffn_ext::" + s.schema), name  # what define() registers without _C
 
 
 class Spy:
-    """Wraps ops._below_autograd: counts the calls that started below autograd."""
+    """Counts the calls that took the fast path: a CPU kernel called directly, or the dispatcher below autograd."""
 
     def __init__(self, monkeypatch):
-        self.below = 0
-        real = api._below_autograd
+        self.fast = 0
+        real_below = _kernels._below_autograd
 
-        def spy():
-            self.below += 1
-            return real()
+        def below():
+            self.fast += 1
+            return real_below()
 
-        monkeypatch.setattr(api, "_below_autograd", spy)
+        monkeypatch.setattr(_kernels, "_below_autograd", below)
+        kernels = dict(_kernels.CPU_KERNELS)
+        for name, k in kernels.items():
+
+            def counted(*a, _k=k, **kw):
+                self.fast += 1
+                return _k(*a, **kw)
+
+            kernels[name] = counted
+        monkeypatch.setattr(_kernels, "CPU_KERNELS", kernels)
 
 
 @pytest.mark.parametrize("name", [n for n in FORWARD_OPS if spec(n).params or is_packed(n)])
 def test_parameters_and_layouts_reach_the_op(monkeypatch, name):
-    """A gated op with parameters, and a packed op in every layout: the call dispatches exactly the op, below
-    autograd, with torch.ops' result for the same keyword arguments."""
+    """A gated op with parameters, and a packed op in every layout: the fast path with torch.ops' result for the
+    same keyword arguments; under a dispatch mode, exactly the op."""
     spy = Spy(monkeypatch)
     packings = PACKINGS if is_packed(name) else (None,)
     for packing in packings:
         args = make_inputs(name, (3, 5), torch.float32, packing=packing or "concat")
+        out = api_call(name, packing)(*args)
         with RecordOps() as rec:
-            out = api_call(name, packing)(*args)
+            again = api_call(name, packing)(*args)
         assert rec.ops == [f"ffn_ext.{name}.default"], rec.ops
+        assert torch.equal(again, out)
         assert torch.equal(out, call(name, packing)(*args))
-    assert spy.below == len(packings)
+    assert spy.fast == len(packings)  # (the calls under the mode take the dispatcher)
     if is_packed(name) and not spec(name).params:  # the default layout, passed or not
         (gu,) = _args(name, "cpu")
         assert torch.equal(api_call(name, "concat")(gu), api_call(name)(gu))
 
 
 @pytest.mark.parametrize("device", DEVICES + ["meta"])
-@pytest.mark.parametrize("name", API)
-def test_plain_tensors_start_below_autograd_and_match_torch_ops(monkeypatch, name, device):
+@pytest.mark.parametrize("name", FORWARD_OPS)
+def test_plain_tensors_take_the_fast_path_and_match_torch_ops(monkeypatch, name, device):
     spy = Spy(monkeypatch)
     for dtype in (torch.float32, torch.bfloat16):
         args = _args(name, device, dtype)
@@ -107,34 +98,29 @@ def test_plain_tensors_start_below_autograd_and_match_torch_ops(monkeypatch, nam
         assert out.shape == want.shape and out.dtype == dtype and out.device == want.device
         if device != "meta":
             assert torch.equal(out, want)
-    assert spy.below == 2
+    standin = device == "cuda" and not torch.cuda.is_available()  # its dispatch mode: the dispatcher decides
+    assert spy.fast == (0 if standin else 2)
 
 
-def test_keyword_arguments_reach_the_op(monkeypatch):
-    spy = Spy(monkeypatch)
-    gate, up = _args("swiglu", "cpu")
-    torch.testing.assert_close(ffn_ext.swiglu(up=up, gate=gate), F.silu(gate) * up)
-    assert spy.below == 1
-
-
-def test_autograd_records_through_the_ops_autograd_kernel(monkeypatch):
+def test_recording_goes_through_the_ops_function(monkeypatch):
     spy = Spy(monkeypatch)
     gate, up = _args("swiglu", "cpu", torch.float64, requires_grad=True)
-    out = ffn_ext.swiglu(gate, up)
-    assert type(out.grad_fn).__name__ == "_FunctionBackward" and spy.below == 0, out.grad_fn
+    out = ffn_ext.swiglu(up=up, gate=gate)
+    assert type(out.grad_fn).__name__ == "ffn_ext_swigluBackward", out.grad_fn
     assert torch.autograd.gradcheck(ffn_ext.swiglu, (gate, up))
     with torch.no_grad():
         assert ffn_ext.swiglu(gate, up).grad_fn is None
-    assert spy.below == 1
+    before = spy.fast
+    out.sum().backward()  # the backward op, called by the Function: nothing records there, so the fast path
+    assert spy.fast == before + 1
+    torch.testing.assert_close(gate.grad, torch.func.grad(lambda g: (F.silu(g) * up).sum())(gate.detach()))
 
 
-def test_torch_dispatch_mode_sees_the_op(monkeypatch):
-    spy = Spy(monkeypatch)
+def test_torch_dispatch_mode_sees_the_op():
     (x,) = _args("gelu", "cpu")
     with RecordOps() as rec:
         out = ffn_ext.gelu(x)
-    assert spy.below == 1
-    assert "ffn_ext.gelu.default" in rec.ops, rec.ops
+    assert rec.ops == ["ffn_ext.gelu.default"], rec.ops
     torch.testing.assert_close(out, F.gelu(x))
 
 
@@ -175,6 +161,7 @@ def test_torch_function_mode_and_subclasses_see_the_call():
             r"got torch\.int64",
         ),
         ("shape", ValueError, r"ffn_ext\.swiglu: expected `up` to have the shape of `gate`"),
+        ("odd", ValueError, r"ffn_ext\.swiglu_packed: expected the last dimension of `gate_up` to be even"),
         (
             "sparse",
             TypeError,
@@ -187,14 +174,17 @@ def test_torch_function_mode_and_subclasses_see_the_call():
         ("layout-int", ValueError, r'ffn_ext\.geglu_packed: `layout` must be "concat" or "interleaved", got "1"'),
     ],
 )
-def test_errors_reach_the_caller_with_their_type(case, exc, pattern):
-    # The op raises its own error (dtype, shape, a parameter's or the layout's value), or the dispatcher fails (a
-    # sparse tensor, a scalar of the wrong type), and _call raises the clear error.
-    x = torch.randn(3, 4)
+@pytest.mark.parametrize("grad", [False, True], ids=["quiet", "recording"])
+def test_errors_reach_the_caller_with_their_type(case, exc, pattern, grad):
+    # The op's kernel raises its check's error (dtype, shape, a parameter's or the layout's value), or the
+    # dispatcher fails (a sparse tensor, a scalar of the wrong type) and the API's explanation names the cause;
+    # alike on the fast path and through the Function.
+    x = torch.randn(3, 4, requires_grad=grad)
     call = {
         "dtype": lambda: ffn_ext.gelu(torch.arange(6)),
-        "shape": lambda: ffn_ext.swiglu(x, torch.randn(3, 5)),
-        "sparse": lambda: ffn_ext.gelu(x.to_sparse()),
+        "shape": lambda: ffn_ext.swiglu(x, torch.randn(3, 5)),  # would broadcast in ATen's expression
+        "odd": lambda: ffn_ext.swiglu_packed(x[:, :3]),
+        "sparse": lambda: ffn_ext.gelu(x.detach().to_sparse()),
         "limit": lambda: ffn_ext.swiglu_clamped(x, x, limit=0.0),
         "alpha": lambda: ffn_ext.swiglu_clamped_packed(x, limit=7.0, alpha=float("nan")),
         "layout": lambda: ffn_ext.swiglu_packed(x, layout="bogus"),
@@ -205,11 +195,18 @@ def test_errors_reach_the_caller_with_their_type(case, exc, pattern):
         call()
 
 
-def test_compile_takes_the_torch_ops_path(monkeypatch):
-    # Under torch.compile nothing starts below autograd: dynamo traces the torch.ops call into the graph.
+def test_mixed_dtypes_are_promoted_first():
+    """As ATen's silu(gate) * up promotes: then computed once, in the common dtype."""
+    gate, up = make_inputs("swiglu", (3, 6), torch.float32)
+    mixed = ffn_ext.swiglu(gate, up.bfloat16())
+    assert mixed.dtype == torch.float32 and torch.equal(mixed, spec("swiglu").act.aten(gate) * up.bfloat16().float())
+
+
+def test_compile_takes_the_dispatcher_op(monkeypatch):
+    # Under torch.compile nothing takes the fast path: dynamo traces the torch.ops call into the graph.
     spy = Spy(monkeypatch)
     (x,) = _args("silu", "cpu")
     compiled = torch.compile(lambda t: ffn_ext.silu(t) * 2, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), F.silu(x) * 2)
-    assert spy.below == 0
+    assert spy.fast == 0
     torch._dynamo.reset()

@@ -18,7 +18,6 @@ from optable import (
     GATED,
     GATED_IDS,
     N_INPUTS,
-    NATIVE,
     NO_AUTOGRAD_OPS,
     PACKINGS,
     RecordOps,
@@ -32,6 +31,7 @@ from optable import (
     make_chunk_pair,
     make_inputs,
     make_layout,
+    op_kwargs,
     params_of,
     spec,
     tolerance,
@@ -300,20 +300,31 @@ def test_no_grad_path_records_no_graph_and_matches(device):
 
 
 @pytest.mark.parametrize("no_grad", [False, True], ids=["grad", "no_grad"])
-def test_forward_mode_ad_raises_instead_of_dropping_the_tangent(no_grad):
-    """The dispatcher ops have no forward-mode formula; a dual input must raise (their Autograd kernel,
-    ffn_ext/_kernels.py), also under no_grad where the kernels otherwise skip autograd, never return a primal
-    without its tangent. (The functional API routes dual tensors to ATen's ops instead: tests/test_transforms.py.)"""
+def test_dispatcher_ops_carry_a_forward_mode_tangent(no_grad):
+    """torch.ops.ffn_ext.<op> with a dual input (every differentiable op, forward and backward) returns the tangent
+    of its ATen form's (torch.func.jvp of the form: for a backward op, of its forward form's vjp), also under
+    no_grad, where nothing else records: never a primal without its tangent."""
     import torch.autograd.forward_ad as fwAD
 
     for name in [n for n in FORWARD_OPS + BACKWARD_OPS if n not in NO_AUTOGRAD_OPS]:
         args = list(make_inputs(name, (3, 4), torch.float64))
-        with fwAD.dual_level():
-            k = 1 if spec(name).backward else 0  # the activation's argument gets the tangent
-            args[k] = fwAD.make_dual(args[k], torch.randn_like(args[k]))
-            with torch.no_grad() if no_grad else torch.enable_grad():
-                with pytest.raises(RuntimeError, match="jvp is not implemented"):
-                    call(name)(*args)
+        ts = [torch.randn_like(a) for a in args]
+        kw = op_kwargs(name)
+        s = spec(name)
+        params = {k: v for k, v in kw.items() if k != "layout"}
+        layout = kw.get("layout", "concat") if s.kind == "packed" else None
+        if s.backward:
+            fwd = lambda *p, f=s.forward_name: ffn_ext._kernels.compute(f, p, params, layout)  # noqa: E731
+            ref = lambda g, *p, fwd=fwd: torch.func.vjp(fwd, *p)[1](g)  # noqa: E731
+        else:
+            ref = lambda *p, n=name: ffn_ext._kernels.compute(n, p, params, layout)  # noqa: E731
+        want = as_tuple(torch.func.jvp(ref, tuple(args), tuple(ts))[1])
+        with fwAD.dual_level(), torch.no_grad() if no_grad else torch.enable_grad():
+            outs = as_tuple(call(name)(*[fwAD.make_dual(a, t) for a, t in zip(args, ts)]))
+            got = [fwAD.unpack_dual(o).tangent for o in outs]
+        for g, w in zip(got, want):
+            assert g is not None, name
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", NO_AUTOGRAD_OPS)
@@ -323,8 +334,6 @@ def test_ops_without_autograd_raise_where_a_gradient_would_be_recorded(name):
     dual tensor), and compute without a graph under no_grad."""
     import torch.autograd.forward_ad as fwAD
 
-    if not NATIVE:
-        pytest.skip("the ATen fallback is plain ATen ops (differentiable)")
     grad, x = make_inputs(name, (3, 4), torch.float64)
     with pytest.raises(RuntimeError, match=f"ffn_ext::{name} has no autograd formula"):
         call(name)(grad, x.requires_grad_(True))

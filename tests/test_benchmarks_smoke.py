@@ -37,9 +37,9 @@ MOE = {
 }
 
 
-def _eager_saved_per_element(act, n=64, form=None) -> float:
-    """Bytes per element that the entry's eager form act.eager(gate) * up (fp32; `form` instead of act.eager if
-    given) saves for backward beyond its inputs: what the benchmarks' "eager" row of the gated op keeps."""
+def _eager_saved_per_element(act, n=64) -> float:
+    """Bytes per element that the entry's eager form act.eager(gate) * up (fp32) saves for backward beyond its
+    inputs: what the benchmarks' "eager" row of the gated op keeps."""
     gate, up = (torch.randn(n, requires_grad=True) for _ in range(2))
     inputs = {t.untyped_storage().data_ptr() for t in (gate, up)}
     saved = {}
@@ -50,7 +50,7 @@ def _eager_saved_per_element(act, n=64, form=None) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        (form or act.eager)(gate) * up
+        act.eager(gate) * up
     return sum(saved.values()) / n
 
 
@@ -136,17 +136,13 @@ def test_bench_ops_smoke(tmp_path):
             assert r["peak_extra_bytes"] is None  # CPU: not measured
     for c in data["copy"]:
         assert _positive(c["gbps"])
-    # ffn_ext's gated ops save only their inputs; eager (the entry's eager form) also saves act(gate), and more for
-    # a composite form (relu2's square(relu(gate)) keeps relu(gate) too) and the clamped SwiGLU (GPT-OSS's
-    # expression keeps its intermediates)
-    # ... except on the CPU, where ffn_ext's public ops run the entry's ATen form under ATen's autograd (ops._on_host:
-    # they cost, and keep, what PyTorch's expression does); the smoke run is on the CPU
+    # ffn_ext's gated ops save only their inputs, on every device; eager (the entry's eager form) also saves
+    # act(gate), and more for a composite form (relu2's square(relu(gate)) keeps relu(gate) too) and the clamped
+    # SwiGLU (GPT-OSS's expression keeps its intermediates)
     eager_saved = {a.gated: _eager_saved_per_element(a) for a in ACTIVATIONS}
-    host_saved = {a.gated: _eager_saved_per_element(a, form=a.aten) for a in ACTIVATIONS}
     for r in res:
         if r["op"] in eager_saved and r["direction"] == "fwd+bwd":
-            ours = 0 if torch.cuda.is_available() else r["numel"] * host_saved[r["op"]]
-            expect = ours if r["impl"] == "ffn_ext" else r["numel"] * eager_saved[r["op"]]
+            expect = 0 if r["impl"] == "ffn_ext" else r["numel"] * eager_saved[r["op"]]
             assert r["saved_extra_bytes"] == expect, r
         if r["op"].startswith("swiglu_clamped") and r["direction"] == "fwd+bwd":
             assert (r["saved_extra_bytes"] == 0) if r["impl"] == "ffn_ext" else (r["saved_extra_bytes"] > 0), r
@@ -163,8 +159,7 @@ def test_bench_ops_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_ffn_smoke(tmp_path):
-    # --lean-cpu: the lean autograd's saved bytes and peaks (on the CPU by default the modules run eager's ops)
-    _run("bench_ffn.py", tmp_path, args=("--no-progress", "--variants", "--token-chunk", "8", "--lean-cpu"))
+    _run("bench_ffn.py", tmp_path, args=("--no-progress", "--variants", "--token-chunk", "8"))
     data = json.loads((tmp_path / "ffn.json").read_text())
     assert "| model |" in (tmp_path / "ffn.md").read_text()
     assert not data["errors"], data["errors"]
@@ -199,16 +194,15 @@ def test_bench_ffn_smoke(tmp_path):
 
 
 def test_bench_ffn_classic_smoke(tmp_path):
-    """--classic: ffn_ext.FFN against the eager fc2(act(fc1(x))); on the CPU its default row saves what eager saves
-    (eager's ops) and the lean row 1 [tokens, d_ff] tensor of eager's 2, recompute and token_chunk none."""
+    """--classic: ffn_ext.FFN against the eager fc2(act(fc1(x))): 1 [tokens, d_ff] tensor saved of eager's 2,
+    recompute and token_chunk none."""
     _run("bench_ffn.py", tmp_path, args=("--no-progress", "--classic", "--variants", "--token-chunk", "8"))
     data = json.loads((tmp_path / "classic_ffn.json").read_text())
     assert not data["errors"], data["errors"]
     res = {r["impl"]: r for r in data["results"]}
-    assert set(res) == {"ffn_ext", "eager", "recompute", "chunk", "lean"}, sorted(res)
+    assert set(res) == {"ffn_ext", "eager", "recompute", "chunk"}, sorted(res)
     assert res["eager"]["activation_tf_units"] == pytest.approx(2.0)
-    assert res["ffn_ext"]["activation_tf_units"] == pytest.approx(2.0)
-    assert res["lean"]["activation_tf_units"] == pytest.approx(1.0)
+    assert res["ffn_ext"]["activation_tf_units"] == pytest.approx(1.0)
     assert res["recompute"]["activation_bytes"] == 0 == res["chunk"]["activation_bytes"]
     assert {r["mlp"] for r in data["results"]} == {"FFN (GELU erf)"}
 
@@ -219,14 +213,18 @@ def test_host_overhead_smoke(tmp_path):
     data = json.loads((tmp_path / "host.json").read_text())
     assert "| op | layer |" in (tmp_path / "host.md").read_text()
     layers = {(r["op"], r["layer"]) for r in data["results"]}
-    assert {op for op, _ in layers} == set(TABLE_OPS) | {"MLP 1x8->16"}, sorted(layers)
+    assert {op for op, _ in layers} == set(TABLE_OPS) | {"MLP 1x8->16", "call"}, sorted(layers)
+    assert set(data["call_ratios"]) == {
+        "public call / ATen's two ops",
+        "torch.ops / a plain custom op",
+        "fwd+bwd / ATen's",
+    }
     for op in ("gelu", "silu", "swiglu", "swiglu_packed", "geglu", "geglu_packed"):
         assert (op, "ATen eager") in layers and (op, f"ffn_ext.{op}") in layers, sorted(layers)
     assert ("gelu_tanh", "ffn_ext.gelu(approximate='tanh')") in layers, sorted(layers)
     assert ("geglu_tanh", "ffn_ext.gated(activation='gelu_tanh')") in layers, sorted(layers)
     assert ("MLP 1x8->16", "ffn_ext.SwiGLUFFN") in layers, sorted(layers)
-    if data["meta"]["ffn_ext_build_info"]["native"] != "none (ATen fallback)":
-        assert ("gelu", "torch.ops ffn_ext") in layers and ("gelu", "torch.ops aten") in layers
+    assert ("gelu", "torch.ops ffn_ext") in layers and ("gelu", "torch.ops aten") in layers
     for r in data["results"]:
         assert _positive(r["issue_us"]) and r["issue_min_us"] <= r["issue_us"] <= r["total_us"] * 1.01, r
 

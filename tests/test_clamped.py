@@ -23,7 +23,6 @@ import pytest
 import torch
 from optable import (
     FLOAT_DTYPES,
-    NATIVE,
     RecordOps,
     assert_close_to,
     assert_matches_reference,
@@ -41,7 +40,6 @@ DEEPSEEK_V4 = dict(limit=10.0, alpha=1.0, up_offset=0.0)  # DeepseekV4Experts / 
 ODD = dict(limit=0.75, alpha=-0.5, up_offset=-2.0)  # nothing relies on alpha > 0 or up_offset >= 0
 PARAMS = {"gpt_oss": GPT_OSS, "deepseek_v4": DEEPSEEK_V4, "odd": ODD}
 CPU_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=1e-5)}
-needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native library")
 
 
 def hf_gate(gate, up, limit, alpha=1.0, up_offset=0.0):
@@ -207,10 +205,9 @@ def test_ops_follow_the_convention_at_the_bound(dtype):
         "op": call("swiglu_clamped_backward", params=p)(grad, gate, up),
         "autograd": _grads(lambda g, u: ffn_ext.swiglu_clamped(g, u, **p), (gate, up), grad)[1:],
     }
-    if NATIVE:
-        results["host math"] = native.testing()._host_math(
-            "swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p)
-        )
+    results["host math"] = native.testing()._host_math(
+        "swiglu_clamped_backward", [grad, gate, up], host_params("swiglu_clamped", p)
+    )
     passes = (CLAMP_GRAD_AT_BOUND,) * 2
     expect_dgate = [passes[0], passes[0], True, True, False]
     expect_dup = [True, passes[1], passes[1], passes[1], False]
@@ -219,7 +216,6 @@ def test_ops_follow_the_convention_at_the_bound(dtype):
         assert torch.equal(dgate == 0, want[1] == 0) and torch.equal(dup == 0, want[2] == 0), what
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_kernel_math_limit_the_dtype_does_not_hold(dtype):
     """A limit the dtype cannot hold (2.3): the kernels' gradients stop where torch's clamp autograd stops them, for
@@ -277,10 +273,9 @@ def test_infinite_limit_clamps_nothing(dtype):
     want = _grads(lambda g, u: (u + 1.0) * g * torch.sigmoid(g * 1.702), (gate, up), grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
-    if NATIVE:  # and the kernels' element math
-        (h,) = native.testing()._host_math("swiglu_clamped", [gate, up], [math.inf, 1.0, 0.0])
-        (s,) = native.testing()._host_math("swiglu", [gate, up])
-        torch.testing.assert_close(h, s, **tol)
+    (h,) = native.testing()._host_math("swiglu_clamped", [gate, up], [math.inf, 1.0, 0.0])
+    (s,) = native.testing()._host_math("swiglu", [gate, up])
+    torch.testing.assert_close(h, s, **tol)
 
 
 # ---------------------------------------------------------------- the module
@@ -298,7 +293,7 @@ def test_swiglu_module_is_the_models_gating(pname, layout):
     with RecordOps() as rec:
         out = mod(gate_up)
         two = mod(gate, up)
-    assert rec.ops == ["ffn_ext.swiglu_clamped_packed.default", "ffn_ext.swiglu_clamped.default"] or not NATIVE, rec.ops
+    assert rec.ops == ["ffn_ext.swiglu_clamped_packed.default", "ffn_ext.swiglu_clamped.default"], rec.ops
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(two, ref, rtol=1e-12, atol=1e-12)
     w = torch.randn_like(ref)

@@ -428,7 +428,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not optable.NATIVE, reason="the DTensor strategies are the native ops'")
 def test_dtensor_tp_and_fsdp2_on_two_gloo_ranks():
     import torch.multiprocessing as mp
 

@@ -44,11 +44,9 @@ from optable import (  # noqa: E402
     terms,
 )
 
-import ffn_ext  # noqa: E402
 from ffn_ext.table import split_packed  # noqa: E402
 
 ACT_IDS = [a.name for a in ACTIVATIONS]
-NATIVE = not ffn_ext.build_info()["native"].startswith("none")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # rtol applies to |ref| + the magnitude of the terms (error scale); atol is for values that round to ~0.

@@ -79,7 +79,6 @@ def test_unary_modules_take_torchs_arguments(ours, ref, device):
     assert repr(ffn_ext.GELU()) == repr(nn.GELU()) and repr(ffn_ext.SiLU()) == repr(nn.SiLU())
 
 
-@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
 @pytest.mark.parametrize("approximate,op", [("none", "ffn_ext.gelu.default"), ("tanh", "ffn_ext.gelu_tanh.default")])
 def test_gelu_module_runs_ffn_ext_kernels(approximate, op):
     # GELU(approximate="tanh") runs ffn_ext's gelu_tanh op (it once ran ATen's tanh GELU), forward and backward
@@ -323,37 +322,6 @@ def test_swiglu_mlp_gradcheck_and_gradgradcheck(bias):
     if bias:  # double backward (create_graph=True recomputes gate/up differentiably); once is enough for time
         assert torch.autograd.gradgradcheck(ffn_ext.swiglu_mlp, args)
         assert torch.autograd.gradgradcheck(ffn_ext.swiglu_mlp_packed, packed)
-
-
-@pytest.mark.parametrize("act", ACTS)
-def test_gated_ffn_aten_fallback(monkeypatch, act):
-    """Without a native library the lean Function runs on ATen ops (the table's fallbacks; still the same
-    results)."""
-    torch.manual_seed(7)
-    mlp = _gated_ffn(act, 16, 40, bias=True).double()
-    x = _rand(4, 16, dtype=torch.float64)
-    monkeypatch.setattr(ffn_ext.ops, "_native", None)  # as without a native library: no op
-    with _Ops() as rec:
-        y = mlp(x)
-        y.sum().backward(retain_graph=True)
-    assert not any(o.startswith("ffn_ext.") for o in rec.ops), rec.ops
-    assert "_GatedMLP" in type(y.grad_fn).__name__
-    y0 = _eager_act(act, mlp, x)
-    _close(y, y0)
-    for a, b in zip(
-        torch.autograd.grad(y.sum(), (x, *mlp.parameters())), torch.autograd.grad(y0.sum(), (x, *mlp.parameters()))
-    ):
-        _close(a, b)
-    assert torch.autograd.gradcheck(
-        lambda *a: M.gated_mlp_packed(*a, activation=act.name),
-        (
-            x[:2, :5].detach().requires_grad_(),
-            _rand(6, 5, dtype=torch.float64),
-            _rand(5, 3, dtype=torch.float64),
-            None,
-            None,
-        ),
-    )
 
 
 def test_swiglu_ffn_hooks_and_non_plain_linear_use_module_path():

@@ -43,7 +43,6 @@ from optable import (
     make_chunk_pair,
     make_inputs,
     make_layout,
-    needs_native,
     op,
     ops_of,
     params_of,
@@ -282,7 +281,6 @@ def test_reference_helpers_can_fail():
                 assert_matches_reference(name, inputs, call(name, params=other)(*inputs), f"{p.name} changed")
 
 
-@needs_native
 @pytest.mark.parametrize("name", [n for n in OPS if not spec(n).backward])
 def test_public_api_reaches_the_op(name):
     # api_call(name) (ffn_ext.gelu(x, approximate=...), ffn_ext.gated(..., activation=...),
@@ -772,7 +770,6 @@ def test_mixed_dtypes_promote_under_compile():
     torch.testing.assert_close(out, F.silu(g) * u.float())
 
 
-@pytest.mark.skipif(not optable.NATIVE, reason="the tags are the native ops' schemas'")
 @pytest.mark.parametrize("name", optable.OPS)
 def test_pointwise_tags(name):
     """torch.Tag.pointwise on every elementwise op of the table (unary and gated, forward and backward), as ATen's
@@ -793,7 +790,6 @@ def _in_format(t, fmt):
     return t.contiguous(memory_format=fmt)
 
 
-@pytest.mark.skipif(not optable.NATIVE, reason="the native ops' output format")
 @pytest.mark.parametrize("fmt,shape", _FORMATS, ids=["channels_last", "channels_last_3d"])
 @pytest.mark.parametrize("name", _SAME_SHAPE)
 def test_outputs_keep_channels_last(name, fmt, shape):

@@ -1,10 +1,10 @@
 """torch.func transforms and forward-mode AD through the functional API.
 
-The ops' autograd is a C++ torch::autograd::Function, which supports neither functorch transforms nor forward-mode
-AD (jvp). Under a transform, or with a dual tensor, the functional API (every forward op of the table:
-ffn_ext.gelu/silu/swiglu/geglu/gated/swiglu_clamped/..., the packed ones in both layouts, and the modules built on
-them) takes ATen's ops, which support all of them; everywhere else it takes the native op. Results are compared
-with the same transform applied to the ATen reference, on fresh float64 inputs.
+Each differentiable op has one autograd.Function in the form torch.func takes (setup_context, jvp, a generated vmap
+rule; ffn_ext/_kernels.py). The functional API (every forward op of the table: ffn_ext.gelu/silu/swiglu/geglu/
+gated/swiglu_clamped/..., the packed ones in both layouts, and the modules built on them) applies it under a
+transform, so grad, jacrev, jvp, jacfwd, hessian and vmap reach the op. Results are compared with the same transform
+applied to the ATen reference, on fresh float64 inputs.
 """
 
 from __future__ import annotations
@@ -151,35 +151,44 @@ def test_module_under_vmap_and_grad():
     )
 
 
-@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
-def test_only_gradient_transforms_leave_the_native_op():
-    """A plain call, a dual level with no dual input and vmap (the ops' batching rule: one call for the batch) run
-    ffn_ext's op; grad and jvp take ATen's ops."""
+def _in_dual_level(fn):
+    with fwAD.dual_level():
+        return fn()
+
+
+def test_every_transform_reaches_the_op():
+    """A plain call, a dual level, vmap (the ops' batching rule: one call for the batch), grad, jvp and grad of vmap
+    run ffn_ext's ops, not ATen's: the forward op, then (grad) its backward op."""
     x = torch.randn(3, 5, dtype=torch.float64)
-    with RecordOps() as rec:
-        ffn_ext.gelu(x)
-        with fwAD.dual_level():
-            ffn_ext.silu(x)
-        torch_func.vmap(ffn_ext.gelu)(x)
-        torch_func.vmap(torch_func.vmap(ffn_ext.swiglu))(x, x)
-    assert [o for o in rec.ops if o.startswith("ffn_ext")] == [
-        "ffn_ext.gelu.default",
-        "ffn_ext.silu.default",
-        "ffn_ext.gelu.default",
-        "ffn_ext.swiglu.default",
-    ], rec.ops
-    with RecordOps() as rec:
-        torch_func.grad(lambda t: ffn_ext.gelu(t).sum())(x)
-        torch_func.jvp(ffn_ext.gelu, (x,), (x,))
-        torch_func.grad(lambda t: torch_func.vmap(ffn_ext.gelu)(t).sum())(x)
-    assert not [o for o in rec.ops if o.startswith("ffn_ext")], rec.ops
+    fwd, bwd = ["ffn_ext.gelu.default"], ["ffn_ext.gelu.default", "ffn_ext.gelu_backward.default"]
+    calls = [
+        (lambda: ffn_ext.gelu(x), fwd),
+        (lambda: _in_dual_level(lambda: ffn_ext.gelu(x)), fwd),
+        (lambda: torch_func.vmap(ffn_ext.gelu)(x), fwd),
+        (lambda: torch_func.vmap(torch_func.vmap(ffn_ext.swiglu))(x, x), ["ffn_ext.swiglu.default"]),
+        (lambda: torch_func.grad(lambda t: ffn_ext.gelu(t).sum())(x), bwd),
+        (lambda: torch_func.jvp(ffn_ext.gelu, (x,), (x,)), fwd),
+        (lambda: torch_func.grad(lambda t: torch_func.vmap(ffn_ext.gelu)(t).sum())(x), bwd),
+    ]
+    for k, (fn, want) in enumerate(calls):
+        with RecordOps() as rec:
+            fn()
+        assert [o for o in rec.ops if o.startswith("ffn_ext")] == want, (k, rec.ops)
+
+
+def test_torch_ops_under_a_gradient_transform_say_to_call_the_api():
+    """torch.ops.ffn_ext.<op> itself under torch.func.grad: torch runs a Python autograd formula under torch.func
+    only from Python, so the op raises a clear error (never a result without its gradient); the functional API is
+    what applies the op's Function there."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="call the functional API"):
+        torch_func.grad(lambda t: torch.ops.ffn_ext.gelu(t).sum())(x)
 
 
 # every op of the table (backward ops too), each packed op in both layouts
 _OP_CASES = [(n, p) for n in optable.OPS for p in (optable.PACKINGS if optable.is_packed(n) else (None,))]
 
 
-@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
 @pytest.mark.parametrize("unbatched_last", [False, True], ids=["all_batched", "last_unbatched"])
 @pytest.mark.parametrize("name,packing", _OP_CASES, ids=[f"{n}-{p}" if p else n for n, p in _OP_CASES])
 def test_vmap_of_every_dispatcher_op_is_one_call(name, packing, unbatched_last):
@@ -203,16 +212,6 @@ def test_vmap_of_every_dispatcher_op_is_one_call(name, packing, unbatched_last):
     want = [optable.as_tuple(fn(*s)) for s in samples]
     for k, g in enumerate(optable.as_tuple(got)):
         _close(g, torch.stack([w[k] for w in want]))
-
-
-@pytest.mark.skipif(ffn_ext.ops._native is None, reason="needs the native library")
-def test_the_dispatcher_op_still_refuses_a_dual_tensor():
-    """torch.ops.ffn_ext.* itself has no forward-mode formula: a dual input raises (never a primal without its
-    tangent). The functional API is what routes such calls to ATen."""
-    x = torch.randn(3, 4, dtype=torch.float64)
-    with fwAD.dual_level():
-        with pytest.raises(RuntimeError, match="jvp is not implemented"):
-            torch.ops.ffn_ext.gelu(fwAD.make_dual(x, torch.randn_like(x)))
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=[a.name for a in ACTIVATIONS])

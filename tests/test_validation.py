@@ -1,6 +1,6 @@
 """Input validation: every bad input raises a clear error that names the op and the argument, through the public
 API (ffn_ext.gelu, ...) and through the dispatcher ops (torch.ops.ffn_ext.*), on real (CPU), meta and fake tensors,
-and in the pure-ATen fallback (ffn_ext.ops._fallback in process, and FFN_EXT_NO_C=1 in a subprocess). BAD_INPUTS
+and by the Python checks alone (what explains a CUDA kernel's guard; and FFN_EXT_NO_C=1 in a subprocess). BAD_INPUTS
 lists examples of every kind of error; TABLE_CASES generates the dtype, shape, device and argument-kind errors for
 every op of the table (tests/optable.py).
 
@@ -28,7 +28,6 @@ from optable import (
     FORWARD_OPS,
     GATED,
     GATED_IDS,
-    NATIVE,
     PACKINGS,
     PARAM_OPS,
     activation_arg,
@@ -38,7 +37,6 @@ from optable import (
     input_shapes,
     is_packed,
     make_inputs,
-    needs_native,
     op,
     op_kwargs,
     spec,
@@ -414,11 +412,17 @@ BACKWARD_BAD = [
 
 
 # ---------------------------------------------------------------- the same errors for every op of the table
+def _checks(name: str, args, kwargs: dict):
+    """Raises the error the Python checks find for a call of op `name` (what the API raises for a CUDA kernel's
+    guard, or where the dispatcher fails on a tensor kind); fails when they find none."""
+    raise ffn_ext.ops._explained(name, tuple(args), kwargs, AssertionError(f"{name}: no check failed"))
+
+
 def _table_cases():
     """(id, op name, args, exception, message regex, paths): for every op, bad inputs built from its argument
-    names (spec.args) with the messages the kernels' checks (ffn_ext/_kernels.py; csrc/shapes.cpp on CUDA) and the
-    ATen fallback give. paths: where the error is expected, "ops" (torch.ops.ffn_ext; not for non-tensors, which the
-    dispatcher rejects itself), "fallback" (ops._fallback) and "api" (the public API, forward ops)."""
+    names (spec.args) with the messages the Python checks give (ffn_ext/_kernels.py). paths: where the error is
+    expected, "ops" (torch.ops.ffn_ext; not for non-tensors, which the dispatcher rejects itself), "checks" (the
+    Python checks alone: what explains a CUDA kernel's guard) and "api" (the public API, forward ops)."""
     cases = []
     for name in OP_NAMES:
         sp, nm = spec(name), re.escape(f"ffn_ext.{name}")
@@ -430,7 +434,7 @@ def _table_cases():
             a = list(args)
             a[k] = value
             paths = (
-                {"fallback"}
+                {"checks"}
                 | ({"ops"} if isinstance(value, torch.Tensor) else set())
                 | (set() if sp.backward or not api else {"api"})
             )
@@ -588,7 +592,6 @@ def test_public_api_rejects(case):
         api()
 
 
-@needs_native
 @pytest.mark.parametrize(
     "case", [c for c in BAD_INPUTS if c[2] is not None], ids=_ids([c for c in BAD_INPUTS if c[2] is not None])
 )
@@ -598,7 +601,6 @@ def test_dispatcher_rejects(case):
         ops_call()
 
 
-@needs_native
 @pytest.mark.parametrize("case", DISPATCHER_ONLY, ids=_ids(DISPATCHER_ONLY))
 def test_dispatcher_rejects_unsupported_kinds(case):
     _, call, exc, msg = case
@@ -606,7 +608,6 @@ def test_dispatcher_rejects_unsupported_kinds(case):
         call()
 
 
-@needs_native
 @pytest.mark.parametrize("case", BACKWARD_BAD, ids=_ids(BACKWARD_BAD))
 def test_backward_ops_reject(case):
     _, call, exc, msg = case
@@ -616,19 +617,16 @@ def test_backward_ops_reject(case):
 
 @pytest.mark.parametrize("case", TABLE_CASES, ids=_ids(TABLE_CASES))
 def test_every_op_rejects(case):
-    """torch.ops.ffn_ext.<op>, the public API (forward ops) and the ATen fallback (ops._fallback) give the same
-    error for the same bad input; under FakeTensorMode (the fake kernels) too, but for the device mismatches and
-    non-tensors."""
+    """torch.ops.ffn_ext.<op>, the public API (forward ops) and the Python checks alone give the same error for the
+    same bad input; under FakeTensorMode (the fake kernels) too, but for the device mismatches and non-tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _, name, args, exc, msg, paths = case
-    if not NATIVE:
-        paths = paths - {"ops"}
     for packing in PACKINGS if is_packed(name) else (None,):
         kw = op_kwargs(name, packing)
         calls = {
             "ops": lambda: op(name)(*args, **kw),
-            "fallback": lambda: ffn_ext.ops._fallback(name, args, kw),
+            "checks": lambda: _checks(name, args, kw),
             "api": lambda: api_call(name, packing)(*args),
         }
         for path in sorted(paths):
@@ -643,11 +641,11 @@ def test_every_op_rejects(case):
 @pytest.mark.parametrize("case", PUBLIC_KIND_CASES, ids=_ids(PUBLIC_KIND_CASES))
 def test_public_api_rejects_tensor_kinds_for_every_op(case):
     """Non-tensors, sparse, nested and quantized tensors in any argument of any forward op: the clear error from
-    the public API (the dispatcher fails elsewhere for these: DISPATCHER_ONLY), and from the ATen fallback."""
+    the public API (the dispatcher fails elsewhere for these: DISPATCHER_ONLY), and from the Python checks alone."""
     _, name, k, make_bad, exc, msg = case
     args = list(make_inputs(name, (3, 4), torch.float32))
     args[k] = make_bad(args[k])
-    for fn in (lambda: api_call(name)(*args), lambda: ffn_ext.ops._fallback(name, tuple(args), op_kwargs(name))):
+    for fn in (lambda: api_call(name)(*args), lambda: _checks(name, tuple(args), op_kwargs(name))):
         with pytest.raises(exc, match=msg):
             fn()
 
@@ -742,11 +740,9 @@ def _op_paths(name, args, kw):
         with FakeTensorMode(allow_non_fake_inputs=True):
             op(name)(*args, **kw)
 
-    paths = {"fallback": lambda: ffn_ext.ops._fallback(name, args, kw)}
-    if NATIVE:
-        paths.update(
-            ops=lambda: op(name)(*args, **kw), meta=lambda: op(name)(*[a.to("meta") for a in args], **kw), fake=fake
-        )
+    paths = dict(
+        ops=lambda: op(name)(*args, **kw), meta=lambda: op(name)(*[a.to("meta") for a in args], **kw), fake=fake
+    )
     if not spec(name).backward:
         public = getattr(ffn_ext, name, None) if spec(name).params else None
         if public is not None:
@@ -783,13 +779,12 @@ def test_required_parameter_missing_raises_type_error(name):
     required = [p.name for p in spec(name).params if p.default is None]
     assert required == ["limit"], required
     with pytest.raises(TypeError, match=r"missing required keyword argument\(s\) \['limit'\]"):
-        ffn_ext.ops._fallback(name, args, kw)
+        _checks(name, args, kw)
     if not spec(name).backward:
         with pytest.raises(TypeError, match="limit"):
             getattr(ffn_ext, name)(*args, **kw)
-    if NATIVE:
-        with pytest.raises((TypeError, RuntimeError), match="limit"):
-            op(name)(*args, **kw)
+    with pytest.raises((TypeError, RuntimeError), match="limit"):
+        op(name)(*args, **kw)
 
 
 def test_modules_reject_bad_options():
@@ -839,7 +834,6 @@ def test_fake_tensor_mode_rejects_the_same(case):
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
-@needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(5, 6), (2, 3, 8), (4,), (0, 6), (3, 0)], ids=str)
 def test_meta_tensors_match_real_outputs(dtype, shape):
@@ -916,11 +910,10 @@ def test_aliased_and_overlapping_inputs(gated):
         for o, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(o, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
             # outputs are fresh, contiguous (the native ops') and do not share memory with inputs
-            assert o.is_contiguous() or not NATIVE, name
+            assert o.is_contiguous(), name
             assert o.untyped_storage().data_ptr() != base.untyped_storage().data_ptr(), name
 
 
-@needs_native
 def test_no_op_takes_out_argument():
     """Nothing to alias: no ffn_ext op schema has an out= (mutable) argument."""
     for name in OP_NAMES:
@@ -983,13 +976,13 @@ def test_cuda_cpu_device_mismatch_names_the_argument():
         ffn_ext.gelu(xc.to_sparse())
 
 
-# ---------------------------------------------------------------- the ATen fallback (no native library)
+# ---------------------------------------------------------------- no native library (ffn_ext defines the ops)
 _FALLBACK_SCRIPT = textwrap.dedent(r"""
     import re, torch, ffn_ext
-    assert ffn_ext.build_info()["native"].startswith("none"), ffn_ext.build_info()
+    assert ffn_ext.build_info()["native"].startswith("none: the ops are defined by ffn_ext"), ffn_ext.build_info()
     X = torch.randn(3, 4); X8 = torch.randn(3, 8); M = torch.empty(3, 4, device="meta")
     cases = [
-        (lambda: ffn_ext.ops._fallback("swiglu", (X, X.double())), TypeError, r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float32\), got torch\.float64"),
+        (lambda: torch.ops.ffn_ext.swiglu(X, X.double()), TypeError, r"ffn_ext\.swiglu: expected `up` to have the dtype of `gate` \(torch\.float32\), got torch\.float64"),
         (lambda: ffn_ext.swiglu(X, torch.randn(3, 5)), ValueError, r"ffn_ext\.swiglu: expected `up` to have the shape of `gate` \[3, 4\], got \[3, 5\]"),
         (lambda: ffn_ext.swiglu(X, M), RuntimeError, r"ffn_ext\.swiglu: expected `up` to be on the device of `gate` \(cpu\), got meta"),
         (lambda: ffn_ext.gelu(X.long()), TypeError, r"ffn_ext\.gelu: expected `x` to have dtype float64, float32, float16 or bfloat16, got torch\.int64"),
@@ -1017,7 +1010,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(r"""
         cases += [
             (lambda fn=fn, opts=opts: getattr(ffn_ext, fn)(X.long(), **opts), TypeError,
              rf"ffn_ext\.{act.name}: expected `x` to have dtype .*, got torch\.int64"),
-            (lambda a=act: ffn_ext.ops._fallback(a.gated, (X, X.double())), TypeError,
+            (lambda a=act: getattr(torch.ops.ffn_ext, a.gated)(X, X.double()), TypeError,
              rf"ffn_ext\.{act.gated}: expected `up` to have the dtype of `gate` \(torch\.float32\), "
              r"got torch\.float64"),
             (lambda a=act: ffn_ext.gated(X, M, activation=a.name), RuntimeError,
@@ -1061,7 +1054,6 @@ def test_aten_fallback_validates_the_same():
     assert f"fallback-ok {20 + 4 * len(ACTIVATIONS)}" in r.stdout, r.stdout
 
 
-@needs_native
 def test_jagged_nested_tensors_run_the_pointwise_ops():
     """The unary and gated ops carry torch.Tag.pointwise, so jagged nested tensors (NJT) run them on their values,
     as they run ATen's silu and mul; the results are ATen's on the same NJT. (Strided nested tensors are still
