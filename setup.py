@@ -1,4 +1,4 @@
-"""Builds ffn_ext on torch's stable ABI (TORCH_TARGET_VERSION 2.10, docs/internals/stable-abi.md §3): ffn_ext._C
+"""Builds ffn_ext on torch's stable ABI (TORCH_TARGET_VERSION 2.10, docs/internals/stable-abi.md): ffn_ext._C
 (pybind11, per Python: the schemas, no kernels) and, when a CUDA build of torch and nvcc are present, the plain
 shared library ffn_ext/lib/libffn_ext_cuda.so (the CUDA kernels; loaded on demand by ffn_ext/_loader.py).
 
@@ -93,7 +93,7 @@ if needs_torch:
 
     if build.write_ops_table(ROOT):  # the C++ op table, from ffn_ext/table.py (not in git)
         print(f"ffn_ext: wrote {build.OPS_TABLE} from ffn_ext/table.py", flush=True)
-    # Stable ABI (docs/internals/stable-abi.md §3): both binaries serve every torch >= the 2.10 target, so the
+    # Stable ABI (docs/internals/stable-abi.md): both binaries serve every torch >= the 2.10 target, so the
     # wheel requires torch>=2.10, not the build's torch; only the CUDA library is tied to one CUDA major.
     from torch.utils import cpp_extension
 

@@ -34,38 +34,36 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
 // ---- errors ----
-// Only RuntimeError crosses the stable boundary reliably (doc §1.3), so a check that is a ValueError or TypeError
-// in the Python API starts its message with "[ValueError] " / "[TypeError] "; ffn_ext/ops.py re-raises that type
-// and strips the tag. Messages are concatenated strings (numbers through std::to_string): no ostream, which a
-// broken libstdc++ stream link turned into segfaults before (shapes.cpp), and no "func, file:line" prefix.
+// The C++ checks are guards of the kernels' own invariants, raised as RuntimeError (the one type that crosses the
+// stable ABI reliably). The user-facing rules, exception types and messages are Python's (ffn_ext/_kernels.py,
+// ffn_ext/quant.py), which the functional API runs to explain a guard's error. Messages are concatenated strings
+// (numbers through std::to_string): no ostream, which a broken libstdc++ stream link turned into segfaults before
+// (shapes.cpp), and no "func, file:line" prefix.
 namespace detail {
 inline void append(std::string& s, const char* p) { s += p; }
 inline void append(std::string& s, const std::string& p) { s += p; }
 inline void append(std::string& s, std::string_view p) { s.append(p.data(), p.size()); }
 template <class... A>
-[[noreturn]] void fail(const char* tag, const A&... parts) {
-  std::string s(tag);
+[[noreturn]] void fail(const A&... parts) {
+  std::string s;
   (append(s, parts), ...);
   throw std::runtime_error(s);
 }
 }  // namespace detail
-#define FFN_EXT_CHECK_TAGGED(tag, cond, ...) \
+#define FFN_EXT_CHECK(cond, ...) \
   do { \
-    if (!(cond)) ::ffn_ext::detail::fail(tag, __VA_ARGS__); \
+    if (!(cond)) ::ffn_ext::detail::fail(__VA_ARGS__); \
   } while (0)
-#define FFN_EXT_CHECK(cond, ...) FFN_EXT_CHECK_TAGGED("", cond, __VA_ARGS__)
-#define FFN_EXT_CHECK_VALUE(cond, ...) FFN_EXT_CHECK_TAGGED("[ValueError] ", cond, __VA_ARGS__)
-#define FFN_EXT_CHECK_TYPE(cond, ...) FFN_EXT_CHECK_TAGGED("[TypeError] ", cond, __VA_ARGS__)
 
 // A shim call that must succeed (an error code becomes a RuntimeError naming the call).
 #define FFN_EXT_SHIM(call) \
   do { \
-    if ((call) != AOTI_TORCH_SUCCESS) ::ffn_ext::detail::fail("", "ffn_ext: ", #call, " failed"); \
+    if ((call) != AOTI_TORCH_SUCCESS) ::ffn_ext::detail::fail("ffn_ext: ", #call, " failed"); \
   } while (0)
 
-// ---- tensors through the C shims (no dispatcher round trips: docs/internals/stable-abi.md §1.4) ----
+// ---- tensors through the C shims (no dispatcher round trips: docs/internals/stable-abi.md) ----
 // The dtype as c10's enum value, read with aoti_torch_get_dtype: Tensor::scalar_type() throws at the 2.10 target
-// for dtypes it cannot convert (float8_e8m0fnu, §1.6).
+// for dtypes it cannot convert (float8_e8m0fnu: docs/internals/stable-abi.md).
 inline ScalarType dtype_of(const Tensor& t) {
   int32_t code = 0;
   FFN_EXT_SHIM(aoti_torch_get_dtype(t.get(), &code));
@@ -77,10 +75,10 @@ Tensor empty_strided(const Tensor& like, const std::vector<int64_t>& sizes, cons
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes);
 inline std::vector<int64_t> vec(torch::headeronly::IntHeaderOnlyArrayRef a) { return {a.begin(), a.end()}; }
 
-// ---- input checks and output allocation (shapes.cpp) ----
-// Every CUDA kernel starts with one of these; the Python fake impls make the same checks with the same messages.
-// Errors name the op, the argument, what was expected and what was given. Outputs are freshly allocated:
-// contiguous, or channels_last(_3d) when every input is (same_shape_format).
+// ---- input guards and output allocation (shapes.cpp) ----
+// Every CUDA kernel starts with one of these: a guard of what the kernel needs (dense strided floating-point
+// tensors of one dtype, device and shape; gate_up [..., 2*M]), naming the op and the argument. Outputs are freshly
+// allocated: contiguous, or channels_last(_3d) when every input is (same_shape_format).
 // `op` is the name messages give, e.g. "ffn_ext.swiglu".
 Tensor alloc_unary(const char* op, const Tensor& x);  // gelu, silu, ...
 Tensor alloc_unary_backward(const char* op, const Tensor& grad, const Tensor& x);
@@ -93,12 +91,12 @@ Tensor alloc_gated_packed(const char* op, const Tensor& gate_up);
 Tensor alloc_gated_packed_backward(const char* op, const Tensor& grad, const Tensor& gate_up);
 
 // A packed op's `layout` argument: "concat" ([gate | up]) or "interleaved" ([g0, u0, g1, u1, ...]); anything else
-// is a ValueError naming `layout`.
+// is an error naming `layout`.
 enum class Layout { kConcat, kInterleaved };
 Layout parse_layout(const char* op, std::string_view layout);
 
-// A gated op's keyword parameters (ops_table.h's P column), checked before anything else: swiglu_clamped's `limit`
-// must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite; ValueErrors name the parameter.
+// A gated op's keyword parameters (ops_table.h's P column), guarded before anything else: swiglu_clamped's `limit`
+// must be > 0 (+inf is no clamp), `alpha` and `up_offset` finite.
 inline void check_params(const char*, const math::NoParams&) {}
 void check_params(const char* op, const math::ClampParams& p);
 // A gated op's parameters as its kernels use them on tensors of `dtype`: swiglu_clamped's limit is rounded to
@@ -108,7 +106,5 @@ math::ClampParams for_dtype(const math::ClampParams& p, ScalarType dtype);
 
 // "torch.float32", ... (the names the messages give)
 const char* dtype_name(ScalarType st);
-// "[3, 5]"
-std::string shape_str(const std::vector<int64_t>& sizes);
 
 }  // namespace ffn_ext

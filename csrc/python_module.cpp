@@ -2,7 +2,7 @@
 // the torch.ops.ffn_ext schemas. It holds no kernels, so it loads under any torch >= 2.10, CUDA or not; the CUDA
 // kernels are lib/libffn_ext_cuda.so, loaded on demand (ffn_ext/_loader.py). The fast entry points of the old
 // module are gone: their torch API (THPVariable, torch_function mode, dispatch-key TLS) has no stable form
-// (docs/internals/stable-abi.md §1.4).
+// (docs/internals/stable-abi.md).
 #include <pybind11/pybind11.h>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>

@@ -13,12 +13,9 @@
 
 #include "ffn_ext.h"
 
-// The recipe's schema arguments, their C++ parameters and their names (to pass them on). The ScalarType arguments
-// arrive as c10's int32 enum codes: the stable conversion to ScalarType cannot take float8_e8m0fnu at the 2.10
-// target (docs/internals/stable-abi.md §1.6).
-#define FFN_EXT_QUANT_SCHEMA \
-  "ScalarType dtype, str scaling, int group_size, bool pow2_scales, ScalarType scale_dtype, str scale_layout, " \
-  "float? static_scale"
+// The recipe's schema arguments (ffn_ext/table.py QUANT_RECIPE_SCHEMA) as C++ parameters and their names (to pass
+// them on). The ScalarType arguments arrive as c10's int32 enum codes: the stable conversion to ScalarType cannot
+// take float8_e8m0fnu at the 2.10 target (docs/internals/stable-abi.md, "What the 2.10 target does not have").
 #define FFN_EXT_QUANT_DECL \
   int32_t dtype, const std::string &scaling, int64_t group_size, bool pow2_scales, int32_t scale_dtype, \
       const std::string &scale_layout, std::optional<double> static_scale
@@ -40,7 +37,7 @@ struct Recipe {
   float fp8_max() const { return dtype == ScalarType::Float8_e4m3fn ? 448.0f : 57344.0f; }
 };
 
-// The recipe from the schema arguments; a bad one is a [ValueError] / [TypeError] naming the argument.
+// The recipe from the schema arguments, guarded: a recipe QuantRecipe would refuse raises.
 Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL);
 
 // Checks h's sizes against the recipe (group_size divides the last dim; at least 1 dim unless per tensor) and

@@ -32,9 +32,9 @@ struct QuantOps {
   using Out = std::tuple<Tensor, Tensor>;
 
   static void require_fused(const char* op, ScalarType dtype) {
-    FFN_EXT_CHECK_TYPE(dtype == ScalarType::Float || dtype == ScalarType::Half || dtype == ScalarType::BFloat16, op,
-                       ": the CUDA kernels quantize float32, float16 and bfloat16 inputs, got ", dtype_name(dtype),
-                       " (the Python API computes float64 with the ATen formula)");
+    FFN_EXT_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Half || dtype == ScalarType::BFloat16, op,
+                  ": the CUDA kernels quantize float32, float16 and bfloat16 inputs, got ", dtype_name(dtype),
+                  " (the Python API computes float64 with the ATen formula)");
   }
 
   static QuantProblem problem(const Recipe& r, const Tensor& q, const Tensor& scale) {
@@ -134,7 +134,7 @@ struct QuantOps {
       case ScalarType::Float: Launcher::template run<float, F, Pair>(p, f); break;
       case ScalarType::Half: Launcher::template run<torch::headeronly::Half, F, Pair>(p, f); break;
       case ScalarType::BFloat16: Launcher::template run<torch::headeronly::BFloat16, F, Pair>(p, f); break;
-      default: detail::fail("", "ffn_ext quantizing kernel: unsupported dtype");
+      default: detail::fail("ffn_ext quantizing kernel: unsupported dtype");
     }
   }
 };

@@ -1,4 +1,4 @@
-// The quantizing ops' recipe and outputs (quant.h): parse_recipe (the recipe's checks) and alloc_quant (q and
+// The quantizing ops' recipe and outputs (quant.h): parse_recipe (the recipe's guard) and alloc_quant (q and
 // scale for h's shape, allocated through the C shim by dtype code, so float8_e8m0fnu scales work at the 2.10
 // target). Compiled into libffn_ext_cuda.so through cuda/ops.cpp.
 #include "quant.h"
@@ -10,44 +10,23 @@ namespace ffn_ext {
 namespace quant {
 
 Recipe parse_recipe(const char* op, FFN_EXT_QUANT_DECL) {
+  // guards of what the kernels take; QuantRecipe (ffn_ext/quant.py) owns the rules and their messages
   Recipe r{};
-  const auto dt = static_cast<ScalarType>(dtype), sdt = static_cast<ScalarType>(scale_dtype);
-  FFN_EXT_CHECK_TYPE(dt == ScalarType::Float8_e4m3fn || dt == ScalarType::Float8_e5m2, op,
-                     ": `dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got ",
-                     torch::headeronly::toString(dt));
-  r.dtype = dt;
-  if (scaling == "tensor")
-    r.scaling = Scaling::kTensor;
-  else if (scaling == "row")
-    r.scaling = Scaling::kRow;
-  else if (scaling == "group")
-    r.scaling = Scaling::kGroup;
-  else
-    detail::fail("[ValueError] ", op, ": `scaling` must be \"tensor\", \"row\" or \"group\", got \"", scaling, "\"");
-  FFN_EXT_CHECK_VALUE(r.scaling != Scaling::kGroup || group_size == 32 || group_size == 64 || group_size == 128, op,
-                      ": `group_size` must be 32, 64 or 128 (elements per group along the last dim), got ",
-                      std::to_string(group_size));
+  r.dtype = static_cast<ScalarType>(dtype);
+  r.scale_dtype = static_cast<ScalarType>(scale_dtype);
+  r.scaling = scaling == "tensor" ? Scaling::kTensor : scaling == "row" ? Scaling::kRow : Scaling::kGroup;
   r.group_size = group_size;
   r.pow2 = pow2_scales;
-  FFN_EXT_CHECK_TYPE(sdt == ScalarType::Float || sdt == ScalarType::Float8_e8m0fnu, op,
-                     ": `scale_dtype` must be torch.float32 or torch.float8_e8m0fnu, got ",
-                     torch::headeronly::toString(sdt));
-  FFN_EXT_CHECK_VALUE(sdt == ScalarType::Float || pow2_scales, op,
-                      ": `scale_dtype`=torch.float8_e8m0fnu holds powers of two only: it needs pow2_scales=True");
-  r.scale_dtype = sdt;
-  FFN_EXT_CHECK_VALUE(scale_layout == "row" || scale_layout == "column", op,
-                      ": `scale_layout` must be \"row\" or \"column\", got \"", scale_layout, "\"");
   r.column = scale_layout == "column";
-  FFN_EXT_CHECK_VALUE(!r.column || r.scaling != Scaling::kTensor, op,
-                      ": `scale_layout`=\"column\" is for scaling=\"row\" or \"group\"; a per-tensor scale has no ",
-                      "layout");
-  if (static_scale) {
-    FFN_EXT_CHECK_VALUE(r.scaling == Scaling::kTensor, op, ": `static_scale` is for scaling=\"tensor\", got scaling=\"",
-                        scaling, "\"");
-    FFN_EXT_CHECK_VALUE(std::isfinite(*static_scale) && *static_scale > 0, op,
-                        ": `static_scale` must be a finite number > 0, got ", std::to_string(*static_scale));
-  }
   r.static_scale = static_scale;
+  const bool ok =
+      (r.dtype == ScalarType::Float8_e4m3fn || r.dtype == ScalarType::Float8_e5m2) &&
+      (scaling == "tensor" || scaling == "row" || scaling == "group") &&
+      (r.scaling != Scaling::kGroup || group_size == 32 || group_size == 64 || group_size == 128) &&
+      (r.scale_dtype == ScalarType::Float || (r.scale_dtype == ScalarType::Float8_e8m0fnu && pow2_scales)) &&
+      (scale_layout == "row" || (r.column && r.scaling != Scaling::kTensor)) &&
+      (!static_scale || (r.scaling == Scaling::kTensor && std::isfinite(*static_scale) && *static_scale > 0));
+  FFN_EXT_CHECK(ok, op, ": not a recipe of ffn_ext.QuantRecipe");
   return r;
 }
 
@@ -55,13 +34,11 @@ std::pair<Tensor, Tensor> alloc_quant(const char* op, const Tensor& ref, const s
                                       const Recipe& r) {
   Tensor q = empty_strided(ref, h_sizes, contiguous_strides(h_sizes), r.dtype);
   if (r.scaling == Scaling::kTensor) return {q, empty_strided(ref, {}, {}, r.scale_dtype)};
-  FFN_EXT_CHECK_VALUE(!h_sizes.empty(), op, ": scaling=\"", r.scaling == Scaling::kRow ? "row" : "group",
-                      "\" needs h with at least 1 dimension ([..., K]), got a 0-dim tensor");
+  FFN_EXT_CHECK(!h_sizes.empty(), op, ": a row or group scaling needs h of at least 1 dimension");
   const int64_t k = h_sizes.back();
   int64_t n = 1;
   if (r.scaling == Scaling::kGroup) {
-    FFN_EXT_CHECK_VALUE(k % r.group_size == 0, op, ": `group_size`=", std::to_string(r.group_size),
-                        " must divide the last dimension of h, got ", std::to_string(k));
+    FFN_EXT_CHECK(k % r.group_size == 0, op, ": `group_size` must divide the last dimension of h");
     n = k / r.group_size;
   }
   std::vector<int64_t> sizes(h_sizes);

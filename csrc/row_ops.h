@@ -63,7 +63,7 @@ void dispatch_float(ScalarType dtype, const char* what, Fn&& fn) {
     case ScalarType::Float: return fn(float{});
     case ScalarType::Half: return fn(torch::headeronly::Half{});
     case ScalarType::BFloat16: return fn(torch::headeronly::BFloat16{});
-    default: detail::fail("", what, ": unsupported dtype ", dtype_name(dtype));
+    default: detail::fail(what, ": unsupported dtype ", dtype_name(dtype));
   }
 }
 

@@ -1,6 +1,6 @@
-// Input checks and output allocation of the CUDA kernels, on int64 shapes (the stable API has no SymInt: fake
-// tensors and symbolic shapes are the Python fake impls', which give the same messages). Compiled into
-// libffn_ext_cuda.so through cuda/ops.cpp.
+// Input guards and output allocation of the CUDA kernels, on int64 shapes (the stable API has no SymInt: fake
+// tensors and symbolic shapes are the Python fake impls'). The guards keep the kernels' invariants; the user-facing
+// checks and messages are Python's (ffn_ext/_kernels.py). Compiled into libffn_ext_cuda.so through cuda/ops.cpp.
 #include "ffn_ext.h"
 
 #include <torch/headeronly/core/DeviceType.h>
@@ -33,20 +33,6 @@ const char* dtype_name(ScalarType st) {
   }
 }
 
-// "[3, 5]", built with std::to_string, not an ostream. On the H200 image (torch 2.11, g++ 13) the build linked a
-// copy of libstdc++'s stream code into _C whose locale facets were never set up: any number streamed by this
-// library into a message segfaulted in std::ostream::_M_insert<long> (cuda-gdb backtrace in
-// benchmarks/results/2026-11-30_h200/), and with -static-libstdc++ here the numbers silently vanish. So this
-// library's messages format numbers with std::to_string (tests/test_build.py links statically and checks them).
-std::string shape_str(const std::vector<int64_t>& sizes) {
-  std::string s = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(sizes[i]);
-  }
-  return s + "]";
-}
-
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> st(sizes.size());
   int64_t s = 1;
@@ -69,21 +55,6 @@ Tensor empty_strided(const Tensor& like, const std::vector<int64_t>& sizes, cons
 }
 
 namespace {
-// "cuda:0", "cpu", as torch.device prints.
-std::string device_str(const Tensor& t) {
-  int32_t type = 0, index = -1;
-  FFN_EXT_SHIM(aoti_torch_get_device_type(t.get(), &type));
-  FFN_EXT_SHIM(aoti_torch_get_device_index(t.get(), &index));
-  using torch::headeronly::DeviceType;
-  std::string s;
-  switch (static_cast<DeviceType>(type)) {
-    case DeviceType::CPU: s = "cpu"; break;
-    case DeviceType::CUDA: s = "cuda"; break;
-    case DeviceType::Meta: s = "meta"; break;
-    default: s = "device_type_" + std::to_string(type); break;
-  }
-  return index >= 0 ? s + ":" + std::to_string(index) : s;
-}
 bool same_device(const Tensor& a, const Tensor& b) {
   int32_t ta = 0, tb = 0, ia = 0, ib = 0;
   FFN_EXT_SHIM(aoti_torch_get_device_type(a.get(), &ta));
@@ -94,39 +65,30 @@ bool same_device(const Tensor& a, const Tensor& b) {
 }
 
 // Nested and quantized tensors never reach these kernels (their dispatch keys differ), so the stable API's lack of
-// is_nested / is_quantized costs nothing here; the Python fake impls keep those checks.
+// is_nested / is_quantized costs nothing here.
+bool is_float(ScalarType st) {
+  return st == ScalarType::Double || st == ScalarType::Float || st == ScalarType::Half || st == ScalarType::BFloat16;
+}
+
 void check_input(const char* op, const char* name, const Tensor& t) {
-  FFN_EXT_CHECK_VALUE(t.defined(), op, ": `", name, "` is an undefined tensor");
   // the shim, not Tensor::layout(): torch 2.10's stable headers have no such method (2.10's shim has the call)
   int32_t layout = 0;
-  FFN_EXT_SHIM(aoti_torch_get_layout(t.get(), &layout));
-  FFN_EXT_CHECK_TYPE(layout == aoti_torch_layout_strided(), op, ": expected `", name,
-                     "` to be a dense strided tensor, got layout ", std::to_string(layout));
-  const auto st = dtype_of(t);
-  FFN_EXT_CHECK_TYPE(
-      st == ScalarType::Double || st == ScalarType::Float || st == ScalarType::Half || st == ScalarType::BFloat16, op,
-      ": expected `", name, "` to have dtype float64, float32, float16 or bfloat16, got ", dtype_name(st));
+  if (t.defined()) FFN_EXT_SHIM(aoti_torch_get_layout(t.get(), &layout));
+  FFN_EXT_CHECK(t.defined() && layout == aoti_torch_layout_strided() && is_float(dtype_of(t)), op, ": `", name,
+                "` must be a dense strided float64, float32, float16 or bfloat16 tensor");
 }
 
 void check_like(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref) {
   check_input(op, name, t);
-  FFN_EXT_CHECK_TYPE(dtype_of(t) == dtype_of(ref), op, ": expected `", name, "` to have the dtype of `", ref_name,
-                     "` (", dtype_name(dtype_of(ref)), "), got ", dtype_name(dtype_of(t)));
-  FFN_EXT_CHECK(same_device(t, ref), op, ": expected `", name, "` to be on the device of `", ref_name, "` (",
-                device_str(ref), "), got ", device_str(t));
-  FFN_EXT_CHECK_VALUE(t.sizes().equals(ref.sizes()), op, ": expected `", name, "` to have the shape of `", ref_name,
-                      "` ", shape_str(vec(ref.sizes())), ", got ", shape_str(vec(t.sizes())));
+  FFN_EXT_CHECK(dtype_of(t) == dtype_of(ref) && same_device(t, ref) && t.sizes().equals(ref.sizes()), op, ": `", name,
+                "` must have the dtype, device and shape of `", ref_name, "`");
 }
 
 // Validates gate_up for the packed ops and returns its half width M.
 int64_t check_packed(const char* op, const Tensor& gate_up) {
   check_input(op, "gate_up", gate_up);
-  FFN_EXT_CHECK_VALUE(gate_up.dim() >= 1, op, ": expected `gate_up` to have at least 1 dimension ([..., 2*M]), got a ",
-                      "0-dim tensor");
-  const int64_t last = gate_up.size(-1);
-  FFN_EXT_CHECK_VALUE(last % 2 == 0, op, ": expected the last dimension of `gate_up` to be even ([..., 2*M]), got ",
-                      "shape ", shape_str(vec(gate_up.sizes())));
-  return last / 2;
+  FFN_EXT_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, op, ": `gate_up` must be [..., 2*M]");
+  return gate_up.size(-1) / 2;
 }
 
 std::vector<int64_t> with_last(const Tensor& t, int64_t last) {
@@ -227,22 +189,16 @@ Tensor alloc_gated_packed(const char* op, const Tensor& gate_up) {
 Tensor alloc_gated_packed_backward(const char* op, const Tensor& grad, const Tensor& gate_up) {
   const int64_t m = check_packed(op, gate_up);
   check_input(op, "grad", grad);
-  // grad must look like the forward output: gate_up's shape with the last dimension halved.
-  const auto out_sizes = with_last(gate_up, m);
-  FFN_EXT_CHECK_TYPE(dtype_of(grad) == dtype_of(gate_up), op, ": expected `grad` to have the dtype of `gate_up` (",
-                     dtype_name(dtype_of(gate_up)), "), got ", dtype_name(dtype_of(grad)));
-  FFN_EXT_CHECK(same_device(grad, gate_up), op, ": expected `grad` to be on the device of `gate_up` (",
-                device_str(gate_up), "), got ", device_str(grad));
-  FFN_EXT_CHECK_VALUE(vec(grad.sizes()) == out_sizes, op, ": expected `grad` to have the forward output's shape ",
-                      shape_str(out_sizes), " (gate_up's with the last dimension halved), got ",
-                      shape_str(vec(grad.sizes())));
+  FFN_EXT_CHECK(
+      dtype_of(grad) == dtype_of(gate_up) && same_device(grad, gate_up) && vec(grad.sizes()) == with_last(gate_up, m),
+      op, ": `grad` must have the forward output's dtype, device and shape ([..., M] of `gate_up`'s)");
   return empty_format(gate_up, vec(gate_up.sizes()));
 }
 
 Layout parse_layout(const char* op, std::string_view layout) {
   if (layout == "concat") return Layout::kConcat;
   if (layout == "interleaved") return Layout::kInterleaved;
-  detail::fail("[ValueError] ", op, ": `layout` must be \"concat\" or \"interleaved\", got \"", layout, "\"");
+  detail::fail(op, ": `layout` must be \"concat\" or \"interleaved\"");
 }
 
 math::ClampParams for_dtype(const math::ClampParams& p, ScalarType dtype) {
@@ -259,10 +215,8 @@ math::ClampParams for_dtype(const math::ClampParams& p, ScalarType dtype) {
 
 void check_params(const char* op, const math::ClampParams& p) {
   // !(x > 0) also rejects NaN
-  FFN_EXT_CHECK_VALUE(p.limit > 0, op, ": `limit` must be > 0, got ", std::to_string(p.limit));
-  FFN_EXT_CHECK_VALUE(std::isfinite(p.alpha), op, ": `alpha` must be finite, got ", std::to_string(p.alpha));
-  FFN_EXT_CHECK_VALUE(std::isfinite(p.up_offset), op, ": `up_offset` must be finite, got ",
-                      std::to_string(p.up_offset));
+  FFN_EXT_CHECK(p.limit > 0 && std::isfinite(p.alpha) && std::isfinite(p.up_offset), op,
+                ": `limit` must be > 0, `alpha` and `up_offset` finite");
 }
 
 }  // namespace ffn_ext

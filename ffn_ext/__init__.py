@@ -112,7 +112,6 @@ from .quant import (
     swiglu_clamped_quant,
     swiglu_quant,
 )
-from . import _quant_kernels  # noqa: F401  (registers the quantizing ops' kernels, now or when ops adopts a library)
 
 __all__ += [
     "QuantRecipe",

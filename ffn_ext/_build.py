@@ -50,6 +50,9 @@ _OPS_TABLE_DOC = """\
 //        name_backward(Tensor grad, Tensor x) -> Tensor grad * act'(x)
 //   Act  its functor in ffn_math.h (f, df for the kernels, and bwd where act' is unbounded)
 //
+// FFN_EXT_SCHEMAS(X): X("schema", pointwise), every schema of the namespace (table.py's SCHEMAS: the ops below and the
+// quantizing ops), registered by registration.cpp; pointwise 1: tagged torch.Tag.pointwise.
+//
 // FFN_EXT_GATED(X): X(name, Gate, P), one line per gated op, Gate its functor in ffn_math.h (Glu<Act>: act(gate) * up
 // over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below):
 //   ops  name(Tensor gate, Tensor up[, *, P]) -> Tensor                       gate(gate, up)
@@ -59,8 +62,7 @@ _OPS_TABLE_DOC = """\
 //   layout of gate_up (and of the packed backward's [dgate, dup]): "concat" [gate | up] (gate = gate_up[..., :M]),
 //   or "interleaved" [g0, u0, g1, u1, ...] (gate = gate_up[..., ::2], GPT-OSS).
 //
-// Keyword parameters of a gated op, by the name in its line's P column (pasted: FFN_EXT_P_SCHEMA_##P ...):
-//   SCHEMA  the schema's keyword arguments, each preceded by ", "; KWONLY: ", *" and them (or nothing)
+// Keyword parameters of a gated op, by the name in its line's P column (pasted: FFN_EXT_P_DECL_##P ...):
 //   DECL    the same as C++ parameters of a kernel, each preceded by ", "
 //   ARGS    those parameters' names, each preceded by ", " (to pass them on)
 //   MAKE    the functor's Params (ffn_math.h) from them
@@ -100,14 +102,13 @@ def render_ops_table(table) -> str:
         if g.cpp_gate is not None:
             psets[key] = (g.cpp_gate[1], g.params)
         gated.append(f"X({g.name}, {g.functor}, {key})")
+    schemas = ["X(\"" + schema.replace('"', '\\"') + f'", {int(pointwise)})' for schema, pointwise in table.SCHEMAS]
     out = [_OPS_TABLE_DOC, "// clang-format off\n", _macro("FFN_EXT_ACTIVATIONS", acts), _macro("FFN_EXT_GATED", gated)]
+    out.append(_macro("FFN_EXT_SCHEMAS", schemas))
     for key, (struct, params) in psets.items():
         names = [p.name for p in params]
-        schema = "".join(f", float {p.name}" + ("" if p.default is None else f"={p.default!r}") for p in params)
         defaults = "".join(f", double {p.name}" + ("" if p.default is None else f" = {p.default!r}") for p in params)
         bodies = {
-            "SCHEMA": f'"{schema}"',
-            "KWONLY": f'", *" FFN_EXT_P_SCHEMA_{key}' if params else '""',
             "DECL": "".join(f", double {n}" for n in names),
             "ARGS": "".join(f", {n}" for n in names),
             "MAKE": f"math::{struct}{{{', '.join(names)}}}",

@@ -98,7 +98,7 @@ def remedy() -> str:
     return "To get the fused kernels, " + ", or ".join(ways) + "."
 
 
-# ---- the CUDA kernels: lib/libffn_ext_cuda.so (stable ABI, docs/internals/stable-abi.md §1.7, §3) ----
+# ---- the CUDA kernels: lib/libffn_ext_cuda.so (stable ABI, docs/internals/stable-abi.md) ----
 # A library of its own, so that _C loads under any torch >= 2.10, CUDA or not. It needs libtorch_cuda and the
 # libcudart.so of the CUDA major it was built with, so it is loaded only when the running torch has that major;
 # otherwise, or when the load fails, the CUDA kernels are off and cuda_status() says why.

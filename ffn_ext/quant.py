@@ -39,13 +39,13 @@ The ops are torch.ops.ffn_ext.<gated>_quant, <gated>_packed_quant and quantize (
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import _kernels
-from .table import GATED_BY_NAME, activation_for
+from .ops import Gating
+from .table import GATED_BY_NAME, OPS, QUANT_RECIPE_SCHEMA, QUANT_SCHEMAS, activation_for
 
 __all__ = [
     "QuantRecipe",
@@ -168,7 +168,7 @@ def _pow2_up(scale: torch.Tensor) -> torch.Tensor:
 
 def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.reference_quantize"):
     """(q, scale) of h by the documented formula, with plain PyTorch ops: the tests' reference, and the ops' CPU
-    kernels and ATen composite (ffn_ext/_quant_kernels.py)."""
+    kernels (cpu_kernel)."""
     fmax = recipe.fp8_max
     x = h.float()
     if recipe.scaling != "tensor" and x.dim() == 0:
@@ -215,33 +215,128 @@ def _layout(scale: torch.Tensor, recipe: QuantRecipe) -> torch.Tensor:
     return col.copy_(scale)
 
 
-# ---------------------------------------------------------------- the functional API
-def _check_no_grad(op: str, tensors) -> None:
-    if torch.is_grad_enabled():
-        for name, t in tensors:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise RuntimeError(
-                    f"{op}: `{name}` requires grad; the quantizing ops are forward only (not "
-                    "differentiable): call them under torch.no_grad() or on detached tensors"
-                )
-
-
-def _native(name: str, t: torch.Tensor):
-    """torch.ops.ffn_ext.<name> when the native ops (loaded by ffn_ext.ops) serve t's device, else None."""
-    from . import ops
-
-    if not (isinstance(t, torch.Tensor) and ops._native_for(t)) or not hasattr(torch.ops.ffn_ext, name):
-        return None
-    if not _vmap_registered:
-        register_vmap_rules()
-    return getattr(torch.ops.ffn_ext, name).default
-
-
-# ---------------------------------------------------------------- vmap
+# ---------------------------------------------------------------- the ops' Python kernels
+# The native library holds the quantizing ops' schemas and CUDA kernels (csrc/quant_ops.h); everything else is here,
+# as ffn_ext/_kernels.py does for the table's other ops: the checks (the recipe's: QuantRecipe's, the one statement
+# of them; the unfused op's: _kernels.check), the outputs' allocation, the CPU kernel (the unfused op, then this
+# module's formula), the fake kernel, the Autograd kernel (forward only) and the vmap rule.
 def op_names() -> list:
     """The quantizing ops' names (torch.ops.ffn_ext.<name>): <gated>_quant and <gated>_packed_quant for every gated
     op of the table, and quantize."""
-    return [f"{g}{p}_quant" for g in GATED_BY_NAME for p in ("", "_packed")] + ["quantize"]
+    return list(QUANT_SCHEMAS)
+
+
+def _unfused(name: str) -> str | None:
+    """The unfused op a quantizing op quantizes the output of (swiglu_quant -> swiglu, swiglu_packed_quant ->
+    swiglu_packed); None for quantize (h is x)."""
+    return None if name == "quantize" else name[: -len("_quant")]
+
+
+_RECIPE = tuple(f.split(" ")[-1] for f in QUANT_RECIPE_SCHEMA.split(", "))  # the recipe's schema arguments
+_FIRST_UNARY = next(n for n, s in OPS.items() if s.kind == "unary" and not s.backward)
+
+
+def check(name: str, args: tuple, kwargs: dict):
+    """Every check of quantizing op `name`: its recipe (QuantRecipe's checks, named for the op), its inputs (the
+    unfused op's checks, named for the op; quantize's x as a unary op's), and that the recipe fits h's shape.
+    Returns (recipe, h's shape)."""
+    op = f"ffn_ext.{name}"
+    try:
+        recipe = QuantRecipe(*(kwargs[k] for k in _RECIPE))
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("QuantRecipe:", f"{op}:", 1)) from None
+    unfused = _unfused(name) or _FIRST_UNARY
+    spec = OPS[unfused]
+    try:
+        _kernels.check_kinds(f"ffn_ext.{unfused}", spec.args, args)
+        _kernels.check(unfused, args, *_kernels.split_kwargs(unfused, _unfused_kwargs(unfused, kwargs)))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise type(e)(str(e).replace(f"ffn_ext.{unfused}:", f"{op}:", 1)) from None
+    shape = list(args[0].shape)
+    if spec.kind == "packed":
+        shape[-1] //= 2
+    if recipe.scaling != "tensor":
+        if not shape:
+            raise ValueError(
+                f"{op}: scaling={recipe.scaling!r} needs h with at least 1 dimension ([..., K]), got a 0-dim tensor"
+            )
+        _group_len(op, recipe, shape[-1])
+    return recipe, shape
+
+
+def _unfused_kwargs(unfused: str, kwargs: dict) -> dict:
+    """The unfused op's keyword arguments of a quantizing op's call (the dispatcher drops those at their default)."""
+    return {k: kwargs[k] for k in _kernels.KEYWORDS[unfused] if k in kwargs}
+
+
+def _alloc(ref: torch.Tensor, h_shape: list, r: QuantRecipe):
+    """(q, scale) as the CUDA kernels allocate them: q contiguous in the fp8 dtype; scale [] / [..., 1] /
+    [..., K / group_size] in scale_dtype, the "column" layout allocated [n, ...] and viewed as [..., n] (the rows'
+    index varies fastest)."""
+    q = torch.empty(h_shape, dtype=r.dtype, device=ref.device)
+    if r.scaling == "tensor":
+        return q, torch.empty((), dtype=r.scale_dtype, device=ref.device)
+    n = h_shape[-1] // r.group_size if r.scaling == "group" else 1
+    if r.scale_layout == "row":
+        return q, torch.empty((*h_shape[:-1], n), dtype=r.scale_dtype, device=ref.device)
+    col = torch.empty((n, *h_shape[:-1]), dtype=r.scale_dtype, device=ref.device)
+    return q, col.permute(*range(1, len(h_shape)), 0)
+
+
+def _fake(name: str):
+    def fake(*args, **kwargs):
+        recipe, shape = check(name, args, kwargs)
+        return _alloc(args[0], shape, recipe)
+
+    return fake
+
+
+def cpu_kernel(name: str):
+    """Op `name` with ATen: h by the unfused op (x itself for quantize), then this module's formula, written into
+    the outputs the CUDA kernels allocate. The CPU kernel; the CUDA kernel where the CUDA library is not loaded, and
+    for float64 inputs, which the CUDA kernels do not take."""
+    unfused = _unfused(name)
+
+    def kernel(*args, **kwargs):
+        recipe, shape = check(name, args, kwargs)
+        q, scale = _alloc(args[0], shape, recipe)
+        if unfused is None:
+            h = args[0]
+        else:
+            h = _kernels.route(unfused, args, _unfused_kwargs(unfused, kwargs))
+        hq, hs = reference_quantize(h, recipe, f"ffn_ext.{name}")
+        return q.copy_(hq), scale.copy_(hs)
+
+    return kernel
+
+
+def _no_cuda_kernel(name: str):
+    kernel = cpu_kernel(name)
+
+    def cuda(*args, **kwargs):
+        _kernels.warn_no_cuda_kernels()
+        return kernel(*args, **kwargs)
+
+    return cuda
+
+
+def _autograd(name: str):
+    """The Autograd kernel: refuses inputs that require grad under grad mode (the quantizing ops are not
+    differentiable: a silent constant would be a wrong gradient), else runs the op below autograd."""
+    arg_names = [a.name for a in torch._C.parse_schema("ffn_ext::" + QUANT_SCHEMAS[name]).arguments]
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            for arg, t in zip(arg_names, args):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    raise RuntimeError(
+                        f"ffn_ext.{name}: `{arg}` requires grad; the quantizing ops are forward only (not "
+                        "differentiable): call them under torch.no_grad() or on detached tensors"
+                    )
+        with torch._C._AutoDispatchBelowAutograd():
+            return _kernels.overload(name).redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    return kernel
 
 
 def _batch_rule(name: str):
@@ -250,7 +345,7 @@ def _batch_rule(name: str):
     is that; a static per-tensor scale is elementwise, the same for every sample; a dynamic per-tensor scale is a
     sample's own amax, so that recipe runs one call per sample (what torch's fallback would do, without its
     warning)."""
-    overload = getattr(torch.ops.ffn_ext, name).default
+    overload = _kernels.overload(name)
 
     def rule(info, in_dims, *args, **kwargs):
         b = info.batch_size
@@ -265,47 +360,42 @@ def _batch_rule(name: str):
     return rule
 
 
-_vmap_registered = False
-
-
-def register_vmap_rules() -> None:
-    """Registers the quantizing ops' batching rules once, when the native ops are loaded (at import, or on the
-    first call through this module: a JIT build loaded later)."""
-    global _vmap_registered
-    if _vmap_registered or not hasattr(torch.ops.ffn_ext, "quantize"):
-        return
-    _vmap_registered = True
+def register(lib, cuda_kernels: bool) -> None:
+    """Registers the quantizing ops' kernels on `lib` (ffn_ext._kernels.register's Library, which calls this)."""
+    if cuda_kernels:  # the native library's CUDA kernels: those of the quantizing ops too, if it has them
+        cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::quantize", "CUDA")
     for name in op_names():
-        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name))
+        torch.library.register_fake(f"ffn_ext::{name}", _fake(name), lib=lib)
+        _kernels.CPU_KERNELS[name] = cpu_kernel(name)
+        lib.impl(name, _kernels.CPU_KERNELS[name], "CPU")
+        if not cuda_kernels:
+            lib.impl(name, _no_cuda_kernel(name), "CUDA")
+        lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
+        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name), lib=lib)
 
 
-# Set by ffn_ext._quant_kernels (the layer above, imported by the package): name -> the op's ATen composite kernel.
-# A hook, not an import, so that this module depends on nothing above it.
-_composite: Callable[[str], Callable] | None = None
-
-
-def _run(op: str, unfused, args: tuple, names: tuple, recipe, kwargs: dict):
-    """torch.ops.ffn_ext.<op> when the native ops are loaded; else the reference on ffn_ext's unfused output."""
-    recipe = _recipe("ffn_ext." + op, recipe)
-    _check_no_grad("ffn_ext." + op, zip(names, args))
-    overload = _native(op, args[0])
-    if overload is not None:
-        if args[0].dtype == torch.float64 and args[0].is_cuda and _composite is not None:
-            # the stable CUDA kernels refuse float64 (a [TypeError] RuntimeError): the op's own ATen composite
-            return _composite(op)(*args, **recipe.op_kwargs(), **kwargs)
+# ---------------------------------------------------------------- the functional API
+def _run(name: str, args: tuple, recipe, kwargs: dict):
+    """torch.ops.ffn_ext.<name> by the ops' one route (_kernels.route), the recipe's arguments added; float64 CUDA
+    inputs, which the CUDA kernels do not take, by the op's ATen kernel. An error is explained by the checks."""
+    op = f"ffn_ext.{name}"
+    kwargs = {**_recipe(op, recipe).op_kwargs(), **kwargs}
+    try:
+        a = args[0]
+        if isinstance(a, torch.Tensor) and a.is_cuda and a.dtype is torch.float64:
+            return cpu_kernel(name)(*args, **kwargs)
+        return _kernels.route(name, args, kwargs)
+    except Exception as e:
         try:
-            return overload(*args, **recipe.op_kwargs(), **kwargs)
-        except RuntimeError as e:  # the C++ checks' ValueError / TypeError, tagged across the stable ABI
-            retyped = _kernels.retyped(e)
-            if retyped is not None:
-                raise retyped from None
-            raise
-    return reference_quantize(unfused(*args), recipe, "ffn_ext." + op)
+            check(name, args, kwargs)
+        except (TypeError, ValueError, RuntimeError) as why:
+            raise why from None
+        raise e
 
 
 def quantize(x: torch.Tensor, recipe: QuantRecipe | None = None):
     """(q, scale) of x (a GEMM input) by `recipe` (default: float8_e4m3fn, 1x128 groups, float32 scales)."""
-    return _run("quantize", lambda t: t, (x,), ("x",), recipe, {})
+    return _run("quantize", (x,), recipe, {})
 
 
 def _params(op: str, gated, params: dict) -> dict:
@@ -322,25 +412,9 @@ def _params(op: str, gated, params: dict) -> dict:
     return out
 
 
-def _gated_quant(gated, gate, up, recipe, params: dict):
-    from . import ops
-
-    params = _params(f"ffn_ext.{gated.name}_quant", gated, params)
-    return _run(
-        gated.name + "_quant",
-        lambda g, u: ops._call(gated.name, (g, u), tuple(params.values())),
-        (gate, up),
-        ("gate", "up"),
-        recipe,
-        params,
-    )
-
-
 def gated_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None, activation: str = "silu"):
     """(q, scale) of act(gate) * up for any activation of the table by its name (as ffn_ext.gated)."""
-    from .ops import _act
-
-    return _gated_quant(GATED_BY_NAME[_act(activation).gated], gate, up, recipe, {})
+    return _run(Gating.of(activation).op + "_quant", (gate, up), recipe, {})
 
 
 def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None):
@@ -351,7 +425,7 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | Non
 def geglu_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None, approximate: str = "none"):
     """(q, scale) of geglu(gate, up, approximate)."""
     act = activation_for("gelu", approximate=approximate)
-    return _gated_quant(GATED_BY_NAME[act.gated], gate, up, recipe, {})
+    return _run(act.gated + "_quant", (gate, up), recipe, {})
 
 
 def swiglu_clamped_quant(
@@ -364,9 +438,7 @@ def swiglu_clamped_quant(
     up_offset: float = 0.0,
 ):
     """(q, scale) of swiglu_clamped(gate, up, limit=, alpha=, up_offset=) (GPT-OSS, DeepSeek-V4)."""
-    return _gated_quant(
-        GATED_BY_NAME["swiglu_clamped"], gate, up, recipe, dict(limit=limit, alpha=alpha, up_offset=up_offset)
-    )
+    return _run("swiglu_clamped_quant", (gate, up), recipe, dict(limit=limit, alpha=alpha, up_offset=up_offset))
 
 
 def gated_packed_quant(
@@ -379,19 +451,9 @@ def gated_packed_quant(
 ):
     """(q, scale) of a gated op over one [..., 2M] tensor in `layout` ("concat" or "interleaved"). `activation`
     names an activation of the table, or a gated op (e.g. "swiglu_clamped", with its keyword `params`)."""
-    from . import ops
-
-    gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[ops._act(activation).gated]
-    name = gated.name + "_packed"
-    params = _params(f"ffn_ext.{name}_quant", gated, params)
-    return _run(
-        name + "_quant",
-        lambda gu: ops._call(name, (gu,), tuple(params.values()) + (layout,)),
-        (gate_up,),
-        ("gate_up",),
-        recipe,
-        dict(params, layout=layout),
-    )
+    gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[Gating.of(activation).op]
+    name = gated.name + "_packed_quant"
+    return _run(name, (gate_up,), recipe, dict(_params(f"ffn_ext.{name}", gated, params), layout=layout))
 
 
-register_vmap_rules()
+_kernels.add_hook(register)  # with the table's ops' kernels: now, if they are registered, or when they are

@@ -7,11 +7,10 @@ Without a GPU, conftest.py runs the first `cuda`-marked parametrization of every
   factory functions) into "cpu", and makes tensors report the device a CUDA tensor reports (`device` cuda:0,
   `is_cuda` True), so ffn_ext's Python and the test's take their CUDA branches;
 - every torch.ops.ffn_ext op reaching a kernel runs _emulate_cuda of the tests' host-code extension (tests/native.py)
-  instead: the CUDA ops' own problem setup, checks, output allocation and launch shape (csrc/row_ops.h, rows.h) with
+  instead: the CUDA ops' own problem setup, guards, output allocation and launch shape (csrc/row_ops.h, rows.h) with
   each block's and thread's code run on the host (tests/test_launcher_emulation.py checks that launch against the host
-  math, bit for bit). It runs the glue libffn_ext_cuda.so registers, so its checks raise what the CUDA kernels raise:
-  a RuntimeError tagged "[ValueError] " / "[TypeError] " (the stable ABI's one portable type), which the functional
-  API retypes (ffn_ext/ops.py, _kernels.retyped) as on a GPU: nothing here retypes;
+  math, bit for bit). It runs the glue libffn_ext_cuda.so registers, so its guards raise what the CUDA kernels raise
+  (a RuntimeError), which the functional API explains with its Python checks, as on a GPU;
 - torch.cuda's stream, synchronization and memory calls the tests make are no-ops or neutral answers, and
   torch.autocast("cuda", dtype) is the host's autocast with that dtype.
 

@@ -104,17 +104,19 @@ def test_standin_runs_the_emulated_launch(monkeypatch):
     not cuda_standin.available(), reason="a GPU is here, no native ffn_ext library, or FFN_EXT_CUDA_STANDIN=0"
 )
 def test_standin_raises_what_the_cuda_kernels_raise(monkeypatch):
-    """The emulated kernels run the CUDA glue's checks: torch.ops.ffn_ext raises the kernels' tagged RuntimeError
-    (all the stable ABI carries), and the public API retypes it, as on a GPU."""
+    """The emulated kernels run the CUDA glue's guards: torch.ops.ffn_ext raises the kernels' RuntimeError (all the
+    stable ABI carries), and the public API explains it with the Python checks, as on a GPU."""
     x, y = torch.randn(4, 6), torch.randn(4, 5)
     with cuda_standin.standin(monkeypatch) as calls:
         gate, up = x.cuda(), y.cuda()
-        with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.swiglu: expected `up` to have the shape"):
+        with pytest.raises(RuntimeError, match=r"^ffn_ext\.swiglu: `up` must have the dtype, device and shape of"):
             torch.ops.ffn_ext.swiglu(gate, up)
         with pytest.raises(ValueError, match=r"^ffn_ext\.swiglu: expected `up` to have the shape"):
             ffn_ext.swiglu(gate, up)
-        with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.swiglu_clamped: `limit` must be > 0"):
+        with pytest.raises(RuntimeError, match=r"^ffn_ext\.swiglu_clamped: `limit` must be > 0, `alpha`"):
             torch.ops.ffn_ext.swiglu_clamped(gate, gate, limit=-1.0)
-        with pytest.raises(RuntimeError, match=r"^\[ValueError\] ffn_ext\.swiglu_packed: `layout`"):
+        with pytest.raises(ValueError, match=r"^ffn_ext\.swiglu_clamped: `limit` must be > 0, got -1.0"):
+            ffn_ext.swiglu_clamped(gate, gate, limit=-1.0)
+        with pytest.raises(RuntimeError, match=r"^ffn_ext\.swiglu_packed: `layout`"):
             torch.ops.ffn_ext.swiglu_packed(gate, layout="bogus")
-    assert not calls, calls  # counted when they return; the tags say the C++ checks raised (Python's raise untagged)
+    assert not calls, calls  # counted when they return: the guards raised in the emulated kernels

@@ -3,7 +3,7 @@
 // problems, run by the kernels of kernels_part<i>.cu through launch_rows.h) and the quantizing ops
 // (../quant_ops.h's QuantProblems, run by quant_part<i>.cu through launch_quant.h), on the current stream under a
 // guard for the output's device. A library of its own, not part of _C: it needs libtorch_cuda and libcudart.so of
-// one CUDA major, and _C must load without them (docs/internals/stable-abi.md §1.7). ffn_ext/_loader.py loads it
+// one CUDA major, and _C must load without them (docs/internals/stable-abi.md). ffn_ext/_loader.py loads it
 // with torch.ops.load_library when the running torch's CUDA major matches. One g++ translation unit with the
 // checks (../shapes.cpp) and the recipe (../quant_recipe.cpp): on 2 cores a build is bound by total CPU time.
 #include <cuda_runtime.h>

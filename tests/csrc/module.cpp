@@ -90,9 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_emulate_cuda", &ffn_ext::testing::emulate_cuda_py, py::arg("op"), py::arg("inputs"), py::arg("sms") = 132,
         py::arg("params") = Doubles{}, py::arg("layout") = "concat",
         "op's CUDA kernel (row_ops.h's checks, outputs and problem, rows.h's launch shape and per-thread code) with "
-        "its launch emulated on the host with CPU tensors, for a GPU with `sms` multiprocessors. The op's checks "
-        "raise what the CUDA kernel raises (RuntimeError, tagged [ValueError] / [TypeError]); a bad call of this "
-        "function raises ValueError.");
+        "its launch emulated on the host with CPU tensors, for a GPU with `sms` multiprocessors. The op's guards "
+        "raise what the CUDA kernel raises (RuntimeError); a bad call of this function raises ValueError.");
   m.def("_emulate_quant", &ffn_ext::testing::emulate_quant_py, py::arg("op"), py::arg("inputs"),
         py::arg("params") = Doubles{}, py::arg("layout") = "concat", py::arg("format") = "e4m3fn",
         py::arg("group_size") = 128, py::arg("pow2") = false, py::arg("e8m0") = false, py::arg("column") = false,

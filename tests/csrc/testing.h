@@ -31,8 +31,8 @@ math::ClampParams for_dtype(const math::ClampParams& p, torch::headeronly::Scala
 namespace testing {
 
 // A bad call of a test function itself (unknown op, wrong number of inputs or params, ...): a ValueError in
-// Python (module.cpp). The ops' own checks, in the glue, throw what the CUDA kernels throw: a RuntimeError whose
-// message starts with the Python type's tag ("[ValueError] ...", csrc/ffn_ext.h), which the functional API retypes.
+// Python (module.cpp). The ops' own guards, in the glue, throw what the CUDA kernels throw: a RuntimeError naming the
+// op and the argument, which the functional API explains with its Python checks.
 struct UsageError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };

@@ -8,7 +8,7 @@
 //   #include <ffn_ext/ops.h>
 //   torch::stable::Tensor h = ffn_ext::swiglu(gate, up);   // silu(gate) * up
 //
-// What registers what (docs/internals/stable-abi.md §3):
+// What registers what (docs/internals/stable-abi.md):
 //   - libffn_ext_ops.so (the ffn_ext::ops target) registers the schemas, and the CUDA kernels when it was built
 //     with FFN_EXT_WITH_CUDA=ON. This header references it (ffn_ext_ops_library below), so the library stays in
 //     the link and registers at load also under the linker's --as-needed.
@@ -30,9 +30,10 @@
 // torch::stable::Tensor. Shapes: unary ops [...] -> [...]; gated ops gate, up [..., M] -> [..., M]; packed ops
 // [..., 2M] -> [..., M] with layout "concat" ([gate | up]) or "interleaved" ([g0, u0, g1, u1, ...], GPT-OSS).
 //
-// Errors: std::runtime_error. Its message carries the op's check (e.g. "ffn_ext.swiglu: expected `up` to have the
-// shape of `gate` ...", prefixed "[ValueError] " or "[TypeError] " by the C++ checks) when the running torch is
-// 2.13 or newer; on 2.10-2.12 the stable ABI passes no message across the C API (it names the failed call only).
+// Errors: std::runtime_error. Its message carries the failed guard (e.g. "ffn_ext.swiglu: `up` must have the
+// dtype, device and shape of `gate`") when the running torch is 2.13 or newer; on 2.10-2.12 the stable ABI passes
+// no message across the C API (it names the failed call only). The CPU kernels are Python's: from C++ they raise
+// the Python checks' messages.
 //
 // From at::Tensor code (built against one torch anyway): convert at the edge with torch's
 // torch::aot_inductor::new_tensor_handle / tensor_handle_to_tensor_pointer
