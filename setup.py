@@ -168,6 +168,10 @@ if needs_torch:
             print(banner, flush=True)
             if with_cuda and self.inplace:  # the in-place copy does not create the folder
                 (ROOT / cuda_lib).parent.mkdir(parents=True, exist_ok=True)
+            if not with_cuda:  # a CUDA library an earlier build left would ship (from build/lib) and load
+                (Path(self.build_lib) / cuda_lib).unlink(missing_ok=True)
+                if self.inplace:  # an editable build's, in the checkout
+                    (ROOT / cuda_lib).unlink(missing_ok=True)
             super().run()
             for path in self._records():
                 path.write_text(json.dumps(build.build_record(with_cuda, ROOT), indent=1) + "\n")
