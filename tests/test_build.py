@@ -537,6 +537,30 @@ def test_setup_py_stops_before_compiling_on_a_broken_toolkit(tmp_path):
     assert "Traceback" not in r.stderr and "ffn_ext: building" not in r.stdout, r.stderr[-3000:]
 
 
+def test_jit_load_stops_before_compiling_on_a_broken_toolkit(tmp_path):
+    """ffn_ext.jit.load() finds the toolkit as setup.py does: with a wrapper nvcc to a missing toolkit first on PATH
+    and CUDA_HOME unset, a CUDA build (with_cuda=True; and the default, under a CUDA build of torch) raises the
+    message, and nothing was compiled into the build directory."""
+    wrapper = _script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {tmp_path / "gone" / "bin" / "nvcc"} "$@"')
+    env = _env(FFN_EXT_NO_C="1", PATH=os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")]))
+    for var in _build.CUDA_HOME_VARS:
+        env.pop(var, None)
+    code = f"""
+    import torch, ffn_ext
+    for with_cuda in [True] + ([None] if torch.version.cuda else []):
+        try:
+            ffn_ext.jit.load(with_cuda=with_cuda, build_directory={str(tmp_path / "build")!r})
+        except ffn_ext._build.CudaToolkitError as e:
+            assert {str(wrapper)!r} in str(e) and "FFN_EXT_FORCE_CPU=1" in str(e), e
+        else:
+            raise AssertionError(f"jit.load(with_cuda={{with_cuda}}) built with a broken toolkit")
+    print("JIT_STOPPED")
+    """
+    r = _run_python(code, env=env)
+    assert "JIT_STOPPED" in r.stdout, r.stdout
+    assert not (tmp_path / "build").exists() or not any((tmp_path / "build").iterdir())
+
+
 # ---------------------------------------------------------------- (c) no _C: ATen fallback
 def test_import_without_C_warns_once_and_falls_back_to_aten():
     code = r"""
