@@ -9,8 +9,9 @@ shared library ffn_ext/lib/libffn_ext_cuda.so (the CUDA kernels; loaded on deman
 Both binaries load under any torch >= 2.10 (the CUDA library only under a torch of its CUDA major): which torch the
 build saw decides only the CUDA major of the CUDA kernels.
 
-Environment: FFN_EXT_FORCE_CPU=1 builds CPU-only; TORCH_CUDA_ARCH_LIST picks the GPU architectures (default
-"8.0;9.0+PTX"); MAX_JOBS limits parallel compile jobs. Sources and flags: csrc/build.json. Making an sdist
+Environment: FFN_EXT_FORCE_CPU=1 builds CPU-only; CUDA_HOME names the CUDA toolkit (unset: the toolkit that the nvcc
+on PATH runs, else /usr/local/cuda; one without its headers stops the build before it compiles: _build.find_cuda_home);
+TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0+PTX"); MAX_JOBS limits parallel compile jobs. Sources and flags: csrc/build.json. Making an sdist
 (`setup.py sdist`, `python -m build --sdist`) needs no torch.
 """
 
@@ -85,11 +86,17 @@ if needs_torch:
     if importlib.util.find_spec("torch") is None:
         sys.exit(ISOLATION_MESSAGE.format(what="torch is not importable in this build environment."))
     import torch
-    from torch.utils.cpp_extension import BuildExtension
 
     too_old = build.too_old(torch.__version__)
     if too_old:
         sys.exit(too_old)
+    # Before torch.utils.cpp_extension is imported: that import takes its CUDA_HOME (and logs it), which
+    # decide_cuda sets to the toolkit it found; a toolkit that cannot compile stops the build here, not in ninja.
+    try:
+        with_cuda, why = build.decide_cuda()
+    except build.CudaToolkitError as e:
+        sys.exit(str(e))
+    from torch.utils.cpp_extension import BuildExtension
 
     if build.write_ops_table(ROOT):  # the C++ op table, from ffn_ext/table.py (not in git)
         print(f"ffn_ext: wrote {build.OPS_TABLE} from ffn_ext/table.py", flush=True)
@@ -97,7 +104,6 @@ if needs_torch:
     # wheel requires torch>=2.10, not the build's torch; only the CUDA library is tied to one CUDA major.
     from torch.utils import cpp_extension
 
-    with_cuda, why = build.decide_cuda()
     torch_inc = cpp_extension.include_paths()[:1]  # torch/include: the stable headers need no other
     torch_lib = cpp_extension.library_paths()
     try:  # pip's pybind11 first; torch/include ships a copy otherwise
@@ -162,6 +168,10 @@ if needs_torch:
             print(banner, flush=True)
             if with_cuda and self.inplace:  # the in-place copy does not create the folder
                 (ROOT / cuda_lib).parent.mkdir(parents=True, exist_ok=True)
+            if not with_cuda:  # a CUDA library an earlier build left would ship (from build/lib) and load
+                (Path(self.build_lib) / cuda_lib).unlink(missing_ok=True)
+                if self.inplace:  # an editable build's, in the checkout
+                    (ROOT / cuda_lib).unlink(missing_ok=True)
             super().run()
             for path in self._records():
                 path.write_text(json.dumps(build.build_record(with_cuda, ROOT), indent=1) + "\n")

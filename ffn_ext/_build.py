@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
@@ -172,21 +173,144 @@ def sources_hash(root: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+CUDA_HOME_VARS = ("CUDA_HOME", "CUDA_PATH")  # torch.utils.cpp_extension's order
+TOOLKIT_FILES = ("bin/nvcc", "include/cuda_runtime.h")  # what cpp_extension compiles with: $CUDA_HOME/<these>
+DEFAULT_CUDA_HOME = "/usr/local/cuda"  # cpp_extension's last guess
+
+
+class CudaToolkitError(RuntimeError):
+    """A CUDA build is due (a CUDA build of torch, FFN_EXT_FORCE_CPU unset) and the CUDA toolkit named or found
+    cannot compile it. Raised before anything is compiled; the message says what was found, what is missing, and
+    the two ways out (CUDA_HOME, FFN_EXT_FORCE_CPU)."""
+
+
+def _missing(home: str | Path) -> list[str]:
+    """TOOLKIT_FILES absent under home (all of them when home does not exist)."""
+    return [rel for rel in TOOLKIT_FILES if not (Path(home) / rel).is_file()]
+
+
+def _nvcc_top(nvcc: str) -> tuple[str | None, str]:
+    """(the toolkit folder the nvcc at this path really runs from, None and why not). Asked of nvcc itself: a dry run
+    prints `#$ TOP=<its bin>/..`, which holds for a wrapper script that execs the toolkit's nvcc and for symlinks
+    alike; -E on /dev/null compiles nothing, and --dryrun runs nothing."""
+    import subprocess
+
+    try:
+        r = subprocess.run(
+            [nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"it did not run ({e})"
+    found = re.search(r"^#\$ TOP=(.+?)\s*$", r.stdout + r.stderr, re.M)
+    if found is None:
+        said = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+        return None, f"`nvcc --dryrun` named no toolkit (exit status {r.returncode}, {said[0]})"
+    return os.path.normpath(found.group(1)), ""
+
+
+def _toolkits_here() -> list[str]:
+    """Complete toolkits in the usual place (/usr/local/cuda*), to name in a message."""
+    return sorted(str(p) for p in Path("/usr/local").glob("cuda*") if p.is_dir() and not _missing(p))
+
+
+def _toolkit_error(found: str, checked: list[tuple[str, str]]) -> CudaToolkitError:
+    here = _toolkits_here()
+    lines = [
+        "ffn_ext: cannot build the CUDA kernels: no usable CUDA toolkit (stopped before compiling anything).",
+        f"  found:   {found}",
+        *(f"  checked: {home}: {what}" for home, what in checked),
+        f"  missing: a toolkit folder with {' and '.join(TOOLKIT_FILES)} (torch compiles with $CUDA_HOME/<these>)",
+        "Rerun the same command (pip install ..., or ffn_ext.jit.load()) with one of:",
+        "  CUDA_HOME=/path/to/cuda     the CUDA toolkit to compile the kernels with"
+        + (f" (here: {', '.join(here)})" if here else ""),
+        f"  {FORCE_CPU_ENV}=1         no CUDA kernels: CUDA tensors then run the ops' ATen forms",
+    ]
+    return CudaToolkitError("\n".join(lines))
+
+
+def find_cuda_home() -> tuple[str | None, str]:
+    """(the CUDA toolkit to build with, how it was found). None when there is none: CUDA_HOME and CUDA_PATH unset,
+    no nvcc on PATH and no /usr/local/cuda (then the build is CPU-only). Raises CudaToolkitError when one is named or
+    found that lacks TOOLKIT_FILES.
+
+    torch.utils.cpp_extension takes CUDA_HOME, else CUDA_PATH, else the folder above the bin/ of the first nvcc on
+    PATH, else /usr/local/cuda. The third guess fails for an nvcc that is a wrapper script outside the toolkit
+    (/usr/local/bin/nvcc execing /usr/local/cuda-13.0/bin/nvcc gives /usr/local, which has no CUDA headers) and the
+    build then died deep in ninja on cuda_runtime.h: here the toolkit is the one that nvcc really runs."""
+    for var in CUDA_HOME_VARS:
+        home = os.environ.get(var)
+        if home:
+            missing = _missing(home)
+            if missing:
+                raise _toolkit_error(f"{var}={home}", [(home, "no " + " and no ".join(missing))])
+            return home, f"named by {var}"
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        top, why_not = _nvcc_top(nvcc)
+        real = os.path.realpath(nvcc)
+        candidates = [(top, "the toolkit that nvcc runs, asked with nvcc --dryrun")] if top else []
+        if real != nvcc:
+            candidates.append((os.path.dirname(os.path.dirname(real)), f"above the bin/ of nvcc's target, {real}"))
+        candidates.append((os.path.dirname(os.path.dirname(nvcc)), "above nvcc's bin/: torch's own guess"))
+        checked: list[tuple[str, str]] = []
+        for home, how in candidates:
+            if home in (h for h, _ in checked):
+                continue
+            missing = _missing(home)
+            if not missing:
+                return home, f"{how}; the nvcc on PATH: {nvcc}"
+            checked.append((home, "no " + " and no ".join(missing) + f" ({how})"))
+        found = f"the nvcc on PATH, {nvcc}, with CUDA_HOME and CUDA_PATH unset; " + (
+            f"it runs the toolkit in {top}" if top else why_not
+        )
+        raise _toolkit_error(found, checked)
+    default = DEFAULT_CUDA_HOME
+    if os.path.exists(default):
+        missing = _missing(default)
+        if missing:
+            found = f"{default} (no nvcc on PATH; CUDA_HOME and CUDA_PATH unset)"
+            raise _toolkit_error(found, [(default, "no " + " and no ".join(missing))])
+        return default, "no nvcc on PATH: torch's default"
+    return None, f"no CUDA toolkit: CUDA_HOME and CUDA_PATH are unset, no nvcc is on PATH, and {default} is absent"
+
+
+def use_cuda_home(home: str) -> None:
+    """Points torch.utils.cpp_extension at the toolkit home: CUDA_HOME for this process and its children (the module
+    reads it when first imported) and the module's own CUDA_HOME when it was imported already (its build functions
+    read that global)."""
+    import sys
+
+    os.environ["CUDA_HOME"] = home
+    cpp_extension = sys.modules.get("torch.utils.cpp_extension")
+    if cpp_extension is not None:
+        cpp_extension.CUDA_HOME = home  # type: ignore[attr-defined]
+
+
+def cuda_toolkit() -> tuple[str, str]:
+    """For a build that compiles the CUDA kernels: finds the toolkit (find_cuda_home), points torch at it, and
+    returns (its folder, how it was found). Raises CudaToolkitError when there is none or it is incomplete."""
+    home, how = find_cuda_home()
+    if home is None:
+        raise _toolkit_error(how, [])
+    use_cuda_home(home)
+    return home, how
+
+
 def decide_cuda() -> tuple[bool, str]:
-    """(build CUDA kernels?, why). Needs a CUDA build of torch and a CUDA toolkit (nvcc)."""
+    """(build CUDA kernels?, why), having pointed torch's cpp_extension at the toolkit when yes. Needs a CUDA build
+    of torch and a CUDA toolkit (find_cuda_home): with none at all the build is CPU-only; with one that cannot
+    compile, CudaToolkitError. Call it before importing torch.utils.cpp_extension, whose import logs its own guess."""
     import torch
-    from torch.utils import cpp_extension
 
     if os.environ.get(FORCE_CPU_ENV, "0") not in ("", "0"):
         return False, f"{FORCE_CPU_ENV} is set"
     if torch.version.cuda is None:
         return False, f"torch {torch.__version__} is a CPU-only build"
-    if cpp_extension.CUDA_HOME is None:
-        return False, "no CUDA toolkit found (set CUDA_HOME to the directory holding bin/nvcc)"
-    nvcc = Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"
-    if not nvcc.exists():
-        return False, f"CUDA_HOME={cpp_extension.CUDA_HOME} has no bin/nvcc"
-    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}) and nvcc in {cpp_extension.CUDA_HOME}"
+    home, how = find_cuda_home()
+    if home is None:
+        return False, f"{how} (set CUDA_HOME to the toolkit's folder, the one holding bin/nvcc)"
+    use_cuda_home(home)
+    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}) and the CUDA toolkit in {home} ({how})"
 
 
 def default_arch_list(cfg: dict) -> str:

@@ -56,9 +56,11 @@ def load(
     makes it ffn_ext's backend. with_cuda=None decides as setup.py does. Returns the loaded module.
 
     A first build prints one line when it starts (what, for which GPU architectures, roughly how long, where it is
-    cached) and one when it is done; verbose=True shows the compiler's output too."""
-    from torch.utils import cpp_extension
+    cached) and one when it is done; verbose=True shows the compiler's output too.
 
+    The CUDA toolkit is found as setup.py finds it (_build.find_cuda_home: CUDA_HOME, else the toolkit that the nvcc
+    on PATH runs, else /usr/local/cuda), and CUDA_HOME is set to it for this process; one that cannot compile raises
+    _build.CudaToolkitError (a RuntimeError) before anything is compiled."""
     if ops._native_source == "python":  # the ops ffn_ext defined itself, without a native library: replaced
         ops._undefine_here()
     if ops._native is not None:
@@ -75,6 +77,10 @@ def load(
         with_cuda, why = _build.decide_cuda()
         if verbose:
             _say(f"CUDA kernels {'on' if with_cuda else 'off'}: {why}")
+    elif with_cuda:
+        _build.cuda_toolkit()
+    from torch.utils import cpp_extension  # after the toolkit is chosen: its import logs the CUDA_HOME it takes
+
     root = _build.source_root()
     archs = _build.default_arch_list(_build.config(root)) if with_cuda else None
     _build.write_ops_table(root)  # a checkout's C++ op table, from table.py (an install ships it)

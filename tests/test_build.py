@@ -404,6 +404,164 @@ def test_cmake_build_cpu_only(tmp_path):
     assert "OPS_OK" in r.stdout and "GRAD_OK" in r.stdout
 
 
+# ---------------------------------------------------------------- (b2) which CUDA toolkit a build takes
+# torch.utils.cpp_extension takes the folder above the first nvcc's bin/ when CUDA_HOME is unset; for a wrapper
+# script outside the toolkit (this project's machines: /usr/local/bin/nvcc execs /usr/local/cuda-13.0/bin/nvcc)
+# that folder has no CUDA headers, and `pip install .` died deep in ninja on cuda_runtime.h. These tests run the
+# detection (_build.find_cuda_home, used by setup.py and ffn_ext.jit) against scripts in a temporary folder, with
+# CUDA_HOME and CUDA_PATH unset: nothing is compiled.
+
+
+def _script(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def _fake_toolkit(home: Path) -> Path:
+    """A folder that passes for a CUDA toolkit: include/cuda_runtime.h, and a bin/nvcc that answers a dry run as
+    nvcc does (`#$ TOP=<its bin>/..` on stderr)."""
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime.h").write_text("")
+    _script(home / "bin" / "nvcc", 'echo "#\\$ TOP=${0%/*}/.." >&2')
+    return home
+
+
+def _real_toolkit() -> Path | None:
+    for home in (os.environ.get("CUDA_HOME"), _REAL_DEFAULT):
+        if home and not _build._missing(home):
+            return Path(home)
+    return None
+
+
+_REAL_DEFAULT, _PATH = _build.DEFAULT_CUDA_HOME, os.environ.get("PATH", "")  # before no_cuda_env patches them
+
+
+def _first_on_path(folder: Path) -> str:
+    """PATH with folder first; the rest stays (nvcc runs the host compiler, gcc, even for a dry run)."""
+    return os.pathsep.join([str(folder), _PATH])
+
+
+@pytest.fixture
+def no_cuda_env(tmp_path, monkeypatch):
+    """CUDA_HOME and CUDA_PATH unset, PATH an empty folder (each test puts its nvcc first), no /usr/local/cuda."""
+    for var in _build.CUDA_HOME_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(_build, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("toolkit", ["fake", "real"])
+def test_a_wrapper_nvcc_finds_the_toolkit_it_runs(tmp_path, no_cuda_env, toolkit):
+    """An nvcc on PATH that is a wrapper script execing the toolkit's nvcc: the toolkit is the one it runs, not the
+    folder above the wrapper's bin/ (which here has no include/). The real toolkit's nvcc when there is one."""
+    home = _fake_toolkit(tmp_path / "cuda-13.0") if toolkit == "fake" else _real_toolkit()
+    if home is None:
+        pytest.skip("no CUDA toolkit here ($CUDA_HOME or /usr/local/cuda with bin/nvcc and include/cuda_runtime.h)")
+    wrapper = _script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {home / "bin" / "nvcc"} "$@"')
+    no_cuda_env.setenv("PATH", _first_on_path(wrapper.parent))
+    found, how = _build.find_cuda_home()
+    assert found is not None and Path(found).resolve() == home.resolve(), (found, how)
+    assert "nvcc --dryrun" in how and str(wrapper) in how, how
+    # a symlink to the toolkit's nvcc, and CUDA_HOME named: the same toolkit
+    link = tmp_path / "link" / "bin" / "nvcc"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(home / "bin" / "nvcc")
+    no_cuda_env.setenv("PATH", _first_on_path(link.parent))
+    assert Path(_build.find_cuda_home()[0]).resolve() == home.resolve()
+    no_cuda_env.setenv("CUDA_HOME", str(home))
+    assert _build.find_cuda_home() == (str(home), "named by CUDA_HOME")
+
+
+def test_a_wrapper_to_a_missing_toolkit_stops_with_the_ways_out(tmp_path, no_cuda_env):
+    """A wrapper whose toolkit is gone, with CUDA_HOME unset: one message before anything compiles, naming the nvcc
+    found, what is missing, and the two ways out; FFN_EXT_FORCE_CPU=1 then builds without looking for a toolkit."""
+    wrapper = _script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {tmp_path / "gone" / "bin" / "nvcc"} "$@"')
+    no_cuda_env.setenv("PATH", _first_on_path(wrapper.parent))
+    with pytest.raises(_build.CudaToolkitError) as caught:
+        _build.find_cuda_home()
+    msg = str(caught.value)
+    for part in (str(wrapper), "include/cuda_runtime.h", "CUDA_HOME=", f"{_build.FORCE_CPU_ENV}=1", "before compiling"):
+        assert part in msg, f"{part!r} not in the message:\n{msg}"
+    no_cuda_env.setenv(_build.FORCE_CPU_ENV, "1")
+    assert _build.decide_cuda() == (False, f"{_build.FORCE_CPU_ENV} is set")
+
+
+def test_a_cuda_home_without_headers_stops_and_no_toolkit_builds_cpu_only(tmp_path, no_cuda_env):
+    """CUDA_HOME (or CUDA_PATH) naming a folder without the toolkit's files stops with the message; no toolkit at
+    all (no CUDA_HOME, no nvcc, no /usr/local/cuda) is a CPU-only build, not an error; /usr/local/cuda when it is
+    a toolkit is taken, as torch takes it."""
+    (tmp_path / "local" / "bin").mkdir(parents=True)
+    no_cuda_env.setenv("CUDA_PATH", str(tmp_path / "local"))
+    with pytest.raises(_build.CudaToolkitError, match=r"(?s)CUDA_PATH=.*no bin/nvcc and no include/cuda_runtime\.h"):
+        _build.find_cuda_home()
+    no_cuda_env.delenv("CUDA_PATH")
+    found, how = _build.find_cuda_home()
+    assert found is None and "no nvcc is on PATH" in how, how
+    no_cuda_env.setattr(_build, "DEFAULT_CUDA_HOME", str(_fake_toolkit(tmp_path / "cuda")))
+    assert _build.find_cuda_home()[0] == str(tmp_path / "cuda")
+
+
+def test_use_cuda_home_points_torch_at_the_toolkit(monkeypatch):
+    """The toolkit found is what torch's cpp_extension compiles with, whether or not it was imported already."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("CUDA_HOME", "/unused")  # restored after the test
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
+    _build.use_cuda_home("/opt/cuda-x")
+    assert os.environ["CUDA_HOME"] == "/opt/cuda-x" and cpp_extension.CUDA_HOME == "/opt/cuda-x"
+
+
+def test_setup_py_stops_before_compiling_on_a_broken_toolkit(tmp_path):
+    """`setup.py` as pip runs it first (dist_info, the metadata), with a wrapper nvcc to a missing toolkit first on
+    PATH and CUDA_HOME unset: under a CUDA build of torch it exits with the message and no traceback, having
+    compiled nothing; a CPU-only torch never looks for a toolkit."""
+    root = needs_source_tree("setup.py")
+    wrapper = _script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {tmp_path / "gone" / "bin" / "nvcc"} "$@"')
+    env = {k: v for k, v in os.environ.items() if k not in (*_build.CUDA_HOME_VARS, _build.FORCE_CPU_ENV)}
+    env["PATH"] = os.pathsep.join([str(wrapper.parent), env.get("PATH", "")])
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "dist_info", "--output-dir", str(tmp_path / "out")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
+    if torch.version.cuda is None:
+        assert r.returncode == 0, r.stderr[-3000:]
+        return
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "cannot build the CUDA kernels" in r.stderr and str(wrapper) in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "ffn_ext: building" not in r.stdout, r.stderr[-3000:]
+
+
+def test_jit_load_stops_before_compiling_on_a_broken_toolkit(tmp_path):
+    """ffn_ext.jit.load() finds the toolkit as setup.py does: with a wrapper nvcc to a missing toolkit first on PATH
+    and CUDA_HOME unset, a CUDA build (with_cuda=True; and the default, under a CUDA build of torch) raises the
+    message, and nothing was compiled into the build directory."""
+    wrapper = _script(tmp_path / "wrap" / "bin" / "nvcc", f'exec {tmp_path / "gone" / "bin" / "nvcc"} "$@"')
+    env = _env(FFN_EXT_NO_C="1", PATH=os.pathsep.join([str(wrapper.parent), os.environ.get("PATH", "")]))
+    for var in _build.CUDA_HOME_VARS:
+        env.pop(var, None)
+    code = f"""
+    import torch, ffn_ext
+    for with_cuda in [True] + ([None] if torch.version.cuda else []):
+        try:
+            ffn_ext.jit.load(with_cuda=with_cuda, build_directory={str(tmp_path / "build")!r})
+        except ffn_ext._build.CudaToolkitError as e:
+            assert {str(wrapper)!r} in str(e) and "FFN_EXT_FORCE_CPU=1" in str(e), e
+        else:
+            raise AssertionError(f"jit.load(with_cuda={{with_cuda}}) built with a broken toolkit")
+    print("JIT_STOPPED")
+    """
+    r = _run_python(code, env=env)
+    assert "JIT_STOPPED" in r.stdout, r.stdout
+    assert not (tmp_path / "build").exists() or not any((tmp_path / "build").iterdir())
+
+
 # ---------------------------------------------------------------- (c) no _C: ATen fallback
 def test_import_without_C_warns_once_and_defines_the_ops_itself():
     code = r"""
