@@ -397,6 +397,10 @@ def worker(args) -> int:
     if distributed:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, results)
+        # the modes' models (Trainer's DistributedDataParallel among them) go before their process group: one left to
+        # the interpreter's exit aborted a rank ("terminate called without an active exception")
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     if rank != 0:
         return 0
