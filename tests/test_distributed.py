@@ -1,8 +1,8 @@
 """ffn_ext under torch.distributed, 2 ranks on the gloo backend (CPU), one process group for all the checks (a spawn
 costs seconds): DTensor sharding of every op of the table (forward and backward ops, both packed layouts) against
 the single-process result, the tensor-parallel plan of the gated and classic FFNs (tp_plan's module hooks, and the
-lean autograd on DTensor weights: tp_gated_mlp / tp_plain_mlp, shard_gated_ffns / shard_plain_ffns), and FSDP2's
-fully_shard.
+lean autograd on DTensor weights: tp_gated_mlp / tp_plain_mlp, shard_gated_ffns / shard_plain_ffns), FSDP2's
+fully_shard, and a patched Hugging Face model's training steps under each (benchmarks/train_distributed.py).
 
 Each rank runs every check and collects the failures; the test fails with all of them (rank, check, error)."""
 
@@ -342,6 +342,24 @@ def _fsdp2_step(mesh, kind):
     return []
 
 
+def _check_training_steps(mesh):
+    """Whole-model training on the 2 ranks (benchmarks/train_distributed.py --quick, in this process group): three
+    AdamW steps of a tiny Llama patched by ffn_ext.patch_hf_model under FSDP2 (fully_shard per decoder layer, the
+    batch split), parallelize_module with tp_plan, and shard_gated_ffns; every step's loss within 1e-4 relative of
+    the same steps on one process, ffn_ext's ops run. On gloo only (the script's models and mesh are the CPU's);
+    needs transformers and the benchmarks next to the tests (else not run: the other checks still are)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_distributed.py"
+    if BACKEND != "gloo" or not script.is_file() or importlib.util.find_spec("transformers") is None:
+        return []
+    spec = importlib.util.spec_from_file_location("_train_distributed", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.check(mesh, steps=3)
+
+
 def _check_quant(mesh):
     """The quantizing ops on DTensors (ffn_ext.distributed.quant_strategies): every rank's local q and scale are its
     slice of the single-process result, bit for bit, for inputs sharded on each dim (the last dim and a dynamic
@@ -416,6 +434,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             _check_tp_plain_mlp,
             _check_shard_plain_ffns,
             _check_fsdp2,
+            _check_training_steps,
             _check_quant,
         ):
             try:
