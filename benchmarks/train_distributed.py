@@ -22,8 +22,7 @@ other shapes, so the losses agree to rounding, not bitwise; AdamW then amplifies
 Memory per rank: the bytes of the rank's own parameters, gradients (after the last backward) and AdamW state (a
 DTensor counts its local shard), and the peak RSS while the mode ran (the process's high-water mark reset before
 each mode through /proc/self/clear_refs; it includes the interpreter, torch and transformers, the "start" column,
-and the whole model each rank builds before it is sharded). On the CPU the MLPs run ffn_ext's lean autograd (the
-device path; --cpu-default: eager PyTorch's ops, ffn_ext's CPU default).
+and the whole model each rank builds before it is sharded). The MLPs run ffn_ext's lean autograd, as on every device.
 
 --model: llama (Hugging Face LlamaForCausalLM), qwen3_moe (Qwen3-MoE, layer 0 dense, the others MoE under
 experts_implementation="ffn_ext"; tensor parallelism shards the dense MLP only, the experts stay replicated), or
@@ -53,7 +52,6 @@ if str(BENCH_DIR.parent) not in sys.path:  # as benchmarks/common.py: an install
 
 import ffn_ext  # noqa: E402
 import ffn_ext.distributed  # noqa: E402
-import ffn_ext.mlp as ffn_mlp  # noqa: E402
 
 MODES = ("1proc", "1proc_unpatched", "fsdp2", "tp", "tp_lean", "trainer_ddp", "trainer_fsdp2")
 MiB = float(1 << 20)
@@ -380,18 +378,16 @@ def worker(args) -> int:
         modes = [m for m in modes if m in ("1proc", "1proc_unpatched", "fsdp2")]
     if not distributed:
         modes = [m for m in modes if m.startswith("1proc")]
-    lean = contextlib.nullcontext() if args.cpu_default else ffn_mlp._lean_on_cpu()
     results = []
     t_all = time.perf_counter()
-    with lean:
-        for mode in modes:
-            if mode.startswith("trainer"):
-                r = run_trainer(mode, args, size, batches)
-            else:
-                r = run_mode(mode, args, size, batches, mesh)
-            results.append(r)
-            if rank == 0:
-                print(f"[{mode}] done in {r.get('total_s', 0):.1f}s", file=sys.stderr, flush=True)
+    for mode in modes:
+        if mode.startswith("trainer"):
+            r = run_trainer(mode, args, size, batches)
+        else:
+            r = run_mode(mode, args, size, batches, mesh)
+        results.append(r)
+        if rank == 0:
+            print(f"[{mode}] done in {r.get('total_s', 0):.1f}s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_all
     per_rank = [results]
     if distributed:
@@ -418,7 +414,7 @@ def report(args, size, world, per_rank, wall) -> int:
     print(
         f"\nffn_ext: {what}, batch {size[6]} x {size[7]} tokens, {args.steps} AdamW steps (lr {args.lr}, no weight "
         f"decay), {world} gloo rank(s), CPU, "
-        f"{'eager CPU default' if args.cpu_default else 'lean autograd (the device path)'}, torch {torch.__version__}"
+        f"lean autograd, torch {torch.__version__}"
     )
     head = (
         f"{'mode':16s} {'max rel diff':>12s} {'params':>8s} {'grads':>8s} {'AdamW':>8s} {'peak RSS':>17s} "
@@ -454,7 +450,7 @@ def report(args, size, world, per_rank, wall) -> int:
     )
     if args.json:
         meta = {"model": args.model, "size": size, "steps": args.steps, "lr": args.lr, "world": world}
-        meta.update(torch=torch.__version__, cpu_default=args.cpu_default, rtol=args.rtol, wall_s=wall)
+        meta.update(torch=torch.__version__, rtol=args.rtol, wall_s=wall)
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     if failed:
         print(f"FAILED: {', '.join(failed)} not within {args.rtol:g} of one process", file=sys.stderr)
@@ -501,7 +497,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny widths: seconds of compute")
     p.add_argument("--nproc", type=int, default=2, help="ranks, when this script starts torchrun itself")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--cpu-default", action="store_true", help="eager PyTorch's ops on the CPU (ffn_ext's default)")
     p.add_argument("--json", help="write the results here (rank 0)")
     return p
 
