@@ -63,19 +63,19 @@ def loaded_into(model, ref):
 
 
 # ---------------------------------------------------------------- transformers' source, read with ast
-@functools.cache
-def modeling_classes(pattern: str | None = None) -> tuple:
+def modeling_classes(pattern: str | None = None) -> list:
     """(class node, {method name: node}, file path) of every class at the top level of transformers' modeling files
-    whose source matches the regex `pattern` (None: all), parsed once per pattern."""
+    whose source matches the regex `pattern` (None: all); each file is parsed once."""
     import transformers
 
-    out = []
-    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
-        src = path.read_text()
-        for node in ast.parse(src).body if pattern is None or re.search(pattern, src) else ():
-            if isinstance(node, ast.ClassDef):
-                out.append((node, {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}, path))
-    return tuple(out)
+    paths = sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py"))
+    return [c for p in paths if pattern is None or re.search(pattern, p.read_text()) for c in _classes_of(p)]
+
+
+@functools.cache
+def _classes_of(path) -> tuple:
+    classes = (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef))
+    return tuple((n, {f.name: f for f in n.body if isinstance(f, ast.FunctionDef)}, path) for n in classes)
 
 
 def load(name: str, path):

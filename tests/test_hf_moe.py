@@ -940,7 +940,9 @@ def test_clamped_mlps_and_clamps_after_the_activation_are_recognised_from_their_
     output, as a detector independent of the recogniser finds it in the source, reads as Named(_CLAMPS_AFTER);
     hf_oracle.CLAMP_AFTER's classes among them (a later transformers may add some: Bailing-Hybrid with a limit)."""
     clamp_after, clamped, seen = {}, {}, set()
-    for node, methods, path in hf_oracle.modeling_classes("clamp|clip"):
+    for node, methods, path in hf_oracle.modeling_classes(
+        r"(?s)^(?=.*(clamp|clip))(?=.*(gate_proj|gate_up_proj|_apply_gate))"
+    ):
         seen.add(node.name)
         assigned = hf_oracle.init_assignments(node)
         if node.name in CLAMPED_GATES:

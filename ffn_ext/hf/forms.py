@@ -178,7 +178,8 @@ _SHAPED_NAMES = (("Wi", "Wo", ("act",)), ("fc1", "fc2", ("activation_fn",)))
 def _mlp_activation(g: Gating):
     """What ffn_ext.mlp's fused MLP takes as activation= for gating g: a table activation's name, [gate | up]; None
     for the others (the clamped SwiGLU, interleaved halves), which run as ffn_ext's op between the projections as
-    modules. Once ffn_ext.mlp takes an ffn_ext.ops.Gating, this one line makes them fused too."""
+    modules. Once ffn_ext.mlp takes an ffn_ext.ops.Gating, returning one for every g (the clamped SwiGLU's params and
+    layout, or Gating.of(g.act, g.layout)) is the one line that makes them fused too."""
     return g.act if g.params is None and g.layout == "concat" else None
 
 
@@ -265,9 +266,9 @@ class PackedMLP(_GatedForm):
         found = self.read_gating(read)
         if isinstance(found, tuple):
             out, g, guards = found
-            layout = halves(g.gate, g.up)
-            source = proj(g.gate.of, X) if isinstance(layout, str) and isinstance(g.gate, Half) else None
-            if source is None or not isinstance(layout, str):
+            layout = halves(g.gate, g.up)  # Named: the up half first
+            source = proj(g.gate.of, X) if isinstance(g.gate, Half) else None
+            if not isinstance(layout, str) or source is None:
                 return layout if isinstance(layout, Named) else None
             return Plan((source, out), dataclasses.replace(g.spec, layout=layout), guards)
         r = read("forward")  # out(drop(gating(proj(x)))): ModernBERT
