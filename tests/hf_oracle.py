@@ -1,14 +1,146 @@
 """Shared by the Hugging Face tests. What transformers 5.24 had, as the product's class lists held it before ffn_ext
 recognised forms from the code: test oracles only (the recogniser must agree with them on the classes the installed
 transformers still defines with the same code; copied from ffn_ext/hf at 1952e74). And the tiny decoder configs'
-common fields and the gradient comparison of a patched model with its unpatched copy.
+common fields, the gradient comparison of a patched model with its unpatched copy, and the fixture that makes a
+recogniser's error fail the test (raise_errors: autouse where a test module imports it).
 """
 
+import ast
+import copy
+import functools
+import importlib
+import io
+import pathlib
+import re
+
+import pytest
 import torch
+
+from ffn_ext.hf import forms, recognise
 
 # a tiny decoder's config fields, less its widths (each test file picks hidden and intermediate sizes of its own)
 _TOKENS = dict(vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 TINY_DECODER = dict(_TOKENS, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def same_outputs(model, ref, out, out0, atol=1e-5, grad_atol=2e-6, inputs=()):
+    """model's output `out` equals ref's `out0`, and after backward of the same random weighting of both, so does
+    every parameter's gradient (grads_equal) and the gradient of each (input, its copy for ref) pair of `inputs`
+    that takes one. atol=grad_atol=0: bit for bit."""
+    torch.testing.assert_close(out, out0, atol=atol, rtol=atol)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    (out0 * w).sum().backward()
+    grads_equal(model, ref, grad_atol)
+    for a, a0 in inputs:
+        if a.is_floating_point():
+            torch.testing.assert_close(a.grad, a0.grad, atol=10 * grad_atol, rtol=grad_atol and 1e-4)
+
+
+def same_generate(model, ref, ids, new=4):
+    """Greedy generate() from the first row's first 5 ids gives the same `new` tokens with model and ref."""
+    prompt = ids[:1, :5]
+    kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
+    out, out0 = model.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert out.shape == (1, 5 + new) and torch.equal(out, out0)
+
+
+def reloaded(model):
+    """The model after torch.save and torch.load."""
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def loaded_into(model, ref):
+    """model (made under a meta device) on the CPU with ref's weights and buffers, as from a checkpoint."""
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    for name, buf in ref.named_buffers():
+        model.get_buffer(name).copy_(buf)
+    return model
+
+
+# ---------------------------------------------------------------- transformers' source, read with ast
+def modeling_classes(pattern: str | None = None) -> list:
+    """(class node, {method name: node}, file path) of every class at the top level of transformers' modeling files
+    whose source matches the regex `pattern` (None: all); each file is parsed once."""
+    import transformers
+
+    paths = sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py"))
+    return [c for p in paths if pattern is None or re.search(pattern, p.read_text()) for c in _classes_of(p)]
+
+
+@functools.cache
+def _classes_of(path) -> tuple:
+    classes = (n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef))
+    return tuple((n, {f.name: f for f in n.body if isinstance(f, ast.FunctionDef)}, path) for n in classes)
+
+
+def load(name: str, path):
+    """The class `name` of the modeling file `path`, or None where it cannot be imported."""
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def bare(cls, **attrs):
+    """An instance of cls without its __init__ (no config, no weights) with `attrs` set, what the recogniser reads
+    (the code, and the attributes its `if` tests read); None where it cannot be made."""
+    try:
+        m = object.__new__(cls)
+    except TypeError:
+        return None
+    m.__dict__.update(attrs)
+    return m
+
+
+def body(fn: ast.FunctionDef, names=("x",)) -> str | None:
+    """fn's statements as source, its inputs renamed `names`, docstrings dropped; None unless it takes
+    (self, *names)."""
+    fn = copy.deepcopy(fn)
+    a = fn.args
+    if len(a.args) != 1 + len(names) or a.vararg or a.kwarg or a.kwonlyargs or fn.decorator_list:
+        return None
+    renames = {arg.arg: n for arg, n in zip(a.args[1:], names)}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and node.id in renames:
+            node.id = renames[node.id]
+    return "\n".join(
+        ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    )
+
+
+def init_assignments(cls: ast.ClassDef) -> dict:
+    """{attribute: [source of each value assigned to self.<attribute> in cls.__init__]}"""
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    out: dict = {}
+    for node in ast.walk(init) if init is not None else ():
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self":
+                    out.setdefault(t.attr, []).append(ast.unparse(node.value))
+    return out
+
+
+def modeling_class(name: str, module: str):
+    """transformers.models.<module>.modeling_<module>.<name>; the test skips where this transformers has none."""
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {name}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, above all on a busy machine (idle threads spin); autouse where a
+    test module imports it, restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def grads_equal(model, ref, atol=2e-6):
@@ -20,7 +152,7 @@ def grads_equal(model, ref, atol=2e-6):
         assert (p.grad is None) == (p0.grad is None), name
         if p.grad is not None:
             scale = max(1.0, float(p0.grad.abs().max()))
-            torch.testing.assert_close(p.grad, p0.grad, atol=atol * scale, rtol=1e-4, msg=name)
+            torch.testing.assert_close(p.grad, p0.grad, atol=atol * scale, rtol=atol and 1e-4, msg=name)
 
 
 KNOWN = frozenset(
@@ -58,10 +190,10 @@ PACKED_NAMES = {
 }
 
 NAMED = {
-    "ModernBertMLP": ("Wi", "Wo", "act", "_DROPOUT_BETWEEN"),
-    "ModernBertDecoderMLP": ("Wi", "Wo", "act", "_DROPOUT_BETWEEN"),
-    "MoonshineDecoderMLP": ("fc1", "fc2", "activation_fn", "_UP_FIRST"),
-    "MoonshineStreamingDecoderMLP": ("fc1", "fc2", "activation_fn", "_UP_FIRST"),
+    "ModernBertMLP": ("Wi", "Wo", "act", "DROPOUT_BETWEEN"),
+    "ModernBertDecoderMLP": ("Wi", "Wo", "act", "DROPOUT_BETWEEN"),
+    "MoonshineDecoderMLP": ("fc1", "fc2", "activation_fn", "UP_FIRST"),
+    "MoonshineStreamingDecoderMLP": ("fc1", "fc2", "activation_fn", "UP_FIRST"),
 }
 
 CLASSIC_FORMS = {
@@ -194,3 +326,21 @@ OUTPUTS = frozenset(
 KNOWN_CLAMPED = {"DeepseekV4MLP", "Glm5NextTextMLP", "Glm5NextVisionMLP", "MiniMaxM3VLDenseMLP"}
 
 CLAMP_AFTER = frozenset({"Step3p7MLP", "Step3p7Experts"})
+
+
+@pytest.fixture(autouse=True)
+def raise_errors(monkeypatch):
+    """An error while planning a module (a bug of the recogniser's) fails the test instead of naming the module:
+    autouse where a test module imports it."""
+    monkeypatch.setattr(forms, "RAISE_ERRORS", True)
+
+
+def patched_as(module) -> str | None:
+    """The name of the form a module is patched as, else None."""
+    patched = vars(module).get(forms.MARK)
+    return patched.form.name if patched is not None else None
+
+
+def reason(name: str) -> str:
+    """A reason of ffn_ext.hf by its name in forms or recognise (NAMED's last field)."""
+    return getattr(forms, name, None) or getattr(recognise, name)

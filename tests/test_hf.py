@@ -4,10 +4,6 @@ Skips when transformers is not importable (it is a test/extra dependency: pip in
 
 import ast
 import copy
-import functools
-import importlib
-import io
-import pathlib
 import re
 import textwrap
 import types
@@ -17,9 +13,10 @@ import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test orac
 import pytest
 import torch
 import torch.nn as nn
+from hf_oracle import raise_errors  # noqa: F401  (autouse: a recogniser's error fails the test)
 
 import ffn_ext
-from ffn_ext.hf import recognise
+from ffn_ext.hf import common, forms, recognise
 from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
@@ -57,15 +54,7 @@ def test_patched_model_matches_unpatched(kind):
     assert model.state_dict().keys() == ref.state_dict().keys()
 
     ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(1))
-    logits, logits0 = model(ids).logits, ref(ids).logits
-    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
-    w = torch.randn_like(logits)
-    (logits * w).sum().backward()
-    (logits0 * w).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    hf_oracle.same_outputs(model, ref, model(ids).logits, ref(ids).logits, grad_atol=1e-5)
 
     # the patched MLPs really run ffn_ext's lean autograd
     x = torch.randn(3, 64, requires_grad=True)
@@ -99,10 +88,7 @@ def test_patched_model_pickles(kind):
     once pickled as getattr(mlp, '_gated_forward'), which torch.load could not resolve)."""
     model = _tiny(kind)
     assert ffn_ext.patch_hf_model(model) == 2
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = hf_oracle.reloaded(model)
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     x = torch.randn(3, 64, requires_grad=True)
@@ -150,42 +136,28 @@ def test_gemma_models_patch_every_mlp_with_the_tanh_geglu(kind):
     ref = copy.deepcopy(model)
     mlps = _mlps(model)
     assert len(mlps) == model.config.num_hidden_layers == 2
-    assert all(ffn_ext.hf._table_activation(m.act_fn).name == "gelu_tanh" for m in mlps)
+    assert all(common.table_activation(m.act_fn).name == "gelu_tanh" for m in mlps)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         # Gemma 4's layers gate a per-layer input, act(gate(h)) * e, then project it back: FFN-shaped code that no
         # ffn_ext form is, named (not silently skipped)
         warnings.filterwarnings("ignore", r".*\(T5's dropout .*Gemma4TextDecoderLayer at ", RuntimeWarning)
         assert ffn_ext.patch_hf_model(model) == len(mlps)
-    assert all(isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward) for m in mlps)
+    assert all(isinstance(vars(m).get("forward"), forms.Patched) for m in mlps)
 
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     with _Ops() as rec:
         logits = model(ids).logits
     assert rec.ops.count("ffn_ext.geglu_tanh.default") == len(mlps), rec.ops
-    logits0 = ref(ids).logits
-    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
-    w = torch.randn_like(logits)
-    (logits * w).sum().backward()
-    (logits0 * w).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        p0 = ref_params[name]
-        assert (p.grad is None) == (p0.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, p0.grad, atol=1e-5, rtol=1e-4, msg=name)
+    hf_oracle.same_outputs(model, ref, logits, ref(ids).logits, grad_atol=1e-5)
     x = torch.randn(3, 32, requires_grad=True)
     assert all("_GatedMLP" in type(m(x).grad_fn).__name__ for m in mlps)
-
-    prompt = ids[:1, :5]
-    out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    out0 = ref.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    assert out.shape == (1, 9) and torch.equal(out, out0)
+    hf_oracle.same_generate(model, ref, ids)
     assert ffn_ext.hf.unpatch_model(model) == len(mlps)
 
 
 # Granite MoE models' shared experts: GraniteMoeSharedMLP, GraniteMoeSWAMLP and GraniteMoeHybridMLP, the packed form
-# under the names input_linear / output_linear / activation (ffn_ext.hf._PACKED_NAMES), next to each layer's routed
+# under the names input_linear / output_linear / activation (forms._PACKED_NAMES), next to each layer's routed
 # experts (GraniteMoe*Experts: tests/test_hf_moe.py). GraniteMoeHybrid: a Mamba layer, then an attention layer.
 GRANITE_WIDTHS = dict(hidden_size=32, intermediate_size=16, shared_intermediate_size=24)
 GRANITE_TINY = dict(hf_oracle.TINY_DECODER, **GRANITE_WIDTHS, num_local_experts=4, num_experts_per_tok=2)
@@ -232,49 +204,41 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
                 p.mul_(20)
     ref = copy.deepcopy(model)
     mlps = [m for m in model.modules() if type(m).__name__ == mlp_name]
-    experts = [m for m in model.modules() if ffn_ext.hf._is_experts(m)]
+    experts = [m for m in model.modules() if forms.is_experts(m)]
     assert len(mlps) == len(experts) == 2
-    assert all(ffn_ext.hf._kind(m) == ("packed", "activation", ("input_linear", "output_linear")) for m in mlps)
+    assert all(_packed_names(m) == ("input_linear", "output_linear", "activation") for m in mlps)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(model, strict=True) == len(mlps) + len(experts)
-    assert all(
-        isinstance(vars(m).get("forward"), ffn_ext.hf._BoundForward) and getattr(m, ffn_ext.hf._MARK) == "packed"
-        for m in mlps
-    )
+    assert all(isinstance(vars(m).get("forward"), forms.Patched) and hf_oracle.patched_as(m) == "packed" for m in mlps)
 
-    calls, packed = [], ffn_ext.hf.dense.gated_mlp_packed
+    calls, packed = [], forms.gated_mlp_packed
 
     def spy(x, *args, **kwargs):
         calls.append(kwargs["activation"])
         return packed(x, *args, **kwargs)
 
-    monkeypatch.setattr(ffn_ext.hf.dense, "gated_mlp_packed", spy)
+    monkeypatch.setattr(forms, "gated_mlp_packed", spy)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     logits, logits0 = model(ids).logits, ref(ids).logits
     assert calls == ["silu"] * len(mlps)
-    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
-    w = torch.randn_like(logits)
-    (logits * w).sum().backward()
-    (logits0 * w).sum().backward()
-    hf_oracle.grads_equal(model, ref)
+    hf_oracle.same_outputs(model, ref, logits, logits0)
     x = torch.randn(3, 32, requires_grad=True)
     assert all("_GatedMLPPacked" in type(m(x).grad_fn).__name__ for m in mlps)
-
-    prompt = ids[:1, :5]
-    out = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    out0 = ref.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    assert out.shape == (1, 9) and torch.equal(out, out0)
-    buf = io.BytesIO()  # pickled with its projection names: loads back patched, the same
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert [vars(m)["forward"].names for m in loaded.modules() if type(m).__name__ == mlp_name] == [
+    hf_oracle.same_generate(model, ref, ids)
+    loaded = hf_oracle.reloaded(model)  # pickled with its projection names: loads back patched, the same
+    assert [vars(m)["forward"].plan.names for m in loaded.modules() if type(m).__name__ == mlp_name] == [
         ("input_linear", "output_linear")
     ] * len(mlps)
     torch.testing.assert_close(loaded(ids).logits, logits0, atol=1e-5, rtol=1e-5)
     assert ffn_ext.hf.unpatch_model(model) == len(mlps) + len(experts)
     assert not any("forward" in vars(m) for m in mlps)
+
+
+def _packed_names(module):
+    """(projection, projection back, activation) under which a module is shaped like a packed MLP, else None."""
+    p = forms.PackedMLP().unrecognised(module, vouched=True)
+    return None if p is None else (*p.names, p.gate.act)
 
 
 def test_granite_shared_mlp_subclasses_and_lookalikes():
@@ -297,7 +261,7 @@ def test_granite_shared_mlp_subclasses_and_lookalikes():
     ref = net(x)
     with pytest.warns(RuntimeWarning, match=r"not known to compute.*Scales at '1' \(left unpatched\)"):
         assert ffn_ext.patch_hf_model(net) == 1
-    assert getattr(net[0], ffn_ext.hf._MARK) == "packed" and "forward" not in vars(net[1])
+    assert hf_oracle.patched_as(net[0]) == "packed" and "forward" not in vars(net[1])
     with pytest.warns(RuntimeWarning, match=r"self-check.*Scales at '1'"):
         assert ffn_ext.patch_hf_model(net, extra_classes=[Scales]) == 0
     torch.testing.assert_close(net(x), ref, atol=1e-6, rtol=1e-5)
@@ -395,7 +359,7 @@ def test_every_act2fn_activation_is_identified_truthfully(hidden_act):
         )
     ).double()
     ref = copy.deepcopy(mlp)
-    assert ffn_ext.hf._table_activation(mlp.act_fn) is act
+    assert common.table_activation(mlp.act_fn) is act
     if act is None:
         with pytest.warns(RuntimeWarning, match=f"activation {type(mlp.act_fn).__name__} is not one"):
             assert ffn_ext.patch_hf_model(mlp) == 0
@@ -442,7 +406,7 @@ def test_hf_activation_classes_are_those_of_transformers():
             cls = v[0] if isinstance(v, tuple) else v
             if cls is not None and cls.__module__ == "transformers.activations":
                 assert ffn_ext.hf.common._hf_entry(cls) is a, (a.name, n)
-    assert A.PytorchGELUTanh is A.GELUTanh and ffn_ext.hf._table_activation(A.PytorchGELUTanh()).name == "gelu_tanh"
+    assert A.PytorchGELUTanh is A.GELUTanh and common.table_activation(A.PytorchGELUTanh()).name == "gelu_tanh"
 
 
 def test_lora_like_projection_and_hooks_keep_working():
@@ -528,7 +492,7 @@ def test_activation_hooks_and_replacement_run_the_models_own_forward(kind):
     assert fused(mlp)
     # the record of the activation goes with unpatch
     assert ffn_ext.hf.unpatch_model(model) == 2
-    assert not hasattr(mlp, "_ffn_ext_act")
+    assert not hasattr(mlp, forms.MARK)
 
 
 class MyMLP(nn.Module):
@@ -586,7 +550,7 @@ def test_self_check_refuses_a_listed_class_that_is_not_plain_swiglu():
 # Modules of transformers 5.24 with gate_proj/up_proj/down_proj (or gate_up_proj/down_proj) nn.Linear children and a
 # SiLU whose forward does more than SwiGLU: class -> its modeling module (the difference in the comment). The clamped
 # ones (DeepseekV4MLP, Glm5NextTextMLP: ffn_ext.swiglu_clamped) are patched, and those that clamp the activation's
-# output (Step3p7MLP: ffn_ext.hf._CLAMP_AFTER) named with that reason: tests/test_hf_moe.py
+# output (Step3p7MLP: recognise.CLAMPS_AFTER) named with that reason: tests/test_hf_moe.py
 LOOKALIKES = {
     "FalconH1MLP": "falcon_h1",  # gate_multiplier, down_multiplier
     "InklingMLP": "inkling",  # global_scale
@@ -615,12 +579,7 @@ LOOKALIKE_CONFIG = types.SimpleNamespace(
 @pytest.mark.parametrize("name", list(LOOKALIKES))
 def test_mlps_that_only_look_like_swiglu_are_left_alone(name):
     """These once were patched by structure and then computed plain SwiGLU, silently dropping the rest."""
-    try:
-        cls = getattr(
-            importlib.import_module(f"transformers.models.{LOOKALIKES[name]}.modeling_{LOOKALIKES[name]}"), name
-        )
-    except (ImportError, AttributeError):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
+    cls = hf_oracle.modeling_class(name, LOOKALIKES[name])
     torch.manual_seed(0)
     mlp = cls(LOOKALIKE_CONFIG, num_fwd_mem_blocks=1, block_id=0) if name == "Zamba2MLP" else cls(LOOKALIKE_CONFIG)
     if name == "InklingMLP":
@@ -662,13 +621,13 @@ PACKED_FORMS = [
     "x = self.{proj}(x)\nchunked_hidden_states = x.chunk(2, dim=-1)\n"
     "x = self.{act}(chunked_hidden_states[0]) * chunked_hidden_states[1]\nx = self.{out}(x)\nreturn x",  # Granite MoE
 ]
-# Packed MLPs that compute what no ffn_ext op does (ffn_ext.hf._NAMED): the name of the reason in ffn_ext.hf -> forms,
+# Packed MLPs that compute what no ffn_ext op does: the name of the reason (hf_oracle.reason) -> forms,
 # with {drop} a dropout module. Each class of these forms is named in patch_model's warning with that reason.
 NAMED_FORMS = {
-    "_DROPOUT_BETWEEN": [
+    "DROPOUT_BETWEEN": [
         "gate, up = self.{proj}(x).chunk(2, dim=-1)\nreturn self.{out}(self.{drop}(self.{act}(gate) * up))"
     ],  # ModernBERT
-    "_UP_FIRST": [
+    "UP_FIRST": [
         "x = self.{proj}(x)\nx, gate = x.chunk(2, dim=-1)\nx = self.{act}(gate) * x\nx = self.{out}(x)\nreturn x"
     ],  # Moonshine's decoder: the up half first
 }
@@ -676,19 +635,6 @@ NAMED_FORMS = {
 # the test parses only the others, whatever their attribute names (parsing every modeling file takes 3x as long)
 _FORM_TEXT = re.compile(r"\*\s*self\.\w+\(\s*\w+\s*\)|\.chunk\(\s*2\s*,\s*dim\s*=\s*-1\s*\)")
 _ACT_ATTRS = ("act_fn", "activation_fn")
-
-
-def _body(forward: ast.FunctionDef) -> str | None:
-    """forward's statements as source, its input renamed x and docstrings dropped; None unless it is (self, x)."""
-    a = forward.args
-    if len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs or forward.decorator_list:
-        return None
-    for node in ast.walk(forward):
-        if isinstance(node, ast.Name) and node.id == a.args[1].arg:
-            node.id = "x"
-    return "\n".join(
-        ast.unparse(s) for s in forward.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-    )
 
 
 def _canonical(body: str) -> tuple:
@@ -711,8 +657,8 @@ def _forms(groups=(("gated", GATED_FORMS), ("packed", PACKED_FORMS))) -> dict:
     """canonical source -> (kind, its placeholders in the order _canonical met them) of the forms of `groups` ((kind,
     forms) pairs; by default GATED_FORMS, PACKED_FORMS)."""
     out = {}
-    for kind, forms in groups:
-        for form in forms:
+    for kind, group in groups:
+        for form in group:
             assert _FORM_TEXT.search(form.replace("{", "").replace("}", "")), form
             src = form.format(gate="gate", up="up", down="down", act="act", proj="proj", out="out", drop="drop")
             canonical, roles = _canonical(src)
@@ -732,35 +678,25 @@ def _form_of(body: str | None, forms: dict):
     return kind, dict(zip(roles, attrs))
 
 
-def _instance(file: str, name: str):
-    """An uninitialised instance of the class `name` of transformers' modeling file `file` ("dir/modeling_x.py"), for
-    the recogniser (which reads the code, and the instance's attributes only where an `if` tests them); None if it
-    cannot be imported or made."""
-    d, f = file.split("/")
-    try:
-        cls = getattr(importlib.import_module(f"transformers.models.{d}.{f[:-3]}"), name)
-        return object.__new__(cls)
-    except (ImportError, AttributeError, TypeError):
+def _transformers_forwards():
+    """(class node, the body of its forward (hf_oracle.body), its uninitialised instance maker) for each class of
+    transformers' modeling files whose source matches _FORM_TEXT."""
+    for node, methods, path in hf_oracle.modeling_classes(_FORM_TEXT.pattern):
+        if "forward" in methods:
+            yield (
+                node,
+                hf_oracle.body(methods["forward"]),
+                lambda n=node.name, p=path: hf_oracle.bare(hf_oracle.load(n, p)),
+            )
+
+
+def _read(module):
+    """(form, names, activation attribute, limit attribute) as the recogniser reads the module's code, or None."""
+    found = forms.recognised(module)
+    if found is None or not isinstance(found[1], forms.Plan):
         return None
-
-
-@functools.cache
-def _transformers_forwards() -> tuple:
-    """(file name, class node, forward node, _body of the forward) for each forward of a class defined at the top level
-    of transformers' modeling files whose source matches _FORM_TEXT (parsed once for the tests that read them)."""
-    out = []
-    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
-        src = path.read_text()
-        if not _FORM_TEXT.search(src):
-            continue
-        for node in ast.parse(src).body:
-            if isinstance(node, ast.ClassDef):
-                out.extend(
-                    (f"{path.parent.name}/{path.name}", node, fwd, _body(fwd))
-                    for fwd in node.body
-                    if isinstance(fwd, ast.FunctionDef) and fwd.name == "forward"
-                )
-    return tuple(out)
+    form, p = found
+    return form.name, p.names, p.gate.act, p.gate.limit
 
 
 def test_the_recogniser_agrees_with_the_source_matcher_and_the_oracle():
@@ -770,22 +706,21 @@ def test_the_recogniser_agrees_with_the_source_matcher_and_the_oracle():
     the same attributes in the same roles. At 5.24 these are exactly the classes of the list the product held then
     (hf_oracle.KNOWN); at a later release, a listed class missing from them has changed its code (Bailing-Hybrid's
     MLP clamps in 5.25) and must not be recognised as plain."""
-    forms = _forms()
+    known = _forms()
     checked, wrong = set(), {}
-    for file, node, _fwd, body in _transformers_forwards():
-        form = _form_of(body, forms)
-        inst = _instance(file, node.name) if form is not None or node.name in hf_oracle.KNOWN else None
+    for node, body, make in _transformers_forwards():
+        form = _form_of(body, known)
+        inst = make() if form is not None or node.name in hf_oracle.KNOWN else None
         if inst is None:
             continue
-        got = recognise.mlp_form(inst)
+        got = _read(inst)
         if form is None:  # a listed class whose code changed: not recognised as plain
-            if isinstance(got, recognise.Form) and got.kind in ("gated", "packed") and got.gate.limit is None:
+            if got is not None and got[0] in ("gated", "packed") and got[3] is None:
                 wrong[node.name] = ("listed class no longer plain, recognised as", got)
             continue
         kind, attrs = form
         want = (attrs["gate"], attrs["up"], attrs["down"]) if kind == "gated" else (attrs["proj"], attrs["out"])
-        ok = isinstance(got, recognise.Form) and (got.kind, got.names, got.gate.act) == (kind, want, attrs["act"])
-        if not ok:
+        if got is None or got[:3] != (kind, want, attrs["act"]):
             wrong[node.name] = (form, got)
         checked.add(node.name)
     assert not wrong, wrong
@@ -800,11 +735,11 @@ def test_the_form_check_finds_plain_gated_mlps_under_new_names():
     """The check above matches forms, not names: a forward of a plain gated or packed form under attribute and local
     names no class uses is of that form (with its attributes in their roles); the same with a swapped order, an
     extra multiplier or the halves taken the other way round is not."""
-    forms = _forms()
+    known = _forms()
 
     def form(src):
         fwd = ast.parse("def forward(self, h):\n" + textwrap.indent(src, "    ")).body[0]
-        return _form_of(_body(fwd), forms)
+        return _form_of(hf_oracle.body(fwd), known)
 
     assert form(
         "h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[0]) * a[1]\nh = self.w_out(h)\nreturn h"
@@ -816,22 +751,22 @@ def test_the_form_check_finds_plain_gated_mlps_under_new_names():
     assert form("u = self.fc1(h)\ng, u = u.chunk(2, dim=-1)\nu = u * self.act(g)\nreturn self.fc2(u)")[0] == "packed"
     named = _forms(tuple(NAMED_FORMS.items()))
     assert _form_of(
-        _body(
+        hf_oracle.body(
             ast.parse(
                 "def forward(self, h):\n    a, b = self.p(h).chunk(2, dim=-1)\n    return self.q(self.d(self.f(a) * b))"
             ).body[0]
         ),
         named,
-    ) == ("_DROPOUT_BETWEEN", {"proj": "p", "out": "q", "drop": "d", "act": "f"})
+    ) == ("DROPOUT_BETWEEN", {"proj": "p", "out": "q", "drop": "d", "act": "f"})
     assert _form_of(
-        _body(
+        hf_oracle.body(
             ast.parse(
                 "def forward(self, h):\n    h = self.p(h)\n    h, g = h.chunk(2, dim=-1)\n"
                 "    h = self.f(g) * h\n    h = self.q(h)\n    return h"
             ).body[0]
         ),
         named,
-    ) == ("_UP_FIRST", {"proj": "p", "act": "f", "out": "q"})
+    ) == ("UP_FIRST", {"proj": "p", "act": "f", "out": "q"})
     for other in (
         "h = self.w_in(h)\na = h.chunk(2, dim=-1)\nh = self.nonlin(a[1]) * a[0]\nh = self.w_out(h)\nreturn h",
         "return self.w2(self.act(self.w1(h)) * self.w3(h)) * self.scale",
@@ -844,15 +779,15 @@ def test_named_packed_lookalikes_are_recognised_with_their_reason():
     """Every class whose forward the canonical matcher finds of a NAMED_FORMS form (a dropout between the gating and
     the projection back; the up half first) is recognised as Named with that reason, and at 5.24 those are the
     classes of the list the product held then (hf_oracle.NAMED)."""
-    forms = _forms(tuple(NAMED_FORMS.items()))
+    known = _forms(tuple(NAMED_FORMS.items()))
     found, wrong = set(), {}
-    for file, node, _fwd, body in _transformers_forwards():
-        form = _form_of(body, forms)
-        inst = _instance(file, node.name) if form is not None else None
+    for node, body, make in _transformers_forwards():
+        form = _form_of(body, known)
+        inst = make() if form is not None else None
         if inst is None:
             continue
-        got = recognise.mlp_form(inst)
-        if got != recognise.Named(getattr(recognise, form[0])):
+        got = forms.recognised(inst)
+        if got is None or got[1] != recognise.Named(hf_oracle.reason(form[0])):
             wrong[node.name] = (form, got)
         found.add(node.name)
     assert not wrong, wrong
@@ -861,7 +796,7 @@ def test_named_packed_lookalikes_are_recognised_with_their_reason():
         assert hf_oracle.NAMED.keys() <= found
 
 
-# ffn_ext.hf._NAMED: class -> its modeling module
+# hf_oracle.NAMED: class -> its modeling module
 NAMED_MODULES = {
     "ModernBertMLP": "modernbert",
     "ModernBertDecoderMLP": "modernbert_decoder",
@@ -881,14 +816,9 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
     subclass whose forward is the plain packed form (gate first, no dropout) under those names is MLP-shaped: named
     as not known, and patched (self-check passed) when listed."""
     assert NAMED_MODULES.keys() == hf_oracle.NAMED.keys()
-    try:
-        cls = getattr(
-            importlib.import_module(f"transformers.models.{NAMED_MODULES[name]}.modeling_{NAMED_MODULES[name]}"), name
-        )
-    except (ImportError, AttributeError):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
+    cls = hf_oracle.modeling_class(name, NAMED_MODULES[name])
     proj, out, act, reason = hf_oracle.NAMED[name]
-    reason = getattr(recognise, reason)
+    reason = hf_oracle.reason(reason)
 
     class Keeps(cls):
         pass
@@ -903,8 +833,8 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
 
     torch.manual_seed(0)
     net = nn.Sequential(make(cls), make(Keeps), make(GateFirst)).eval()
-    assert ffn_ext.hf._table_activation(getattr(net[0], act)) is not None
-    assert all(ffn_ext.hf._kind(m) == ("packed", act, (proj, out)) for m in net)
+    assert common.table_activation(getattr(net[0], act)) is not None
+    assert all(_packed_names(m) == (proj, out, act) for m in net)
     x = torch.randn(2, 3, 16)
     ref = [m(x) for m in net]
     for extra in ((), (cls, Keeps)):  # GateFirst's getattr(self, ...) calls are not code the recogniser reads
@@ -912,7 +842,7 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
             assert ffn_ext.patch_hf_model(net, extra_classes=extra) == 0
         (msg,) = [str(w.message) for w in rec if w.category is RuntimeWarning]
         assert msg == (
-            f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {ffn_ext.hf.dense._UNKNOWN}: "
+            f"ffn_ext.hf.patch_model: {reason}: {name} at '0', Keeps at '1'; {forms.UNKNOWN_MLP}: "
             "GateFirst at '2' (left unpatched)"
         ), msg
         with pytest.raises(ValueError, match=re.escape(f"{reason}: {name} at '0'")):
@@ -921,7 +851,7 @@ def test_named_packed_lookalikes_are_named_with_their_reason(name):
         assert not any("forward" in vars(m) for m in net[:2])
     with pytest.warns(RuntimeWarning, match=re.escape(reason)):
         assert ffn_ext.patch_hf_model(net, extra_classes=[GateFirst]) == 1  # vouched, and its self-check agrees
-    assert getattr(net[2], ffn_ext.hf._MARK) == "packed" and vars(net[2])["forward"].names == (proj, out)
+    assert hf_oracle.patched_as(net[2]) == "packed" and vars(net[2])["forward"].plan.names == (proj, out)
     y = net[2](x.requires_grad_())
     assert "_GatedMLPPacked" in type(y.grad_fn).__name__
     torch.testing.assert_close(y, ref[2], atol=1e-5, rtol=1e-5)
@@ -970,10 +900,10 @@ def test_named_packed_lookalikes_in_tiny_models_and_plain_fc1_fc2_mlps_are_not()
         return model(input_values=audio, decoder_input_ids=ids).logits
 
     enc = [m for m in moon.modules() if type(m).__name__ == "MoonshineEncoderMLP"]
-    assert enc and all(ffn_ext.hf._kind(m) is None for m in enc)
+    assert enc and all(_packed_names(m) is None for m in enc)
     for model, reason, where in (
-        (bert, recognise._DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
-        (moon, recognise._UP_FIRST, "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more"),
+        (bert, forms.DROPOUT_BETWEEN, "ModernBertMLP at 'layers.0.mlp' and 1 more"),
+        (moon, recognise.UP_FIRST, "MoonshineDecoderMLP at 'model.decoder.layers.0.mlp' and 1 more"),
     ):
         ref = run(model)
         with pytest.warns(RuntimeWarning) as rec:

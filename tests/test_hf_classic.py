@@ -1,24 +1,22 @@
 """ffn_ext.hf.patch_model on the classic FFN, fc2(act(fc1(x))): tiny randomly initialised transformers models (no
 downloads) patched completely and computing what they computed (logits, every parameter's gradient, three training
-steps with dropout on, generate()), and the lists of ffn_ext/hf/classic.py checked against transformers' source.
+steps with dropout on, generate()), and the recogniser checked against transformers' source.
 
 Skips when transformers is not importable (it is a test/extra dependency: pip install transformers)."""
 
-import ast
 import copy
-import functools
-import importlib
-import pathlib
 import re
 import warnings
 
 import hf_oracle  # noqa: E402  (the class lists of transformers 5.24, test oracles)
 import pytest
 import torch
+from hf_oracle import one_thread, raise_errors  # noqa: F401  (autouse fixtures)
 from test_hf import _canonical  # attributes and locals renamed in order: the gated forms' check
 
 import ffn_ext
-from ffn_ext.hf import classic, recognise
+from ffn_ext.hf import forms
+from ffn_ext.hf.recognise import Call, In, _add, evaluate
 from ffn_ext.table import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
@@ -180,15 +178,6 @@ def _out(model, inputs):
     return out[0] if not isinstance(out, torch.Tensor) else out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster on a busy machine. Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monkeypatch):
     """Every classic MLP (and BERT-style layer) is patched, without a warning, and each forward runs ffn_ext's fused
@@ -202,8 +191,8 @@ def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monk
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(model) == count
     calls = []
-    plain = classic.plain_mlp
-    monkeypatch.setattr(classic, "plain_mlp", lambda *a, **k: calls.append(a[0].shape) or plain(*a, **k))
+    plain = forms.plain_mlp
+    monkeypatch.setattr(forms, "plain_mlp", lambda *a, **k: calls.append(a[0].shape) or plain(*a, **k))
     ref.train()
     model.train()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -217,10 +206,7 @@ def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monk
             (y.float().square().mean()).backward()
             outs.append(y)
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
-        for (name, p0), p1 in zip(ref.named_parameters(), model.parameters()):
-            assert (p0.grad is None) == (p1.grad is None), name
-            if p0.grad is not None:
-                torch.testing.assert_close(p1.grad, p0.grad, atol=1e-5, rtol=1e-4, msg=name)
+        hf_oracle.grads_equal(model, ref, 1e-5)
         opt_ref.step()
         opt.step()
     assert len(calls) == 3 * count, calls
@@ -231,21 +217,19 @@ def test_tiny_models_are_patched_completely_and_compute_what_they_did(kind, monk
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     assert ffn_ext.hf.unpatch_model(model) == count
-    assert not any(
-        type(v).__name__ in ("_BoundForward", "_BoundChunk") for m in model.modules() for v in vars(m).values()
-    )
+    assert not any(isinstance(v, forms.Patched) for m in model.modules() for v in vars(m).values())
 
 
 def test_recompute_and_token_chunk_reach_plain_mlp(monkeypatch):
     """patch_model's recompute / token_chunk are passed to plain_mlp by the classic MLPs and the BERT-style layers
     (a later call sets them anew), and the result is unchanged."""
-    plain, seen = classic.plain_mlp, []
+    plain, seen = forms.plain_mlp, []
     for kind in ("gpt2", "bert"):
         ref, inputs, count, _ = _model(kind)
         model = copy.deepcopy(ref)
         seen.clear()
         monkeypatch.setattr(
-            classic, "plain_mlp", lambda *a, **k: seen.append((k["recompute"], k["token_chunk"])) or plain(*a, **k)
+            forms, "plain_mlp", lambda *a, **k: seen.append((k["recompute"], k["token_chunk"])) or plain(*a, **k)
         )
         assert ffn_ext.patch_hf_model(model, recompute=True, token_chunk=3) == count
         seen.clear()  # the self-checks'
@@ -269,17 +253,16 @@ def test_models_built_under_a_meta_device_context_patch_completely(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(model) == count
-    model.to_empty(device="cpu")
-    model.load_state_dict(ref.state_dict())
-    for name, buf in ref.named_buffers():
-        model.get_buffer(name).copy_(buf)
+    hf_oracle.loaded_into(model, ref)
     with torch.no_grad():
         torch.testing.assert_close(_out(model.eval(), inputs), _out(ref.eval(), inputs), atol=1e-5, rtol=1e-4)
 
 
-def test_whisper_layers_are_named_with_the_reason():
+@pytest.mark.parametrize("ffn_dim", [64, 32])
+def test_whisper_layers_are_named_with_the_reason(ffn_dim):
     """Whisper's FFN is inline in its encoder and decoder layers' forward (with a dropout between the activation and
-    fc2, and the attention in the same forward): named in the one warning, not patched; strict=True refuses."""
+    fc2, and the attention in the same forward): named in the one warning, not patched; strict=True refuses. Also
+    where the FFN does not widen (transformers' own test config: ffn_dim = d_model)."""
     model = transformers.WhisperModel(
         transformers.WhisperConfig(
             d_model=32,
@@ -287,8 +270,8 @@ def test_whisper_layers_are_named_with_the_reason():
             decoder_layers=1,
             encoder_attention_heads=2,
             decoder_attention_heads=2,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
+            encoder_ffn_dim=ffn_dim,
+            decoder_ffn_dim=ffn_dim,
             num_mel_bins=8,
             max_source_positions=16,
             max_target_positions=16,
@@ -303,7 +286,7 @@ def test_whisper_layers_are_named_with_the_reason():
         assert ffn_ext.patch_hf_model(model) == 0
     msgs = [str(w.message) for w in rec if w.category is RuntimeWarning]
     assert len(msgs) == 1, msgs
-    assert classic._INLINE in msgs[0]
+    assert forms.INLINE in msgs[0]
     assert "WhisperEncoderLayer at 'encoder.layers.0'" in msgs[0]
     assert "WhisperDecoderLayer at 'decoder.layers.0'" in msgs[0]
     with pytest.raises(ValueError, match="WhisperEncoderLayer"):
@@ -379,86 +362,40 @@ OUTPUT = "h = self.dense(h)\nh = self.dropout(h)\nh = self.LayerNorm(h + x)\nret
 _LINEAR = re.compile(r"(nn\.Linear|Conv1D|FalconLinear)\(.*\)")
 
 
-def _body(fn: ast.FunctionDef, names=("x",)) -> str | None:
-    """fn's statements as source, its inputs renamed `names`, docstrings dropped; None unless it takes
-    (self, *names)."""
-    a = fn.args
-    if len(a.args) != 1 + len(names) or a.vararg or a.kwarg or a.kwonlyargs or fn.decorator_list:
-        return None
-    renames = {arg.arg: n for arg, n in zip(a.args[1:], names)}
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Name) and node.id in renames:
-            node.id = renames[node.id]
-    return "\n".join(
-        ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-    )
-
-
-def _assigned(cls: ast.ClassDef) -> dict:
-    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-    out = {}
-    for node in ast.walk(init) if init is not None else ():
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self":
-                    out.setdefault(t.attr, []).append(ast.unparse(node.value))
-    return out
-
-
-@functools.cache
-def _classes() -> tuple:
-    """(class node, {method name: node}, file path) of every class at the top level of transformers' modeling files."""
-    out = []
-    for path in sorted(pathlib.Path(transformers.__file__).parent.glob("models/*/modeling_*.py")):
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef):
-                out.append((node, {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}, path))
-    return tuple(out)
-
-
-def _instance(node: ast.ClassDef, path):
-    """An uninitialised instance of the class `node` of the modeling file `path` (None if it cannot be made)."""
-    try:
-        cls = getattr(importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}"), node.name)
-        return object.__new__(cls)
-    except (ImportError, AttributeError, TypeError):
-        return None
-
-
 def test_the_recogniser_finds_the_classic_classes_of_the_source_matcher():
     """Read from transformers' source with ast: every class whose forward takes one of CLASSIC_FORMS (any attribute
     and local names) with fc1 and fc2 set once in __init__ to nn.Linear / Conv1D / FalconLinear and the dropout to
     nn.Dropout is recognised by ffn_ext's recogniser as classic with those attributes in their roles; at 5.24 these
     are exactly the classes of the list the product held then (hf_oracle.KNOWN_CLASSIC)."""
-    forms = {}
+    known = {}
     for f in CLASSIC_FORMS:
         c, roles = _canonical(f.format(fc1="fc1", act="act", fc2="fc2", drop="drop", p="p"))
-        forms[c] = roles
+        known[c] = roles
     found, wrong = {}, {}
-    for node, methods, path in _classes():
-        body = _body(copy.deepcopy(methods["forward"])) if "forward" in methods else None
+    for node, methods, path in hf_oracle.modeling_classes():
+        body = hf_oracle.body(methods["forward"]) if "forward" in methods else None
         if body is None:
             continue
         canonical, attrs = _canonical(body)
-        if canonical not in forms:
+        if canonical not in known:
             continue
-        role = dict(zip(forms[canonical], attrs))
-        asg = _assigned(node)
+        role = dict(zip(known[canonical], attrs))
+        asg = hf_oracle.init_assignments(node)
         ok = all(len(asg.get(role[r], [])) == 1 for r in ("fc1", "fc2")) and all(
             _LINEAR.fullmatch(asg[role[r]][0]) for r in ("fc1", "fc2")
         )
         if "drop" in role:
             ok = ok and asg.get(role["drop"], [""])[0].startswith("nn.Dropout(")
-        inst = _instance(node, path) if ok else None
+        inst = hf_oracle.bare(hf_oracle.load(node.name, path)) if ok else None
         if inst is None:
             continue
         drop = role.get("drop") or ("p:" + role["p"] if "p" in role else "")
         want = (role["fc1"], role["act"], role["fc2"], drop)
         found.setdefault(node.name, set()).add(want)
-        got = recognise.mlp_form(inst)
-        if not (isinstance(got, recognise.Form) and got.kind == "classic"):
+        got = forms.recognised(inst)
+        if got is None or got[0].name != "classic":
             wrong[node.name] = got
-        elif (got.names[0], got.gate.act, got.names[1], got.names[2]) != want:
+        elif (got[1].names[0], got[1].gate.act, got[1].names[1], got[1].drop) != want:
             wrong[node.name] = (want, got)
     assert not wrong, wrong
     assert {
@@ -485,26 +422,26 @@ def test_the_recogniser_reads_the_bert_style_pairs_of_the_source_matcher():
     """The same for the BERT-style pair: layers whose feed_forward_chunk is output(intermediate(x), x), *Intermediate
     forwards act(dense(x)), *Output forwards LayerNorm(dropout(dense(h)) + x), each as the recogniser reads it
     (recognise.evaluate: the value the code returns); at 5.24 exactly the oracle's lists."""
-    x, h = ("in", 0), ("in", 1)
-    want_chunk = ("call", "output", (("call", "intermediate", (x,)), x))
-    want_out = ("call", "LayerNorm", (recognise._add(("call", "dropout", (("call", "dense", (x,)),)), h),))
+    x, h = In(0), In(1)
+    want_chunk = Call("output", (Call("intermediate", (x,)), x))
+    want_out = Call("LayerNorm", (_add(Call("dropout", (Call("dense", (x,)),)), h),))
     layers, inters, outs, wrong = set(), set(), set(), {}
-    for node, methods, path in _classes():
+    for node, methods, path in hf_oracle.modeling_classes():
         checks = []
-        if "feed_forward_chunk" in methods and _body(methods["feed_forward_chunk"]) == CHUNK:
+        if "feed_forward_chunk" in methods and hf_oracle.body(methods["feed_forward_chunk"]) == CHUNK:
             layers.add(node.name)
             checks.append(("feed_forward_chunk", 1, lambda v: v == want_chunk))
         if "forward" in methods:
-            if _body(copy.deepcopy(methods["forward"])) == INTERMEDIATE:
+            if hf_oracle.body(methods["forward"]) == INTERMEDIATE:
                 inters.add(node.name)
-                checks.append(("forward", 1, lambda v: v[0] == "call" and v[2] == (("call", "dense", (x,)),)))
-            if _body(copy.deepcopy(methods["forward"]), ("h", "x")) == OUTPUT:
+                checks.append(("forward", 1, lambda v: isinstance(v, Call) and v.args == (Call("dense", (x,)),)))
+            if hf_oracle.body(methods["forward"], ("h", "x")) == OUTPUT:
                 outs.add(node.name)
                 checks.append(("forward", 2, lambda v: v == want_out))
         for method, n, ok in checks:
-            inst = _instance(node, path)
-            got = inst is not None and recognise.evaluate(inst, getattr(type(inst), method), n)
-            if inst is not None and not (got and ok(got[0])):
+            inst = hf_oracle.bare(hf_oracle.load(node.name, path))
+            got = inst is not None and evaluate(inst, getattr(type(inst), method), n)
+            if inst is not None and not (got and ok(got.value)):
                 wrong[node.name] = got
     assert not wrong, wrong
     assert {"BertLayer", "RobertaLayer", "ElectraLayer"} <= layers and "BertIntermediate" in inters

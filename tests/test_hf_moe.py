@@ -4,15 +4,15 @@ transformers 5.x keeps a layer's routed experts in one *Experts module with 3-D 
 down_proj); its experts implementations (config._experts_implementation: "eager", "grouped_mm", "batched_mm" run on
 the CPU) reach the gating through the class's _apply_gate, except the eager forwards that inline act_fn(gate) * up.
 ffn_ext patches experts only there: the instance's _apply_gate (recognised from its code, ffn_ext/hf/recognise.py);
-the experts' forwards and loops stay transformers'. Experts without an _apply_gate, and gatings it does not compute,
-run as they are and are named in one RuntimeWarning. Every comparison is against the unpatched model (deepcopy), in
+the experts' forwards and loops stay transformers'. Experts whose forward, as it runs, never calls _apply_gate
+(without one, or under "eager" with the gating inline in the loop), and gatings it does not compute, run as they are
+and are named in one RuntimeWarning. Every comparison is against the unpatched model (deepcopy), in
 fp32. Skips without transformers."""
 
 import ast
 import copy
-import importlib
+import dataclasses
 import inspect
-import io
 import pathlib
 import re
 import textwrap
@@ -22,11 +22,12 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from hf_oracle import modeling_class as _class
+from hf_oracle import one_thread, patched_as, raise_errors  # noqa: F401  (autouse fixtures)
 
 import ffn_ext
-from ffn_ext import hf
-from ffn_ext.hf import experts as hf_experts
-from ffn_ext.hf import recognise
+from ffn_ext.hf import common, forms, recognise
+from ffn_ext.hf.common import GateSpec
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,16 +136,6 @@ MODELS = {
 GATING_OPS = ("gated", "gated_packed", "swiglu_clamped", "swiglu_clamped_packed")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models' tensors are tiny: one intra-op thread is faster, and much faster on a busy machine (idle
-    threads spin). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _tiny(kind, **extra):
     cfg_name, model_name, kw = MODELS[kind][:3]
     config = getattr(transformers, cfg_name)(**{**BASE, **kw, **extra})
@@ -159,11 +150,11 @@ def _tiny(kind, **extra):
 
 def _patchable(model):
     """The modules patch_model must patch or name: gated MLPs and experts."""
-    return [(n, m) for n, m in model.named_modules() if hf._is_experts(m) or hf._kind(m) is not None]
+    return [(n, m) for n, m in model.named_modules() if forms.identify(m) is not None]
 
 
 class Spy:
-    """Records every call of ffn_ext's gating functions (ffn_ext.ops.<name>, which hf.py calls) with its inputs."""
+    """Records every call of ffn_ext's gating functions (ffn_ext.ops.<name>, which ffn_ext.hf calls) with its inputs."""
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -198,70 +189,52 @@ class Spy:
 def test_moe_models_patch_every_expert_module_and_match(kind, impl, monkeypatch):
     """Tiny GPT-OSS, Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 and DeepSeek-V4 in fp32, for each experts
     implementation: every experts module and (clamped) MLP is patched, without a warning; the experts only at their
-    _apply_gate (a _BoundGate on the instance, the forward the class's). The gating runs on ffn_ext's op once per
-    experts module and forward with grouped_mm / batched_mm (which call _apply_gate); under "eager" per expert hit
-    where the class's forward calls _apply_gate (GPT-OSS, DeepSeek-V4) and not at all where it inlines
-    act_fn(gate) * up (the others: counted as patched, run as written). With the clamps active, logits, all
-    parameter gradients and greedy generate() equal the unpatched model's."""
+    _apply_gate (a Patched on the instance, the forward the class's). The gating runs on ffn_ext's op once per
+    experts module and forward with grouped_mm / batched_mm (which call _apply_gate), under "eager" per expert hit
+    where the class's forward calls _apply_gate (GPT-OSS, DeepSeek-V4). Where it inlines act_fn(gate) * up (the
+    others under "eager"), the experts are not patched but named (INLINE_EXPERTS) and no gating op runs. With the
+    clamps active, logits, all parameter gradients and greedy generate() equal the unpatched model's."""
     model = _tiny(kind)
     model.set_experts_implementation(impl)
     ref = copy.deepcopy(model)
     classes, limit, calls_gate = MODELS[kind][3:]
     todo = _patchable(model)
     assert {type(m).__name__ for _, m in todo} == classes
-    experts = [m for _, m in todo if hf._is_experts(m)]
+    experts = [m for _, m in todo if forms.is_experts(m)]
     assert len(experts) == (1 if kind == "deepseek_v3" else 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ffn_ext.patch_hf_model(model, strict=True) == len(todo)
-    assert all(getattr(m, hf._MARK, None) for _, m in todo)
+    if impl == "eager" and not calls_gate:  # what runs never calls _apply_gate: named, not counted
+        where = [n for n, m in todo if forms.is_experts(m)]
+        with pytest.warns(
+            RuntimeWarning, match=re.escape(f"{forms.INLINE_EXPERTS}: {type(experts[0]).__name__} at '{where[0]}'")
+        ):
+            assert ffn_ext.patch_hf_model(model) == len(todo) - len(experts)
+        todo = [(n, m) for n, m in todo if not forms.is_experts(m)]
+        assert not any(hasattr(m, forms.MARK) or "_apply_gate" in vars(m) for m in experts)
+        experts = []
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ffn_ext.patch_hf_model(model, strict=True) == len(todo)
+    assert all(patched_as(m) for _, m in todo)
     for m in experts:
-        assert getattr(m, hf._MARK) == "experts_gate" and "forward" not in vars(m)
-        assert isinstance(vars(m)["_apply_gate"], hf._BoundGate) and m._apply_gate.__self__ is m
+        assert patched_as(m) == "experts_gate" and "forward" not in vars(m)
+        assert isinstance(vars(m)["_apply_gate"], forms.Patched) and m._apply_gate.__self__ is m
 
     spy = Spy(monkeypatch)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = model(ids).logits
     experts_calls = [c for c in spy.calls if c[0] in ("gated_packed", "swiglu_clamped_packed")]
-    if impl != "eager":
+    if impl != "eager" or not experts:
         assert len(experts_calls) == len(experts)
-    elif calls_gate:
-        assert len(experts_calls) >= len(experts)
     else:
-        assert experts_calls == []
+        assert len(experts_calls) >= len(experts)
     if limit is not None:
         assert spy.clamp_hits() == (True, True)
         assert all(kw["limit"] == getattr(experts[0], limit) for _, _, kw in experts_calls)
-    logits0 = ref(ids).logits
-    torch.testing.assert_close(logits, logits0, atol=1e-5, rtol=1e-5)
-    w = torch.randn_like(logits)
-    (logits * w).sum().backward()
-    (logits0 * w).sum().backward()
-    hf_oracle.grads_equal(model, ref)
-
-    prompt = ids[:1, :5]
-    out = model.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
-    out0 = ref.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
-    assert out.shape == (1, 8) and torch.equal(out, out0)
+    hf_oracle.same_outputs(model, ref, logits, ref(ids).logits)
+    hf_oracle.same_generate(model, ref, ids, new=3)
     assert ffn_ext.hf.unpatch_model(model) == len(todo)
-    assert not any(hasattr(m, hf._MARK) or "_apply_gate" in vars(m) or "forward" in vars(m) for m in model.modules())
-
-
-def _unchanged(model, ref, run):
-    """run(model) and run(ref) give the same outputs and, after backward, the same gradients bit for bit (what runs
-    unpatched is the same code on the same numbers)."""
-    outs, outs0 = run(model), run(ref)
-    for y, y0 in zip(outs, outs0):
-        torch.testing.assert_close(y, y0, rtol=0, atol=0)
-    w = [torch.randn_like(y) for y in outs]
-    sum((y * v).sum() for y, v in zip(outs, w)).backward()
-    sum((y * v).sum() for y, v in zip(outs0, w)).backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        g0 = ref_params[name].grad
-        assert (p.grad is None) == (g0 is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, g0, rtol=0, atol=0, msg=name)
+    assert not any(hasattr(m, forms.MARK) or "_apply_gate" in vars(m) or "forward" in vars(m) for m in model.modules())
 
 
 JETMOE = dict(
@@ -299,26 +272,20 @@ def test_jetmoe_moe_layers_run_unpatched_and_are_named(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ffn_ext.patch_hf_model(model) == 0
-    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in model.modules())
+    assert not any(hasattr(m, forms.MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in model.modules())
     spy = Spy(monkeypatch)
     ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-
-    def run(m):
-        out = m(ids)
-        return out.logits, out.aux_loss
-
-    _unchanged(model, ref, run)
+    out, out0 = model(ids), ref(ids)  # bit for bit: the same code on the same numbers, the router's loss too
+    torch.testing.assert_close(out.aux_loss, out0.aux_loss, rtol=0, atol=0)
+    hf_oracle.same_outputs(model, ref, out.logits + out.aux_loss, out0.logits + out0.aux_loss, atol=0, grad_atol=0)
     assert spy.calls == []
-    prompt = ids[:1, :5]
-    gen = model.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
-    gen0 = ref.generate(prompt, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
-    assert gen.shape == (1, 8) and torch.equal(gen, gen0)
+    hf_oracle.same_generate(model, ref, ids, new=3)
 
     msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert len(msgs) == 1, msgs
-    assert re.search(
-        re.escape(hf_experts._INLINE_EXPERTS) + rf": JetMoeMoE at '{re.escape(moe[0])}' and 1 more", msgs[0]
-    ), msgs[0]
+    assert re.search(re.escape(forms.INLINE_EXPERTS) + rf": JetMoeMoE at '{re.escape(moe[0])}' and 1 more", msgs[0]), (
+        msgs[0]
+    )
     assert "JetMoeMoA" not in msgs[0]
     with pytest.raises(ValueError, match=r"JetMoeMoE at .*strict=True: nothing patched"):
         ffn_ext.patch_hf_model(model, strict=True)
@@ -349,13 +316,6 @@ CONFIG = dict(
 )
 
 
-def _class(name, module):
-    try:
-        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-    except (ImportError, AttributeError):
-        pytest.skip(f"this transformers ({transformers.__version__}) has no {name}")
-
-
 def _module(name, module):
     torch.manual_seed(0)
     m = _class(name, module)(types.SimpleNamespace(**CONFIG))
@@ -372,8 +332,8 @@ def _module(name, module):
 # "linear" / "matmul" / "linear_norm" (@use_experts_implementation, the eager loop inlines act_fn(gate) * up,
 # transformers' default _apply_gate serves grouped_mm / batched_mm). Forms without one (named, never patched now):
 # "llama4", "longcat", "dbrx", "shared", "jetmoe".
-_PLAIN = hf._Gate()
-_GPT_OSS = hf._Gate(act=None, limit="limit", alpha="alpha", up_offset=1.0)
+_PLAIN = GateSpec()
+_GPT_OSS = GateSpec(act=None, limit="limit", alpha="alpha", up_offset=1.0)
 EXPERTS = {
     **{
         name: (_PLAIN, "linear")
@@ -393,28 +353,28 @@ EXPERTS = {
     "AriaExperts": (_PLAIN, "matmul"),
     "MuseSparkExperts": (_PLAIN, "linear_norm"),
     "BeamExperts": (_PLAIN, "gate"),  # act_fn(gate.float()) * up.float(), rounded once
-    "GptOssExperts": (_GPT_OSS._replace(layout="interleaved"), "gate"),
+    "GptOssExperts": (dataclasses.replace(_GPT_OSS, layout="interleaved"), "gate"),
     "OpenAIPrivacyFilterExperts": (_GPT_OSS, "gate"),
-    "MiniMaxM3VLExperts": (hf._Gate(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0), "gate"),
-    "DeepseekV4Experts": (hf._Gate(limit="limit"), "gate"),
-    "Glm5NextTextExperts": (hf._Gate(act=None, limit="swiglu_limit"), "gate"),
-    "HYV4Experts": (hf._Gate(act=None, limit="swiglu_limit"), "gate"),
-    "HYV4VLExperts": (hf._Gate(act=None, limit="swiglu_limit"), "gate"),
+    "MiniMaxM3VLExperts": (GateSpec(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0), "gate"),
+    "DeepseekV4Experts": (GateSpec(limit="limit"), "gate"),
+    "Glm5NextTextExperts": (GateSpec(act=None, limit="swiglu_limit"), "gate"),
+    "HYV4Experts": (GateSpec(act=None, limit="swiglu_limit"), "gate"),
+    "HYV4VLExperts": (GateSpec(act=None, limit="swiglu_limit"), "gate"),
     "Llama4TextExperts": (_PLAIN, "llama4"),
     "LongcatFlashExperts": (_PLAIN, "longcat"),
-    "DbrxExpertGLU": (hf._Gate(act="activation_fn"), "dbrx"),
+    "DbrxExpertGLU": (GateSpec(act="activation_fn"), "dbrx"),
     "InklingSharedExperts": (_PLAIN, "shared"),
-    "JetMoeMoE": (hf._Gate(act="activation"), "jetmoe"),
+    "JetMoeMoE": (GateSpec(act="activation"), "jetmoe"),
 }
 WITH_APPLY_GATE = ("gate", "linear", "matmul", "linear_norm")  # the oracle's forms with an _apply_gate at 5.24
 # gatings with an _apply_gate that the recogniser reads as none it computes, by design: the dtype casts
 UNRECOGNISED = {"BeamExperts": "act_fn(gate.float()) * up.float(), cast back: casts are outside the recogniser"}
 # the clamped MLPs of hf_oracle.KNOWN_CLAMPED, with the _Gate 1952e74's _KNOWN_CLAMPED gave them
 CLAMPED_GATES = {
-    "DeepseekV4MLP": hf._Gate(limit="limit"),
-    "Glm5NextTextMLP": hf._Gate(limit="swiglu_limit"),
-    "Glm5NextVisionMLP": hf._Gate(limit="swiglu_limit"),
-    "MiniMaxM3VLDenseMLP": hf._Gate(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0),
+    "DeepseekV4MLP": GateSpec(limit="limit"),
+    "Glm5NextTextMLP": GateSpec(limit="swiglu_limit"),
+    "Glm5NextVisionMLP": GateSpec(limit="swiglu_limit"),
+    "MiniMaxM3VLDenseMLP": GateSpec(act=None, limit="swiglu_limit", alpha="swiglu_alpha", up_offset=1.0),
 }
 assert set(CLAMPED_GATES) == set(hf_oracle.KNOWN_CLAMPED)
 
@@ -438,14 +398,14 @@ PATCHED = {
     "Glm5NextTextMLP": ("glm5_next", "mlp", None),
     "Glm5NextVisionMLP": ("glm5_next", "mlp", None),
 }
-# Not patched, named in the warning: class -> (module, how it is called, the reason (in ffn_ext.hf.experts), the
+# Not patched, named in the warning: class -> (module, how it is called, the reason (in ffn_ext.hf.forms), the
 # class named and its name in the module)
 NAMED_EXPERTS = {
-    "BeamExperts": ("beam", "routed", "_UNKNOWN_EXPERTS", "BeamExperts", "model"),  # the casts
-    "LongcatFlashExperts": ("longcat_flash", "routed", "_INLINE_EXPERTS", "LongcatFlashExperts", "model"),
-    "DbrxExperts": ("dbrx", "routed", "_INLINE_EXPERTS", "DbrxExpertGLU", "mlp"),
-    "Llama4TextExperts": ("llama4", "llama4", "_INLINE_EXPERTS", "Llama4TextExperts", "model"),
-    "InklingSharedExperts": ("inkling", "gammas", "_INLINE_EXPERTS", "InklingSharedExperts", "model"),
+    "BeamExperts": ("beam", "routed", "UNKNOWN_EXPERTS", "BeamExperts", "model"),  # the casts
+    "LongcatFlashExperts": ("longcat_flash", "routed", "INLINE_EXPERTS", "LongcatFlashExperts", "model"),
+    "DbrxExperts": ("dbrx", "routed", "INLINE_EXPERTS", "DbrxExpertGLU", "mlp"),
+    "Llama4TextExperts": ("llama4", "llama4", "INLINE_EXPERTS", "Llama4TextExperts", "model"),
+    "InklingSharedExperts": ("inkling", "gammas", "INLINE_EXPERTS", "InklingSharedExperts", "model"),
 }
 
 
@@ -477,18 +437,23 @@ def test_other_patched_experts_and_clamped_mlps_match(name, monkeypatch):
     _apply_gate), its output and the gradients of its input and parameters equal the unpatched module's (fp32
     rounding), and the gating ran on ffn_ext's op: once per call with grouped_mm / batched_mm and for the MLPs, per
     expert hit where the class's eager forward calls _apply_gate, never where it inlines the gating (Aria,
-    MuseSpark under "eager": counted as patched, run as written)."""
+    MuseSpark under "eager": named when patched under it, patched under grouped_mm and run as written if switched
+    back)."""
     module, how, calls_gate = PATCHED[name]
     m = _module(name, module)
     ref = copy.deepcopy(m)
+    if calls_gate is False:
+        with pytest.warns(RuntimeWarning, match=re.escape(f"{forms.INLINE_EXPERTS}: {name} at 'model'")):
+            assert ffn_ext.patch_hf_model(m) == 0
+        m.config._experts_implementation = "grouped_mm"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(m, strict=True) == 1
     if calls_gate is None:
-        assert getattr(m, hf._MARK) in ("gated", "packed") and isinstance(vars(m)["forward"], hf._BoundForward)
+        assert patched_as(m) in ("gated", "packed") and isinstance(vars(m)["forward"], forms.Patched)
     else:
-        assert getattr(m, hf._MARK) == "experts_gate" and "forward" not in vars(m)
-        assert isinstance(vars(m)["_apply_gate"], hf._BoundGate)
+        assert patched_as(m) == "experts_gate" and "forward" not in vars(m)
+        assert isinstance(vars(m)["_apply_gate"], forms.Patched)
     spy = Spy(monkeypatch)
     dispatch = hasattr(m, "has_gate")  # @use_experts_implementation
     if dispatch:
@@ -507,17 +472,10 @@ def test_other_patched_experts_and_clamped_mlps_match(name, monkeypatch):
             assert len(spy.calls) == 1, (impl, [c[0] for c in spy.calls])
         if _spec(name).limit is not None:
             assert spy.clamp_hits() == (True, True), impl
-        torch.testing.assert_close(y, y0, atol=1e-5, rtol=1e-5)
-        w = torch.randn_like(y)
-        (y * w).sum().backward()
-        (y0 * w).sum().backward()
-        for a, a0 in zip(args, args0):
-            if a.is_floating_point():
-                torch.testing.assert_close(a.grad, a0.grad, atol=1e-5, rtol=1e-4)
-        hf_oracle.grads_equal(m, ref)
+        hf_oracle.same_outputs(m, ref, y, y0, inputs=zip(args, args0))
         m.zero_grad(), ref.zero_grad()
     assert ffn_ext.hf.unpatch_model(m) == 1
-    assert not any(hasattr(s, hf._MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())
+    assert not any(hasattr(s, forms.MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())
 
 
 @pytest.mark.parametrize("name", NAMED_EXPERTS)
@@ -531,13 +489,13 @@ def test_experts_ffn_ext_does_not_patch_run_as_they_are_and_are_named(name, monk
     m = _module(name, module)
     sub = m.get_submodule("" if where == "model" else where)
     assert type(sub).__name__ == named
-    if reason == "_INLINE_EXPERTS" and callable(getattr(type(sub), "_apply_gate", None)):
+    if reason == "INLINE_EXPERTS" and callable(getattr(type(sub), "_apply_gate", None)):
         pytest.skip(f"{named} has an _apply_gate in this transformers: test_every_experts_class_is_recognised reads it")
     ref = copy.deepcopy(m)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ffn_ext.patch_hf_model(m) == 0
-    assert not any(hasattr(s, hf._MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())
+    assert not any(hasattr(s, forms.MARK) or "forward" in vars(s) or "_apply_gate" in vars(s) for s in m.modules())
     spy = Spy(monkeypatch)
     dispatch = hasattr(m, "has_gate")
     if dispatch:
@@ -546,22 +504,12 @@ def test_experts_ffn_ext_does_not_patch_run_as_they_are_and_are_named(name, monk
         if dispatch:
             m.config._experts_implementation = impl
         args, args0 = _args(how, name)
-        y, y0 = m(*args), ref(*args0)
-        torch.testing.assert_close(y, y0, rtol=0, atol=0)
-        w = torch.randn_like(y)
-        (y * w).sum().backward()
-        (y0 * w).sum().backward()
-        for a, a0 in zip(args, args0):
-            if a.is_floating_point():
-                torch.testing.assert_close(a.grad, a0.grad, rtol=0, atol=0)
-        params0 = dict(ref.named_parameters())
-        for n, p in m.named_parameters():
-            torch.testing.assert_close(p.grad, params0[n].grad, rtol=0, atol=0, msg=n)
+        hf_oracle.same_outputs(m, ref, m(*args), ref(*args0), atol=0, grad_atol=0, inputs=zip(args, args0))
         m.zero_grad(), ref.zero_grad()
     assert spy.calls == []
     msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert len(msgs) == 1, msgs
-    assert msgs[0].endswith(f"{getattr(hf_experts, reason)}: {named} at '{where}' (left unpatched)"), msgs[0]
+    assert msgs[0].endswith(f"{getattr(forms, reason)}: {named} at '{where}' (left unpatched)"), msgs[0]
     with pytest.raises(ValueError, match=re.escape(f"{named} at '{where}' (strict=True: nothing patched)")):
         ffn_ext.patch_hf_model(m, strict=True)
 
@@ -585,7 +533,7 @@ def test_unpatched_experts_are_named_in_one_warning_and_strict_raises():
         assert ffn_ext.patch_hf_model(model) == 0
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
     assert "Qwen2MoeExperts" in str(caught[0].message) and "Qwen2MoeMLP" in str(caught[0].message)
-    assert not any(hasattr(m, hf._MARK) or "_apply_gate" in vars(m) for m in model.modules())
+    assert not any(hasattr(m, forms.MARK) or "_apply_gate" in vars(m) for m in model.modules())
     torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
 
 
@@ -625,8 +573,8 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
     no_limit = _module("MiniMaxM3VLExperts", "minimax_m3_vl")
     no_limit.swiglu_limit = None
     odd = _module("OpenAIPrivacyFilterExperts", "openai_privacy_filter")
-    fused = hf_experts._fused_gate
-    monkeypatch.setattr(hf_experts, "_fused_gate", lambda *a, **k: fused(*a, **k) * (1 + 1e-3))
+    fused = common.Gating.__call__
+    monkeypatch.setattr(common.Gating, "__call__", lambda *a: fused(*a) * (1 + 1e-3))
     net = nn.ModuleDict(
         dict(step=step, mine=mine, beam=beam, loop=loop, relu6=relu6, gelu=gelu, no_limit=no_limit, odd=odd)
     )
@@ -636,16 +584,16 @@ def test_experts_ffn_ext_cannot_run_are_named_with_the_reason(monkeypatch):
         warnings.simplefilter("always")
         assert ffn_ext.patch_hf_model(net) == 0
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
-    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
+    assert not any(hasattr(m, forms.MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
     msg = str(caught[0].message)
     for part in (
-        re.escape(recognise._CLAMPS_AFTER) + ": Step3p7Experts at 'step'",
-        re.escape(hf_experts._UNKNOWN_EXPERTS) + ": MyGate at 'mine', BeamExperts at 'beam'",
-        re.escape(hf_experts._INLINE_EXPERTS) + ": Llama4TextExperts at 'loop'",
+        re.escape(recognise.CLAMPS_AFTER) + ": Step3p7Experts at 'step'",
+        re.escape(forms.UNKNOWN_EXPERTS) + ": MyGate at 'mine', BeamExperts at 'beam'",
+        re.escape(forms.INLINE_EXPERTS) + ": Llama4TextExperts at 'loop'",
         r"activation ReLU6 is not one ffn_ext implements.*: Qwen3MoeExperts at 'relu6'",
         r"clamped gating with activation GELUActivation \(gelu\).*: DeepseekV4Experts at 'gelu'",
         r"clamp limit swiglu_limit = None is not a number > 0: MiniMaxM3VLExperts at 'no_limit'",
-        re.escape(hf_experts._DISAGREES_GATE) + ": OpenAIPrivacyFilterExperts at 'odd'",
+        re.escape(forms.DISAGREES_GATE) + ": OpenAIPrivacyFilterExperts at 'odd'",
     ):
         assert re.search(part, msg), (part, msg)
     monkeypatch.undo()  # with ffn_ext's op as it is, the same module passes its self-check
@@ -657,7 +605,7 @@ def test_gatings_that_clamp_after_the_activation_are_named_with_what_they_comput
     experts with a limit clamp the activation's output, clamp(silu(gate), max=limit) * clamp(up, -limit, limit),
     which no ffn_ext op computes; so does a class of one's own that writes the same gating another way (torch.clamp,
     positional bounds). All are recognised from their code and named in the one warning with
-    recognise._CLAMPS_AFTER, also when listed in extra_classes, and refused with strict=True; they compute what they
+    recognise.CLAMPS_AFTER, also when listed in extra_classes, and refused with strict=True; they compute what they
     did, bit for bit. (A layer without a limit differs by release: 5.24 clamps at inf, 5.25 skips the clamp by an
     `if`; tests/test_hf_recognise.py covers the guards.)"""
     config = types.SimpleNamespace(**CONFIG, share_expert_dim=8, swiglu_limits_shared=[1.0, 0.0])
@@ -701,10 +649,10 @@ def test_gatings_that_clamp_after_the_activation_are_named_with_what_they_comput
         assert ffn_ext.patch_hf_model(net, extra_classes=[mlp_cls]) == 0
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
     assert str(caught[0].message) == (
-        f"ffn_ext.hf.patch_model: {recognise._CLAMPS_AFTER}: Step3p7MLP at 'mlp', Step3p7Experts at "
+        f"ffn_ext.hf.patch_model: {recognise.CLAMPS_AFTER}: Step3p7MLP at 'mlp', Step3p7Experts at "
         "'experts', MyClampAfter at 'mine' (left unpatched)"
     ), str(caught[0].message)
-    assert not any(hasattr(m, hf._MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
+    assert not any(hasattr(m, forms.MARK) or "forward" in vars(m) or "_apply_gate" in vars(m) for m in net.modules())
     for y, y0 in zip(run(), ref):
         torch.testing.assert_close(y, y0, rtol=0, atol=0)
 
@@ -725,31 +673,27 @@ def test_experts_patch_is_reversible_and_survives_deepcopy_and_pickle():
     model.set_experts_implementation("grouped_mm")
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(4))
     ref = model(ids).logits
-    experts = [m for m in model.modules() if hf._is_experts(m)]
+    experts = [m for m in model.modules() if forms.is_experts(m)]
     assert ffn_ext.patch_hf_model(model) == 2
     assert ffn_ext.patch_hf_model(model) == 0  # already patched
-    assert all(isinstance(vars(m)["_apply_gate"], hf._BoundGate) and "forward" not in vars(m) for m in experts)
+    assert all(isinstance(vars(m)["_apply_gate"], forms.Patched) and "forward" not in vars(m) for m in experts)
     clone = copy.deepcopy(model)
-    assert all(m._apply_gate.__self__ is m for m in clone.modules() if hf._is_experts(m))
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for m2 in (clone, loaded):
+    assert all(m._apply_gate.__self__ is m for m in clone.modules() if forms.is_experts(m))
+    for m2 in (clone, hf_oracle.reloaded(model)):
         torch.testing.assert_close(m2(ids).logits, ref, atol=1e-5, rtol=1e-5)
         assert all(
-            isinstance(vars(m)["_apply_gate"], hf._BoundGate) and m._apply_gate.__self__ is m
+            isinstance(vars(m)["_apply_gate"], forms.Patched) and m._apply_gate.__self__ is m
             for m in m2.modules()
-            if hf._is_experts(m)
+            if forms.is_experts(m)
         )
     assert ffn_ext.hf.unpatch_model(model) == 2
-    assert all("_apply_gate" not in vars(m) and not hasattr(m, hf._MARK) for m in experts)
+    assert all("_apply_gate" not in vars(m) and not hasattr(m, forms.MARK) for m in experts)
     torch.testing.assert_close(model(ids).logits, ref, atol=1e-5, rtol=1e-5)
 
     model = _tiny("mixtral")  # eager inlines its gating: still only _apply_gate is patched, never the forward
-    experts = [m for m in model.modules() if hf._is_experts(m)]
+    experts = [m for m in model.modules() if forms.is_experts(m)]
     assert ffn_ext.patch_hf_model(model) == 2
-    assert all(isinstance(vars(m)["_apply_gate"], hf._BoundGate) and "forward" not in vars(m) for m in experts)
+    assert all(isinstance(vars(m)["_apply_gate"], forms.Patched) and "forward" not in vars(m) for m in experts)
     assert ffn_ext.hf.unpatch_model(model) == 2
     assert all("forward" not in vars(m) and "_apply_gate" not in vars(m) for m in experts)
 
@@ -759,11 +703,14 @@ def test_hooks_on_the_experts_activation_see_it_run(impl, monkeypatch):
     """A hook on an experts module's act_fn fires as in the unpatched model (the gating then runs as the class
     wrote it, under every implementation), and a replaced activation is the one that runs. Layer 1's experts stay
     fused where _apply_gate is called (grouped_mm, batched_mm); Qwen3-MoE's eager forward inlines the gating, so
-    there no ffn_ext op runs at all."""
+    there they are named, not patched, and no ffn_ext op runs at all."""
     model = _tiny("qwen3_moe")
     model.set_experts_implementation(impl)
     ref = copy.deepcopy(model)
-    ffn_ext.patch_hf_model(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ffn_ext.patch_hf_model(model) == (2 if impl != "eager" else 0)
+    assert len(caught) == (impl == "eager")
     ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2))
     seen = []
     for m in (model, ref):
@@ -869,33 +816,6 @@ def _clamps_after_activation(fn: ast.FunctionDef) -> bool:
     return False
 
 
-def _init_assignments(cls: ast.ClassDef) -> dict:
-    """{attribute: [source of each value assigned to self.<attribute> in cls.__init__]}"""
-    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-    out = {}
-    for node in ast.walk(init) if init else ():
-        if isinstance(node, ast.Assign):
-            for t in node.targets:
-                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self":
-                    out.setdefault(t.attr, []).append(ast.unparse(node.value))
-    return out
-
-
-def _method(cls: ast.ClassDef, name: str):
-    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-
-
-ROOT = pathlib.Path(transformers.__file__).parent
-
-
-def _bare(cls, **attrs):
-    """An instance of cls without its __init__ (no config, no weights), with `attrs` set: what the recogniser reads
-    (the code, and the attributes its `if` tests read)."""
-    m = object.__new__(cls)
-    m.__dict__.update(attrs)
-    return m
-
-
 def _if_attrs(fn) -> set:
     """The self.<attr> names that fn's `if` tests read (none where its source cannot be read)."""
     try:
@@ -911,15 +831,31 @@ def _if_attrs(fn) -> set:
     }
 
 
-def _read(reader, cls, fn, limits=(), others=None):
-    """reader (recognise.gate_form / mlp_form) on a bare instance of cls, its guards left out. Where that is None and
-    the code has `if` tests on attributes (a bare instance has none: a later transformers may add `if self.limit is
-    not None:`), read again with them set: `limits` to 1.0, the others to `others`."""
-    form = reader(_bare(cls))
+GATE = (forms.EXPERTS,)  # the readers: the experts' gating, and the MLP forms
+MLP = tuple(f for f in forms.FORMS if f.method == "forward")
+
+
+def _recognised(module, which):
+    """(form name, plan without its guards), Named or None, as the forms `which` read the module's code."""
+    found = forms.recognised(module, which)
+    if found is None or isinstance(found[1], recognise.Named):
+        return found and found[1]
+    return found[0].name, dataclasses.replace(found[1], guards=())
+
+
+def _read(which, cls, fn, limits=(), others=None):
+    """_recognised on a bare instance of cls. Where that is None and the code has `if` tests on attributes (a bare
+    instance has none: a later transformers may add `if self.limit is not None:`), read again with them set:
+    `limits` to 1.0, the others to `others`."""
+    form = _recognised(hf_oracle.bare(cls), which)
     attrs = _if_attrs(fn)
     if form is None and attrs:
-        form = reader(_bare(cls, **{a: 1.0 if a in limits else others for a in attrs}))
-    return form._replace(guards=()) if isinstance(form, recognise.Form) else form
+        form = _recognised(hf_oracle.bare(cls, **{a: 1.0 if a in limits else others for a in attrs}), which)
+    return form
+
+
+def _gate(spec):
+    return "experts_gate", forms.Plan(gate=spec)
 
 
 def _experts_classes() -> dict:
@@ -927,26 +863,12 @@ def _experts_classes() -> dict:
     use_experts_implementation or defines an _apply_gate, {name: class} (abstract ones left out). Only the files
     that mention either are parsed and imported."""
     found = {}
-    for path in sorted(ROOT.glob("models/*/modeling_*.py")):
-        src = path.read_text()
-        if "_apply_gate" not in src and "use_experts_implementation" not in src:
-            continue
-        names = [
-            n.name
-            for n in ast.parse(src).body
-            if isinstance(n, ast.ClassDef)
-            and (
-                any("use_experts_implementation" in ast.unparse(d) for d in n.decorator_list)
-                or _method(n, "_apply_gate") is not None
-            )
-        ]
-        if names:
-            module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
-            for n in names:
-                cls = getattr(module, n)
-                if not inspect.isabstract(cls):
-                    assert n not in found, f"{n} in two modeling files"
-                    found[n] = cls
+    for node, methods, path in hf_oracle.modeling_classes("_apply_gate|use_experts_implementation"):
+        decorated = any("use_experts_implementation" in ast.unparse(d) for d in node.decorator_list)
+        cls = hf_oracle.load(node.name, path) if decorated or "_apply_gate" in methods else None
+        if cls is not None and not inspect.isabstract(cls):
+            assert node.name not in found, f"{node.name} in two modeling files"
+            found[node.name] = cls
     return found
 
 
@@ -962,9 +884,9 @@ INLINE_MODULES = {
 
 def test_every_experts_class_is_recognised_as_the_oracle_says():
     """Every experts class of transformers (decorated with use_experts_implementation, or with an _apply_gate of its
-    own): gate_form on an uninitialised instance raises nothing and gives a Form of kind "gate", a Named or None;
-    and the kind expected: for the classes of 1952e74's list (EXPERTS) whose gating was at their _apply_gate then
-    ("gate", "linear", "matmul", "linear_norm" forms), a Form with the list's _Gate (BeamExperts: None, its dtype
+    own): the experts' form reads an uninitialised instance without an error, and as expected: for the classes of
+    1952e74's list (EXPERTS) whose gating was at their _apply_gate then ("gate", "linear", "matmul", "linear_norm"
+    forms), a plan with the list's gating (BeamExperts: None, its dtype
     casts); for hf_oracle.CLAMP_AFTER's experts, Named(_CLAMPS_AFTER); for any other class with transformers'
     default _apply_gate, the plain gating. The list's experts without an _apply_gate (Llama 4, Longcat-Flash,
     DBRX, Inkling's shared, JetMoE) have none still and are refused with _INLINE_EXPERTS (a later transformers that
@@ -979,18 +901,17 @@ def test_every_experts_class_is_recognised_as_the_oracle_says():
     for name, cls in sorted(classes.items()):
         fn = getattr(cls, "_apply_gate", None)
         assert callable(fn), f"{name}: @use_experts_implementation gives every class an _apply_gate"
-        form = recognise.gate_form(_bare(cls))
-        assert form is None or isinstance(form, recognise.Named) or form.kind == "gate", (name, form)
+        _recognised(hf_oracle.bare(cls), GATE)  # whatever it reads, without an error
         entry = EXPERTS.get(name)
         if entry is not None and entry[1] in WITH_APPLY_GATE:
             gate = entry[0]
-            want = None if name in UNRECOGNISED else recognise.Form("gate", (), gate)
-            got = _read(recognise.gate_form, cls, fn, limits=(gate.limit, gate.alpha))
+            want = None if name in UNRECOGNISED else _gate(gate)
+            got = _read(GATE, cls, fn, limits=(gate.limit, gate.alpha))
         elif name in hf_oracle.CLAMP_AFTER:
-            want = recognise.Named(recognise._CLAMPS_AFTER)
-            got = _read(recognise.gate_form, cls, fn, limits=_if_attrs(fn))
+            want = recognise.Named(recognise.CLAMPS_AFTER)
+            got = _read(GATE, cls, fn, limits=_if_attrs(fn))
         elif inspect.unwrap(fn) is _default_apply_gate:
-            want, got = recognise.Form("gate", (), _PLAIN), _read(recognise.gate_form, cls, fn)
+            want, got = _gate(_PLAIN), _read(GATE, cls, fn)
         else:
             continue  # a gating the list does not know (Inkling2's act_fn(gate, up)): read or not, it must not raise
         if got != want:
@@ -1001,65 +922,53 @@ def test_every_experts_class_is_recognised_as_the_oracle_says():
         assert EXPERTS[name][1] not in WITH_APPLY_GATE
         cls = _class(name, module)
         fn = getattr(cls, "_apply_gate", None)
-        if fn is None:
-            got = hf_experts.experts_gate(_bare(cls))
-            if got != hf_experts._INLINE_EXPERTS:
-                wrong[name] = f"experts_gate: {got}"
+        if fn is None:  # nothing to read: named with INLINE_EXPERTS (test_experts_ffn_ext_does_not_patch_...)
+            if _recognised(hf_oracle.bare(cls), GATE) is not None:
+                wrong[name] = "read without an _apply_gate"
         else:
             gate = EXPERTS[name][0]
-            got = _read(recognise.gate_form, cls, fn, limits=(gate.limit, gate.alpha))
-            if got != recognise.Form("gate", (), gate):
+            got = _read(GATE, cls, fn, limits=(gate.limit, gate.alpha))
+            if got != _gate(gate):
                 wrong[name] = f"its new _apply_gate read as {got}, expected {gate}"
     assert not wrong, wrong
 
 
 def test_clamped_mlps_and_clamps_after_the_activation_are_recognised_from_their_code():
-    """hf_oracle.KNOWN_CLAMPED's MLPs read (mlp_form, on an uninitialised instance) as 1952e74's clamped _Gate,
+    """hf_oracle.KNOWN_CLAMPED's MLPs read (the MLP forms, on an uninitialised instance) as 1952e74's clamped gating,
     gated or packed by their projections; and every gated MLP or experts class of transformers' modeling files
     (gate_proj and up_proj, or gate_up_proj, or an _apply_gate) whose forward or _apply_gate clamps an activation's
     output, as a detector independent of the recogniser finds it in the source, reads as Named(_CLAMPS_AFTER);
     hf_oracle.CLAMP_AFTER's classes among them (a later transformers may add some: Bailing-Hybrid with a limit)."""
     clamp_after, clamped, seen = {}, {}, set()
-    for path in sorted(ROOT.glob("models/*/modeling_*.py")):
-        src = path.read_text()
-        gating = any(k in src for k in ("gate_proj", "gate_up_proj", "_apply_gate"))
-        if not (("clamp" in src or "clip" in src) and gating):
-            continue
-        for node in ast.parse(src).body:
-            if not isinstance(node, ast.ClassDef):
-                continue
-            seen.add(node.name)
-            if node.name in CLAMPED_GATES:
-                clamped[node.name] = path
-            assigned = _init_assignments(node)
-            gated = {"gate_proj", "up_proj"} <= assigned.keys() or "gate_up_proj" in assigned
-            for method in ("_apply_gate", "forward"):
-                fn = _method(node, method)
-                if fn is not None and _clamps_after_activation(fn) and (gated or _method(node, "_apply_gate")):
-                    clamp_after.setdefault(node.name, (path, method))
+    for node, methods, path in hf_oracle.modeling_classes(
+        r"(?s)^(?=.*(clamp|clip))(?=.*(gate_proj|gate_up_proj|_apply_gate))"
+    ):
+        seen.add(node.name)
+        assigned = hf_oracle.init_assignments(node)
+        if node.name in CLAMPED_GATES:
+            clamped[node.name] = path, "gate_up_proj" in assigned
+        gated = {"gate_proj", "up_proj"} <= assigned.keys() or "gate_up_proj" in assigned or "_apply_gate" in methods
+        for method in ("_apply_gate", "forward"):
+            if method in methods and _clamps_after_activation(methods[method]) and gated:
+                clamp_after.setdefault(node.name, (path, method))
     assert clamp_after and hf_oracle.CLAMP_AFTER & seen <= clamp_after.keys(), sorted(clamp_after)
     assert clamped.keys() == hf_oracle.KNOWN_CLAMPED & seen and "DeepseekV4MLP" in clamped
 
-    def load(name, path):
-        return getattr(importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}"), name)
-
     wrong = {}
     for name, (path, method) in sorted(clamp_after.items()):
-        cls = load(name, path)
+        cls = hf_oracle.load(name, path)
         fn = getattr(cls, method)
-        reader = recognise.gate_form if method == "_apply_gate" else recognise.mlp_form
-        got = _read(reader, cls, fn, limits=_if_attrs(fn))
-        if got != recognise.Named(recognise._CLAMPS_AFTER):
+        got = _read(GATE if method == "_apply_gate" else MLP, cls, fn, limits=_if_attrs(fn))
+        if got != recognise.Named(recognise.CLAMPS_AFTER):
             wrong[name] = got
-    for name, path in sorted(clamped.items()):
-        cls = load(name, path)
-        node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    for name, (path, packed) in sorted(clamped.items()):
+        cls = hf_oracle.load(name, path)
         gate = CLAMPED_GATES[name]
-        if "gate_up_proj" in _init_assignments(node):
-            want = recognise.Form("packed", ("gate_up_proj", "down_proj"), gate)
+        if packed:
+            want = "packed", forms.Plan(("gate_up_proj", "down_proj"), gate)
         else:
-            want = recognise.Form("gated", ("gate_proj", "up_proj", "down_proj"), gate)
-        got = _read(recognise.mlp_form, cls, cls.forward, limits=(gate.limit, gate.alpha))
+            want = "gated", forms.Plan(("gate_proj", "up_proj", "down_proj"), gate)
+        got = _read(MLP, cls, cls.forward, limits=(gate.limit, gate.alpha))
         if got != want:
             wrong[name] = f"read as {got}, expected {want}"
     assert not wrong, wrong
@@ -1071,13 +980,12 @@ def test_transformers_calls_the_gating_where_the_patch_injects_it():
     default, and the default is the plain gating (recognised as such)."""
     from transformers.integrations import moe
 
-    tree = ast.parse((ROOT / "integrations" / "moe.py").read_text())
+    tree = ast.parse((pathlib.Path(transformers.__file__).parent / "integrations" / "moe.py").read_text())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     for name, line in MOE_SOURCE.items():
         assert line in ast.unparse(funcs[name]), name
-    assert recognise.gate_form(_bare(type("E", (nn.Module,), {"_apply_gate": moe._default_apply_gate}))) == (
-        recognise.Form("gate", (), _PLAIN)
-    )
+    default = hf_oracle.bare(type("E", (nn.Module,), {"_apply_gate": moe._default_apply_gate}))
+    assert _recognised(default, GATE) == _gate(_PLAIN)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
@@ -1097,10 +1005,7 @@ def test_patching_under_a_default_device_context(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(model) == expected
-    model.to_empty(device="cpu")
-    model.load_state_dict(ref.state_dict())
-    for name, buf in ref.named_buffers():
-        model.get_buffer(name).copy_(buf)
+    hf_oracle.loaded_into(model, ref)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, atol=1e-4, rtol=1e-4)
     cpu = _tiny(kind)

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ffn_ext.hf import common, experts, moe
+from ffn_ext.hf import common, moe
 
 transformers = pytest.importorskip("transformers")
 import hf_oracle  # noqa: E402
+from hf_oracle import one_thread, raise_errors  # noqa: E402,F401  (autouse fixtures)
 from test_hf_moe import BASE  # noqa: E402
 from test_hf_moe import MODELS as _MOE_MODELS  # noqa: E402
 
@@ -26,13 +27,8 @@ IDS = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _registered_one_thread():
-    """register() once for the module; one intra-op thread (tiny tensors: faster, above all on a busy machine)."""
+def _registered():
     assert moe.register()
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _tiny(kind, **extra):
@@ -56,12 +52,12 @@ def _experts(model):
 
 class Counts:
     """Counts the calls of moe._gating (one per experts module and forward on the ffn_ext path), of
-    common._fused_gate (ffn_ext's gating: forward, and backward's recomputation) and of transformers'
+    common.Gating (ffn_ext's gating: forward, and backward's recomputation) and of transformers'
     grouped_mm_experts_forward (the fallback)."""
 
     def __init__(self, monkeypatch):
         self.gating = self.fused = self.fallback = 0
-        gating, fused, fallback = moe._gating, common._fused_gate, tf_moe.grouped_mm_experts_forward
+        gating, fused, fallback = moe._gating, common.Gating.__call__, tf_moe.grouped_mm_experts_forward
 
         def count_gating(module):
             self.gating += 1
@@ -76,16 +72,18 @@ class Counts:
             return fallback(*args)
 
         monkeypatch.setattr(moe, "_gating", count_gating)
-        monkeypatch.setattr(common, "_fused_gate", count_fused)
+        monkeypatch.setattr(common.Gating, "__call__", count_fused)
         monkeypatch.setattr(tf_moe, "grouped_mm_experts_forward", count_fallback)
 
 
 def _against(model, monkeypatch, reference="eager"):
-    """Switches model to the ffn_ext experts implementation; returns an unchanged copy that runs `reference`, and
-    the call counts from here on."""
+    """Switches model to the ffn_ext experts implementation (its experts planned); returns an unchanged copy that
+    runs `reference`, and the call counts from here on."""
     ref = copy.deepcopy(model)
     ref.set_experts_implementation(reference)
     model.set_experts_implementation("ffn_ext")
+    for m in _experts(model):
+        moe._gating(m)  # its plan and self-check, once, before the counts start
     return ref, Counts(monkeypatch)
 
 
@@ -192,12 +190,12 @@ def test_fallback_warns_once_and_matches(why, monkeypatch):
 
 
 def test_a_gating_the_self_check_refuses_falls_back(monkeypatch):
-    """The experts implementation runs ffn_ext's gating only where patch_model would (experts.experts_plan): with
-    ffn_ext's op made 1% off where the self-check sees it, the check disagrees, and transformers' grouped_mm runs,
-    named once; logits equal eager's."""
+    """The experts implementation runs ffn_ext's gating only where patch_model would (forms.plan): with ffn_ext's
+    op made 1% off where the self-check sees it, the check disagrees, and transformers' grouped_mm runs, named
+    once; logits equal eager's."""
     monkeypatch.setattr(moe, "_warned", set())
-    real = experts._fused_gate
-    monkeypatch.setattr(experts, "_fused_gate", lambda *a: real(*a) * 1.01)
+    real = common.Gating.__call__
+    monkeypatch.setattr(common.Gating, "__call__", lambda *a: real(*a) * 1.01)
     model = _tiny("qwen3_moe")
     ref, counts = _against(model, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:

@@ -3,16 +3,22 @@ whose forward clamps beyond what small inputs reach), a new class of a known for
 transformers 5.25 changes (Bailing-Hybrid's clamps, LongCat's experts). Tiny random models, no downloads."""
 
 import copy
+import functools
+import linecache
+import re
 import sys
+import textwrap
 import types
 import warnings
 
+import hf_oracle
 import pytest
 import torch
 import torch.nn as nn
+from hf_oracle import raise_errors  # noqa: F401  (autouse: a recogniser's error fails the test)
 
 import ffn_ext
-from ffn_ext.hf import common, recognise
+from ffn_ext.hf import common, forms, recognise
 
 transformers = pytest.importorskip("transformers")
 from transformers.activations import ACT2FN  # noqa: E402
@@ -43,12 +49,17 @@ def _plain(self, x):
     return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _fused(module, x):
+    """The fused gated MLP (SiLU) on a module's gate_proj, up_proj and down_proj."""
+    plan = forms.Plan(forms.GATED_NAMES)
+    return forms.GatedMLP().run(module, plan, x, common.Gating("silu"))
+
+
 def _old_self_check(module) -> bool:
     """The self-check before this design: two randn rows, no scaling, relative norm 1e-4."""
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = module(x)
-        out = ffn_ext.hf.dense._gated_forward(module, x, ffn_ext.table.BY_NAME["silu"])
+        ref, out = module(x), _fused(module, x)
     return bool((out - ref).norm() <= 1e-4 * ref.norm())
 
 
@@ -71,8 +82,7 @@ def test_a_listed_name_that_clamps_after_the_activation_is_never_computed_wrong(
     assert "forward" not in vars(mlp)
     torch.testing.assert_close(mlp(x), ref, rtol=0, atol=0)
     if scale >= 100:  # large inputs do reach the clamp: fusing it would have been wrong
-        fused = ffn_ext.hf.dense._gated_forward(mlp, x, ffn_ext.table.BY_NAME["silu"])
-        assert (fused - ref).abs().max() > 1.0
+        assert (_fused(mlp, x) - ref).abs().max() > 1.0
 
 
 def test_the_check_over_every_regime_catches_a_clamp_hidden_behind_unreadable_code():
@@ -87,17 +97,9 @@ def test_the_check_over_every_regime_catches_a_clamp_hidden_behind_unreadable_co
     Cls = _llama_like(forward, name="MyMLP", module=__name__, cap=2.5e3)
     torch.manual_seed(1)
     mlp = Cls()
-    assert recognise.mlp_form(mlp) is None
-    assert (
-        common._check(
-            mlp,
-            ffn_ext.hf.dense._gated_forward,
-            ffn_ext.table.BY_NAME["silu"],
-            ("gate_proj", "up_proj", "down_proj"),
-            width=32,
-        )
-        == common._DISAGREE
-    )
+    assert forms.recognised(mlp) is None
+    fused = functools.partial(_fused, mlp)
+    assert common.self_check(mlp, fused, type(mlp).forward, mlp.gate_proj) == common.DISAGREE
     with pytest.warns(RuntimeWarning, match="self-check.*MyMLP"):
         assert ffn_ext.patch_hf_model(mlp, extra_classes=[Cls]) == 0
 
@@ -120,8 +122,8 @@ def test_a_new_class_of_the_plain_gated_form_is_patched_by_its_code():
     torch.manual_seed(2)
     net = BrandNewFFN()
     ref = copy.deepcopy(net)
-    form = recognise.mlp_form(net)
-    assert form.kind == "gated" and form.names == ("w_gate", "w_in", "w_out") and form.gate.act == "nonlin"
+    form, plan = forms.recognised(net)
+    assert form.name == "gated" and plan.names == ("w_gate", "w_in", "w_out") and plan.gate.act == "nonlin"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ffn_ext.patch_hf_model(net) == 1
@@ -159,8 +161,8 @@ def test_if_guards_decide_the_form_on_the_instance_and_are_checked_on_every_call
     class's code (the guard no longer holds)."""
     torch.manual_seed(3)
     plain, clamped = _Step(None), _Step(16.0)
-    assert recognise.mlp_form(plain).guards == (("limit", None),)
-    assert recognise.mlp_form(clamped) == recognise.Named(recognise._CLAMPS_AFTER)
+    assert forms.recognised(plain)[1].guards == (("limit", None),)
+    assert forms.recognised(clamped)[1] == recognise.Named(recognise.CLAMPS_AFTER)
     net = nn.Sequential(plain, clamped)
     with pytest.warns(RuntimeWarning, match="clamp the activation's output.*_Step at '1'"):
         assert ffn_ext.patch_hf_model(net) == 1
@@ -171,12 +173,12 @@ def test_if_guards_decide_the_form_on_the_instance_and_are_checked_on_every_call
     torch.testing.assert_close(plain(x), want, rtol=0, atol=0)
 
 
-def _tiny_t5(feed_forward_proj):
+def _tiny_t5(feed_forward_proj, d_ff=64):
     config = transformers.T5Config(
         vocab_size=97,
         d_model=32,
         d_kv=8,
-        d_ff=64,
+        d_ff=d_ff,
         num_layers=2,
         num_heads=4,
         feed_forward_proj=feed_forward_proj,
@@ -187,11 +189,13 @@ def _tiny_t5(feed_forward_proj):
     return transformers.T5ForConditionalGeneration(config).eval()
 
 
+@pytest.mark.parametrize("d_ff", [64, 32])
 @pytest.mark.parametrize("proj, cls", [("relu", "T5DenseActDense"), ("gated-gelu", "T5DenseGatedActDense")])
-def test_t5_feed_forwards_are_named_not_skipped_silently(proj, cls):
+def test_t5_feed_forwards_are_named_not_skipped_silently(proj, cls, d_ff):
     """T5's feed-forwards cast to wo's dtype in forward (code the recogniser does not read) and have a dropout
-    before wo: they run as they are and are named in the warning, not left out silently; outputs unchanged."""
-    model = _tiny_t5(proj)
+    before wo: they run as they are and are named in the warning, not left out silently, also where they do not
+    widen (transformers' own test config: d_ff = d_model); outputs unchanged."""
+    model = _tiny_t5(proj, d_ff)
     ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     ref = model(input_ids=ids, decoder_input_ids=ids).logits
     with pytest.warns(RuntimeWarning, match=f"{cls} at "):
@@ -199,25 +203,15 @@ def test_t5_feed_forwards_are_named_not_skipped_silently(proj, cls):
     torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits, ref, rtol=0, atol=0)
 
 
-def _compare_patched(model, make_inputs, forward=None):
-    """Patches a deepcopy of `model`; logits and every parameter gradient (fp32) equal the unpatched model's."""
+def _compare_patched(model, seed):
+    """Patches `model`; its logits and every parameter gradient (fp32) equal those of a copy left unpatched. Returns
+    how many modules were patched."""
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         n = ffn_ext.patch_hf_model(model)
-    inputs = make_inputs()
-    run = forward or (lambda m: m(**inputs).logits)
-    out, out0 = run(model), run(ref)
-    torch.testing.assert_close(out, out0, atol=1e-4, rtol=1e-4)
-    g = torch.randn_like(out)
-    (out * g).sum().backward()
-    (out0 * g).sum().backward()
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        p0 = ref_params[name]
-        assert (p.grad is None) == (p0.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, p0.grad, atol=1e-4, rtol=1e-4, msg=name)
+    ids = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(seed))
+    hf_oracle.same_outputs(model, ref, model(ids).logits, ref(ids).logits, atol=1e-4, grad_atol=1e-4)
     return n
 
 
@@ -307,10 +301,7 @@ def test_bailing_hybrid_model_is_patched_where_exact_and_computes_what_it_did(li
     assert ("clamp the activation's output" in named) == bool(limit), named
     if limit:
         assert "'model.layers.1.mlp.shared_experts'" in named and "'model.layers.1.mlp.experts'" in named, named
-    n = _compare_patched(
-        model, lambda: {"input_ids": torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(11))}
-    )
-    assert n == (1 if limit else 3)
+    assert _compare_patched(model, 11) == (1 if limit else 3)
 
 
 def test_longcat_flash_runs_after_patching():
@@ -339,16 +330,76 @@ def test_longcat_flash_runs_after_patching():
     )
     torch.manual_seed(8)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    _compare_patched(
-        model, lambda: {"input_ids": torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(9))}
-    )
+    _compare_patched(model, 9)
 
 
 def test_the_recogniser_reads_no_class_names():
     """No class list in the product: the recogniser's and the planner's modules hold no transformers class names."""
     import inspect
 
-    for mod in ("recognise", "patch", "dense", "experts", "clamped", "classic", "common"):
+    for mod in ("recognise", "patch", "forms", "common"):
         src = inspect.getsource(sys.modules[f"ffn_ext.hf.{mod}"])
         code = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#"))
         assert "_KNOWN" not in code and "LlamaMLP\"" not in code, mod
+
+
+def test_an_error_in_the_recogniser_fails_the_tests_and_names_the_module_for_users(monkeypatch):
+    """Only "this code is not a form" reads as not recognised: an error inside the recogniser (here a KeyError in
+    the gating matcher) raises in the tests (forms.RAISE_ERRORS, set by hf_oracle's fixture), and for users leaves
+    the module unpatched and names it in the warning with the error, never silently."""
+    torch.manual_seed(5)
+    mlp = _llama_like(_plain)()
+    x = torch.randn(3, 32)
+    ref = mlp(x)
+    monkeypatch.setattr(forms, "gating", lambda v: {}["a bug"])
+    with pytest.raises(KeyError, match="a bug"):
+        ffn_ext.patch_hf_model(mlp)
+    monkeypatch.setattr(forms, "RAISE_ERRORS", False)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{forms.FAILED} (KeyError: 'a bug'): LlamaMLP at 'model'")):
+        assert ffn_ext.patch_hf_model(mlp) == 0
+    assert "forward" not in vars(mlp)
+    torch.testing.assert_close(mlp(x), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "return self.down_proj(-None * self.up_proj(x))",
+        "return self.down_proj(self.up_proj(x)[True])",
+        "return self.down_proj(F.gelu(self.up_proj(x), approximate=-'tanh'))",
+        "y = self.up_proj(x) + None\ny += 1\nreturn self.down_proj(y)",
+        "return self.down_proj(self.act_fn(self.gate_proj(x), 2) * self.up_proj(x))",
+        "return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max='a') * self.up_proj(x))",
+        "if self.act_fn:\n    return self.down_proj(x)\nreturn x",
+    ],
+)
+def test_code_outside_the_subset_reads_as_no_form_without_an_error(body):
+    """Code the interpreter does not read (values that are no numbers where it computes, odd indices and
+    arguments) is no form, without an error (hf_oracle's fixture makes one fail the test)."""
+    src = "def forward(self, x):\n" + textwrap.indent(body, "    ") + "\n"
+    name = f"<hf-test-{abs(hash(body))}>"
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)  # inspect.getsource reads it from here
+    namespace: dict = {"F": torch.nn.functional}
+    exec(compile(src, name, "exec"), namespace)
+    mlp = _llama_like(namespace["forward"], name="MyMLP", module=__name__)()
+    assert forms.recognised(mlp) is None
+    with pytest.warns(RuntimeWarning, match="not known to compute.*MyMLP"):
+        assert ffn_ext.patch_hf_model(mlp) == 0
+
+
+def test_ffns_that_do_not_widen_are_recognised_by_their_code():
+    """Recognition does not depend on the sizes: a gated (Llama's) and a classic (ViT's) MLP whose inner size is the
+    model size are patched by their code and compute what they did (T5's and Whisper's, whose code is not read, are
+    named: test_t5_feed_forwards_are_named_not_skipped_silently, tests/test_hf_classic.py)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers.models.vit.modeling_vit import ViTMLP
+
+    torch.manual_seed(9)
+    llama = LlamaMLP(transformers.LlamaConfig(hidden_size=16, intermediate_size=16, num_attention_heads=2))
+    net = nn.Sequential(llama, ViTMLP(transformers.ViTConfig(hidden_size=16, intermediate_size=16)))
+    x = torch.randn(3, 16) * 4
+    ref = net(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(net) == 2
+    torch.testing.assert_close(net(x), ref, atol=1e-5, rtol=1e-5)

@@ -1,13 +1,13 @@
-"""What every form of ffn_ext.hf shares: the patch marks, which table entry an activation is, the gatings one
-ffn_ext op computes (_Gate, read from the module at each call), the self-check (_agrees) and the picklable bound
-forward (_BoundForward) the patched modules get."""
+"""What every form of ffn_ext.hf shares: which table entry an activation is, a module's gating as ffn_ext's ops
+run it (GateSpec, recognised; Gating, read from the module at each call), the projections' shapes and the
+self-check."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import sys
+from dataclasses import dataclass
 from typing import NamedTuple, TypeGuard
 
 import torch
@@ -19,42 +19,7 @@ from ..mlp import fusable
 from ..modules import GELU, SiLU, _Unary
 from ..table import ACTIVATIONS, BY_NAME
 
-_MARK = "_ffn_ext_patched"  # 'gated' | 'packed' (MLPs) | 'experts' (forward, maybe _apply_gate) | 'experts_gate'
-_ACT = "_ffn_ext_act"  # (attribute name of the activation, the activation patched over)
-_OPTS = "_ffn_ext_mlp_options"  # (recompute, token_chunk) of a patched gated/packed MLP: patch_model's arguments
-_GATED_NAMES = ("gate_proj", "up_proj", "down_proj")
-_DISAGREES = (
-    "their forward gave a different result from the fused gated MLP on a random input (self-check), so "
-    "it is not a plain gated MLP and must run as it is"
-)
-
-
-class _Gate(NamedTuple):
-    """A gating that one ffn_ext op computes: act(gate) * up with `act` a table entry, or, with a `limit`, the
-    clamped SwiGLU (clamp(up, -limit, limit) + up_offset) * g * sigmoid(alpha * g), g = clamp(gate, max=limit)
-    (ffn_ext.swiglu_clamped). Packed projections are split by `layout`."""
-
-    act: str | None = "act_fn"  # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
-    limit: str | None = None  # the attribute holding the clamp limit; None: no clamp
-    alpha: str | float = 1.0  # the attribute holding alpha, or its value
-    up_offset: float = 0.0
-    layout: str = "concat"  # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
-
-
-_PLAIN = _Gate()
-
-
-def _unsupported(act) -> str:
-    what = (
-        type(act).__name__
-        if isinstance(act, nn.Module) or act is None
-        else getattr(act, "__qualname__", type(act).__name__)
-    )
-    ours = "; ".join(f"{a.name}: {', '.join(a.hf_names)}" for a in ACTIVATIONS)
-    return (
-        f"activation {what} is not one ffn_ext implements (ffn_ext's, with the transformers ACT2FN names "
-        f"that are the same function: {ours})"
-    )
+MISSING = object()
 
 
 # ---------------------------------------------------------------- which activation of the table is `act`?
@@ -97,7 +62,7 @@ def _hf_entry(cls):
     return _HF_ENTRIES[cls]
 
 
-def _table_activation(act):
+def table_activation(act):
     """The table entry (ffn_ext/table.py) that `act` computes, or None: torch's nn.SiLU / nn.GELU(approximate) /
     nn.ReLU and ffn_ext's modules (these exact types: a subclass may compute something else), their functions
     (F.silu, F.gelu, F.relu, torch.relu, ffn_ext.silu, ...), and transformers' activation classes by its ACT2CLS and
@@ -116,37 +81,50 @@ def _table_activation(act):
         return None
 
 
-def _act_now(self):
-    """The table entry the fused kernels may stand in for the MLP's activation call with, else None: its
-    activation (looked up now: it may have been replaced since patching) is one of the table's, and no hook or
-    forward wrapper, on it or global, expects to see it run."""
-    name = self.__dict__[_ACT][0]
-    mods = self._modules
-    act = mods[name] if name in mods else getattr(self, name, None)
-    entry = _table_activation(act)
-    if entry is None or (isinstance(act, nn.Module) and not fusable((), (act,))):
-        return None
-    return entry
-
-
-_DEFAULT_OPTS = (False, None)
-
-
-def _where(by_class: dict) -> str:
-    """'Cls at 'name' and 3 more, ...' for class -> module names."""
-    return ", ".join(
-        f"{cls} at {names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-        for cls, names in by_class.items()
+def unsupported(act) -> str:
+    what = (
+        type(act).__name__
+        if isinstance(act, nn.Module) or act is None
+        else getattr(act, "__qualname__", type(act).__name__)
+    )
+    ours = "; ".join(f"{a.name}: {', '.join(a.hf_names)}" for a in ACTIVATIONS)
+    return (
+        f"activation {what} is not one ffn_ext implements (ffn_ext's, with the transformers ACT2FN names "
+        f"that are the same function: {ours})"
     )
 
 
-class _Clamp(NamedTuple):
-    """The arguments of ffn_ext.swiglu_clamped(_packed) for a clamped _Gate, read from the module when it runs."""
+# ---------------------------------------------------------------- a module's gating
+@dataclass(frozen=True)
+class GateSpec:
+    """A gating one ffn_ext op computes, as recognised on a module: act(gate) * up with the activation at attribute
+    `act` (a table entry), or, with a `limit`, the clamped SwiGLU (clamp(up, -limit, limit) + up_offset) * g *
+    sigmoid(alpha * g), g = clamp(gate, max=limit) (ffn_ext.swiglu_clamped). The attributes are read at each call
+    (Gating); packed projections are split by `layout`."""
 
-    limit: float
-    alpha: float
-    up_offset: float
-    layout: str
+    act: str | None = "act_fn"  # the attribute holding the activation (clamped: must be SiLU); None: SiLU written out
+    limit: str | None = None  # the attribute holding the clamp limit; None: no clamp
+    alpha: str | float = 1.0  # the attribute holding alpha, or its value
+    up_offset: float = 0.0
+    layout: str = "concat"  # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
+
+
+class Gating(NamedTuple):
+    """A module's gating as ffn_ext's ops run it now: act(gate) * up with `act` a table activation's name, or `act`
+    "swiglu_clamped" with its `params` (limit, alpha, up_offset); `layout` splits one packed [..., 2I] input. (The
+    lead's ffn_ext.ops.Gating, once ffn_ext.mlp takes it, can stand in for it.)"""
+
+    act: str
+    layout: str = "concat"
+    params: dict | None = None
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """The op on (gate, up), or on one packed [..., 2I] tensor."""
+        if self.params is not None:
+            if up is None:
+                return _ops.swiglu_clamped_packed(gate, layout=self.layout, **self.params)
+            return _ops.swiglu_clamped(gate, up, **self.params)
+        return _ops.gated_packed(gate, self.act, layout=self.layout) if up is None else _ops.gated(gate, up, self.act)
 
 
 def _attr(module, name):
@@ -158,128 +136,90 @@ def _real(v: object) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
-def _gate_state(module, gate: _Gate):
-    """What ffn_ext's op needs to stand in for `module`'s gating now, else None (then its own code runs): the table
-    entry of its activation, which must run no hook (on it or global) and, clamped, be SiLU; or, clamped, the
-    _Clamp of its current limit (a number > 0) and alpha (a finite number)."""
-    entry = _SILU
-    if gate.act is not None:
-        act = _attr(module, gate.act)
-        entry = _table_activation(act)
-        if (
-            entry is None
-            or (gate.limit is not None and entry is not _SILU)
-            or (isinstance(act, nn.Module) and not fusable((), (act,)))
-        ):
-            return None
-    if gate.limit is None:
-        return entry
-    limit = getattr(module, gate.limit, None)
-    alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
-    if not (_real(limit) and limit > 0 and _real(alpha) and math.isfinite(alpha)):
-        return None
-    return _Clamp(float(limit), float(alpha), gate.up_offset, gate.layout)
-
-
-def _gate_problem(module, gate: _Gate) -> str | None:
-    """Why `module`'s gating (`gate`) cannot run on ffn_ext, or None (the patch-time form of _gate_state, which also
-    lets hooks on the activation pass: with them the module's own code runs, call by call)."""
-    if gate.act is not None:
-        act = _attr(module, gate.act)
-        entry = _table_activation(act)
+def resolve(module, spec: GateSpec, why: bool = False) -> Gating | str | None:
+    """The Gating ffn_ext's op runs for `module`'s gating now: its activation is one of the table's (SiLU where it
+    is clamped) and, clamped, its limit a number > 0 and alpha finite. Else None: then the module's own code runs;
+    with why=True (patch time) the reason instead, and an activation with hooks (on it or global) passes: with
+    them the module's own code runs, call by call."""
+    act = "silu"
+    if spec.act is not None:
+        module_act = _attr(module, spec.act)
+        entry = table_activation(module_act)
         if entry is None:
-            return _unsupported(act)
-        if gate.limit is not None and entry is not _SILU:
-            return f"clamped gating with activation {type(act).__name__} ({entry.name}): ffn_ext's clamped op is SiLU's"
-    if gate.limit is not None:
-        limit = getattr(module, gate.limit, None)
-        alpha = getattr(module, gate.alpha, None) if isinstance(gate.alpha, str) else gate.alpha
-        if not (_real(limit) and limit > 0):
-            return f"clamp limit {gate.limit} = {limit!r} is not a number > 0"
-        if not (_real(alpha) and math.isfinite(alpha)):
-            return f"{gate.alpha} = {alpha!r} is not a finite number"
-    return None
-
-
-def _fused_gate(state, gate_up, layout="concat"):
-    """gate_up [..., 2I] -> [..., I] by ffn_ext's op, reading gate_up in place (`layout`: the plain gating's; a
-    _Clamp carries its own)."""
-    if isinstance(state, _Clamp):
-        return _ops.swiglu_clamped_packed(
-            gate_up, limit=state.limit, alpha=state.alpha, up_offset=state.up_offset, layout=state.layout
-        )
-    return _ops.gated_packed(gate_up, state.name, layout=layout)
-
-
-def _bind(names: tuple, args: tuple, kwargs: dict):
-    """args and kwargs as a positional list over `names` (all of them, each once), else None."""
-    if len(args) + len(kwargs) != len(names) or len(args) > len(names):
-        return None
-    out = list(args)
-    for n in names[len(args) :]:
-        if n not in kwargs:
+            return unsupported(module_act) if why else None
+        if spec.limit is not None and entry is not _SILU:
+            name = type(module_act).__name__
+            return (
+                f"clamped gating with activation {name} ({entry.name}): ffn_ext's clamped op is SiLU's" if why else None
+            )
+        if not why and isinstance(module_act, nn.Module) and not fusable((), (module_act,)):
             return None
-        out.append(kwargs[n])
-    return out
+        act = entry.name
+    if spec.limit is None:
+        return Gating(act, spec.layout)
+    limit = getattr(module, spec.limit, None)
+    alpha = getattr(module, spec.alpha, None) if isinstance(spec.alpha, str) else spec.alpha
+    if not (_real(limit) and limit > 0):
+        return f"clamp limit {spec.limit} = {limit!r} is not a number > 0" if why else None
+    if not (_real(alpha) and math.isfinite(alpha)):
+        return f"{spec.alpha} = {alpha!r} is not a finite number" if why else None
+    params = dict(limit=float(limit), alpha=float(alpha), up_offset=spec.up_offset)
+    return Gating("swiglu_clamped", spec.layout, params)
 
 
-class _BoundForward:
-    """The patched forward, bound to its MLP like a method, but picklable: a types.MethodType pickles as
-    getattr(mlp, '_gated_forward') and so made torch.save(model) write checkpoints that torch.load could not read.
-    This pickles the module-level function by name and the MLP by reference.
-
-    A call with one tensor, positional or named `arg` (the original forward's parameter), runs the fused form with
-    the activation's table entry while the activation may be bypassed (_act_now) and the attributes the class's
-    code tested when it was recognised still hold (`guards`); every other call runs the original forward: `prev`,
-    the forward the instance had when patched (a wrapper such as accelerate's hook, which must run), else the
-    class's. `gate`: None for plain gatings, whose activation attribute is recorded on the module (_ACT); the
-    clamped MLPs' _Gate, whose _gate_state the fused form runs with. `names`: the projection attributes, passed on
-    to `func`."""
-
-    arg, prev, gate, names, guards = "x", None, None, (), ()  # class defaults: older pickles load
-
-    def __init__(self, module, func, arg, prev, gate=None, names=(), guards=()):
-        self.__self__, self.__func__, self.arg, self.prev, self.gate = module, func, arg, prev, gate
-        self.names, self.guards = names, guards
-
-    def __call__(self, *args, **kwargs):
-        mlp, prev = self.__self__, self.prev
-        if prev is not None:
-            return prev(*args, **kwargs)
-        if len(args) + len(kwargs) == 1 and _guards_hold(mlp, self.guards):
-            x = args[0] if args else kwargs.get(self.arg)
-            if isinstance(x, torch.Tensor):
-                state = _act_now(mlp) if self.gate is None else _gate_state(mlp, self.gate)
-                if state is not None:
-                    return self.__func__(mlp, x, state, *self.names)
-        return type(mlp).forward(mlp, *args, **kwargs)
-
-
-_MISSING = object()
-
-
-def _guards_hold(module, guards) -> bool:
+def guards_hold(module, guards) -> bool:
     """Whether the attributes the recognised code's `if` tests read still have the values they had."""
     for name, value in guards:
-        now = getattr(module, name, _MISSING)
+        now = getattr(module, name, MISSING)
         if now is not value and now != value:
             return False
     return True
 
 
-def _defining(cls, attr):
-    """The first class of cls's MRO that defines `attr`, or None."""
-    return next((c for c in cls.__mro__ if attr in vars(c)), None)
+# ---------------------------------------------------------------- projections
+# projection classes of transformers that compute x @ W.T + b as nn.Linear does (module, class name)
+_LINEARS = {("transformers.models.falcon.modeling_falcon", "FalconLinear")}
 
 
+def _conv1d(t) -> bool:
+    return t.__name__ == "Conv1D" and t.__module__ == "transformers.pytorch_utils"
+
+
+def linear_layout(*projections) -> str | None:
+    """ "linear" (nn.Linear, or a class of _LINEARS) or "conv1d" (transformers' Conv1D: weight [in, out]) when all the
+    projections are of that kind, exactly, and carry no hook or forward wrapper (ffn_ext.mlp.plain_mlp runs them);
+    else None (they run as modules)."""
+    kinds = set()
+    for m in projections:
+        t = type(m)
+        if t is nn.Linear or (t.__module__, t.__name__) in _LINEARS:
+            kinds.add("linear")
+        elif _conv1d(t):
+            kinds.add("conv1d")
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 and fusable((), projections) else None
+
+
+def features(m) -> tuple[int, int] | None:
+    """(in, out) features of a linear-like projection (nn.Linear and subclasses, LoRA-style wrappers with in_features,
+    Conv1D), else None."""
+    if isinstance(getattr(m, "in_features", None), int) and isinstance(getattr(m, "out_features", None), int):
+        return m.in_features, m.out_features
+    return (m.nx, m.nf) if _conv1d(type(m)) else None
+
+
+# ---------------------------------------------------------------- the self-check
 @contextlib.contextmanager
-def _eval_mode(module):
-    """The module and its submodules in eval mode (dropout off: the self-check compares deterministic results),
-    restored after."""
+def _checking(module):
+    """The self-check's setting, restored after: the module and its submodules in eval mode (dropout off: the results
+    are deterministic); autograd whatever the caller's mode, outside inference mode and with saved-tensor hooks of its
+    own, so that a caller's (activation offloading, a memory count) never see the check's tensors."""
     modes = [(m, m.training) for m in module.modules()]
     module.train(False)
     try:
-        yield
+        with torch.inference_mode(False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            yield
     finally:
         for m, mode in modes:
             m.training = mode
@@ -312,7 +252,7 @@ def _peaks(module, half: bool, numbers=()) -> list[float]:
     return [p for p in peaks if not half or p <= 300]  # fp16 / bf16: past that, the products overflow
 
 
-_AGREE, _DISAGREE, _UNKNOWN_CHECK = "agree", "disagree", "unknown"
+AGREE, DISAGREE, UNKNOWN = "agree", "disagree", "unknown"
 
 
 def _close(out, ref, tol) -> bool | None:
@@ -327,89 +267,80 @@ def _close(out, ref, tol) -> bool | None:
     return bool(((out - ref).abs() <= tol * scale).all())
 
 
-def _own_graph():
-    """The self-checks' autograd, whatever the caller's mode: outside inference mode, and with saved-tensor hooks of
-    its own, so that a caller's (activation offloading, a memory count) never see the check's tensors."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
-    return stack
-
-
-def _same(t):
-    return t
-
-
-def _check(module, func, act, names=(), own=None, width=None, first=None, numbers=()) -> str:
-    """The self-check: runs `func` (the fused forward, with table activation or _Clamp `act` and projection names
-    `names`) and the module's own code (`own`, default its class's forward) on the same random rows, in the module's
-    device and dtype, over every regime: the rows scaled so that the first projection (`first`, default names[0])
-    peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable
-    parameters, backward too (the input's and the parameters' gradients, by autograd.grad: nothing accumulates into
-    .grad). Returns "agree", "disagree" (a
-    finite difference at any regime, or the module's own code fails on plain rows) or "unknown": not run (parameters
-    on meta or not plain floating nn.Parameters of one dtype and device, non-plain Linears, hooks or forward
-    wrappers) or no regime gave a finite result. Eval mode (dropout off), the modes restored after; a private
-    generator: the global RNG is untouched."""
-    params, subs = list(module.parameters()), tuple(module.modules())[1:]
-    if not params or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
-        return _UNKNOWN_CHECK
+def _setting(module, first):
+    """(dtype, device, rows, width) of the check's input, or None where it cannot run: `first`'s input for an MLP
+    (parameters plain floating nn.Parameters of one dtype and device, not on meta; Linears and submodules without
+    hooks or forward wrappers), an [8, 64] projection on the CPU in the module's dtype for a gating (first None: it
+    has no parameters of its own)."""
+    params = list(module.parameters())
+    if first is None:
+        p = params[0] if params else None
+        return (p.dtype if p is not None and p.is_floating_point() else torch.float32), torch.device("cpu"), 8, 64
+    subs = tuple(module.modules())[1:]
+    width = features(first)
+    if not params or width is None or not fusable(tuple(m for m in subs if isinstance(m, nn.Linear)), subs):
+        return None
     w = params[0]
     if not w.is_floating_point() or any(
         type(p) is not nn.Parameter or p.is_meta or p.dtype != w.dtype or p.device != w.device for p in params
     ):
-        return _UNKNOWN_CHECK
-    mods = module._modules
-    own = own or type(module).forward
-    first = first if isinstance(first, nn.Module) else mods[first or names[0]]
-    half = w.element_size() <= 2
+        return None
+    return w.dtype, w.device, 4, width[0]
+
+
+def self_check(module, fused, own, first, numbers=()) -> str:
+    """The self-check: runs `fused` (x -> the fused form's output) and the module's own code (`own`: its class's
+    function, own(module, x)) on the same random rows, in the module's device and dtype (_setting), over every
+    regime: the rows scaled so that the first projection (`first`; None: the input itself, a gating's projection)
+    peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable
+    parameters, backward too (the input's and the parameters' gradients, by autograd.grad: nothing accumulates into
+    .grad). Returns AGREE, DISAGREE (a finite difference at any regime, or the module's own code fails on plain
+    rows) or UNKNOWN: not run (_setting) or no regime gave a finite result. In eval mode (_checking); a private
+    generator: the global RNG is untouched."""
+    setting = _setting(module, first)
+    if setting is None:
+        return UNKNOWN
+    dtype, device, rows, width = setting
+    scale = first or (lambda t: t)
+    half = dtype.itemsize <= 2
     tol = 3e-2 if half else 1e-4  # half types: ffn_ext rounds h once, ATen twice
     gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn(4, width or first.in_features, generator=gen, device="cpu").to(w.device, w.dtype)
-    trains = any(p.requires_grad for p in params)
+    x0 = torch.randn(rows, width, generator=gen, device="cpu").to(device, dtype)
+    params = [p for p in module.parameters() if p.requires_grad] if first is not None else []
+    trains = first is None or bool(params)
     seen = False
-    with _eval_mode(module), _own_graph():
+    with _checking(module):
         with torch.no_grad():
             try:
-                base = float(first(x0).abs().max())
+                base = float(scale(x0).abs().max())
                 own(module, x0)
             except Exception:
                 try:  # a forward that wants [batch, seq, hidden] (MoshiGatingMLP) gets the rows as one sequence
                     x0 = x0.unsqueeze(0)
-                    base = float(first(x0).abs().max())
+                    base = float(scale(x0).abs().max())
                     own(module, x0)
                 except Exception:
-                    return _DISAGREE  # its own code fails on plain rows: not the form the fused forward computes
+                    return DISAGREE  # its own code fails on plain rows: not the form the fused forward computes
         if not (math.isfinite(base) and base > 0):
-            return _UNKNOWN_CHECK
+            return UNKNOWN
         peaks = _peaks(module, half, numbers)
         for peak in peaks:
-            x = (x0.float() * (peak / base)).to(w.dtype)
+            x = (x0.float() * (peak / base)).to(dtype)
             with torch.no_grad():
-                same = _close(func(module, x, act, *names), own(module, x), tol)
+                same = _close(fused(x), own(module, x), tol)
             if same is False:
-                return _DISAGREE
+                return DISAGREE
             if same is None:
                 continue
             seen = True
             if trains and peak in (4.0, peaks[-1]):
                 x = x.detach().requires_grad_()
-                wrt = [x] + [p for p in params if p.requires_grad]
                 with torch.enable_grad():
-                    ref = own(module, x)
-                    out = func(module, x, act, *names)
+                    ref, out = own(module, x), fused(x)
                     g = torch.randn(ref.shape, generator=gen, device="cpu").to(ref.device, ref.dtype)
-                    gref = torch.autograd.grad(ref, wrt, g, allow_unused=True)
-                    gout = torch.autograd.grad(out, wrt, g, allow_unused=True)
+                    gref = torch.autograd.grad(ref, [x, *params], g, allow_unused=True)
+                    gout = torch.autograd.grad(out, [x, *params], g, allow_unused=True)
                 for a, b in zip(gout, gref):
                     if (a is None) != (b is None) or (a is not None and _close(a, b, 10 * tol) is False):
-                        return _DISAGREE
-    return _AGREE if seen else _UNKNOWN_CHECK
-
-
-def _input_name(forward) -> str:
-    """The name of the first parameter of a bound forward ('x' when there is none to name)."""
-    try:
-        return next(iter(inspect.signature(forward).parameters), "x")
-    except (TypeError, ValueError):
-        return "x"
+                        return DISAGREE
+    return AGREE if seen else UNKNOWN

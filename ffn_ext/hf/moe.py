@@ -21,26 +21,22 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import common as _common
-from . import experts as _experts
+from . import forms
+from .common import Gating, guards_hold
 
 _RECOGNISED = "_ffn_ext_experts_gate"  # the instance's recognised and checked gating, once (guards: every call)
 
 
-def _gating(module):
-    """A function gate_up [S, 2I] -> [S, I] computing `module`'s gating by ffn_ext's op (common._fused_gate, read
-    in place), or None when its gating is not one ffn_ext computes (recognised from the class's _apply_gate and
-    self-checked, as patch_model does: experts.experts_plan)."""
+def _gating(module) -> Gating | None:
+    """`module`'s gating by ffn_ext's op (gate_up [S, 2I] -> [S, I], read in place), or None when it is not one
+    ffn_ext computes: recognised from the class's _apply_gate and self-checked as patch_model does (forms.plan with
+    the experts' form)."""
     found = module.__dict__.get(_RECOGNISED)
     if found is None:
-        found = module.__dict__[_RECOGNISED] = _experts.experts_plan(module)
-    if isinstance(found, str) or not _common._guards_hold(module, found[1]):
+        found = module.__dict__[_RECOGNISED] = forms.plan(module, forms=(forms.EXPERTS,)) or "not gated experts"
+    if isinstance(found, str) or not guards_hold(module, found[1].guards):
         return None
-    gate = found[0]
-    state = _common._gate_state(module, gate)
-    if state is None:
-        return None
-    return lambda gate_up: _common._fused_gate(state, gate_up, gate.layout)
+    return forms.EXPERTS.gating(module, found[1])
 
 
 IMPLEMENTATION = "ffn_ext"

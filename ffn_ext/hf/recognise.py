@@ -1,67 +1,146 @@
-"""Which form a module computes, read from its code: the class's forward (or an experts class's _apply_gate, a BERT
-layer's feed_forward_chunk) is parsed with ast and run symbolically on the module instance, then the value it returns
-is matched to a form ffn_ext computes. No class name is consulted, so a class a transformers release adds is
-recognised, and one it changes is read again from its new code.
+"""What a module's code computes: a method (forward, an experts class's _apply_gate, a BERT layer's
+feed_forward_chunk) is parsed with ast and run symbolically on the module instance; the value it returns is a tree
+of the typed values below, which the forms (forms.py) match. No class name is consulted, so a class a transformers
+release adds is recognised, and one it changes is read again from its new code.
 
 The interpreter takes straight-line code: assignments (tuple unpacking included), calls of the module's own
 attributes, the tensor methods and torch functions a gating uses (chunk, clamp, sigmoid, the table's activations by
 torch's name), + - * and unary minus, the two halves of a packed projection ([gate | up] by chunk, interleaved by
 [..., ::2]), and `if` statements whose test reads only the module's attributes (`if self.limit is not None:`): the
 test is decided on the instance, and the attributes it read are kept as guards that the patched code checks on
-every call. Anything else (loops, other calls, other methods, dtype casts) makes the code unrecognised: the module
-runs as it is."""
+every call. Anything else (loops, other calls, other methods, dtype casts) raises NotAForm inside, and evaluate()
+says None: the module runs as it is. Any other exception is a bug of the interpreter and propagates."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import operator
+import re
 import textwrap
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from .common import _MISSING, _Gate
-
-
-class _Unknown(Exception):
-    """The code leaves the subset the interpreter reads."""
+from .common import MISSING, GateSpec
 
 
-class Form(NamedTuple):
-    """What a piece of module code computes. kind: "gated" (down(g(act(gate(x))), up(x)): names (gate, up, down)),
-    "packed" (out(g(h)) with h = proj(x): names (proj, out)), "classic" (fc2(act(fc1(x))), then `drop`: names
-    (fc1, fc2, drop)), "pair" (a BERT-style layer: output(intermediate(x), x)), "gate" (an experts _apply_gate on the
-    [S, 2I] projection). gate: the gating g, a _Gate whose act is the activation's attribute; guards: (attribute,
-    value) pairs the code's `if` tests read, which must still hold when the patched code runs."""
-
-    kind: str
-    names: tuple = ()
-    gate: _Gate | None = None
-    guards: tuple = ()
+class NotAForm(Exception):
+    """The code leaves the subset the interpreter reads: the expected "not recognised"."""
 
 
-class Named(NamedTuple):
+@dataclass(frozen=True)
+class Named:
     """Code of a recognised shape that no ffn_ext op computes, with why."""
 
     reason: str
 
 
-_CLAMPS_AFTER = (
-    "gatings that clamp the activation's output, clamp(act(gate), max=limit) * clamp(up, -limit, limit) "
-    "(Step-3.7, Bailing-Hybrid with a limit): ffn_ext's clamped SwiGLU clamps the gate before the activation, "
-    "and no ffn_ext op clamps after it"
-)
-_UP_FIRST = (
-    "packed gatings whose projection gives the up half first, h[..., :I] * act(h[..., I:]) (Moonshine's decoder "
-    "MLPs): ffn_ext's packed ops take the gate half first"
-)
-_DROPOUT_BETWEEN = (
-    "packed gated MLPs with a dropout between the gating and the projection back (ModernBERT): ffn_ext's fused MLP "
-    "has no dropout there"
-)
+# ---------------------------------------------------------------- the values
+class Value:
+    """A symbolic value of the code (frozen dataclasses: equal when they compute the same thing)."""
+
+
+@dataclass(frozen=True)
+class In(Value):
+    index: int  # the method's input after self
+
+
+@dataclass(frozen=True)
+class Attr(Value):
+    name: str  # self.<name>
+
+
+@dataclass(frozen=True)
+class Const(Value):
+    value: float | None
+
+
+@dataclass(frozen=True)
+class Call(Value):
+    attr: str  # self.<attr>(*args)
+    args: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Tup(Value):
+    items: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Half(Value):
+    of: Value
+    index: int  # 0: the first half, 1: the second
+    interleaved: bool = False  # of[..., index::2]
+
+
+@dataclass(frozen=True)
+class Mul(Value):
+    factors: tuple[Value, ...]  # flattened, in a canonical order: a * b * c in any grouping
+
+
+@dataclass(frozen=True)
+class Add(Value):
+    terms: tuple[Value, ...]  # in a canonical order
+
+
+@dataclass(frozen=True)
+class Clamp(Value):
+    of: Value
+    lo: Value
+    hi: Value
+
+
+@dataclass(frozen=True)
+class Dropout(Value):
+    of: Value
+    p: str  # F.dropout(of, p=self.<p>, training=self.training)
+
+
+@dataclass(frozen=True)
+class Fn(Value):
+    name: str  # "neg", "sigmoid", "chunk" (of.chunk(2, dim=-1), not yet unpacked), or a table activation by torch's
+    of: Value  # function name: F.silu, F.gelu(approximate=...), F.relu
+
+
+NONE = Const(None)
+
+
+def _canonical(items) -> tuple:
+    return tuple(sorted(items, key=repr))
+
+
+def _mul(*factors: Value) -> Mul:
+    flat: list[Value] = []
+    for f in factors:
+        flat.extend(f.factors if isinstance(f, Mul) else (f,))
+    return Mul(_canonical(flat))
+
+
+def _number(v: Value) -> float | None:
+    """The number a literal is, else None."""
+    return v.value if isinstance(v, Const) else None
+
+
+def _add(a: Value, b: Value) -> Value:
+    na, nb = _number(a), _number(b)
+    if na is not None and nb is not None:
+        return Const(na + nb)
+    return Add(_canonical((a, b)))
+
+
+def _neg(a: Value) -> Value:
+    if isinstance(a, Const):
+        if a.value is None:
+            raise NotAForm
+        return Const(-a.value)
+    return Fn("neg", a)
+
 
 # torch functions by their dotted names as written in transformers' code: "F." and "nn.functional." are torch's
-_ACT_FUNCTIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu"}
+_ACT_FUNCTIONS = {"silu", "gelu", "relu"}
+_GELU_MODES = {"none": "gelu", "tanh": "gelu_tanh"}
 _NAMESPACES = ("torch.nn.functional.", "nn.functional.", "F.", "torch.")
+_TESTS = {ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.Eq: operator.eq, ast.NotEq: operator.ne}
 
 
 def _function_name(node: ast.expr) -> str | None:
@@ -73,42 +152,29 @@ def _function_name(node: ast.expr) -> str | None:
     return None
 
 
-def _mul(*factors):
-    """A product as the multiset of its factors (flattened, in a canonical order): a * b * c in any grouping."""
-    flat = []
-    for f in factors:
-        flat.extend(f[1] if f[0] == "mul" else (f,))
-    return ("mul", tuple(sorted(flat, key=repr)))
-
-
-def _add(a, b):
-    if a[0] == "const" and b[0] == "const":
-        return ("const", a[1] + b[1])
-    return ("add", tuple(sorted((a, b), key=repr)))
-
-
-def _neg(a):
-    return ("const", -a[1]) if a[0] == "const" else ("neg", a)
+def _self_attr(node) -> str | None:
+    """'a' for self.a, else None."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
 
 
 class _Interp:
-    """Runs a function's body symbolically: values are tuples ("in", i) for the i-th parameter after self, ("self",
-    attr) for an attribute of the module, ("call", attr, args) for a call of one, and the operations above."""
+    """Runs a function's body symbolically on `module`: its parameters after self are In(0), In(1), ..."""
 
-    def __init__(self, module, params):
-        self.module, self.guards = module, {}
-        self.env: dict[str, Any] = {p: ("in", i) for i, p in enumerate(params)}
+    def __init__(self, module, params) -> None:
+        self.module = module
+        self.guards: dict[str, object] = {}  # attribute -> the value an `if` test read of it
+        self.env: dict[str, Value] = {p: In(i) for i, p in enumerate(params)}
 
     # -- statements
-    def run(self, body):
+    def run(self, body) -> Value | None:
         for st in body:
-            if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
+            if isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
                 continue  # a docstring
-            if isinstance(st, ast.Pass):
-                continue
             if isinstance(st, ast.Return):
                 if st.value is None:
-                    raise _Unknown
+                    raise NotAForm
                 return self.expr(st.value)
             if isinstance(st, ast.Assign):
                 value = self.expr(st.value)
@@ -123,25 +189,25 @@ class _Interp:
                 if out is not None:
                     return out
             else:
-                raise _Unknown
+                raise NotAForm
         return None
 
-    def assign(self, target, value):
+    def assign(self, target, value: Value) -> None:
         if isinstance(target, ast.Name):
             self.env[target.id] = value
         elif isinstance(target, ast.Tuple) and not any(isinstance(e, ast.Starred) for e in target.elts):
-            items = self.items(value, len(target.elts))
-            for t, v in zip(target.elts, items):
+            for t, v in zip(target.elts, self.items(value, len(target.elts))):
                 self.assign(t, v)
         else:
-            raise _Unknown
+            raise NotAForm
 
-    def items(self, value, n):
-        if value[0] == "tuple" and len(value[1]) == n:
-            return value[1]
-        if value[0] == "chunk" and n == 2:
-            return (("half", value[1], 0), ("half", value[1], 1))
-        raise _Unknown
+    @staticmethod
+    def items(value: Value, n: int) -> tuple[Value, ...]:
+        if isinstance(value, Tup) and len(value.items) == n:
+            return value.items
+        if isinstance(value, Fn) and value.name == "chunk" and n == 2:
+            return Half(value.of, 0), Half(value.of, 1)
+        raise NotAForm
 
     # -- `if` tests, decided on the instance
     def test(self, node) -> bool:
@@ -150,48 +216,48 @@ class _Interp:
         if isinstance(node, ast.BoolOp):
             values = (self.test(v) for v in node.values)
             return all(values) if isinstance(node.op, ast.And) else any(values)
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            left, right = self.attr_value(node.left), self.constant(node.comparators[0])
-            ops = {ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.Eq: operator.eq, ast.NotEq: operator.ne}
-            op = ops.get(type(node.ops[0]))
-            if op is None:
-                raise _Unknown
-            return bool(op(left, right))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _TESTS:
+            return bool(_TESTS[type(node.ops[0])](self.attr_value(node.left), self.constant(node.comparators[0])))
         return bool(self.attr_value(node))
 
     def attr_value(self, node):
-        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
-            raise _Unknown
-        value = getattr(self.module, node.attr, _MISSING)
-        if value is _MISSING or not isinstance(value, (bool, int, float, str, type(None))):
-            raise _Unknown
-        self.guards[node.attr] = value
+        name = _self_attr(node)
+        if name is None:
+            raise NotAForm
+        value = getattr(self.module, name, MISSING)
+        if value is MISSING or not isinstance(value, (bool, int, float, str, type(None))):
+            raise NotAForm
+        self.guards[name] = value
         return value
 
     @staticmethod
     def constant(node):
-        if isinstance(node, ast.Constant):
+        """A literal: a number, None, a string, or a negative number."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, type(None))):
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
-            return -node.operand.value
-        raise _Unknown
+            if isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
+                return -node.operand.value
+        raise NotAForm
 
     # -- expressions
-    def expr(self, node):
+    def expr(self, node) -> Value:
         if isinstance(node, ast.Name):
             if node.id not in self.env:
-                raise _Unknown
+                raise NotAForm
             return self.env[node.id]
         if isinstance(node, ast.Constant):
-            if isinstance(node.value, (int, float)) and not isinstance(node.value, bool) or node.value is None:
-                return ("const", node.value)
-            raise _Unknown
+            v = node.value
+            if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                return Const(v)
+            raise NotAForm
         if isinstance(node, ast.Attribute):
-            if isinstance(node.value, ast.Name) and node.value.id == "self":
-                return ("self", node.attr)
-            raise _Unknown
+            name = _self_attr(node)
+            if name is None:
+                raise NotAForm
+            return Attr(name)
         if isinstance(node, ast.Tuple):
-            return ("tuple", tuple(self.expr(e) for e in node.elts))
+            return Tup(tuple(self.expr(e) for e in node.elts))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return _neg(self.expr(node.operand))
         if isinstance(node, ast.BinOp):
@@ -200,21 +266,22 @@ class _Interp:
             return self.subscript(self.expr(node.value), node.slice)
         if isinstance(node, ast.Call):
             return self.call(node)
-        raise _Unknown
+        raise NotAForm
 
     @staticmethod
-    def binop(op, a, b):
+    def binop(op, a: Value, b: Value) -> Value:
         if isinstance(op, ast.Mult):
             return _mul(a, b)
         if isinstance(op, ast.Add):
             return _add(a, b)
         if isinstance(op, ast.Sub):
             return _add(a, _neg(b))
-        raise _Unknown
+        raise NotAForm
 
-    def subscript(self, value, index):
-        if isinstance(index, ast.Constant) and isinstance(index.value, int) and index.value in (0, 1):
-            return self.items(value, 2)[index.value]
+    def subscript(self, value: Value, index) -> Value:
+        i = index.value if isinstance(index, ast.Constant) else None
+        if type(i) is int and i in (0, 1):
+            return self.items(value, 2)[i]
         if isinstance(index, ast.Tuple) and len(index.elts) == 2:  # t[..., ::2], t[..., 1::2]
             dots, s = index.elts
             if (
@@ -226,64 +293,64 @@ class _Interp:
                 lower = self.constant(s.lower) if s.lower is not None else 0
                 step = self.constant(s.step) if s.step is not None else None
                 if step == 2 and lower in (0, 1):
-                    return ("ihalf", value, lower)
-        raise _Unknown
+                    return Half(value, lower, interleaved=True)
+        raise NotAForm
 
-    def call(self, node: ast.Call):
+    def call(self, node: ast.Call) -> Value:
         func = node.func
         kw = {k.arg: k.value for k in node.keywords}
-        if None in kw:
-            raise _Unknown
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            if kw or any(isinstance(a, ast.Starred) for a in node.args):
-                raise _Unknown
-            return ("call", func.attr, tuple(self.expr(a) for a in node.args))
+        if None in kw or any(isinstance(a, ast.Starred) for a in node.args):
+            raise NotAForm
+        attr = _self_attr(func)
+        if attr is not None:
+            if kw:
+                raise NotAForm
+            return Call(attr, tuple(self.expr(a) for a in node.args))
         name = _function_name(func)
-        if name is not None and not (isinstance(func, ast.Attribute) and self.is_value(func.value)):
-            args = [self.expr(a) for a in node.args]
-            return self.function(name, args, kw)
+        if name is not None and not (isinstance(func, ast.Attribute) and self.is_local(func.value)):
+            return self.function(name, [self.expr(a) for a in node.args], kw)
         if isinstance(func, ast.Attribute):  # a tensor method
-            args = [self.expr(func.value)] + [self.expr(a) for a in node.args]
-            return self.function(func.attr, args, kw)
-        raise _Unknown
+            return self.function(func.attr, [self.expr(func.value)] + [self.expr(a) for a in node.args], kw)
+        raise NotAForm
 
-    def is_value(self, node) -> bool:
+    def is_local(self, node) -> bool:
         """Whether `node` is a local variable (x.silu() is a method call, F.silu(x) a function)."""
         return isinstance(node, ast.Name) and node.id in self.env
 
-    def function(self, name, args, kw):
-        def arg(i, key, default=("const", None)):  # the i-th positional argument or the keyword `key`
+    def function(self, name: str, args: list, kw: dict) -> Value:
+        def arg(i, key, default=NONE):  # the i-th positional argument or the keyword `key`
             return args[i] if len(args) > i else self.expr(kw.pop(key)) if key in kw else default
 
+        if not args:
+            raise NotAForm
         if name == "chunk":  # t.chunk(2, dim=-1), torch.chunk(t, 2, -1)
-            chunks, dim = arg(1, "chunks"), arg(2, "dim", ("const", 0))
-            if chunks != ("const", 2) or dim != ("const", -1) or kw or len(args) > 3:
-                raise _Unknown
-            return ("chunk", args[0])
+            chunks, dim = arg(1, "chunks"), arg(2, "dim", Const(0))
+            if chunks != Const(2) or dim != Const(-1) or kw or len(args) > 3:
+                raise NotAForm
+            return Fn("chunk", args[0])
         if name == "clamp":
             lo, hi = arg(1, "min"), arg(2, "max")
             if kw or len(args) > 3:
-                raise _Unknown
-            return ("clamp", args[0], lo, hi)
+                raise NotAForm
+            return Clamp(args[0], lo, hi)
         if name == "dropout" and len(args) == 1 and set(kw) == {"p", "training"}:
             p, training = self.expr(kw["p"]), self.expr(kw["training"])
-            if p[0] != "self" or training != ("self", "training"):
-                raise _Unknown
-            return ("dropout", args[0], p[1])
+            if not isinstance(p, Attr) or training != Attr("training"):
+                raise NotAForm
+            return Dropout(args[0], p.name)
         if name == "sigmoid" and len(args) == 1 and not kw:
-            return ("sigmoid", args[0])
+            return Fn("sigmoid", args[0])
         if name in _ACT_FUNCTIONS and len(args) == 1:
             approximate = kw.pop("approximate", None)
             if kw:
-                raise _Unknown
-            entry = _ACT_FUNCTIONS[name]
-            if approximate is not None:
-                mode = self.constant(approximate)
-                entry = {"none": "gelu", "tanh": "gelu_tanh"}.get(mode) if name == "gelu" else None
-                if entry is None:
-                    raise _Unknown
-            return ("act", entry, args[0])
-        raise _Unknown
+                raise NotAForm
+            if approximate is None:
+                return Fn(name, args[0])
+            entry = _GELU_MODES.get(self.constant(approximate)) if name == "gelu" else None
+            if entry is None:
+                raise NotAForm
+            return Fn(entry, args[0])
+        raise NotAForm
 
 
 def _source(fn) -> ast.FunctionDef | None:
@@ -295,7 +362,7 @@ def _source(fn) -> ast.FunctionDef | None:
     if code not in _PARSED:
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        except (OSError, TypeError, SyntaxError, IndentationError):
+        except (OSError, TypeError, SyntaxError):
             tree = None
         node = tree.body[0] if tree is not None and tree.body else None
         _PARSED[code] = node if isinstance(node, ast.FunctionDef) else None
@@ -305,9 +372,17 @@ def _source(fn) -> ast.FunctionDef | None:
 _PARSED: dict = {}  # code object -> its FunctionDef (or None), parsed once per function
 
 
-def evaluate(module, fn, n_inputs: int):
-    """(the value fn(module, inputs...) returns, as the interpreter's tuple; the guards) or None when the code is
-    not of the subset the interpreter reads, or does not take exactly `n_inputs` inputs after self."""
+class Read(NamedTuple):
+    """What a method returns, read from its code on an instance, and the (attribute, value) guards its `if` tests
+    read."""
+
+    value: Value
+    guards: tuple
+
+
+def evaluate(module, fn, n_inputs: int) -> Read | None:
+    """fn(module, <n_inputs inputs>) read symbolically, or None when its code is not of the subset the interpreter
+    reads or does not take exactly `n_inputs` inputs after self."""
     node = _source(fn)
     if node is None or node.decorator_list:
         return None
@@ -318,180 +393,17 @@ def evaluate(module, fn, n_inputs: int):
     interp = _Interp(module, params[1:])
     try:
         value = interp.run(node.body)
-    except (_Unknown, KeyError, TypeError, AttributeError):
+    except NotAForm:
         return None
-    if value is None:
+    return None if value is None else Read(value, tuple(interp.guards.items()))
+
+
+def calls(fn, method: str) -> bool | None:
+    """Whether fn's code calls <its first parameter>.<method>(...) anywhere; None where its source cannot be read."""
+    node = _source(fn)
+    if node is None or not (params := node.args.posonlyargs + node.args.args):
         return None
-    return value, tuple(interp.guards.items())
-
-
-# ---------------------------------------------------------------- matching values to forms
-def _act_of(v):
-    """(the activation's attribute, its argument) for self.act(arg); (None, arg) for F.silu(arg), SiLU written out
-    (a _Gate's act=None); else None."""
-    if v[0] == "call" and len(v[2]) == 1:
-        return v[1], v[2][0]
-    if v[0] == "act" and v[1] == "silu":
-        return None, v[2]
-    return None
-
-
-def _clamped_max(v):
-    """The limit's attribute L for clamp(t, max=self.L) (no lower bound), else None."""
-    return v[3][1] if v[0] == "clamp" and v[2] == ("const", None) and v[3][0] == "self" else None
-
-
-def _clamped_to(v, lim) -> bool:
-    """Whether v is clamp(t, -self.lim, self.lim)."""
-    return v[0] == "clamp" and v[2] == ("neg", ("self", lim)) and v[3] == ("self", lim)
-
-
-def gating(v):
-    """(_Gate-like dict, gate operand, up operand) for a value that is one gating ffn_ext computes, or Named for
-    one of the shapes it names, else None. The operands are returned for the caller to check (the halves of one
-    projection, or two projections of x)."""
-    if v[0] != "mul":
-        return None
-    factors = v[1]
-    if len(factors) == 2:
-        for a, b in (factors, factors[::-1]):
-            act = _act_of(a)
-            if act is not None and act[1][0] != "clamp":  # act(gate) * up
-                return dict(act=act[0]), act[1], b
-            lim = _clamped_max(a)
-            if lim and _act_of(a[1]) and _clamped_to(b, lim):  # clamp(act(gate), max=L) * clamp(up, -L, L)
-                return Named(_CLAMPS_AFTER), _act_of(a[1])[1], b[1]
-            lim = act and _clamped_max(act[1])
-            if lim and _clamped_to(b, lim):  # act(clamp(gate, max=L)) * clamp(up, -L, L): DeepSeek-V4, GLM-5-Next
-                return dict(act=act[0], limit=lim), act[1][1], b[1]
-    # (clamp(up, -L, L) + c) * g * sigmoid(g * alpha), g = clamp(gate, max=L): GPT-OSS
-    if len(factors) == 3:
-        sig = [f for f in factors if f[0] == "sigmoid"]
-        off = [f for f in factors if f[0] == "add"]
-        clamps = [f for f in factors if f[0] == "clamp"]
-        if len(sig) == 1 and len(off) == 1 and len(clamps) == 1:
-            g, inner, terms = clamps[0], sig[0][1], off[0][1]
-            lim = _clamped_max(g)
-            const = [t for t in terms if t[0] == "const"]
-            ups = [t for t in terms if t[0] == "clamp"]
-            if lim and inner[0] == "mul" and len(inner[1]) == 2 and g in inner[1] and len(const) == len(ups) == 1:
-                alpha = next(f for f in inner[1] if f != g) if inner[1][0] != inner[1][1] else None
-                alpha_ok = alpha is not None and (alpha[0] == "self" or (alpha[0] == "const" and alpha[1] is not None))
-                if alpha_ok and _clamped_to(ups[0], lim):
-                    return dict(act=None, limit=lim, alpha=alpha[1], up_offset=float(const[0][1])), g[1], ups[0][1]
-    return None
-
-
-def _halves(gate, up, of):
-    """The layout when gate and up are the two halves of the value `of` ([gate | up] or interleaved), gate first;
-    Named when up comes first; else None."""
-    if gate[0] == up[0] and gate[0] in ("half", "ihalf") and gate[1] == up[1] == of:
-        if (gate[2], up[2]) == (0, 1):
-            return "concat" if gate[0] == "half" else "interleaved"
-        return Named(_UP_FIRST)
-    return None
-
-
-def _gate(spec: dict, layout: str = "concat") -> _Gate:
-    return _Gate(**spec, layout=layout)
-
-
-def _proj(v, x):
-    """The attribute of a projection self.a(x), else None."""
-    return v[1] if v[0] == "call" and v[2] == (x,) else None
-
-
-def mlp_form(module):
-    """The Form (or Named) of the module's forward(x), else None: gated, packed or classic."""
-    found = evaluate(module, type(module).forward, 1)
-    if found is None:
-        return None
-    v, guards = found
-    x = ("in", 0)
-    drop = ""
-    if v[0] == "dropout":  # F.dropout(y, p=self.p, training=self.training) after the projection back
-        v, drop = v[1], f"p:{v[2]}"
-    if not (v[0] == "call" and len(v[2]) == 1):
-        return None
-    out, inner = v[1], v[2][0]
-    g = gating(inner)
-    if g is not None:
-        spec, gate, up = g
-        if drop:  # a dropout after the gated MLP: ffn_ext's gated forwards have none
-            return None
-        if not isinstance(spec, Named) and spec.get("act", "") is None and "limit" not in spec:
-            return None  # F.silu written out in a plain MLP: the patched forward reads its activation attribute
-        if isinstance(spec, Named):
-            return spec
-        gp, upp = _proj(gate, x), _proj(up, x)
-        if gp and upp and gp != upp:
-            return Form("gated", (gp, upp, out), _gate(spec), guards)
-        source = _packed_source(gate)
-        layout = _halves(gate, up, source)
-        if isinstance(layout, Named):
-            return layout
-        if layout is not None and _proj(source, x):
-            return Form("packed", (_proj(source, x), out), _gate(spec, layout), guards)
-        return None
-    act = _act_of(inner)
-    if act and act[0] and _proj(act[1], x):  # out(act(fc1(x)))
-        return Form("classic", (_proj(act[1], x), out, drop), _Gate(act=act[0]), guards)
-    if inner[0] == "call" and len(inner[2]) == 1:
-        between = gating(inner[2][0])
-        if between is not None and not isinstance(between[0], Named):
-            if _halves(between[1], between[2], _packed_source(between[1])) == "concat":
-                return Named(_DROPOUT_BETWEEN)  # out(drop(gating(proj(x))))
-        act = _act_of(inner[2][0])
-        if act and act[0] and _proj(act[1], x) and not drop:  # drop(fc2(act(fc1(x)))): `out` is the dropout
-            return Form("classic", (_proj(act[1], x), inner[1], out), _Gate(act=act[0]), guards)
-    return None
-
-
-def _packed_source(v):
-    return v[1] if v[0] in ("half", "ihalf") else None
-
-
-def gate_form(module):
-    """The Form (kind "gate") or Named of an experts class's _apply_gate(gate_up), else None."""
-    fn = getattr(type(module), "_apply_gate", None)
-    if not callable(fn):
-        return None
-    found = evaluate(module, fn, 1)
-    if found is None:
-        return None
-    v, guards = found
-    g = gating(v)
-    if g is None:
-        return None
-    spec, gate, up = g
-    if isinstance(spec, Named):
-        return spec
-    layout = _halves(gate, up, ("in", 0))
-    if layout is None or isinstance(layout, Named):
-        return layout
-    return Form("gate", (), _gate(spec, layout), guards)
-
-
-def pair_form(layer):
-    """Form "pair" for a BERT-style layer whose feed_forward_chunk(x) is output(intermediate(x), x), with
-    intermediate.forward(x) = act(dense(x)) and output.forward(h, x) = LayerNorm(dropout(dense(h)) + x); the
-    activation attribute is the intermediate's. Else None."""
-    fn = getattr(type(layer), "feed_forward_chunk", None)
-    inter, out = layer._modules.get("intermediate"), layer._modules.get("output")
-    if not callable(fn) or inter is None or out is None:
-        return None
-    found = evaluate(layer, fn, 1)
-    if found is None or found[0] != ("call", "output", (("call", "intermediate", (("in", 0),)), ("in", 0))):
-        return None
-    i = evaluate(inter, type(inter).forward, 1)
-    act = _act_of(i[0]) if i is not None else None
-    if act is None or _proj(act[1], ("in", 0)) != "dense":
-        return None
-    o = evaluate(out, type(out).forward, 2)
-    want = ("call", "LayerNorm", (_add(("call", "dropout", (("call", "dense", (("in", 0),)),)), ("in", 1)),))
-    if o is None or o[0] != want:
-        return None
-    return Form("pair", (), _Gate(act=act[0]), found[1] + i[1] + o[1])
+    return re.search(rf"(?<![\w.]){params[0].arg}\.{method}\(", ast.unparse(node)) is not None
 
 
 def numbers_in(fn) -> list[float]:
@@ -502,3 +414,99 @@ def numbers_in(fn) -> list[float]:
     values = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
     found = {float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return sorted(v for v in found if 0 < v <= 1e4)
+
+
+# ---------------------------------------------------------------- gatings: what the gated forms share
+CLAMPS_AFTER = (
+    "gatings that clamp the activation's output, clamp(act(gate), max=limit) * clamp(up, -limit, limit) "
+    "(Step-3.7, Bailing-Hybrid with a limit): ffn_ext's clamped SwiGLU clamps the gate before the activation, "
+    "and no ffn_ext op clamps after it"
+)
+UP_FIRST = (
+    "packed gatings whose projection gives the up half first, h[..., :I] * act(h[..., I:]) (Moonshine's decoder "
+    "MLPs): ffn_ext's packed ops take the gate half first"
+)
+
+
+@dataclass(frozen=True)
+class Gated:
+    """A gating one ffn_ext op computes (spec: its attributes, layout still the default), and its operands: the
+    caller checks that they are the halves of one projection or two projections of the input."""
+
+    spec: GateSpec
+    gate: Value
+    up: Value
+
+
+def _act_of(v: Value) -> tuple[str | None, Value] | None:
+    """(the activation's attribute, its argument) for self.act(arg); (None, arg) for F.silu(arg), SiLU written out;
+    else None."""
+    if isinstance(v, Call) and len(v.args) == 1:
+        return v.attr, v.args[0]
+    if isinstance(v, Fn) and v.name == "silu":
+        return None, v.of
+    return None
+
+
+def _clamped_max(v: Value) -> str | None:
+    """The limit's attribute L for clamp(t, max=self.L) (no lower bound), else None."""
+    return v.hi.name if isinstance(v, Clamp) and v.lo == NONE and isinstance(v.hi, Attr) else None
+
+
+def _clamped_to(v: Value, lim: str) -> bool:
+    """Whether v is clamp(t, -self.lim, self.lim)."""
+    return isinstance(v, Clamp) and v.lo == Fn("neg", Attr(lim)) and v.hi == Attr(lim)
+
+
+def gating(v: Value) -> Gated | Named | None:
+    """The gating a value computes when one ffn_ext op computes it, Named for a shape no ffn_ext op computes, else
+    None."""
+    if not isinstance(v, Mul):
+        return None
+    factors = v.factors
+    if len(factors) == 2:
+        for a, b in (factors, factors[::-1]):
+            act = _act_of(a)
+            if act is not None and not isinstance(act[1], Clamp):  # act(gate) * up
+                return Gated(GateSpec(act=act[0]), act[1], b)
+            lim = _clamped_max(a)
+            if lim and isinstance(a, Clamp) and _act_of(a.of) and _clamped_to(b, lim):
+                return Named(CLAMPS_AFTER)  # clamp(act(gate), max=L) * clamp(up, -L, L)
+            lim = _clamped_max(act[1]) if act else None
+            if act and lim and isinstance(act[1], Clamp) and isinstance(b, Clamp) and _clamped_to(b, lim):
+                return Gated(GateSpec(act=act[0], limit=lim), act[1].of, b.of)  # DeepSeek-V4, GLM-5-Next
+        return None
+    # (clamp(up, -L, L) + c) * g * sigmoid(g * alpha), g = clamp(gate, max=L): GPT-OSS
+    sig = [f for f in factors if isinstance(f, Fn) and f.name == "sigmoid"]
+    off = [f for f in factors if isinstance(f, Add)]
+    clamps = [f for f in factors if isinstance(f, Clamp)]
+    if len(factors) != 3 or not (len(sig) == len(off) == len(clamps) == 1):
+        return None
+    g, inner, terms = clamps[0], sig[0].of, off[0].terms
+    lim = _clamped_max(g)
+    offsets = [n for n in map(_number, terms) if n is not None]
+    ups = [t for t in terms if isinstance(t, Clamp)]
+    if not (lim and isinstance(inner, Mul) and len(inner.factors) == 2 and g in inner.factors):
+        return None
+    other = inner.factors[1] if inner.factors[0] == g else inner.factors[0]
+    alpha = other.name if isinstance(other, Attr) else _number(other)
+    if len(offsets) == len(ups) == 1 and _clamped_to(ups[0], lim) and alpha is not None:
+        return Gated(GateSpec(act=None, limit=lim, alpha=alpha, up_offset=float(offsets[0])), g.of, ups[0].of)
+    return None
+
+
+def halves(gate: Value, up: Value, of: Value | None = None) -> str | Named | None:
+    """The layout when gate and up are the two halves of one value (`of`, when given), gate first: "concat" or
+    "interleaved"; Named when up comes first; else None."""
+    if not (isinstance(gate, Half) and isinstance(up, Half) and gate.of == up.of and (of is None or gate.of == of)):
+        return None
+    if gate.interleaved != up.interleaved:
+        return None
+    if (gate.index, up.index) == (0, 1):
+        return "interleaved" if gate.interleaved else "concat"
+    return Named(UP_FIRST)
+
+
+def proj(v: Value, x: Value) -> str | None:
+    """The attribute of a projection self.a(x), else None."""
+    return v.attr if isinstance(v, Call) and v.args == (x,) else None
