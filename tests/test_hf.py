@@ -215,7 +215,7 @@ def test_granite_moe_shared_expert_mlps_are_patched_and_match(kind, monkeypatch)
     calls, packed = [], forms.gated_mlp_packed
 
     def spy(x, *args, **kwargs):
-        calls.append(kwargs["activation"])
+        calls.append(kwargs["activation"].activation)
         return packed(x, *args, **kwargs)
 
     monkeypatch.setattr(forms, "gated_mlp_packed", spy)

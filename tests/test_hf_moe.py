@@ -133,7 +133,6 @@ MODELS = {
         True,
     ),
 }
-GATING_OPS = ("gated", "gated_packed", "swiglu_clamped", "swiglu_clamped_packed")
 
 
 def _tiny(kind, **extra):
@@ -154,18 +153,19 @@ def _patchable(model):
 
 
 class Spy:
-    """Records every call of ffn_ext's gating functions (ffn_ext.ops.<name>, which ffn_ext.hf calls) with its inputs."""
+    """Records every call of ffn_ext's gating (ffn_ext.ops.Gating, what ffn_ext.hf runs, fused or not) with its inputs,
+    named as the functional API names it: gated, gated_packed, swiglu_clamped, swiglu_clamped_packed."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for name in GATING_OPS:
-            orig = getattr(ffn_ext.ops, name)
+        orig = ffn_ext.ops.Gating.__call__
 
-            def spy(*args, _orig=orig, _name=name, **kwargs):
-                self.calls.append((_name, args, kwargs))
-                return _orig(*args, **kwargs)
+        def spy(g, gate, up=None):
+            name = ("swiglu_clamped" if g.op == "swiglu_clamped" else "gated") + ("_packed" if up is None else "")
+            self.calls.append((name, (gate,) if up is None else (gate, up), dict(g.kwargs, layout=g.layout)))
+            return orig(g, gate, up)
 
-            monkeypatch.setattr(ffn_ext.ops, name, spy)
+        monkeypatch.setattr(ffn_ext.ops.Gating, "__call__", spy)
 
     def clamp_hits(self):
         """For the clamped calls: whether some gate values were above the limit, and some up values beyond it."""

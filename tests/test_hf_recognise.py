@@ -52,7 +52,7 @@ def _plain(self, x):
 def _fused(module, x):
     """The fused gated MLP (SiLU) on a module's gate_proj, up_proj and down_proj."""
     plan = forms.Plan(forms.GATED_NAMES)
-    return forms.GatedMLP().run(module, plan, x, common.Gating("silu"))
+    return forms.GatedMLP().run(module, plan, x, common.Gating("swiglu"))
 
 
 def _old_self_check(module) -> bool:

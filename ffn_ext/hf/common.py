@@ -5,10 +5,11 @@ self-check."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple, TypeGuard
+from typing import TypeGuard
 
 import torch
 import torch.nn as nn
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 
 from .. import ops as _ops
 from ..mlp import fusable
-from ..modules import GELU, SiLU, _Unary
+from ..modules import activation_of
+from ..ops import Gating
 from ..table import ACTIVATIONS, BY_NAME
 
 MISSING = object()
@@ -27,7 +29,6 @@ _SILU = BY_NAME["silu"]
 # torch's own activations, under the function name an entry's api shares with torch (api[0]): the module class
 # (whose options, nn.GELU's approximate, must be the entry's api options) and the functions with their defaults
 _TORCH = {"gelu": (nn.GELU, (F.gelu,)), "silu": (nn.SiLU, (F.silu,)), "relu": (nn.ReLU, (F.relu, torch.relu))}
-_OURS = {"gelu": GELU, "silu": SiLU}  # ffn_ext.modules' classes of the same kind (their _Unary names its entry)
 
 
 def _api_entry(function: str, obj=None):
@@ -40,7 +41,7 @@ def _api_entry(function: str, obj=None):
     return next((a for a in entries if all(getattr(obj, k, None) == v for k, v in a.api[1].items())), None)
 
 
-_MODULES = {cls: f for f, (cls, _) in _TORCH.items()} | {cls: f for f, cls in _OURS.items()}
+_MODULES = {cls: f for f, (cls, _) in _TORCH.items()}
 _FUNCTIONS = {fn: _api_entry(f) for f, (_, fns) in _TORCH.items() for fn in fns} | {
     getattr(_ops, a.api[0]): _api_entry(a.api[0]) for a in ACTIVATIONS if hasattr(_ops, a.api[0])
 }
@@ -64,15 +65,16 @@ def _hf_entry(cls):
 
 def table_activation(act):
     """The table entry (ffn_ext/table.py) that `act` computes, or None: torch's nn.SiLU / nn.GELU(approximate) /
-    nn.ReLU and ffn_ext's modules (these exact types: a subclass may compute something else), their functions
-    (F.silu, F.gelu, F.relu, torch.relu, ffn_ext.silu, ...), and transformers' activation classes by its ACT2CLS and
-    the entries' hf_names (_hf_entry); each only where the table has that entry."""
+    nn.ReLU (these exact types: a subclass may compute something else), ffn_ext's modules (modules.activation_of),
+    their functions (F.silu, F.gelu, F.relu, torch.relu, ffn_ext.silu, ...), and transformers' activation classes by
+    its ACT2CLS and the entries' hf_names (_hf_entry); each only where the table has that entry."""
     cls = type(act)
     function = _MODULES.get(cls)
     if function is not None:
         return _api_entry(function, act)
-    if cls is _Unary:
-        return BY_NAME.get(act.activation)
+    ours = activation_of(act) if isinstance(act, nn.Module) else None
+    if ours is not None:
+        return BY_NAME[ours]
     if cls.__module__ == "transformers.activations":
         return _hf_entry(cls)
     try:
@@ -109,22 +111,10 @@ class GateSpec:
     layout: str = "concat"  # of a packed [..., 2I] projection: "concat" [gate | up] or "interleaved" [g0, u0, ...]
 
 
-class Gating(NamedTuple):
-    """A module's gating as ffn_ext's ops run it now: act(gate) * up with `act` a table activation's name, or `act`
-    "swiglu_clamped" with its `params` (limit, alpha, up_offset); `layout` splits one packed [..., 2I] input. (The
-    lead's ffn_ext.ops.Gating, once ffn_ext.mlp takes it, can stand in for it.)"""
-
-    act: str
-    layout: str = "concat"
-    params: dict | None = None
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        """The op on (gate, up), or on one packed [..., 2I] tensor."""
-        if self.params is not None:
-            if up is None:
-                return _ops.swiglu_clamped_packed(gate, layout=self.layout, **self.params)
-            return _ops.swiglu_clamped(gate, up, **self.params)
-        return _ops.gated_packed(gate, self.act, layout=self.layout) if up is None else _ops.gated(gate, up, self.act)
+@functools.lru_cache(maxsize=256)
+def _gating(op: str, layout: str, params: tuple = ()) -> Gating:
+    """ffn_ext.ops.Gating, one per distinct (op, layout, params): resolve runs at every call of a patched module."""
+    return Gating.of(op, layout, **dict(params))
 
 
 def _attr(module, name):
@@ -156,15 +146,14 @@ def resolve(module, spec: GateSpec, why: bool = False) -> Gating | str | None:
             return None
         act = entry.name
     if spec.limit is None:
-        return Gating(act, spec.layout)
+        return _gating(act, spec.layout)
     limit = getattr(module, spec.limit, None)
     alpha = getattr(module, spec.alpha, None) if isinstance(spec.alpha, str) else spec.alpha
     if not (_real(limit) and limit > 0):
         return f"clamp limit {spec.limit} = {limit!r} is not a number > 0" if why else None
     if not (_real(alpha) and math.isfinite(alpha)):
         return f"{spec.alpha} = {alpha!r} is not a finite number" if why else None
-    params = dict(limit=float(limit), alpha=float(alpha), up_offset=spec.up_offset)
-    return Gating("swiglu_clamped", spec.layout, params)
+    return _gating("swiglu_clamped", spec.layout, (("limit", limit), ("alpha", alpha), ("up_offset", spec.up_offset)))
 
 
 def guards_hold(module, guards) -> bool:

@@ -175,14 +175,6 @@ _PACKED_NAMES = (("gate_up_proj", "down_proj", _ACT_NAMES), ("input_linear", "ou
 _SHAPED_NAMES = (("Wi", "Wo", ("act",)), ("fc1", "fc2", ("activation_fn",)))
 
 
-def _mlp_activation(g: Gating):
-    """What ffn_ext.mlp's fused MLP takes as activation= for gating g: a table activation's name, [gate | up]; None
-    for the others (the clamped SwiGLU, interleaved halves), which run as ffn_ext's op between the projections as
-    modules. Once ffn_ext.mlp takes an ffn_ext.ops.Gating, returning one for every g (the clamped SwiGLU's params and
-    layout, or Gating.of(g.act, g.layout)) is the one line that makes them fused too."""
-    return g.act if g.params is None and g.layout == "concat" else None
-
-
 def _linears(module, names) -> bool:
     return all(isinstance(module._modules.get(n), nn.Linear) for n in names)
 
@@ -214,8 +206,7 @@ class _GatedForm(Form):
         return super().problem(module, plan)
 
     def options(self, module, plan):
-        g = resolve(module, plan.gate, why=True)
-        return isinstance(g, Gating) and _mlp_activation(g) is not None
+        return isinstance(resolve(module, plan.gate, why=True), Gating)
 
 
 class GatedMLP(_GatedForm):
@@ -246,9 +237,8 @@ class GatedMLP(_GatedForm):
 
     def run(self, module, plan, x, g):
         gate, up, down = (module._modules[n] for n in plan.names)
-        act = _mlp_activation(g)
-        if act is not None and fusable((gate, up, down)):
-            return gated_mlp(x, *linear_args(gate, up, down), activation=act, **_options(module))
+        if fusable((gate, up, down)):
+            return gated_mlp(x, *linear_args(gate, up, down), activation=g, **_options(module))
         return down(g(gate(x), up(x)))
 
 
@@ -287,9 +277,8 @@ class PackedMLP(_GatedForm):
 
     def run(self, module, plan, x, g):
         gate_up, down = (module._modules[n] for n in plan.names)
-        act = _mlp_activation(g)
-        if act is not None and fusable((gate_up, down)):
-            return gated_mlp_packed(x, *linear_args(gate_up, down), activation=act, **_options(module))
+        if fusable((gate_up, down)):
+            return gated_mlp_packed(x, *linear_args(gate_up, down), activation=g, **_options(module))
         return down(g(gate_up(x)))
 
 
@@ -353,7 +342,7 @@ class ClassicMLP(Form):
 
     def run(self, module, plan, x, g):
         mods = module._modules
-        y = _ffn(module, x, mods[plan.names[0]], mods[plan.names[1]], g.act)
+        y = _ffn(module, x, mods[plan.names[0]], mods[plan.names[1]], g.activation)
         if plan.drop.startswith("p:"):
             return F.dropout(y, p=getattr(module, plan.drop[2:]), training=module.training)
         return mods[plan.drop](y) if plan.drop else y
@@ -406,7 +395,7 @@ class BertPair(Form):
 
     def run(self, module, plan, x, g):
         inter, out = module._modules["intermediate"], module._modules["output"]
-        return out.LayerNorm(out.dropout(_ffn(module, x, inter.dense, out.dense, g.act)) + x)
+        return out.LayerNorm(out.dropout(_ffn(module, x, inter.dense, out.dense, g.activation)) + x)
 
 
 # ---------------------------------------------------------------- MoE experts: the gating at _apply_gate

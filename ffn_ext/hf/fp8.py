@@ -74,7 +74,7 @@ def convert_patched(m: nn.Module, recipe: str):
         return None, _REASONS["projections"]
     if form.name == "classic":
         fc1, fc2 = projs
-        act = functools.partial(_ops.call_op, g.act)
+        act = functools.partial(_ops.call_op, g.activation)
         return _fp8.FP8FFN(_weight(fc1, layout), fc1.bias, _weight(fc2, layout), fc2.bias, act, recipe), None
     if form.name == "gated":
         gate, up, d = projs
@@ -86,7 +86,7 @@ def convert_patched(m: nn.Module, recipe: str):
         if g.layout == "interleaved":
             w = torch.cat([w[0::2], w[1::2]])
             b = None if b is None else torch.cat([b[0::2], b[1::2]])
-    return _fp8.FP8GatedFFN(w, b, d.weight, d.bias, g.act, g.params, recipe), None
+    return _fp8.FP8GatedFFN(w, b, d.weight, d.bias, g, recipe=recipe), None
 
 
 _fp8._CONVERTERS.append(convert_patched)

@@ -45,12 +45,12 @@ def patch_model(
     down_proj(act_fn(gate_proj(x)) * up_proj(x)) (or the packed form under gate_up_proj / down_proj): patched when
     their self-check runs and agrees (subclasses that do not override forward count too).
 
-    recompute, token_chunk: the patched gated, packed and classic MLPs and BERT-style layers run ffn_ext.mlp's lean
-    autograd with these (recompute=True: backward recomputes the projections from the saved input; token_chunk=N:
-    forward and backward over chunks of N tokens). A later call sets them anew on the MLPs patched before. They do
-    not apply to the clamped MLPs, interleaved packed MLPs and the MoE experts (their projections run as modules):
-    with other than the defaults, those are named in a RuntimeWarning (strict=True: a ValueError, nothing
-    patched)."""
+    recompute, token_chunk: the patched gated (clamped too), packed (either layout) and classic MLPs and BERT-style
+    layers run ffn_ext.mlp's lean autograd with these (recompute=True: backward recomputes the projections from the
+    saved input; token_chunk=N: forward and backward over chunks of N tokens). A later call sets them anew on the
+    MLPs patched before. They do not apply to the MoE experts (transformers' experts implementation runs their
+    projections): with other than the defaults, those are named in a RuntimeWarning (strict=True: a ValueError,
+    nothing patched)."""
     opts = check_options("patch_model", recompute, token_chunk)
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
@@ -84,8 +84,8 @@ def patch_model(
         )
         msgs.append(
             (
-                f"{what} does not apply to {_where(not_chunked)}: their projections run as modules (clamped or "
-                "interleaved MLPs, MoE experts)",
+                f"{what} does not apply to {_where(not_chunked)}: MoE experts, whose projections transformers' "
+                "experts implementation runs",
                 " (patched without it)",
             )
         )
