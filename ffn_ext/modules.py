@@ -98,9 +98,6 @@ class Act(nn.Module):
         return f"activation={self.activation!r}"
 
 
-_Unary = Act  # its name before it was public (ffn_ext.hf reads it)
-
-
 class GELU(Act):
     """GELU with nn.GELU's signature, on ffn_ext's kernels: approximate='none' (the default) is the exact (erf)
     GELU, approximate='tanh' the tanh form (ffn_ext.gelu(x, approximate)), so the module is a drop-in for
