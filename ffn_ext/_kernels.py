@@ -144,12 +144,13 @@ def check(name: str, args: tuple, params: dict, layout: str | None) -> None:
 
 def _plain(args: tuple) -> bool:
     """A CPU kernel's arguments are plainly valid: floating point, and (more than one) of one dtype and shape, all on
-    the CPU. What check() would pass, in a few attribute reads; the kernels run check() where this is False."""
+    the CPU. What check() would pass, in a few attribute reads, for dense strided tensors (what the dispatcher sends
+    a CPU kernel, and what the route's fast path calls one with: quiet); the kernels run check() where it is False."""
     a = args[0]
     if a.dtype not in _FLOATS:
         return False
     for t in args[1:]:
-        if t.dtype is not a.dtype or t.shape != a.shape or not t.is_cpu or t.layout is not _STRIDED:
+        if t.dtype is not a.dtype or t.shape != a.shape or not t.is_cpu:
             return False
     return True
 
@@ -362,7 +363,7 @@ def route(name: str, args: tuple, kwargs: dict):
             params, layout = split_kwargs(name, kwargs)
             check(name, args, params, layout)
             return compute(name, args, params, layout)
-        return FUNCTIONS[name].apply(*args, *(kwargs.get(k, DEFAULTS[name][k]) for k in KEYWORDS[name]))
+        return FUNC_FUNCTIONS[name].apply(*args, *(kwargs.get(k, DEFAULTS[name][k]) for k in KEYWORDS[name]))
     return overload(name)(*args, **kwargs)
 
 
@@ -407,24 +408,27 @@ def _jvp(fn, primals: tuple, tangents: tuple):
     return js if len(js) > 1 else js[0]
 
 
-def _function(name: str) -> type:
-    """Op `name`'s autograd.Function, in the form torch.func takes: apply(*tensors, *its keyword arguments in
-    schema order) runs the op; backward is a forward op's *_backward op (through the route, so differentiable in
-    turn) and a *_backward op's vjp of its ATen form; jvp is its ATen form's; vmap is generated (the op's own
-    batching rule runs under it)."""
+def _functions(name: str) -> tuple[Any, Any]:
+    """Op `name`'s two autograd.Functions, of the same backward and jvp: apply(*tensors, *its keyword arguments in
+    schema order) runs the op and records them. The first, forward(ctx, ...), serves the Autograd kernel (recorded
+    gradients, forward-mode tangents); the second, forward without ctx and setup_context, is the form torch.func
+    takes (with a generated vmap rule: the op's batching rule runs under it), applied by the route under a
+    transform. Two, because torch's apply of the second form costs about 20 us more a call (it binds the arguments
+    with inspect.signature). backward is a forward op's *_backward op (through the route, so differentiable in
+    turn) and a *_backward op's vjp of its ATen form; jvp is the ATen form's."""
     spec = OPS[name]
     n, keys = len(spec.args), KEYWORDS[name]
 
-    def forward(*args):  # the dispatcher op (not route, which under torch.func would apply this Function again)
+    def run(args):  # the dispatcher op (not route, which under torch.func would apply the Function again)
         ins, kwargs = args[:n], dict(zip(keys, args[n:]))
         if quiet(ins):
             return route(name, ins, kwargs)
         return overload(name)(*ins, **kwargs)
 
-    def setup_context(ctx, inputs, output):
-        ctx.extra = inputs[n:]
-        ctx.save_for_backward(*inputs[:n])
-        ctx.save_for_forward(*inputs[:n])
+    def save(ctx, args):
+        ctx.extra = args[n:]
+        ctx.save_for_backward(*args[:n])
+        ctx.save_for_forward(*args[:n])
 
     def backward(ctx, *grads):
         tensors, kwargs = ctx.saved_tensors, dict(zip(keys, ctx.extra))
@@ -443,26 +447,37 @@ def _function(name: str) -> type:
         tangents = tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents[:n]))
         return _jvp(_aten_fn(name, params, layout), primals, tangents)
 
-    return type(
-        f"ffn_ext_{name}",
+    def forward_ctx(ctx, *args):
+        save(ctx, args)
+        return run(args)
+
+    common = {"backward": staticmethod(backward), "jvp": staticmethod(jvp)}
+    recorded = type(f"ffn_ext_{name}", (torch.autograd.Function,), {"forward": staticmethod(forward_ctx), **common})
+    transformed = type(
+        f"ffn_ext_{name}_func",
         (torch.autograd.Function,),
         {
-            "forward": staticmethod(forward),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-            "jvp": staticmethod(jvp),
+            "forward": staticmethod(lambda *args: run(args)),
+            "setup_context": staticmethod(lambda ctx, inputs, output: save(ctx, inputs)),
             "generate_vmap_rule": True,
+            **common,
         },
     )
+    return recorded, transformed
 
 
-FUNCTIONS: dict[str, Any] = {}  # differentiable op name -> its autograd.Function (register fills it)
+# differentiable op name -> its autograd.Functions (_functions; register fills them): the Autograd kernel's, and
+# torch.func's (the route applies it under a transform)
+FUNCTIONS: dict[str, Any] = {}
+FUNC_FUNCTIONS: dict[str, Any] = {}
+
+
+_any_requires_grad = torch._C._any_requires_grad
 
 
 def _records(args: tuple) -> bool:
-    return (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)) or (
-        _compat.has_tangent(args)
-    )
+    """Something is to be recorded: a gradient (grad mode on, an input requires grad) or a forward-mode tangent."""
+    return (_grad_enabled() and _any_requires_grad(*args)) or (_fw_ad._current_level >= 0 and _compat.has_tangent(args))
 
 
 def _autograd(name: str):
@@ -471,6 +486,8 @@ def _autograd(name: str):
     recorded they raise, rather than return results autograd would silently treat as constants."""
     spec = OPS[name]
     keys, n = KEYWORDS[name], len(spec.args)
+    op = getattr(torch.ops.ffn_ext, name).default  # (the schema exists when this registers)
+    after_autograd = torch._C._after_autograd_keyset
 
     def kernel(keyset, *args, **kwargs):
         if _records(args):
@@ -488,7 +505,7 @@ def _autograd(name: str):
                 )
             return FUNCTIONS[name].apply(*args[:n], *(kwargs.get(k, DEFAULTS[name][k]) for k in keys))
         with torch._C._AutoDispatchBelowAutograd():
-            return overload(name).redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+            return op.redispatch(keyset & after_autograd, *args, **kwargs)
 
     return kernel
 
@@ -543,6 +560,7 @@ def undefine() -> None:
     _libs.clear()
     _defined.clear()
     FUNCTIONS.clear()
+    FUNC_FUNCTIONS.clear()
     CPU_KERNELS.clear()
     _overloads.clear()
 
@@ -564,7 +582,7 @@ def register(cuda_kernels: bool, cuda_off: str | None = None) -> None:
         if not cuda_kernels:
             lib.impl(name, _no_cuda_kernel(name), "CUDA")
         if spec.differentiable:
-            FUNCTIONS[name] = _function(name)
+            FUNCTIONS[name], FUNC_FUNCTIONS[name] = _functions(name)
         lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
         torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name), lib=lib)
     for hook in _hooks:

@@ -138,19 +138,16 @@ class _Python:
 def _call(name: str, args: tuple, extra: tuple = ()):
     """Op `name` on tensors `args` with its scalar arguments `extra` (a gated op's parameters, then a packed op's
     layout: all of them, in schema order): every public function's one route (_kernels.route: the dispatcher op,
-    one fast path). Floating-point inputs of different dtypes are promoted to their common dtype first
-    (_promoted), as ATen's act(gate) * up promotes. An error is explained by the Python checks when they find its
-    cause (_explained)."""
+    one fast path). Floating-point inputs of different dtypes, which the kernels refuse, are promoted to their
+    common dtype (_promoted), as ATen's act(gate) * up promotes. Another error is explained by the Python checks
+    when they find its cause (_explained)."""
     kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else _NO_KWARGS
     try:
-        if len(args) > 1:
-            dtype = args[0].dtype
-            for t in args[1:]:
-                if t.dtype is not dtype:
-                    args = _promoted(args)
-                    break
         return _kernels.route(name, args, kwargs)
     except Exception as e:
+        promoted = _promoted(args)  # inputs of two float dtypes: the kernels' checks refused them, then this
+        if promoted is not args:
+            return _call(name, promoted, extra)
         if _compat.has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
         raise _explained(name, args, kwargs, e) from None
@@ -175,14 +172,16 @@ def _explained(name: str, args: tuple, kwargs: dict, err: Exception) -> Exceptio
 
 
 def _promoted(args: tuple) -> tuple:
-    """args (of different dtypes) converted to their common dtype (torch.promote_types: float32 and bfloat16 ->
-    float32) when all are floating point, as ATen's silu(gate) * up promotes (under autocast, a projection's
+    """args converted to their common dtype (torch.promote_types: float32 and bfloat16 -> float32) when they are
+    floating-point tensors of different dtypes, as ATen's silu(gate) * up promotes (under autocast, a projection's
     bfloat16 output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args
-    itself when anything but floating-point tensors is there (the checks then name it)."""
+    itself otherwise (the checks then name what is wrong)."""
     for t in args:
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             return args
     dtype = args[0].dtype
+    if all(t.dtype is dtype for t in args):
+        return args
     for t in args[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return tuple(t.to(dtype) for t in args)
