@@ -621,7 +621,7 @@ def main(argv=None) -> int:
         print(ffn_ext.build_summary())
     walk()
 
-    what = "ffn_ext ops" + ("" if ffn_ext.ops._native_source != "python" else " (no native library: PyTorch's ops)")
+    what = "ffn_ext ops" + (" (no native library: PyTorch's ops)" if info["native"].startswith("none") else "")
     print(f"\n== Op checks ({what}) on {_label(device)} ({device}), fp64 / fp32 / bf16 against an fp64 reference ==")
     record: list[tuple] = []
     # odd row lengths exercise the CUDA kernels' vector tails; the GPU gets more rows
