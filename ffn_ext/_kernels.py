@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .table import LAYOUTS, OPS, SCHEMAS, check_params, join_packed, split_packed
+from .table import LAYOUTS, OPS, SCHEMAS, bind_params, check_params, join_packed, split_packed
 
 __all__ = [
     "CPU_KERNELS",
@@ -78,14 +78,13 @@ def split_kwargs(name: str, kwargs: dict):
     """(params, layout) of a call of op `name` from its keyword arguments, the schema's defaults filled in (layout:
     None but for the packed ops); an unknown or missing one is a TypeError."""
     spec = OPS[name]
-    unknown = set(kwargs) - set(KEYWORDS[name])
-    if unknown:
-        raise TypeError(f"ffn_ext.{name}: unexpected keyword argument(s) {sorted(unknown)}")
-    params = {p.name: kwargs.get(p.name, p.default) for p in spec.params}
-    missing = [k for k, v in params.items() if v is None]
-    if missing:
-        raise TypeError(f"ffn_ext.{name}: missing required keyword argument(s) {missing}")
-    return params, (kwargs.get("layout", "concat") if spec.kind == "packed" else None)
+    packed = spec.kind == "packed"
+    if spec.gated is None:  # an activation's ops: no keyword arguments
+        if kwargs:
+            raise TypeError(f"ffn_ext.{name}: unexpected keyword argument(s) {sorted(kwargs)}")
+        return {}, None
+    params = bind_params(f"ffn_ext.{name}", spec.gated, kwargs, ("layout",) if packed else ())
+    return params, (kwargs.get("layout", "concat") if packed else None)
 
 
 def _dtype_error(op: str, name: str, t: torch.Tensor) -> TypeError:

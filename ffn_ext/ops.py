@@ -20,7 +20,7 @@ import torch
 
 from . import _compat, _kernels
 from ._kernels import FLOAT_DTYPES as _FLOAT_DTYPES
-from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, check_params
+from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, bind_params, check_params
 
 __all__ = [
     "gelu",
@@ -333,13 +333,7 @@ class Gating:
         entry = GATED_BY_NAME.get(op) if isinstance(op, str) else None
         if entry is None:
             raise ValueError(f"ffn_ext.Gating: `op` must be one of {sorted(GATED_BY_NAME)}, got {op!r}")
-        unknown = sorted(set(params) - {p.name for p in entry.params})
-        if unknown:
-            raise TypeError(f"ffn_ext.Gating: {op} takes no parameter(s) {unknown}")
-        values = {p.name: params.get(p.name, p.default) for p in entry.params}
-        missing = [k for k, v in values.items() if v is None]
-        if missing:
-            raise TypeError(f"ffn_ext.Gating: {op} needs the parameter(s) {missing}")
+        values = bind_params(f"ffn_ext.Gating({op})", entry, params)
         check_params(f"ffn_ext.Gating({op})", entry, values)
         if layout not in LAYOUTS:
             raise ValueError(f"ffn_ext.Gating: `layout` must be one of {list(LAYOUTS)}, got {layout!r}")

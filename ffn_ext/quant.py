@@ -45,7 +45,7 @@ import torch
 
 from . import _kernels
 from .ops import Gating
-from .table import GATED_BY_NAME, OPS, QUANT_RECIPE_SCHEMA, QUANT_SCHEMAS, activation_for
+from .table import GATED_BY_NAME, OPS, QUANT_RECIPE_SCHEMA, QUANT_SCHEMAS, activation_for, bind_params
 
 __all__ = [
     "QuantRecipe",
@@ -398,20 +398,6 @@ def quantize(x: torch.Tensor, recipe: QuantRecipe | None = None):
     return _run("quantize", (x,), recipe, {})
 
 
-def _params(op: str, gated, params: dict) -> dict:
-    """A gated op's keyword parameters in schema order, defaults filled in; unknown or missing ones: TypeError."""
-    names = [p.name for p in gated.params]
-    unknown = sorted(set(params) - set(names))
-    if unknown:
-        raise TypeError(f"{op}: unexpected keyword argument(s) {unknown}; {gated.name} takes {names}")
-    out = {}
-    for p in gated.params:
-        if p.name not in params and p.default is None:
-            raise TypeError(f"{op}: missing keyword argument `{p.name}`")
-        out[p.name] = params.get(p.name, p.default)
-    return out
-
-
 def gated_quant(gate: torch.Tensor, up: torch.Tensor, recipe: QuantRecipe | None = None, activation: str = "silu"):
     """(q, scale) of act(gate) * up for any activation of the table by its name (as ffn_ext.gated)."""
     return _run(Gating.of(activation).op + "_quant", (gate, up), recipe, {})
@@ -453,7 +439,7 @@ def gated_packed_quant(
     names an activation of the table, or a gated op (e.g. "swiglu_clamped", with its keyword `params`)."""
     gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[Gating.of(activation).op]
     name = gated.name + "_packed_quant"
-    return _run(name, (gate_up,), recipe, dict(_params(f"ffn_ext.{name}", gated, params), layout=layout))
+    return _run(name, (gate_up,), recipe, dict(bind_params(f"ffn_ext.{name}", gated, params), layout=layout))
 
 
 _kernels.add_hook(register)  # with the table's ops' kernels: now, if they are registered, or when they are

@@ -405,6 +405,20 @@ GATED_BY_NAME = {g.name: g for g in GATED}
 LAYOUTS = ("concat", "interleaved")  # the packed ops' gate_up layouts
 
 
+def bind_params(who: str, gated: Gated, params: dict, extra: tuple = ()) -> dict:
+    """A gated op's parameters from keyword arguments: every one, in schema order, defaults filled in; an unknown
+    keyword (but those in `extra`: a packed op's layout) or a missing required one is a TypeError naming `who`."""
+    names = [p.name for p in gated.params]
+    unknown = sorted(set(params) - set(names) - set(extra))
+    if unknown:
+        raise TypeError(f"{who}: unexpected keyword argument(s) {unknown}; {gated.name} takes {names}")
+    out = {p.name: params.get(p.name, p.default) for p in gated.params}
+    missing = [k for k, v in out.items() if v is None]
+    if missing:
+        raise TypeError(f"{who}: missing required keyword argument(s) {missing}")
+    return out
+
+
 def check_params(op: str, gated: Gated, params: dict) -> None:
     """The checks of a gated op's parameters (every route's: ffn_ext/_kernels.py check)."""
     if gated.check is not None:
