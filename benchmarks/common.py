@@ -666,3 +666,57 @@ def add_common_args(p) -> None:
 
 def mode_of(args) -> str:
     return "full" if args.full else "smoke" if args.smoke else "quick"
+
+
+# ---------------------------------------------------------------- process memory (CPU whole-model runs)
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set now (Linux /proc; None elsewhere)."""
+    return _status_kib("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Resets the kernel's RSS high-water mark (VmHWM) to the current RSS, so that peak_rss_bytes() measures from
+    here (Linux: writing 5 to /proc/self/clear_refs). False where that is not possible: the peak is then the
+    process's since it started."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set since reset_peak_rss() (or its start): VmHWM, else ru_maxrss."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None
+
+
+def release_heap() -> None:
+    """Hands freed heap pages back to the kernel (glibc's malloc_trim), so that an RSS baseline taken next does not
+    count memory that the process merely kept from before."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
