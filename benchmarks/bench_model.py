@@ -16,18 +16,21 @@ keep their widths and top-k with fewer experts (16 and 8): the saved activations
 the number of experts, which only sets the parameters' and AdamW's memory.
 
 Variants (each a deep copy of one seeded model, so every variant starts from the same weights and trains on the
-same batch): unpatched (MoE: transformers' grouped_mm experts); ffn_ext.patch_hf_model default, recompute=True,
-token_chunk=N (dense models); experts_implementation="ffn_ext" (MoE); torch.compile of the unpatched and of the
-patched model; Liger-Kernel (GPU only): its MLP kernel alone (SwiGLU, GeGLU, Qwen3-MoE's experts) against ffn_ext's,
-all its kernels, and its other kernels (RMSNorm, RoPE, fused linear cross-entropy) with ffn_ext's MLP.
+same batches, a new one of uniform random tokens each step): unpatched (MoE: transformers' grouped_mm experts);
+ffn_ext.patch_hf_model default, recompute=True, token_chunk=N (dense models); experts_implementation="ffn_ext" (MoE);
+torch.compile of the unpatched and of the patched model; Liger-Kernel (GPU only): its MLP kernel alone (SwiGLU,
+GeGLU, Qwen3-MoE's experts) against ffn_ext's, all its kernels, and its other kernels (RMSNorm, RoPE, fused linear
+cross-entropy) with ffn_ext's MLP. They run round the models in PRIORITY order, torch.compile last.
 
 Figures: tokens/s (tokens of a step / the median step time over the steps after warm-up; CUDA: synchronised
-wall-clock of the whole step), the bytes autograd saves for backward in one step (saved_tensors_hooks, each storage
-once, parameters not counted), the variant's peak memory (CUDA: max allocated above what was allocated before the
-variant's model copy; CPU: peak RSS above the RSS before it, the kernel's high-water mark reset per variant), and the
-loss at step K (the last step's forward, after K - 1 AdamW updates) relative to unpatched. Writes model.md,
-model.json (--json PATH: also there) and model.png; the JSON is rewritten after every variant, so a run cut short
-keeps what ran. Numbers on a CPU are not a statement about a GPU: there ffn_ext's default runs PyTorch's own ops.
+wall-clock of the whole step); the bytes autograd saves for backward in one step (saved_tensors_hooks, each storage
+once, parameters not counted); the peak of one step's forward + backward above its start (CUDA: max allocated; CPU:
+the CPU allocator's allocations and frees through torch.profiler); the variant's peak memory (CUDA: max allocated
+above what was allocated before the variant's model copy; CPU: peak RSS above the RSS before it, the kernel's
+high-water mark reset per variant); the loss at step K (the last step's forward, after K - 1 AdamW updates)
+relative to unpatched. Writes model.md, model.json (--json PATH: also there) and model.png; the JSON and the table
+are rewritten after every variant, so a run cut short keeps what ran. Numbers on a CPU are not a GPU's: on a CPU
+ffn_ext's default runs PyTorch's own ops, and the time is wall-clock on whatever else the machine runs.
 """
 
 from __future__ import annotations
@@ -396,19 +399,37 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
     params = list(model.parameters())
     opt = make_adamw(params, plan.lr, dev)
     step_model = torch.compile(model) if variant.compile else model
-    times, losses, saved = [], [], None
+    times, losses, saved, step_peak, overall = [], [], None, None, 0
     total = plan.warmup + plan.steps
+    # the step whose forward + backward is measured (saved bytes, its own peak): the first, or under compile the last
+    # warm-up step (the first one compiles); none when a compiled variant has a single warm-up step
+    probe = (plan.warmup - 1 if plan.warmup >= 2 else None) if variant.compile else 0
     for i in range(total):
         common.synchronize(dev)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if i == 0 and not variant.compile:  # the hooks would change what dynamo traces: not under compile
-            with common.SavedTensors(exclude=params) as st:
+        if i == probe:
+            if dev.type == "cuda":
+                overall = max(overall, torch.cuda.max_memory_allocated(dev))
+                torch.cuda.reset_peak_memory_stats(dev)
+                start = torch.cuda.memory_allocated(dev)
+            # the saved-tensors hooks would change what dynamo traces: not under compile
+            hooks = contextlib.nullcontext() if variant.compile else common.SavedTensors(exclude=params)
+            allocs = common.CpuAllocPeak() if dev.type == "cpu" else contextlib.nullcontext()
+            with allocs, hooks:
                 loss = step_model(input_ids=batches[i], labels=batches[i]).loss
-            saved = st.extra_bytes
+                loss.backward()
+            saved = None if variant.compile else hooks.extra_bytes
+            if dev.type == "cuda":
+                step_peak = int(torch.cuda.max_memory_allocated(dev) - start)
+            else:
+                step_peak = allocs.peak
+                del allocs
+                if i + 1 < total:  # the profiler's own buffers are no step's: the next steps redo this one's peak
+                    common.reset_peak_rss()
         else:
             loss = step_model(input_ids=batches[i], labels=batches[i]).loss
-        loss.backward()
+            loss.backward()
         opt.step()
         common.synchronize(dev)
         dt = time.perf_counter() - t0
@@ -426,11 +447,12 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
         "times_s": times,
         "tokens_per_s": tokens / statistics.median(times),
         "saved_bytes": saved,
+        "step_peak_bytes": step_peak,
         "losses": losses,
         "loss_k": losses[-1],
     }
     if dev.type == "cuda":
-        row["peak_bytes"] = int(torch.cuda.max_memory_allocated(dev) - base_cuda)
+        row["peak_bytes"] = int(max(overall, torch.cuda.max_memory_allocated(dev)) - base_cuda)
         row["peak_kind"] = "CUDA max allocated above the allocation before the variant"
     else:
         peak = common.peak_rss_bytes()
@@ -722,8 +744,13 @@ def relate(rows: list[dict]) -> None:
         r["speedup"] = _ratio(r["tokens_per_s"], b and b["tokens_per_s"])
         r["saved_vs"] = _ratio(r["saved_bytes"], b and b["saved_bytes"])
         r["peak_vs"] = _ratio(r["peak_bytes"], b and b["peak_bytes"])
+        r["step_peak_vs"] = _ratio(r.get("step_peak_bytes"), b and b.get("step_peak_bytes"))
         r["loss_rel"] = None if b is None else r["loss_k"] / b["loss_k"] - 1.0
         r["loss_max_rel"] = None if b is None else max(abs(x / y - 1.0) for x, y in zip(r["losses"], b["losses"]))
+
+
+def _with_vs(value, vs, spec: str) -> str:
+    return f"{common.fmt(_mib(value), spec, 'n/a')} ({common.fmt(vs, '.2f')})"
 
 
 def _ratio(a, b):
@@ -748,6 +775,7 @@ def render(payload: dict) -> str:
         "× unpatched",
         "saved MiB",
         "vs",
+        "fwd+bwd peak MiB (vs)",
         peak_head,
         "loss@K",
         "Δ rel",
@@ -764,7 +792,8 @@ def render(payload: dict) -> str:
                 common.fmt(r["speedup"], ".2f"),
                 common.fmt(_mib(r["saved_bytes"]), ".1f", "n/a"),
                 common.fmt(r["saved_vs"], ".2f"),
-                f"{common.fmt(_mib(r['peak_bytes']), '.0f')} ({common.fmt(r['peak_vs'], '.2f')})",
+                _with_vs(r.get("step_peak_bytes"), r.get("step_peak_vs"), ".1f"),
+                _with_vs(r["peak_bytes"], r["peak_vs"], ".0f"),
                 common.fmt(r["loss_k"], ".5f"),
                 common.fmt(r["loss_rel"], ".1e"),
             ]
@@ -781,9 +810,13 @@ def render(payload: dict) -> str:
         "",
         f"tokens/s: tokens of one step / the median step time (forward, loss, backward, AdamW) over the timed steps; "
         f"saved MiB: bytes autograd keeps for backward in one step, parameters not counted (n/a: under "
-        f"torch.compile); peak: {'peak RSS of the process' if cpu else 'torch.cuda.max_memory_allocated'} above "
-        f"the level before the variant (its model copy, gradients, AdamW states, activations); loss@K: the loss of "
-        f"step K = {k}; Δ rel: loss@K / unpatched's - 1 (same weights, same batch). vs, × unpatched: against the "
+        f"torch.compile); fwd+bwd peak: the most memory allocated during one step's forward and backward above its "
+        f"start (activations, gradients, temporaries; "
+        f"{'the CPU allocator through torch.profiler' if cpu else 'torch.cuda.max_memory_allocated'}); peak: "
+        f"{'peak RSS of the process' if cpu else 'torch.cuda.max_memory_allocated'} above the level before the "
+        f"variant (its model copy, gradients, AdamW states, activations{', allocator slack' if cpu else ''}); "
+        f"loss@K: the loss of "
+        f"step K = {k}; Δ rel: loss@K / unpatched's - 1 (same weights, same batches). vs, × unpatched: against the "
         f"model's unpatched row.",
     ]
     if payload["skipped"]:

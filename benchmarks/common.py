@@ -6,6 +6,7 @@ optional (plots are skipped with a note, the progress bar falls back to a plain 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -720,3 +721,58 @@ def release_heap() -> None:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+class CpuAllocPeak:
+    """Context manager (CPU): the peak of the bytes that the CPU allocator handed out within the block and had not
+    taken back, above the block's start, from the profiler's allocation events (torch.profiler with
+    profile_memory=True: every allocation and free of c10's CPU allocator, in order). Unlike a dispatch mode
+    (_LiveStorages) it does not change what runs: the ops take their ordinary paths. `peak` is None where this
+    torch's profiler gives no allocation events. Kineto's start and stop lines on stderr are silenced."""
+
+    def __init__(self):
+        self.peak: int | None = None
+        self._prof = None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _quiet_stderr():
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with self._quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        with self._quiet_stderr():
+            self._prof.__exit__(*exc)
+        prof, self._prof = self._prof, None  # its event buffers go with it
+        try:
+            from torch._C._profiler import _EventType
+
+            allocs, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+            while todo:
+                e = todo.pop()
+                todo.extend(e.children)
+                if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                    allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+        except (AttributeError, ImportError, RuntimeError):
+            return False
+        live = peak = 0
+        for _, n in sorted(allocs):
+            live += n
+            peak = max(peak, live)
+        self.peak = peak if allocs else None
+        return False

@@ -234,8 +234,9 @@ def _plot_ffn_memory(plt, res, meta, out_dir):
 
 
 def plot_model(payload: dict, out_dir: Path) -> list[Path]:
-    """bench_model.py: per model (a row of panels), each variant's tokens/s, saved-for-backward MiB and peak memory
-    side by side, the unpatched variant's values drawn as a dashed line: model.png."""
+    """bench_model.py: per model (a row of panels), each variant's tokens/s, saved-for-backward MiB, its forward +
+    backward peak and the variant's peak memory side by side, the unpatched variant's values drawn as a dashed line:
+    model.png."""
     plt = _plt()
     if plt is None:
         return []
@@ -249,9 +250,10 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
     panels = (
         ("tokens_per_s", "tokens/s", 1.0),
         ("saved_bytes", "saved for backward (MiB)", 2**-20),
+        ("step_peak_bytes", "forward+backward peak (MiB)", 2**-20),
         ("peak_bytes", "peak RSS above start (MiB)" if cpu else "peak allocated (MiB)", 2**-20),
     )
-    fig, axes = plt.subplots(len(groups), 3, figsize=(13, 2.6 * len(groups) + 0.6), squeeze=False)
+    fig, axes = plt.subplots(len(groups), len(panels), figsize=(16, 2.6 * len(groups) + 0.6), squeeze=False)
     for i, (model, tokens) in enumerate(groups):
         rows = [r for r in res if r["model"] == model and r["tokens"] == tokens]
         names = [r["variant"] for r in rows]
@@ -267,13 +269,13 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
         ]
         for j, (key, label, scale) in enumerate(panels):
             ax = axes[i][j]
-            vals = [(r[key] or 0) * scale for r in rows]
+            vals = [(r.get(key) or 0) * scale for r in rows]
             ax.barh(range(len(rows)), vals, color=colours)
-            base = next((r[key] for r in rows if r["variant"] == "unpatched" and r[key]), None)
+            base = next((r.get(key) for r in rows if r["variant"] == "unpatched" and r.get(key)), None)
             if base:
                 ax.axvline(base * scale, color="k", ls="--", lw=0.8)
             for y, r in enumerate(rows):
-                if r[key] is None:
+                if r.get(key) is None:
                     ax.text(0, y, " n/a", va="center", fontsize=7)
             ax.set_yticks(range(len(rows)))
             ax.set_yticklabels(names if j == 0 else [], fontsize=7)

@@ -335,6 +335,8 @@ def test_bench_model_smoke(tmp_path):
     assert set(rows) == dense | {("gpt-oss-20b", v) for v in ("unpatched", "ffn_ext", "experts=ffn_ext")}, rows
     for r in rows.values():
         assert _positive(r["tokens_per_s"]) and _positive(r["saved_bytes"]) and _positive(r["peak_rss_bytes"]), r
+        # the forward + backward peak (the profiler's CPU allocations) holds at least what backward was given
+        assert _positive(r["step_peak_bytes"]) and r["step_peak_bytes"] >= r["saved_bytes"], r
         assert len(r["losses"]) == 2 and abs(r["loss_rel"]) < 1e-5, r
     cfg = data["models"]["llama-3-8b"]["config"]
     eager_mlp = cfg["num_hidden_layers"] * 4 * 32 * cfg["intermediate_size"] * 4  # fp32 [32 tokens, d_ff] x 4
