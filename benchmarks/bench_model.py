@@ -416,8 +416,9 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
             # the saved-tensors hooks would change what dynamo traces: not under compile
             hooks = contextlib.nullcontext() if variant.compile else common.SavedTensors(exclude=params)
             allocs = common.CpuAllocPeak() if dev.type == "cpu" else contextlib.nullcontext()
-            with allocs, hooks:
-                loss = step_model(input_ids=batches[i], labels=batches[i]).loss
+            with allocs:
+                with hooks:  # the forward only: a backward that recomputes under grad mode saves tensors too
+                    loss = step_model(input_ids=batches[i], labels=batches[i]).loss
                 loss.backward()
             saved = None if variant.compile else hooks.extra_bytes
             if dev.type == "cuda":
