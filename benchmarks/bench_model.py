@@ -626,7 +626,7 @@ def main(argv=None) -> int:
         notes.append(
             "CPU run: wall-clock medians on a shared machine; on the CPU, patch_hf_model's default runs PyTorch's "
             "own ops (no lean autograd unless recompute / token_chunk is asked), so its memory is unpatched's; "
-            "memory: saved-for-backward bytes and peak RSS"
+            "memory: saved-for-backward bytes, the forward + backward peak of the CPU allocator, peak RSS"
         )
     for s in skipped:
         notes.append(f"not run: {s['model']} / {s['variant']}: {s['reason']}")
