@@ -6,6 +6,7 @@ optional (plots are skipped with a note, the progress bar falls back to a plain 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -666,3 +667,112 @@ def add_common_args(p) -> None:
 
 def mode_of(args) -> str:
     return "full" if args.full else "smoke" if args.smoke else "quick"
+
+
+# ---------------------------------------------------------------- process memory (CPU whole-model runs)
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set now (Linux /proc; None elsewhere)."""
+    return _status_kib("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Resets the kernel's RSS high-water mark (VmHWM) to the current RSS, so that peak_rss_bytes() measures from
+    here (Linux: writing 5 to /proc/self/clear_refs). False where that is not possible: the peak is then the
+    process's since it started."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set since reset_peak_rss() (or its start): VmHWM, else ru_maxrss."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None
+
+
+def release_heap() -> None:
+    """Hands freed heap pages back to the kernel (glibc's malloc_trim), so that an RSS baseline taken next does not
+    count memory that the process merely kept from before."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class CpuAllocPeak:
+    """Context manager (CPU): the peak of the bytes that the CPU allocator handed out within the block and had not
+    taken back, above the block's start, from the profiler's allocation events (torch.profiler with
+    profile_memory=True: every allocation and free of c10's CPU allocator, in order). Unlike a dispatch mode
+    (_LiveStorages) it does not change what runs: the ops take their ordinary paths. `peak` is None where this
+    torch's profiler gives no allocation events. Kineto's start and stop lines on stderr are silenced."""
+
+    def __init__(self):
+        self.peak: int | None = None
+        self._prof = None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _quiet_stderr():
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with self._quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        with self._quiet_stderr():
+            self._prof.__exit__(*exc)
+        prof, self._prof = self._prof, None  # its event buffers go with it
+        try:
+            from torch._C._profiler import _EventType
+
+            allocs, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+            while todo:
+                e = todo.pop()
+                todo.extend(e.children)
+                if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                    allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+        except (AttributeError, ImportError, RuntimeError):
+            return False
+        live = peak = 0
+        for _, n in sorted(allocs):
+            live += n
+            peak = max(peak, live)
+        self.peak = peak if allocs else None
+        return False

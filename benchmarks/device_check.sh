@@ -2,9 +2,12 @@
 # The device check: everything that needs a GPU. Since the clamped SwiGLU and the interleaved layout (88 kernels per
 # architecture, about 1600 CUDA tests, 3968 sanitizer calls) it no longer fits one 10-minute call; run it as two
 # calls back to back on the same warm machine (the build stays), each under 10 minutes of stage limits:
-#   OUT=/some/dir STAGES="build sass cuda_tests" bash benchmarks/device_check.sh                  # limits 570 s
+#   OUT=/some/dir STAGES="build model cuda_tests" bash benchmarks/device_check.sh                 # limits 570 s
 #   OUT=/some/dir STAGES="quant_tests bench_quant fp8_mlp bench_ops host ncu memcheck bench_ffn racecheck" bash benchmarks/device_check.sh   # 520 s
-#   OUT=/some/dir STAGES="ffn_layer ffn_long nccl" bash benchmarks/device_check.sh   # FFN layer targets, NCCL: 420 s
+#   OUT=/some/dir STAGES="ffn_layer ffn_long nccl sass" bash benchmarks/device_check.sh   # FFN layer targets, NCCL, SASS: 510 s
+# The whole-model stage (model, 90 s) took the first call's place of the sass stage, a report on the build that uses
+# no GPU (CI checks the SASS itself: tests/test_sass.py), which moved to the third call; the build stays on the warm
+# machine between calls.
 # With less device time than both need, measure first: STAGES="build quant_tests bench_quant fp8_mlp bench_ops
 # memcheck" (570 s of limits: one call): the quantizing kernels and the FP8 MLP's GEMMs (never run on a GPU) first.
 #   OUT=/some/dir bash benchmarks/device_check.sh       # everything in one call: only with a longer per-call limit
@@ -18,7 +21,7 @@
 # Every stage has its own time limit and log under $OUT; the summary is printed last
 # and written to $OUT/summary.txt; all logs and benchmark outputs go into $OUT/device_check.tgz (the device tool
 # returns at most 8 files). Exit status: number of failed stages. STAGES="build cuda_tests ..." runs only those
-# (default: all of build sass cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl).
+# (default: all of build sass model cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl).
 # STAGE_LIMITS=off runs the stages without their time limits: the limits keep a device call under its 10 minutes,
 # while the test suite's run of the sass stage (tests/test_benchmarks_smoke.py) must not fail on a loaded machine.
 set -uo pipefail
@@ -33,7 +36,7 @@ PY=${PYTHON:-python3}
 failed=0
 : >"$LOGS/summary.txt"
 note() { echo "$*" | tee -a "$LOGS/summary.txt"; }
-STAGES=${STAGES:-build sass quant_tests bench_quant fp8_mlp cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl}
+STAGES=${STAGES:-build sass model quant_tests bench_quant fp8_mlp cuda_tests bench_ops host ncu memcheck bench_ffn racecheck ffn_layer ffn_long nccl}
 wanted() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
@@ -77,6 +80,20 @@ $PY -c "import ffn_ext, sys; print(ffn_ext.build_summary()); ffn_ext.has_cuda_ke
 # binary. Most of its time is cuobjdump's single-threaded dump of the sm_90 SASS, so its limit leaves about twice
 # what a loaded 2-core CPU takes.
 stage sass 90 $PY benchmarks/sass_budget.py
+
+# A whole Hugging Face model's training step (forward, loss, backward, AdamW), bf16, 2 layers at real widths, 4096
+# tokens: Llama-3-8B, Qwen3-30B-A3B (128 experts), GPT-OSS-20B (32 experts), Gemma-3-4B; unpatched against
+# ffn_ext's patch, recompute, token_chunk and experts_implementation="ffn_ext": tokens/s, peak allocated, saved bytes,
+# the loss after 7 steps. Then, inside its own --budget-s, torch.compile of Llama unpatched and patched, and Liger
+# where liger_kernel is installed; what the budget leaves out is listed as not run. Not yet timed: the eager rows
+# are expected to take 30-60 s, a compile about 45 s. The JSON is rewritten after every variant, so a stage cut at
+# its limit keeps what ran. Needs transformers on the machine.
+if $PY -c "import transformers" 2>/dev/null || ! wanted model; then
+  stage model 90 $PY benchmarks/bench_model.py --quick --device cuda --budget-s 75 \
+    --out "$LOGS/bench_model" --json "$OUT/model.json"
+else
+  note "$(printf '%-12s transformers is not installed: the whole-model benchmark NOT run' model)"; failed=$((failed + 1))
+fi
 
 # All CUDA tests, the large (>2**31 elements) ones included: 525 took 97 s; about 1600 now (2026-12-01), 300 s.
 # The quantizing kernels (csrc/cuda/quant_kernels.cuh, in four quant_part<i>.cu: 135 kernels, the group, row and

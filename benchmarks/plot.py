@@ -7,6 +7,7 @@ ops: one figure per op, bandwidth (GB/s) vs size, a panel per (dtype, direction)
 drawn as the ceiling (MoE-shaped cases as unconnected stars at their size); one figure per dtype with the speedup
 over ATen eager vs size.
 ffn: time of forward+backward and saved activation memory per implementation and model (SwiGLU, GeGLU).
+model: a whole model's training step, tokens/s, saved-for-backward and peak memory per variant (bench_model.py).
 """
 
 from __future__ import annotations
@@ -232,6 +233,65 @@ def _plot_ffn_memory(plt, res, meta, out_dir):
     return [_save(fig, out_dir / "ffn_memory.png")]
 
 
+def plot_model(payload: dict, out_dir: Path) -> list[Path]:
+    """bench_model.py: per model (a row of panels), each variant's tokens/s, saved-for-backward MiB, its forward +
+    backward peak and the variant's peak memory side by side, the unpatched variant's values drawn as a dashed line:
+    model.png."""
+    plt = _plt()
+    if plt is None:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res, meta = payload["results"], payload["meta"]
+    if not res:
+        return []
+    groups = list(dict.fromkeys((r["model"], r["tokens"]) for r in res))
+    cpu = meta["device_type"] == "cpu"
+    panels = (
+        ("tokens_per_s", "tokens/s", 1.0),
+        ("saved_bytes", "saved for backward (MiB)", 2**-20),
+        ("step_peak_bytes", "forward+backward peak (MiB)", 2**-20),
+        ("peak_bytes", "peak RSS above start (MiB)" if cpu else "peak allocated (MiB)", 2**-20),
+    )
+    fig, axes = plt.subplots(len(groups), len(panels), figsize=(16, 2.6 * len(groups) + 0.6), squeeze=False)
+    for i, (model, tokens) in enumerate(groups):
+        rows = [r for r in res if r["model"] == model and r["tokens"] == tokens]
+        names = [r["variant"] for r in rows]
+        colours = [
+            "tab:blue"
+            if n == "unpatched"
+            else "tab:green"
+            if n.startswith("compile") and "ffn_ext" not in n
+            else "tab:purple"
+            if n.startswith("liger") and "ffn_ext" not in n
+            else "tab:red"
+            for n in names
+        ]
+        for j, (key, label, scale) in enumerate(panels):
+            ax = axes[i][j]
+            vals = [(r.get(key) or 0) * scale for r in rows]
+            ax.barh(range(len(rows)), vals, color=colours)
+            base = next((r.get(key) for r in rows if r["variant"] == "unpatched" and r.get(key)), None)
+            if base:
+                ax.axvline(base * scale, color="k", ls="--", lw=0.8)
+            for y, r in enumerate(rows):
+                if r.get(key) is None:
+                    ax.text(0, y, " n/a", va="center", fontsize=7)
+            ax.set_yticks(range(len(rows)))
+            ax.set_yticklabels(names if j == 0 else [], fontsize=7)
+            ax.invert_yaxis()
+            ax.grid(axis="x", alpha=0.3)
+            ax.tick_params(axis="x", labelsize=7)
+            if i == len(groups) - 1:
+                ax.set_xlabel(label, fontsize=8)
+            if j == 0:
+                ax.set_title(f"{model}, {tokens} tokens", fontsize=8, loc="left")
+            elif i == 0:
+                ax.set_title(label, fontsize=8)
+    fig.suptitle(f"whole-model training step (forward, loss, backward, AdamW) — {_label(meta)}", fontsize=10)
+    return [_save(fig, out_dir / "model.png")]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -243,6 +303,8 @@ def main(argv=None) -> int:
         files += plot_ops(json.loads((d / "ops.json").read_text()), d)
     if (d / "ffn.json").exists():
         files += plot_ffn(json.loads((d / "ffn.json").read_text()), d)
+    if (d / "model.json").exists():
+        files += plot_model(json.loads((d / "model.json").read_text()), d)
     print("wrote: " + ", ".join(map(str, files)) if files else "no plots written", file=sys.stderr)
     return 0
 

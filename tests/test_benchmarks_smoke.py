@@ -313,3 +313,65 @@ def test_moe_saved_bytes_quick():
     eager, grouped, _batched, ours = (float(v) for v in sizes)
     assert 0 < ours < grouped < eager, rows[0]
     assert all(float(t.rstrip("x")) > 0 for t in times), rows[0]
+
+
+def test_bench_model_smoke(tmp_path):
+    """benchmarks/bench_model.py --smoke on a dense and an MoE model (tiny widths, 2 layers, 32 tokens, 2 training
+    steps): a row per variant with a positive tokens/s and saved bytes; the memory options keep less for backward
+    than unpatched, by exactly the eager MLP's four [tokens, d_ff] tensors per layer (gate, act(gate), up and h) for
+    recompute and token_chunk; ffn_ext's experts keep less than grouped_mm's; every variant's loss after the two steps
+    is unpatched's up to fp32 rounding (same weights, same batches); torch.compile is listed as not run, with why;
+    the table, the JSON (also at --json) and the plot are written."""
+    pytest.importorskip("transformers.integrations.moe")
+    models = ("--models", "llama-3-8b,gpt-oss-20b")
+    _run("bench_model.py", tmp_path, args=("--no-progress", *models, "--json", str(tmp_path / "copy.json")))
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert json.loads((tmp_path / "copy.json").read_text())["results"] == data["results"]
+    assert not data["errors"], data["errors"]
+    rows = {(r["model"], r["variant"]): r for r in data["results"]}
+    dense = {("llama-3-8b", v) for v in ("unpatched", "ffn_ext", "recompute", "token_chunk")}
+    assert set(rows) == dense | {("gpt-oss-20b", v) for v in ("unpatched", "ffn_ext", "experts=ffn_ext")}, rows
+    for r in rows.values():
+        assert _positive(r["tokens_per_s"]) and _positive(r["saved_bytes"]) and _positive(r["peak_rss_bytes"]), r
+        # the forward + backward peak (the profiler's CPU allocations) holds at least what backward was given
+        assert _positive(r["step_peak_bytes"]) and r["step_peak_bytes"] >= r["saved_bytes"], r
+        assert len(r["losses"]) == 2 and abs(r["loss_rel"]) < 1e-5, r
+    cfg = data["models"]["llama-3-8b"]["config"]
+    eager_mlp = cfg["num_hidden_layers"] * 4 * 32 * cfg["intermediate_size"] * 4  # fp32 [32 tokens, d_ff] x 4
+    base = rows[("llama-3-8b", "unpatched")]["saved_bytes"]
+    for v in ("recompute", "token_chunk"):
+        assert base - rows[("llama-3-8b", v)]["saved_bytes"] == eager_mlp, (v, rows[("llama-3-8b", v)])
+    assert rows[("llama-3-8b", "ffn_ext")]["saved_bytes"] <= base
+    moe = {v: rows[("gpt-oss-20b", v)]["saved_bytes"] for v in ("unpatched", "ffn_ext", "experts=ffn_ext")}
+    assert moe["experts=ffn_ext"] < moe["ffn_ext"] < moe["unpatched"], moe
+    skipped = {(s["model"], s["variant"]): s["reason"] for s in data["skipped"]}
+    assert skipped[("llama-3-8b", "compile")].startswith("--smoke"), skipped
+    md = (tmp_path / "model.md").read_text()
+    assert "| model | MLP | tokens | variant |" in md and "Not run:" in md
+    if _has_matplotlib():
+        assert (tmp_path / "model.png").stat().st_size > 1000
+
+
+def test_bench_model_plan(capsys, monkeypatch):
+    """bench_model.py --plan builds no model and needs no GPU: the GPU quick plan (what the device check's model
+    stage runs) is bf16, 2 layers, 4096 tokens, every model with the memory options, torch.compile of Llama only;
+    the CPU quick plan lists torch.compile and Liger as not run, each with its reason."""
+    if not (ROOT / "benchmarks" / "bench_model.py").is_file():
+        pytest.skip("benchmarks/bench_model.py is not next to the tests (copied without benchmarks/)")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_model
+
+    assert bench_model.main(["--plan", "--quick", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16, 2 layer(s), batch 1 x tokens [4096]" in out and "'qwen3-30b-a3b': 128" in out, out
+    runs = {(p[1], p[4]) for p in (line.split() for line in out.splitlines() if line.startswith("  run "))}
+    for m in bench_model.MODELS:
+        assert (m, "unpatched") in runs and (m, "ffn_ext") in runs, (m, runs)
+    assert ("llama-3-8b", "compile+ffn_ext") in runs and ("gemma-3-4b", "compile") not in runs, runs
+    assert ("gpt-oss-20b", "experts=ffn_ext") in runs and ("gemma-3-4b", "token_chunk") in runs, runs
+    assert bench_model.main(["--plan", "--quick", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32, 1 layer(s)" in out and "  run " in out
+    skips = [line for line in out.splitlines() if line.startswith("  skip ")]
+    assert any("compile" in s and "torch.compile on a CPU" in s for s in skips), skips
+    assert any("liger" in s and "not run on a CPU" in s for s in skips), skips
