@@ -7,11 +7,13 @@ one, ``define()`` registers the schemas here); ``register()`` adds, for every op
   This is the CPU's whole policy: on the CPU an op is PyTorch's own ops. Without CUDA kernels it serves CUDA
   tensors too, after a one-time warning;
 - its fake (Meta) kernel: the same checks, and outputs of the real kernels' shapes, dtypes and strides;
-- its autograd: one torch.autograd.Function per differentiable op (``FUNCTIONS``), in the form torch.func
-  supports (forward without ctx, setup_context, backward, jvp, a generated vmap rule), registered at the op's
-  Autograd key. A forward op's backward is its ``*_backward`` op; a ``*_backward`` op's own derivatives are those
-  of its forward op's ATen form (every order); every op's jvp is computed from its ATen form. The recompute ops
-  (which serve backward passes) refuse to record.
+- its autograd: two torch.autograd.Functions per differentiable op, of the same backward and jvp: one applied by
+  the op's Autograd kernel (``FUNCTIONS``), and one in the form torch.func takes (``FUNC_FUNCTIONS``: forward
+  without ctx, setup_context, a generated vmap rule), which the route applies under a transform. A forward op's
+  backward is its ``*_backward`` op; a ``*_backward`` op's own derivatives are those of its forward op's ATen form
+  (every order); every op's jvp is computed from its ATen form. The recompute ops (which serve backward passes)
+  refuse to record;
+- its vmap batching rule (one call of the op for the whole batch).
 
 The checks here own the user-facing rules, exception types and messages (``check``): the CPU and fake kernels run
 them, and the functional API runs them to explain an error of a CUDA kernel, whose C++ guards keep only their own

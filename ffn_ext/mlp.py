@@ -390,8 +390,8 @@ def _plain(op, x, ws, wd, bs, bd, chunk):
 
 
 def _no_meta(fn: str, x, weights: tuple) -> None:
-    # A loop, not any(<generator>): this runs on every call of the CPU path, where a generator's cost is a visible
-    # share of a 1-token MLP (docs/performance.md#cpu-call-overhead).
+    # A loop, not any(<generator>): this runs on every call, where a generator's cost is a visible share of a
+    # 1-token MLP on the CPU (docs/performance.md#cpu-call-overhead).
     if x.is_meta:
         return
     for w in weights:

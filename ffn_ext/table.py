@@ -300,7 +300,7 @@ class Gated:
     aten: Callable | None = None  # (gate, up, **params) -> out with ATen ops (the CPU kernel's); None: act(gate) * up
     aten_backward: Callable | None = None  # (grad, gate, up, **params) -> (dgate, dup); None: Glu's
     terms: Callable | None = None  # see gated_terms
-    check: Callable | None = None  # (op, **params): the ValueErrors the native ops raise for bad parameters
+    check: Callable | None = None  # (op, **params): the ValueErrors for bad parameters (check_params: every route)
     doc: str = ""
     # a gate of its own: (its functor, its parameters' struct), both in csrc/ffn_math.h; None: Glu<act>, no parameters
     cpp_gate: tuple[str, str] | None = None

@@ -22,7 +22,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
   op_kwargs(name, packing, params)   an op call's keyword arguments (parameters, layout=packing)
   host_params(name, params)    the test paths' params list ([limit, alpha, up_offset], or [])
   call(name, packing, params)
-                               the op with its keyword arguments, or its ATen fallback without the native library
+                               the op with its keyword arguments
   api_call(name, packing, params)    the public API callable of forward op `name` (gelu(approximate=),
                                gated(activation=), gated_packed(layout=), swiglu_clamped(limit=, ...), ...)
   terms(name, inputs, params)  an op (not packed) as products: which act value, times what, where (mask)
@@ -506,7 +506,7 @@ def assert_matches_reference(
         assert o.shape == r.shape, f"{where}: shape {tuple(o.shape)} != expected {tuple(r.shape)}"
         assert o.dtype == dtype, f"{where}: dtype {o.dtype} != input dtype {dtype}"
         assert o.device == inputs[0].device, f"{where}: device {o.device} != {inputs[0].device}"
-        # the native ops' outputs are fresh contiguous tensors (the ATen fallback's take ATen's strides)
+        # the ops' outputs are fresh contiguous tensors
         assert o.is_contiguous(), f"{where}: output is not contiguous (strides {o.stride()})"
         assert_close_to(o, r, dtype, where, scale=scale, spread=s, alt=a)
 

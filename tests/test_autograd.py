@@ -223,8 +223,7 @@ def _low_precision_vs_aten_autograd(name, dtype, device, packing):
         # ATen's formulas' own error in float (the 1 - tanh^2 its tanh GELU backward cancels, the exact GELU's
         # 1 + erf for negative x, times |grad up|) is allowed on top: the CPU kernels are ATen's composites
         spread = (w32.double() - w64).abs() / tolerance(dtype)["rtol"]
-        # (on the CPU the public API runs ATen's autograd of the expression in the dtype, ws: ffn_ext/ops.py's host
-        # path, and the fallback without the native library)
+        # (on the CPU, ATen's autograd of the expression in the dtype, ws, is accepted too)
         alt = None if composite is None else [composite[k], ws.double()]
         assert_close_to(g, w64, dtype, f"{name} {packing} grad vs fp64 autograd", spread=spread, alt=alt)
         assert_close_to(

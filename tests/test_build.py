@@ -1,6 +1,6 @@
 """The other ways to build and load ffn_ext: the JIT build (ffn_ext.jit.load), the CMake build (CMakeLists.txt:
-libffn_ext_ops.so with the schemas for C++ consumers, and the Python module _C), and the pure-ATen fallback when
-ffn_ext._C is missing. Every binary is on torch's stable ABI: no c10::/at::/torch:: symbol but torch::stable.
+libffn_ext_ops.so with the schemas for C++ consumers, and the Python module _C), and, when ffn_ext._C is missing,
+the ops ffn_ext defines itself. Every binary is on torch's stable ABI: no c10::/at::/torch:: symbol but torch::stable.
 
 Builds run CPU-only (FFN_EXT_FORCE_CPU=1 / -DFFN_EXT_WITH_CUDA=OFF) in temporary directories, in subprocesses (one
 registration of the ffn_ext namespace per process), with two parallel jobs. Subprocesses import the ffn_ext under
@@ -562,7 +562,7 @@ def test_jit_load_stops_before_compiling_on_a_broken_toolkit(tmp_path):
     assert not (tmp_path / "build").exists() or not any((tmp_path / "build").iterdir())
 
 
-# ---------------------------------------------------------------- (c) no _C: ATen fallback
+# ---------------------------------------------------------------- (c) no _C: ffn_ext defines the ops
 def test_import_without_C_warns_once_and_defines_the_ops_itself():
     code = r"""
     import sys, warnings

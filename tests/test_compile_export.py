@@ -244,8 +244,8 @@ def _tiny_loss(model):
 def test_transforms_under_compile_match_aten():
     """torch.compile(grad(...)), compile(vmap(grad(functional_call(SwiGLUFFN))), fullgraph=True) and jvp under
     compile give the eager transforms' results, which test_transforms checks against ATen's, here on every forward
-    op of the table (TinyMLP) and against SwiGLUFFN's ATen expression. Under a transform the functional API and
-    the lean autograd take ATen's ops (the C++ autograd::Function refuses functorch), also while traced."""
+    op of the table (TinyMLP) and against SwiGLUFFN's ATen expression. While dynamo traces a transform, the route
+    computes each op by its ATen form (dynamo traces no Function with a custom jvp)."""
     from torch.func import functional_call, grad, jvp, vmap
 
     import ffn_ext

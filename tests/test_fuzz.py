@@ -117,8 +117,8 @@ def aten_same_dtype(name, ins, params=None):
 
 
 def aten_autograd(name, ins, params=None):
-    """For a backward op: ATen's autograd of the forward op's ATen composite on the same inputs (what the public API
-    computes on plain CPU tensors, ops._on_host), as a list; [] for other ops. Its non-finite results may differ
+    """For a backward op: ATen's autograd of the forward op's ATen composite on the same inputs, as a list; [] for
+    other ops. Its non-finite results may differ
     from the composite's backward formula (relu's keeps grad where x is NaN)."""
     if not name.endswith("_backward"):
         return []

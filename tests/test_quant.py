@@ -143,7 +143,7 @@ def test_fuzzed_shapes(dtype, device):
     # shapes: rows 0, 1, odd, 3-D leading dims; group counts 1..many; strided and packed inputs; specials
     gen = torch.Generator().manual_seed(1234 + dtype.itemsize)
     if dtype == torch.float64 and device == "cuda":
-        # the stable CUDA kernels quantize float32/16 and bfloat16 only (a TypeError tagged across the stable ABI);
+        # the stable CUDA kernels quantize float32/16 and bfloat16 only (the CUDA glue's guard: a RuntimeError);
         # the Python API computes float64 with the op's ATen composite, which run_form calls below
         x, r = torch.randn(3, 256, dtype=dtype, device=device), QuantRecipe()
         with pytest.raises(RuntimeError, match=r"\[TypeError\] ffn_ext\.quantize: the CUDA kernels quantize float32"):

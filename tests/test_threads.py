@@ -147,7 +147,8 @@ def test_concurrent_first_calls_cpu(import_in_threads):
 
 @pytest.mark.slow
 def test_concurrent_first_calls_aten_fallback():
-    """The pure-ATen fallback (no native library): same results, and its one warning (if any) only once."""
+    """No native library (ffn_ext defines the ops, PyTorch's own ops their kernels): same results, and its one
+    warning (if any) only once."""
     out = _run(16, "cpu", True, {"FFN_EXT_NO_C": "1"})
     w = _warnings(out)
     assert len(w) == len(set(w)), out

@@ -1,10 +1,10 @@
 """torch.func transforms and forward-mode AD through the functional API.
 
-Each differentiable op has one autograd.Function in the form torch.func takes (setup_context, jvp, a generated vmap
-rule; ffn_ext/_kernels.py). The functional API (every forward op of the table: ffn_ext.gelu/silu/swiglu/geglu/
-gated/swiglu_clamped/..., the packed ones in both layouts, and the modules built on them) applies it under a
-transform, so grad, jacrev, jvp, jacfwd, hessian and vmap reach the op. Results are compared with the same transform
-applied to the ATen reference, on fresh float64 inputs.
+Each differentiable op has, besides its Autograd kernel's Function, one in the form torch.func takes (setup_context,
+jvp, a generated vmap rule; ffn_ext/_kernels.py FUNC_FUNCTIONS). The functional API (every forward op of the table:
+ffn_ext.gelu/silu/swiglu/geglu/gated/swiglu_clamped/..., the packed ones in both layouts, and the modules built on
+them) applies it under a transform, so grad, jacrev, jvp, jacfwd, hessian and vmap reach the op. Results are
+compared with the same transform applied to the ATen reference, on fresh float64 inputs.
 """
 
 from __future__ import annotations

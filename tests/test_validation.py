@@ -732,8 +732,8 @@ PARAM_CASES = _param_cases()
 
 
 def _op_paths(name, args, kw):
-    """Every way to call op `name`: the dispatcher on real and meta tensors and under FakeTensorMode, the ATen
-    fallback, and for forward ops the public API."""
+    """Every way to call op `name`: the dispatcher on real and meta tensors and under FakeTensorMode, and for
+    forward ops with parameters or a layout the public API."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def fake():

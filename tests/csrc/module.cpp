@@ -46,7 +46,7 @@ std::vector<at::Tensor> from_handles(const Handles& h) {
 }
 
 // A test function's Python face: a bad call of it (UsageError) is a ValueError; what the glue throws is left as it
-// is, std::runtime_error -> RuntimeError with the check's tag, what the CUDA kernels raise.
+// is, std::runtime_error -> RuntimeError with the guard's message, what the CUDA kernels raise.
 template <class Fn>
 auto python_errors(Fn&& fn) -> decltype(fn()) {
   try {
