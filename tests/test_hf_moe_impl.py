@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import ffn_ext
 from ffn_ext.hf import common, moe
 
 transformers = pytest.importorskip("transformers")
@@ -85,6 +86,22 @@ def _against(model, monkeypatch, reference="eager"):
     for m in _experts(model):
         moe._gating(m)  # its plan and self-check, once, before the counts start
     return ref, Counts(monkeypatch)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_patched_experts_run_the_ffn_ext_implementation(kind, monkeypatch):
+    """patch_hf_model first, then experts_implementation="ffn_ext": the experts run ffn_ext's (its gating from the
+    patch's own plan: recognising the patched instance again would see the patch and refuse), not grouped_mm."""
+    model = _tiny(kind)
+    ref = copy.deepcopy(model)
+    assert ffn_ext.patch_hf_model(model) >= 2
+    model.set_experts_implementation("ffn_ext")
+    counts = Counts(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        logits = model(IDS).logits
+    assert counts.fallback == 0 and counts.gating == len(_experts(model)) == 2
+    torch.testing.assert_close(logits, ref(IDS).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_register_is_idempotent():

@@ -51,18 +51,11 @@ def test_main_key_lines(full_run):
         out,
     )
     assert "params 4,718,592 = 2 x 768 x 3072" in out and "params 13,074,432 = 3 x 896 x 4864" in out
-    classic = re.search(
-        r"\[16, 3072\] tensors: eager PyTorch (\d+), FFN (\d+)(?: here \(eager's ops\), (\d+) lean)?", out
-    )
-    gated = re.search(
-        r"\[16, 4864\] tensors: eager PyTorch (\d+), SwiGLUFFN (\d+)(?: here \(eager's ops\), (\d+) "
-        r"lean)?",
-        out,
-    )
+    classic = re.search(r"\[16, 3072\] tensors: eager PyTorch (\d+), FFN (\d+)", out)
+    gated = re.search(r"\[16, 4864\] tensors: eager PyTorch (\d+), SwiGLUFFN (\d+)", out)
     assert classic and gated, out
     assert int(classic.group(1)) == 2 and int(gated.group(1)) == 4  # eager keeps z, act(z) / gate, act, up, h
-    lean_classic, lean_gated = (int(m.group(3) or m.group(2)) for m in (classic, gated))
-    assert lean_gated == 2 and lean_classic <= 2  # the lean autograd (1 for the classic FFN on plain_mlp)
+    assert int(classic.group(2)) == 1 and int(gated.group(2)) == 2  # the lean autograd: z / gate, up
     assert "134,217,728 params" in out and "= 11008) 135,266,304 params (+0.78%)" in out
     assert "swiglu_hidden_dim(896) = 2560" in out and "ffn_dim_multiplier=2.0) = 4864" in out
     # one line per activation of the table, its checks counted from the table

@@ -48,7 +48,7 @@ from optable import (
 import ffn_ext
 
 OPS = torch.ops.ffn_ext
-CUDA = torch.cuda.is_available() and ffn_ext.build_info().get("native") != "none (ATen fallback)"
+CUDA = torch.cuda.is_available() and ffn_ext.has_cuda_kernels()
 
 
 def rnd(*shape, dtype=torch.float32, device="cpu"):

@@ -33,7 +33,12 @@ def _gating(module) -> Gating | None:
     the experts' form)."""
     found = module.__dict__.get(_RECOGNISED)
     if found is None:
-        found = module.__dict__[_RECOGNISED] = forms.plan(module, forms=(forms.EXPERTS,)) or "not gated experts"
+        patched = module.__dict__.get("_apply_gate")
+        if isinstance(patched, forms.Patched):  # patch_model recognised and checked it: its plan (recognising the
+            found = (patched.form, patched.plan)  # instance again would see its own patch there, and refuse)
+        else:
+            found = forms.plan(module, forms=(forms.EXPERTS,)) or "not gated experts"
+        module.__dict__[_RECOGNISED] = found
     if isinstance(found, str) or not guards_hold(module, found[1].guards):
         return None
     return forms.EXPERTS.gating(module, found[1])
