@@ -30,7 +30,8 @@ above what was allocated before the variant's model copy; CPU: peak RSS above th
 high-water mark reset per variant); the loss at step K (the last step's forward, after K - 1 AdamW updates)
 relative to unpatched. Writes model.md, model.json (--json PATH: also there) and model.png; the JSON and the table
 are rewritten after every variant, so a run cut short keeps what ran. Numbers on a CPU are not a GPU's: on a CPU
-ffn_ext's default runs PyTorch's own ops, and the time is wall-clock on whatever else the machine runs.
+ffn_ext's ops are PyTorch's own (the lean autograd's recompute costs time there), and the time is wall-clock on
+whatever else the machine runs.
 """
 
 from __future__ import annotations
@@ -624,9 +625,9 @@ def main(argv=None) -> int:
     notes = [head]
     if dev.type == "cpu":
         notes.append(
-            "CPU run: wall-clock medians on a shared machine; on the CPU, patch_hf_model's default runs PyTorch's "
-            "own ops (no lean autograd unless recompute / token_chunk is asked), so its memory is unpatched's; "
-            "memory: saved-for-backward bytes, the forward + backward peak of the CPU allocator, peak RSS"
+            "CPU run: wall-clock medians on a shared machine; on the CPU ffn_ext's ops are PyTorch's own (the lean "
+            "autograd's recompute costs time there); memory: saved-for-backward bytes, the forward + backward peak of "
+            "the CPU allocator, peak RSS"
         )
     for s in skipped:
         notes.append(f"not run: {s['model']} / {s['variant']}: {s['reason']}")
