@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from hf_oracle import one_thread  # noqa: F401  (an autouse fixture: tiny tensors, one thread)
 from optable import RecordOps
 
 import ffn_ext.torchtitan as fft
@@ -45,14 +46,6 @@ except ImportError as e:  # the test above runs without it
     MISSING = str(e)
 needs_titan = pytest.mark.skipif(bool(MISSING), reason=f"torchtitan (0.3) is not installed: {MISSING}")
 K, LR = 3, 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _llama3(converters=None):

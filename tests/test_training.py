@@ -33,6 +33,7 @@ import ffn_ext
 
 transformers = pytest.importorskip("transformers")
 import hf_oracle  # noqa: E402
+from hf_oracle import one_thread  # noqa: E402,F401  (an autouse fixture: tiny tensors, one thread)
 
 K, LR = 5, 1e-3  # AdamW steps, learning rate
 BATCH, SEQ = 2, 16  # 32 tokens a step; token_chunk=7 leaves a ragged last chunk of 4
@@ -86,15 +87,6 @@ CASES = [
 ]
 FP32 = dict(loss_rtol=1e-6, distance=1e-3)
 BF16 = dict(loss_rtol=1e-3, distance_ratio=1.5)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, above all on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _models(kind):
