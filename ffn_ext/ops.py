@@ -146,7 +146,7 @@ def _call(name: str, args: tuple, extra: tuple = ()):
         return _kernels.route(name, args, kwargs)
     except Exception as e:
         promoted = _promoted(args)  # inputs of two float dtypes: the kernels' checks refused them, then this
-        if promoted is not args:
+        if promoted is not None:
             return _call(name, promoted, extra)
         if _compat.has_dtensor(args) and _register_dtensor():
             return _call(name, args, extra)
@@ -171,17 +171,17 @@ def _explained(name: str, args: tuple, kwargs: dict, err: Exception) -> Exceptio
     return err
 
 
-def _promoted(args: tuple) -> tuple:
+def _promoted(args: tuple) -> tuple | None:
     """args converted to their common dtype (torch.promote_types: float32 and bfloat16 -> float32) when they are
     floating-point tensors of different dtypes, as ATen's silu(gate) * up promotes (under autocast, a projection's
-    bfloat16 output next to a float32 tensor): the op then computes once and rounds once, in that dtype. args
-    itself otherwise (the checks then name what is wrong)."""
+    bfloat16 output next to a float32 tensor): the op then computes once and rounds once, in that dtype. None
+    otherwise (the checks then name what is wrong)."""
     for t in args:
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
-            return args
+            return None
     dtype = args[0].dtype
     if all(t.dtype is dtype for t in args):
-        return args
+        return None
     for t in args[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return tuple(t.to(dtype) for t in args)
