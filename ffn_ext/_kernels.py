@@ -12,7 +12,8 @@ one, ``define()`` registers the schemas here); ``register()`` adds, for every op
   without ctx, setup_context, a generated vmap rule), which the route applies under a transform. A forward op's
   backward is its ``*_backward`` op; a ``*_backward`` op's own derivatives are those of its forward op's ATen form
   (every order); every op's jvp is computed from its ATen form. The recompute ops (which serve backward passes)
-  refuse to record;
+  refuse to record. On the CPU the ops whose ATen autograd is their backward op's (OpSpec.aten_autograd: GELU,
+  SiLU) record ATen's own autograd of their CPU kernel instead (``_cpu_autograd``): eager PyTorch's cost;
 - its vmap batching rule (one call of the op for the whole batch).
 
 The checks here own the user-facing rules, exception types and messages (``check``): the CPU and fake kernels run
@@ -40,7 +41,7 @@ __all__ = [
     "check_kinds",
     "compute",
     "cpu_kernel",
-    "quiet",
+    "eager",
     "route",
     "add_hook",
     "define",
@@ -146,7 +147,7 @@ def check(name: str, args: tuple, params: dict, layout: str | None) -> None:
 def _plain(args: tuple) -> bool:
     """A CPU kernel's arguments are plainly valid: floating point, and (more than one) of one dtype and shape, all on
     the CPU. What check() would pass, in a few attribute reads, for dense strided tensors (what the dispatcher sends
-    a CPU kernel, and what the route's fast path calls one with: quiet); the kernels run check() where it is False."""
+    a CPU kernel, and what the route's fast path calls one with: eager); the kernels run check() where it is False."""
     a = args[0]
     if a.dtype not in _FLOATS:
         return False
@@ -308,15 +309,18 @@ def _no_cuda_kernel(name: str):
 
 # ---------------------------------------------------------------- the route
 # One route for every call of an op from Python (the functional API, the Functions' own backward, the MLPs): the
-# dispatcher op, which routes devices, autograd, modes and subclasses; one fast path where nothing is to be
-# recorded skips the ops' Python autograd kernel (microseconds a call: a decode step on a GPU without CUDA graphs
-# pays them per activation), and on the CPU the dispatcher too (the CPU kernel is a Python function, called
-# directly). Under a torch.func transform the call starts at the op's Function: torch runs a Python autograd formula
-# under torch.func only when it is applied from Python (pytorch/pytorch#168393), and its forward calls the op. While
-# torch.compile traces a transform, the op is its ATen form: dynamo traces no Function with a custom jvp.
+# dispatcher op, which routes devices, autograd, modes and subclasses. Its one fast path, for plain tensors in eager
+# mode (`eager`), does what the dispatcher would do without its hops (microseconds a call: a decode step on a GPU
+# without CUDA graphs pays them per activation): on the CPU the CPU kernel, directly (under ATen's autograd where
+# the op's CPU autograd is its form's: OpSpec.aten_autograd, `_cpu_autograd`); elsewhere, where something is to be
+# recorded, the op's Function, and else the op below its Python autograd kernel. Under a torch.func transform the
+# call starts at the op's Function: torch runs a Python autograd formula under torch.func only when it is applied
+# from Python (pytorch/pytorch#168393), and its forward calls the op. While torch.compile traces a transform, the op
+# is its ATen form: dynamo traces no Function with a custom jvp.
 _is_compiling = torch.compiler.is_compiling
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _grad_enabled = torch.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
 _function_mode = torch._C._is_torch_function_mode_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _layer_depth = torch._C._functorch.get_dynamic_layer_stack_depth
@@ -327,15 +331,14 @@ _overloads: dict = {}  # op name -> torch.ops.ffn_ext.<name>.default, looked up 
 CPU_KERNELS: dict = {}  # op name -> its CPU kernel (register fills it): what the dispatcher would call
 
 
-def quiet(args: tuple) -> bool:
-    """The fast path's one predicate: plain dense tensors that nothing records (grad mode off, or none requires
-    grad), outside forward-mode AD, torch.func transforms, torch.compile's and torch.jit's tracing and torch
-    function / dispatch modes. Under any of those the dispatcher op runs with its autograd kernel, which decides."""
+def eager(args: tuple) -> bool:
+    """The fast path's one predicate: plain dense tensors, outside forward-mode AD, torch.func transforms,
+    torch.compile's and torch.jit's tracing and torch function / dispatch modes. Under any of those the dispatcher
+    op runs, and its autograd kernel decides."""
     if _is_compiling():  # first: dynamo cannot trace the checks below
         return False
-    grad = _grad_enabled()
     for t in args:
-        if type(t) is not _Tensor or (grad and t.requires_grad) or t.layout is not _STRIDED or t.is_nested:
+        if type(t) is not _Tensor or t.layout is not _STRIDED or t.is_nested:
             return False
     return _fw_ad._current_level < 0 and not (_layer_depth() or _function_mode() or _dispatch_modes() or _tracing())
 
@@ -354,12 +357,17 @@ def overload(name: str):
 
 def route(name: str, args: tuple, kwargs: dict):
     """Op `name` on tensors `args` with its keyword arguments, by the one route (above)."""
-    if quiet(args):
+    if eager(args):
         if args[0].is_cpu:  # (another argument on another device: the CPU kernel's check names it)
-            return CPU_KERNELS[name](*args, **kwargs)
-        with _below_autograd():
-            return overload(name)(*args, **kwargs)
-    if name in FUNCTIONS and _compat.functorch_active():
+            if name in ATEN_AUTOGRAD or not (_grad_enabled() and _any_requires_grad(*args)):
+                return CPU_KERNELS[name](*args, **kwargs)
+        elif not (_grad_enabled() and _any_requires_grad(*args)):
+            with _below_autograd():
+                return overload(name)(*args, **kwargs)
+        function = FUNCTIONS.get(name)  # (none for the recompute ops: their autograd kernel refuses to record)
+        if function is not None:
+            return function.apply(*args, *(kwargs.get(k, DEFAULTS[name][k]) for k in KEYWORDS[name]))
+    elif name in FUNCTIONS and _compat.functorch_active():
         if _is_compiling():  # dynamo traces no Function with a custom jvp: the ATen form, which it traces whole
             params, layout = split_kwargs(name, kwargs)
             check(name, args, params, layout)
@@ -422,7 +430,7 @@ def _functions(name: str) -> tuple[Any, Any]:
 
     def run(args):  # the dispatcher op (not route, which under torch.func would apply the Function again)
         ins, kwargs = args[:n], dict(zip(keys, args[n:]))
-        if quiet(ins):
+        if eager(ins):  # (grad mode is off in a Function's forward: the fast path's kernel below autograd)
             return route(name, ins, kwargs)
         return overload(name)(*ins, **kwargs)
 
@@ -473,12 +481,32 @@ FUNCTIONS: dict[str, Any] = {}
 FUNC_FUNCTIONS: dict[str, Any] = {}
 
 
-_any_requires_grad = torch._C._any_requires_grad
-
-
 def _records(args: tuple) -> bool:
     """Something is to be recorded: a gradient (grad mode on, an input requires grad) or a forward-mode tangent."""
     return (_grad_enabled() and _any_requires_grad(*args)) or (_fw_ad._current_level >= 0 and _compat.has_tangent(args))
+
+
+# the ops whose CPU autograd is ATen's, of their CPU kernel's form (OpSpec.aten_autograd)
+ATEN_AUTOGRAD = frozenset(n for n, s in OPS.items() if s.aten_autograd)
+
+
+def _cpu_autograd(name: str):
+    """Op `name`'s AutogradCPU kernel, for the ops of ATEN_AUTOGRAD: on plain tensors its CPU kernel, whose ATen ops
+    record their own autograd (C++ nodes, every order, forward mode; what ATen's own act(gate) * up costs), also
+    under torch.func. Anything else takes the Autograd kernel, then the dispatcher: tensor subclasses (DTensor,
+    FakeTensor while torch.compile traces) and dispatch modes, so that their rules for the op apply and they see it
+    (a compiled graph keeps it); sparse, nested and quantized tensors, which have no ffn_ext kernel."""
+    kernel, general = CPU_KERNELS[name], _autograd(name)
+
+    def autograd_cpu(keyset, *args, **kwargs):
+        if _dispatch_modes():
+            return general(keyset, *args, **kwargs)
+        for t in args:
+            if type(t) is not _Tensor or t.layout is not _STRIDED or t.is_nested or t.dtype not in _FLOATS:
+                return general(keyset, *args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    return autograd_cpu
 
 
 def _autograd(name: str):
@@ -585,6 +613,8 @@ def register(cuda_kernels: bool, cuda_off: str | None = None) -> None:
         if spec.differentiable:
             FUNCTIONS[name], FUNC_FUNCTIONS[name] = _functions(name)
         lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
+        if name in ATEN_AUTOGRAD:
+            lib.impl(name, _cpu_autograd(name), "AutogradCPU", with_keyset=True)
         torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name), lib=lib)
     for hook in _hooks:
         hook(lib, cuda_kernels)

@@ -68,6 +68,9 @@ class Activation:
     # return (signed zeros matter: gelu(-inf) = -0)
     limits: tuple = (-0.0, _INF, 0.0, 1.0)
     eager: Callable | None = None  # the plain-PyTorch form a model writes (benchmarks' "ATen eager"); None: aten
+    # ATen's autograd of aten computes aten_backward, bit for bit (ATen's own derivative): then the CPU autograd of
+    # its forward ops without parameters is ATen's (OpSpec.aten_autograd)
+    aten_autograd: bool = False
     hf_names: tuple = ()  # transformers' ACT2FN names that compute exactly this function
     # how the public API names it: (function, {keyword: value}), e.g. ("gelu", {"approximate": "tanh"}); None (the
     # default): ffn_ext.act(x, activation=name), which serves every entry
@@ -199,6 +202,7 @@ ACTIVATIONS = (
         aten=F.gelu,
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x),
         hf_names=("gelu", "gelu_python"),
+        aten_autograd=True,
         formula=_gelu_ref,
         cancel=_gelu_cancel,
         doc="exact GELU, 0.5 x (1 + erf(x / sqrt 2)) (F.gelu)",
@@ -210,6 +214,7 @@ ACTIVATIONS = (
         aten=lambda x: F.gelu(x, approximate="tanh"),
         aten_backward=lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh"),
         hf_names=("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_accurate", "gelu_fast"),
+        aten_autograd=True,
         formula=_gelu_tanh_ref,
         cancel=_gelu_tanh_cancel,
         doc="tanh GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (F.gelu(approximate='tanh'))",
@@ -218,8 +223,10 @@ ACTIVATIONS = (
         name="silu",
         gated="swiglu",
         api=("silu", {}),
-        aten=F.silu,
+        aten=torch._C._nn.silu,  # F.silu without its Python frame (a decode step pays it per call)
         aten_backward=lambda g, x: torch.ops.aten.silu_backward(g, x),
+        aten_autograd=True,
+        eager=F.silu,
         hf_names=("silu", "swish"),
         formula=_silu_ref,
         cancel=_silu_cancel,
@@ -456,6 +463,14 @@ class OpSpec:
         if self.recompute:
             return self.act.name
         return self.name[: -len("_backward")] if self.backward else self.name
+
+    @property
+    def aten_autograd(self) -> bool:
+        """On the CPU its autograd is ATen's, of its CPU kernel's form: the forward ops whose backward op computes
+        what ATen's autograd of the form does, bit for bit (their activation's aten_autograd), so that eager and a
+        compiled graph (which keeps the op) agree. Not with parameters: ATen's autograd of the clamped SwiGLU's form
+        rounds differently from the op's formula (up to 1e-3 relative in fp32 where it cancels)."""
+        return self.act.aten_autograd and not self.backward and not self.params
 
     @property
     def example(self) -> dict:

@@ -1,6 +1,7 @@
 """The one route of every public call (ffn_ext/_kernels.py `route`): the dispatcher op, which routes devices,
-autograd, modes and subclasses; its one fast path where nothing is to be recorded (`quiet`: the op's kernel directly
-on the CPU, below the ops' Python autograd kernel elsewhere); the op's Function under torch.func. Every path gives
+autograd, modes and subclasses; its one fast path for plain tensors in eager mode (`eager`: on the CPU the op's
+kernel directly; elsewhere the op's Function where something records, else the op below its Python autograd
+kernel); the op's Function under torch.func. Every path gives
 torch.ops' results and the Python checks' errors.
 
 A spy counts the calls that took the fast path (the CPU kernel called directly, or the dispatcher below autograd).
@@ -102,18 +103,37 @@ def test_plain_tensors_take_the_fast_path_and_match_torch_ops(monkeypatch, name,
     assert spy.fast == (0 if standin else 2)
 
 
-def test_recording_goes_through_the_ops_function(monkeypatch):
+@pytest.mark.parametrize("name", FORWARD_OPS)
+def test_recording_on_the_cpu_is_atens_autograd_or_the_ops_function(monkeypatch, name):
+    """Where something records, a CPU op whose table entry says so (aten_autograd) runs its CPU kernel under ATen's
+    autograd, by the public call and by torch.ops alike; every other op records its Function. Either way the fast
+    path serves the call where the tensors are plain, and the gradients are the backward op's."""
     spy = Spy(monkeypatch)
-    gate, up = _args("swiglu", "cpu", torch.float64, requires_grad=True)
+    args = _args(name, "cpu", torch.float64, requires_grad=True)
+    out = api_call(name)(*args)
+    assert spy.fast == 1  # the CPU kernel, directly or in the Function's forward
+    node = type(out.grad_fn).__name__
+    assert node == type(call(name)(*args).grad_fn).__name__
+    assert (node == f"ffn_ext_{name}Backward") != spec(name).aten_autograd, node
+    with torch.no_grad():
+        assert api_call(name)(*args).grad_fn is None
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, args, grad)
+    want = call(name + "_backward")(grad, *(a.detach() for a in args))
+    for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w), name
+    assert torch.autograd.gradcheck(api_call(name), args)
+
+
+def test_recording_elsewhere_goes_through_the_ops_function(monkeypatch):
+    """On other devices (meta here) a recorded call applies the op's Function, directly from the fast path."""
+    spy = Spy(monkeypatch)
+    gate, up = _args("swiglu", "meta", requires_grad=True)
     out = ffn_ext.swiglu(up=up, gate=gate)
     assert type(out.grad_fn).__name__ == "ffn_ext_swigluBackward", out.grad_fn
-    assert torch.autograd.gradcheck(ffn_ext.swiglu, (gate, up))
-    with torch.no_grad():
-        assert ffn_ext.swiglu(gate, up).grad_fn is None
-    before = spy.fast
+    assert spy.fast == 1  # the Function's forward: the op below autograd
     out.sum().backward()  # the backward op, called by the Function: nothing records there, so the fast path
-    assert spy.fast == before + 1
-    torch.testing.assert_close(gate.grad, torch.func.grad(lambda g: (F.silu(g) * up).sum())(gate.detach()))
+    assert spy.fast == 2 and gate.grad.shape == gate.shape
 
 
 def test_torch_dispatch_mode_sees_the_op():

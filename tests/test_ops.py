@@ -236,6 +236,27 @@ def test_cpu_nonfinite_follow_aten(name, dtype):
             assert g[2].item() == 0, "a NaN input where the op selects 0 must give 0"
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("name", [n for n in OPS if spec(n).aten_autograd])
+def test_cpu_autograd_is_the_backward_op(name, dtype):
+    # Where the table says an op's CPU autograd is ATen's (aten_autograd), ATen's autograd of its CPU kernel gives
+    # what its backward op computes, bit for bit: random, extreme and non-finite inputs (relu's would not: ATen's
+    # derivative is 0 at NaN, the table's NaN).
+    ins = make_inputs(name, (2, 8), dtype)
+    target = ins[activation_arg(name)]
+    target = split_packed(target, "concat")[0] if is_packed(name) else target
+    specials = torch.tensor([-math.inf, math.inf, math.nan, -1e4, 1e4, 0.0, -0.0, -88.5], dtype=dtype)
+    target[0].copy_(specials)
+    leaves = [t.clone().requires_grad_() for t in ins]
+    out = api_call(name)(*leaves)
+    assert not type(out.grad_fn).__name__.startswith("ffn_ext"), out.grad_fn
+    grad = make_layout(out.shape, dtype)
+    got = torch.autograd.grad(out, leaves, grad)
+    want = as_tuple(call(name + "_backward")(grad, *ins))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
 def test_reference_helpers_can_fail():
     # Guard the guards: the tolerance rejects the tanh GELU approximation (~5e-4 off) in fp32 and a one-ulp-off
     # fp64 result; the reference of swiglu_backward is not the forward's.

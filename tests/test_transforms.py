@@ -176,13 +176,25 @@ def test_every_transform_reaches_the_op():
         assert [o for o in rec.ops if o.startswith("ffn_ext")] == want, (k, rec.ops)
 
 
-def test_torch_ops_under_a_gradient_transform_say_to_call_the_api():
-    """torch.ops.ffn_ext.<op> itself under torch.func.grad: torch runs a Python autograd formula under torch.func
-    only from Python, so the op raises a clear error (never a result without its gradient); the functional API is
+@pytest.mark.parametrize("name", optable.FORWARD_OPS)
+def test_torch_ops_under_a_gradient_transform_reach_atens_autograd_or_say_to_call_the_api(name):
+    """torch.ops.ffn_ext.<op> itself under torch.func.grad: on the CPU an op whose autograd there is ATen's
+    (aten_autograd) gives the functional API's gradient; any other raises a clear error (never a result without its
+    gradient): torch runs a Python autograd formula under torch.func only from Python, and the functional API is
     what applies the op's Function there."""
-    x = torch.randn(3, 4, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="call the functional API"):
-        torch_func.grad(lambda t: torch.ops.ffn_ext.gelu(t).sum())(x)
+    args = optable.make_inputs(name, (3, 4), torch.float64)
+
+    def loss(fn):
+        return lambda *a: fn(*a).square().sum()
+
+    grad = torch_func.grad(loss(optable.call(name)), argnums=tuple(range(len(args))))
+    if optable.spec(name).aten_autograd:
+        want = torch_func.grad(loss(optable.api_call(name)), argnums=tuple(range(len(args))))(*args)
+        for g, w in zip(grad(*args), want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    else:
+        with pytest.raises(RuntimeError, match="call the functional API"):
+            grad(*args)
 
 
 # every op of the table (backward ops too), each packed op in both layouts
