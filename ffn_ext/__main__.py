@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import ffn_ext
 from ffn_ext._timing import blocked_pair
 from ffn_ext.sizing import ffn_params, gated_ffn_params, swiglu_hidden_dim
-from ffn_ext.table import BY_NAME, join_packed, split_packed
+from ffn_ext.table import BY_NAME
 from ffn_ext.table import OPS as TABLE_OPS
 
 OPS = tuple(TABLE_OPS)  # every op of the table (ffn_ext/table.py): per activation its six, forward and backward
@@ -69,7 +69,7 @@ def eager_form(module):
     """The eager PyTorch MLP with `module`'s weights, as users write it: down(act(up(x))) for ffn_ext.FFN,
     down(act(gate(x)) * up(x)) for a gated FFN; act is the table entry's ATen form (F.gelu, F.silu, ...)."""
     name = module.activation
-    act = BY_NAME[name].aten if name in BY_NAME else F.relu  # FFN's "relu" before the table had one
+    act = BY_NAME[name].eager if name in BY_NAME else F.relu  # FFN's "relu" before the table had one
     if isinstance(module, ffn_ext.GatedFFN):
         gate, up, down = _linears(module)
         return lambda x: down(act(gate(x)) * up(x))
@@ -179,26 +179,9 @@ def walk(out=print) -> None:
 
 # ---------------------------------------------------------------- 4. op checks
 def aten_reference(spec, layout="concat"):
-    """The op of table entry `spec` (an OpSpec) written with ATen ops (its activation's act.aten and
-    act.aten_backward, or its gated op's own ATen form, at the example parameters): the reference of the checks
-    (run in float64) and the ATen column (in the op's dtype). Packed ops in `layout`."""
-    if spec.recompute:  # (grad * act'(x), act(x)) in one op
-        return lambda grad, x: (spec.act.aten_backward(grad, x), spec.act.aten(x))
-    if spec.kind == "unary":
-        return spec.act.aten_backward if spec.backward else spec.act.aten
-    g, p = spec.gated, spec.example
-
-    def gated(gate, up):
-        return g.forward(gate, up, **p)
-
-    def gated_backward(grad, gate, up):
-        return g.backward(grad, gate, up, **p)
-
-    if spec.kind == "gated":
-        return gated_backward if spec.backward else gated
-    if spec.backward:
-        return lambda grad, gu: join_packed(*gated_backward(grad, *split_packed(gu, layout)), layout)
-    return lambda gu: gated(*split_packed(gu, layout))
+    """The op of table entry `spec` (an OpSpec) written with ATen ops (OpSpec.compute, at the example parameters):
+    the reference of the checks (run in float64) and the ATen column (in the op's dtype). Packed ops in `layout`."""
+    return lambda *args: spec.compute(args, spec.example, layout)
 
 
 def _vjp(fn, grad, *inputs):

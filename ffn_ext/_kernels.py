@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from .table import LAYOUTS, OPS, SCHEMAS, bind_params, check_params, join_packed, split_packed
+from .table import LAYOUTS, OPS, SCHEMAS, bind_params, check_params
 
 __all__ = [
     "CPU_KERNELS",
@@ -39,7 +39,6 @@ __all__ = [
     "KEYWORDS",
     "check",
     "check_kinds",
-    "compute",
     "cpu_kernel",
     "eager",
     "route",
@@ -157,26 +156,7 @@ def _plain(args: tuple) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- the ATen forms
-def compute(name: str, args: tuple, params: dict, layout: str | None):
-    """Op `name` on checked inputs, with the table's ATen forms (differentiable ATen ops throughout)."""
-    spec = OPS[name]
-    if spec.kind == "packed":
-        assert layout is not None  # a packed op's (split_kwargs fills in the default)
-        if not spec.backward:
-            return spec.gated.forward(*split_packed(args[0], layout), **params)
-        grad, gate_up = args
-        dgate, dup = spec.gated.backward(grad, *split_packed(gate_up, layout), **params)
-        return join_packed(dgate, dup, layout)
-    if spec.recompute:
-        return spec.act.aten_backward(*args), spec.act.aten(args[1])
-    if spec.kind == "unary":
-        return spec.act.aten_backward(*args) if spec.backward else spec.act.aten(*args)
-    if spec.backward:
-        return spec.gated.backward(*args, **params)
-    return spec.gated.forward(*args, **params)
-
-
+# ---------------------------------------------------------------- the outputs' layout
 def _format(ins: tuple) -> torch.memory_format:
     """The memory format of a same-shape op's outputs: channels_last (4-D) or channels_last_3d (5-D) when every
     input is dense in it and not plainly contiguous, as ATen's pointwise ops keep it; else contiguous. The CUDA
@@ -233,7 +213,7 @@ def cpu_kernel(name: str):
         def kernel(*args, **kwargs):
             params, layout = split_kwargs(name, kwargs)
             check(name, args, params, layout)
-            out = compute(name, args, params, layout)
+            out = OPS[name].compute(args, params, layout)
             if isinstance(out, tuple):
                 return tuple(_laid_out(name, args, o) for o in out)
             return _laid_out(name, args, out)
@@ -371,7 +351,7 @@ def route(name: str, args: tuple, kwargs: dict):
         if _is_compiling():  # dynamo traces no Function with a custom jvp: the ATen form, which it traces whole
             params, layout = split_kwargs(name, kwargs)
             check(name, args, params, layout)
-            return compute(name, args, params, layout)
+            return OPS[name].compute(args, params, layout)
         return FUNC_FUNCTIONS[name].apply(*args, *(kwargs.get(k, DEFAULTS[name][k]) for k in KEYWORDS[name]))
     return overload(name)(*args, **kwargs)
 
@@ -394,10 +374,10 @@ def _aten_fn(name: str, params: dict, layout: str | None):
     (ATen's own backward formulas are not all differentiable: silu_backward is not)."""
     spec = OPS[name]
     if not spec.backward:
-        return lambda *ins: compute(name, ins, params, layout)
+        return lambda *ins: spec.compute(ins, params, layout)
 
     def forward(*ins):
-        return compute(spec.forward_name, ins, params, layout)
+        return OPS[spec.forward_name].compute(ins, params, layout)
 
     def backward_op(grad, *primals):
         outs = torch.func.vjp(forward, *primals)[1](grad)

@@ -464,6 +464,25 @@ class OpSpec:
             return self.act.name
         return self.name[: -len("_backward")] if self.backward else self.name
 
+    def compute(self, args: tuple, params: dict, layout: str | None = "concat"):
+        """The op on tensors `args` with the table's ATen forms (differentiable ATen ops throughout): the CPU
+        kernel's result after its checks, and the ATen column of the main job's and the tests' checks. params: a
+        gated op's parameters, all of them; layout: a packed op's."""
+        if self.recompute:
+            return self.act.aten_backward(*args), self.act.aten(args[1])
+        if self.kind == "unary":
+            return self.act.aten_backward(*args) if self.backward else self.act.aten(*args)
+        g = self.gated
+        assert g is not None
+        if self.kind == "packed":
+            assert layout is not None
+            if not self.backward:
+                return g.forward(*split_packed(args[0], layout), **params)
+            grad, gate_up = args
+            dgate, dup = g.backward(grad, *split_packed(gate_up, layout), **params)
+            return join_packed(dgate, dup, layout)
+        return g.backward(*args, **params) if self.backward else g.forward(*args, **params)
+
     @property
     def aten_autograd(self) -> bool:
         """On the CPU its autograd is ATen's, of its CPU kernel's form: the forward ops whose backward op computes

@@ -300,18 +300,8 @@ def _untuple(outs):
 
 
 def _aten(name, inputs, packing, params):
-    """Op `name` with the table's ATen composites (act.aten, act.aten_backward; a gated op's Gated.forward /
-    backward), in the inputs' dtype."""
-    s = SPECS[name]
-    if s.kind == "packed":
-        gated, ins = unpack(name, inputs, packing)
-        return _untuple(repack(name, _aten(gated, ins, packing, params), packing))
-    if s.recompute:
-        return s.act.aten_backward(*inputs), s.act.aten(inputs[1])
-    if s.kind == "unary":
-        return s.act.aten_backward(*inputs) if s.backward else s.act.aten(*inputs)
-    p = params_of(name, params)
-    return _untuple(as_tuple(s.gated.backward(*inputs, **p) if s.backward else s.gated.forward(*inputs, **p)))
+    """Op `name` with the table's ATen composites (OpSpec.compute), in the inputs' dtype."""
+    return SPECS[name].compute(tuple(inputs), params_of(name, params), packing)
 
 
 def _with_limits(name, inputs, packing, params):

@@ -312,11 +312,9 @@ def test_dispatcher_ops_carry_a_forward_mode_tangent(no_grad):
         s = spec(name)
         params = {k: v for k, v in kw.items() if k != "layout"}
         layout = kw.get("layout", "concat") if s.kind == "packed" else None
-        if s.backward:
-            fwd = lambda *p, f=s.forward_name: ffn_ext._kernels.compute(f, p, params, layout)  # noqa: E731
-            ref = lambda g, *p, fwd=fwd: torch.func.vjp(fwd, *p)[1](g)  # noqa: E731
-        else:
-            ref = lambda *p, n=name: ffn_ext._kernels.compute(n, p, params, layout)  # noqa: E731
+        form = spec(s.forward_name) if s.backward else s
+        fwd = lambda *p, f=form, kw=params, lay=layout: f.compute(p, kw, lay)  # noqa: E731
+        ref = (lambda g, *p, fwd=fwd: torch.func.vjp(fwd, *p)[1](g)) if s.backward else fwd
         want = as_tuple(torch.func.jvp(ref, tuple(args), tuple(ts))[1])
         with fwAD.dual_level(), torch.no_grad() if no_grad else torch.enable_grad():
             outs = as_tuple(call(name)(*[fwAD.make_dual(a, t) for a, t in zip(args, ts)]))
