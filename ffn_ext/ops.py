@@ -142,6 +142,8 @@ def _call(name: str, args: tuple, extra: tuple = ()):
     common dtype (_promoted), as ATen's act(gate) * up promotes. Another error is explained by the Python checks
     when they find its cause (_explained)."""
     kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else _NO_KWARGS
+    if _is_compiling():  # torch 2.10's dynamo fails on the op's error instead of tracing the except below
+        args = _promoted(args) or args
     try:
         return _kernels.route(name, args, kwargs)
     except Exception as e:
@@ -153,6 +155,7 @@ def _call(name: str, args: tuple, extra: tuple = ()):
         raise _explained(name, args, kwargs, e) from None
 
 
+_is_compiling = torch.compiler.is_compiling
 _NO_KWARGS: dict = {}  # (never changed: the route passes keyword arguments on as **kwargs)
 _KEYWORDS = _kernels.KEYWORDS
 
