@@ -42,6 +42,16 @@ def _plt():
     return plt
 
 
+def _start(payload: dict, out_dir: Path):
+    """pyplot, with out_dir made, or None when there is nothing to plot (no matplotlib, or no results)."""
+    if not payload["results"]:
+        return None
+    plt = _plt()
+    if plt is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return plt
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -58,14 +68,10 @@ def _ordered(keys, order):
 
 
 def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
-    plt = _plt()
+    plt = _start(payload, out_dir)
     if plt is None:
         return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     res, copies, meta = payload["results"], payload["copy"], payload["meta"]
-    if not res:
-        return []
     dtypes = _ordered({r["dtype"] for r in res}, ["bf16", "fp16", "fp32"])
     dirs = _ordered({r["direction"] for r in res}, ["fwd", "bwd", "fwd+bwd"])
     ops = list(dict.fromkeys(r["op"] for r in res))  # the benchmark's order (the op table's)
@@ -162,14 +168,10 @@ def plot_ops(payload: dict, out_dir: Path) -> list[Path]:
 
 
 def plot_ffn(payload: dict, out_dir: Path) -> list[Path]:
-    plt = _plt()
+    plt = _start(payload, out_dir)
     if plt is None:
         return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     res, meta = payload["results"], payload["meta"]
-    if not res:
-        return []
     configs = []
     for r in res:
         key = (r["model"], r["tokens"], r["dtype"])
@@ -237,14 +239,10 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
     """bench_model.py: per model (a row of panels), each variant's tokens/s, saved-for-backward MiB, its forward +
     backward peak and the variant's peak memory side by side, the unpatched variant's values drawn as a dashed line:
     model.png."""
-    plt = _plt()
+    plt = _start(payload, out_dir)
     if plt is None:
         return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     res, meta = payload["results"], payload["meta"]
-    if not res:
-        return []
     groups = list(dict.fromkeys((r["model"], r["tokens"]) for r in res))
     cpu = meta["device_type"] == "cpu"
     panels = (

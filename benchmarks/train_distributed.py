@@ -228,17 +228,20 @@ def run_mode(mode: str, args, size: tuple, batches, mesh) -> dict:
             reported /= world
         losses.append(float(reported))
     tracked["optim_mib"] = _tracked(model, opt)["optim_mib"]
-    peak = _status_kib("VmHWM") / 1024 if peak_ok else float("nan")
     del model, opt
+    return {**_row(mode, losses, times, start_rss, peak_ok, ops), **tracked}
+
+
+def _row(mode: str, losses: list, times: list, start_rss: float, peak_ok: bool, ops) -> dict:
+    """A run's row: its losses, step times (the median leaves out the first step), memory and ffn_ext ops."""
     return {
         "mode": mode,
         "losses": losses,
         "step_s_median": statistics.median(times[1:] or times),
         "total_s": sum(times),
         "rss_start_mib": start_rss,
-        "rss_peak_mib": peak,
+        "rss_peak_mib": _status_kib("VmHWM") / 1024 if peak_ok else float("nan"),
         "ffn_ext_ops": sorted(ops.seen),
-        **tracked,
     }
 
 
@@ -338,17 +341,10 @@ def run_trainer(mode: str, args, size: tuple, batches) -> dict:
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     full = _tracked(trainer.model, opt)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    peak = _status_kib("VmHWM") / 1024 if peak_ok else float("nan")
     del trainer, model, opt
     return {
-        "mode": mode,
+        **_row(mode, losses, times, start_rss, peak_ok, ops),
         "wrapped": wrapped,
-        "losses": losses,
-        "step_s_median": statistics.median(times[1:] or times),
-        "total_s": sum(times),
-        "rss_start_mib": start_rss,
-        "rss_peak_mib": peak,
-        "ffn_ext_ops": sorted(ops.seen),
         "params_mib": full["params_mib"],
         "grads_mib": tracked.get("grads_mib", float("nan")),
         "optim_mib": full["optim_mib"],

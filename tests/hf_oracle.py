@@ -21,6 +21,15 @@ from ffn_ext.hf import forms, recognise
 # a tiny decoder's config fields, less its widths (each test file picks hidden and intermediate sizes of its own)
 _TOKENS = dict(vocab_size=97, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 TINY_DECODER = dict(_TOKENS, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# a tiny GPT-OSS's own fields (4 experts of 16, top 2; a sliding and a full attention layer)
+TINY_GPT_OSS = dict(
+    intermediate_size=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    head_dim=8,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+)
 
 
 def same_outputs(model, ref, out, out0, atol=1e-5, grad_atol=2e-6, inputs=()):

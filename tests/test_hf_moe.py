@@ -42,14 +42,7 @@ MODELS = {
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
-        dict(
-            intermediate_size=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            head_dim=8,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
+        hf_oracle.TINY_GPT_OSS,
         {"GptOssExperts"},
         "limit",
         True,

@@ -58,15 +58,8 @@ MODELS = {
     "gpt_oss": (
         "GptOssConfig",
         "GptOssForCausalLM",
-        dict(
-            intermediate_size=16,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            head_dim=8,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-            swiglu_limit=0.5,  # with the N(0, 1) biases below, a good part of gate and up is clamped
-        ),
+        # swiglu_limit: with the N(0, 1) biases below, a good part of gate and up is clamped
+        dict(hf_oracle.TINY_GPT_OSS, swiglu_limit=0.5),
         "ffn_ext",
         {"swiglu_clamped_packed"},
     ),
