@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .modules import FFN, GatedFFN, activation_of, gating_of
+from .modules import FFN, GatedFFN, formula_of
 from .ops import Gating
 from .quant import QuantRecipe, gated_packed_quant, quantize
 
@@ -196,9 +196,9 @@ class FP8GatedFFN(nn.Module):
     @classmethod
     def from_ffn(cls, ffn: GatedFFN, recipe: str = "row") -> FP8GatedFFN:
         mods: dict[str, Any] = dict(ffn.named_children())
-        gating = gating_of(mods["act"])
+        gating, why = formula_of(ffn)
         if gating is None:
-            raise ValueError(f"ffn_ext.FP8GatedFFN.from_ffn: {_NOT_FFN_EXT}")
+            raise ValueError(f"ffn_ext.FP8GatedFFN.from_ffn: {why or 'expected a GatedFFN'}")
         if "gate_up_proj" in mods and gating.layout == "concat":
             w, b = mods["gate_up_proj"].weight, mods["gate_up_proj"].bias
         elif "gate_up_proj" in mods:  # interleaved rows: reorder to [gate | up] once
@@ -235,6 +235,9 @@ class FP8FFN(nn.Module):
 
     @classmethod
     def from_ffn(cls, ffn: FFN, recipe: str = "row") -> FP8FFN:
+        act, why = formula_of(ffn)
+        if act is None or isinstance(ffn, GatedFFN):
+            raise ValueError(f"ffn_ext.FP8FFN.from_ffn: {why or 'expected an FFN'}")
         return cls(ffn.up_proj.weight, ffn.up_proj.bias, ffn.down_proj.weight, ffn.down_proj.bias, ffn.act, recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -247,23 +250,15 @@ class FP8FFN(nn.Module):
         return f"recipe={self.recipe!r}"
 
 
-_NOT_FFN_EXT = "its projections are not nn.Linear or its activation is not one of ffn_ext's"
-
-
 def _convert(m: nn.Module, recipe: str):
     """(the FP8 module for m, None) or (None, why m is left as it is); (None, None) for modules of no MLP form."""
-    if isinstance(m, GatedFFN):
-        if gating_of(m._modules["act"]) is not None and all(
-            type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"
-        ):
-            return FP8GatedFFN.from_ffn(m, recipe), None
-        return None, _NOT_FFN_EXT
-    if type(m) is FFN:
-        if activation_of(m._modules["act"]) is not None and all(
-            type(mods) is nn.Linear for k, mods in m._modules.items() if k != "act"
-        ):
-            return FP8FFN.from_ffn(m, recipe), None
-        return None, _NOT_FFN_EXT
+    form, why = formula_of(m)
+    if form is not None and isinstance(m, GatedFFN):
+        return FP8GatedFFN.from_ffn(m, recipe), None
+    if form is not None and isinstance(m, FFN):
+        return FP8FFN.from_ffn(m, recipe), None
+    if why is not None:
+        return None, why
     for hook in _CONVERTERS:
         found = hook(m, recipe)
         if found != (None, None):

@@ -41,7 +41,7 @@ from .mlp import (  # noqa: F401  (their home before ffn_ext.mlp: still importab
 )
 from .ops import Gating
 from .sizing import swiglu_hidden_dim
-from .table import ACTIVATIONS, BY_NAME, LAYOUTS, join_packed, split_packed
+from .table import BY_NAME, LAYOUTS, activation_for, join_packed, split_packed
 
 __all__ = [
     "Act",
@@ -55,22 +55,15 @@ __all__ = [
     "SwiGLUFFN",
     "GeGLUFFN",
     "activation_of",
+    "formula_of",
     "gating_of",
 ]
 
 
 # ---------------------------------------------------------------- activation modules
-_GELUS = {a.api[1]["approximate"]: a for a in ACTIVATIONS if a.api[0] == "gelu"}  # "none", "tanh" -> table entry
-
-
 def _gelu_entry(who: str, approximate):
     """The table entry of GELU with nn.GELU's `approximate`, or a ValueError."""
-    act = _GELUS.get(approximate) if isinstance(approximate, str) else None
-    if act is None:
-        raise ValueError(
-            f"ffn_ext.{who}: approximate must be {' or '.join(map(repr, _GELUS))} (as nn.GELU), got {approximate!r}"
-        )
-    return act
+    return activation_for("gelu", who, approximate=approximate)
 
 
 def _entry(who: str, activation):
@@ -338,11 +331,15 @@ class FFN(nn.Module):
                 "use ffn_ext.GatedFFN, SwiGLUFFN or GeGLUFFN)"
             )
         check_options("FFN", recompute, token_chunk)
-        self.activation = key
         self.recompute, self.token_chunk = recompute, token_chunk
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.act = _unary_module(BY_NAME[key])
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
+
+    @property
+    def activation(self) -> str | None:
+        """The table name of what `act` computes (None when `act` is not one of ffn_ext's activation modules)."""
+        return activation_of(self._modules["act"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mods: dict[str, Any] = self._modules  # read directly (hot path); fusable and the type checks vet them
@@ -382,13 +379,14 @@ def _fuse_state(module, state_dict, prefix, *args):
 
 
 def _split_state(module, state_dict, prefix, *args):
-    """Load pre-hook of a module with separate projections: a checkpoint's packed gate_up_proj (gate rows first,
-    Phi-3's and fused_gate_up's) becomes gate_proj / up_proj."""
+    """Load pre-hook of a module with separate projections: a checkpoint's packed gate_up_proj, its rows in the
+    activation's layout (gate rows first for concat: Phi-3's; GPT-OSS's interleaved), becomes gate_proj / up_proj."""
     for kind in ("weight", "bias"):
         key = prefix + "gate_up_proj." + kind
         if key in state_dict:
-            g, u = state_dict.pop(key).chunk(2, 0)
-            state_dict[prefix + "gate_proj." + kind], state_dict[prefix + "up_proj." + kind] = g, u
+            g, u = split_packed(state_dict.pop(key).movedim(0, -1), _packed_layout(module))
+            state_dict[prefix + "gate_proj." + kind] = g.movedim(-1, 0).contiguous()
+            state_dict[prefix + "up_proj." + kind] = u.movedim(-1, 0).contiguous()
 
 
 def _save_split(module, state_dict, prefix, local_metadata):
@@ -499,6 +497,30 @@ class GatedFFN(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}" + self._options_repr()
+
+
+# why a conversion leaves an FFN module as it is (formula_of): it would drop what the module runs besides the formula
+OWN_FORWARD = "its class overrides forward: what it computes is its own code, which a conversion cannot carry over"
+WRAPPED = "hooks, or a forward set on the instance, run on it or its submodules, and a conversion would drop them"
+NOT_FFN_EXT = "its projections are not plain nn.Linear or its activation is not one of ffn_ext's"
+
+
+def formula_of(module: nn.Module) -> tuple[Any, str | None]:
+    """What an FFN or GatedFFN (or subclass) computes by its class's formula, when that is all it computes: (its
+    Gating (GatedFFN) or activation name (FFN), None); else (None, why not: OWN_FORWARD, WRAPPED, NOT_FFN_EXT); and
+    (None, None) for any other module. Conversions (quantize_fp8, ffn_ext's converters) convert only the first."""
+    base = GatedFFN if isinstance(module, GatedFFN) else FFN if isinstance(module, FFN) else None
+    if base is None:
+        return None, None
+    if type(module).forward is not base.forward or type(module).__call__ is not nn.Module.__call__:
+        return None, OWN_FORWARD
+    mods: dict[str, Any] = module._modules
+    form = gating_of(mods["act"]) if base is GatedFFN else activation_of(mods["act"])
+    if form is None or any(type(m) is not nn.Linear for k, m in mods.items() if k != "act"):
+        return None, NOT_FFN_EXT
+    if not fusable((), (module, *mods.values())):
+        return None, WRAPPED
+    return form, None
 
 
 class SwiGLUFFN(GatedFFN):

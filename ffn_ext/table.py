@@ -273,14 +273,15 @@ ACTIVATIONS = (
 BY_NAME = {a.name: a for a in ACTIVATIONS}
 
 
-def activation_for(function: str, **options) -> Activation:
+def activation_for(function: str, who: str | None = None, **options) -> Activation:
     """The entry the public API reaches as ``ffn_ext.<function>(..., **options)``, e.g. ("gelu", approximate="tanh")
-    -> gelu_tanh; a ValueError naming the option and the values it takes otherwise."""
+    -> gelu_tanh (the one lookup of GELU's `approximate`); a ValueError naming the option, the values it takes and
+    `who` asked (default: the function) otherwise."""
     entries = [a for a in ACTIVATIONS if a.api[0] == function]
     for key, value in options.items():
         allowed = [a.api[1].get(key) for a in entries]
-        if value not in allowed:
-            raise ValueError(f"ffn_ext.{function}: `{key}` must be one of {allowed}, got {value!r}")
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"ffn_ext.{who or function}: `{key}` must be one of {allowed}, got {value!r}")
         entries = [a for a in entries if a.api[1].get(key) == value]
     return entries[0]
 
