@@ -35,8 +35,7 @@ import torch
 from . import mlp as _mlp
 from . import modules as _modules
 from . import ops as _ops
-from . import quant as _quant
-from .table import OPS
+from .table import OPS, QUANT_SCHEMAS
 
 if TYPE_CHECKING:  # annotations only: torch.distributed.tensor stays unloaded until used
     from torch.distributed.tensor import DTensor
@@ -102,7 +101,7 @@ def _register_quant_strategies(register_sharding) -> None:
         infos = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
     except (ImportError, AttributeError):
         infos = None
-    for name in _quant.op_names():
+    for name in QUANT_SCHEMAS:
         if not hasattr(torch.ops.ffn_ext, name):
             continue
         overload = getattr(torch.ops.ffn_ext, name).default

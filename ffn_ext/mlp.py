@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from . import _compat
 from . import ops as _ops
 from .ops import Gating
-from .table import ACTIVATIONS, BY_NAME
+from .table import ACTIVATIONS, BY_NAME, activation_for
 
 __all__ = [
     "gated_mlp",
@@ -435,14 +435,10 @@ def _gating(fn: str, activation) -> Gating:
 
 _GATINGS = {a.name: Gating(a.gated) for a in ACTIVATIONS}
 _SWIGLU = _GATINGS["silu"]
-_GELUS = {a.api[1]["approximate"]: _GATINGS[a.name] for a in ACTIVATIONS if a.api[0] == "gelu"}  # "none" | "tanh"
 
 
 def _gelu(fn: str, approximate) -> Gating:
-    g = _GELUS.get(approximate) if isinstance(approximate, str) else None
-    if g is None:
-        raise ValueError(f"ffn_ext.{fn}: `approximate` must be one of {sorted(_GELUS)}, got {approximate!r}")
-    return g
+    return _GATINGS[activation_for("gelu", fn, approximate=approximate).name]
 
 
 def check_options(fn: str, recompute, token_chunk) -> tuple:

@@ -3,8 +3,8 @@
 The native library (the installed ``ffn_ext._C`` or a JIT build, ``ffn_ext.jit.load``) registers the ops' schemas
 and CUDA kernels when it loads; their CPU and fake kernels and their autograd (every order, torch.func included) are
 registered from the table when the package adopts it (ffn_ext/_kernels.py). Without a native library ffn_ext defines
-the schemas itself, and the ops run PyTorch's own ops on every device. Every public function calls its dispatcher
-op by one route (_kernels.route), and a Gating is one gated op with its parameters and layout.
+the schemas itself, and the ops run PyTorch's own ops on every device. Every public function calls its op's Op
+(_kernels.OP: the dispatcher op by one route), and a Gating is one gated op with its parameters and layout.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from . import _compat, _kernels
-from ._kernels import FLOAT_DTYPES as _FLOAT_DTYPES
-from .table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, OPS, bind_params, check_params
+from . import _kernels
+from .table import BY_NAME, GATED_BY_NAME, LAYOUTS, activation_for, bind_params, check_params
 
 __all__ = [
     "gelu",
@@ -60,7 +59,7 @@ def _adopt(module, source: str) -> None:
             if source != "python":
                 _native_error = None
             cuda = _cuda_info()
-            _kernels.register(cuda_kernels=cuda["cuda_kernels"] == "yes", cuda_off=cuda.get("cuda_kernels_off"))
+            _kernels.register(cuda["cuda_kernels"] == "yes", cuda.get("cuda_kernels_off"), _register_dtensor)
             _register_dtensor()
 
 
@@ -135,142 +134,81 @@ class _Python:
 
 
 # ---------------------------------------------------------------- functional API
-def _call(name: str, args: tuple, extra: tuple = ()):
-    """Op `name` on tensors `args` with its scalar arguments `extra` (a gated op's parameters, then a packed op's
-    layout: all of them, in schema order): every public function's one route (_kernels.route: the dispatcher op,
-    one fast path). Floating-point inputs of different dtypes, which the kernels refuse, are promoted to their
-    common dtype (_promoted), as ATen's act(gate) * up promotes. Another error is explained by the Python checks
-    when they find its cause (_explained)."""
-    kwargs = dict(zip(_KEYWORDS[name], extra)) if extra else _NO_KWARGS
-    if _is_compiling():  # torch 2.10's dynamo fails on the op's error instead of tracing the except below
-        args = _promoted(args) or args
-    try:
-        return _kernels.route(name, args, kwargs)
-    except Exception as e:
-        promoted = _promoted(args)  # inputs of two float dtypes: the kernels' checks refused them, then this
-        if promoted is not None:
-            return _call(name, promoted, extra)
-        if _compat.has_dtensor(args) and _register_dtensor():
-            return _call(name, args, extra)
-        raise _explained(name, args, kwargs, e) from None
-
-
-_is_compiling = torch.compiler.is_compiling
-_NO_KWARGS: dict = {}  # (never changed: the route passes keyword arguments on as **kwargs)
-_KEYWORDS = _kernels.KEYWORDS
-
-
-def _explained(name: str, args: tuple, kwargs: dict, err: Exception) -> Exception:
-    """The user-facing error for a call that raised `err`: the first failing Python check (the tensors' kinds,
-    then the op's own checks: what a CUDA kernel's C++ guard or the dispatcher's "could not run" stands for), or
-    `err` itself when every check passes."""
-    spec = OPS[name]
-    try:
-        _kernels.check_kinds(f"ffn_ext.{name}", spec.args, args)
-        params, layout = _kernels.split_kwargs(name, kwargs)
-        _kernels.check(name, args, params, layout)
-    except (TypeError, ValueError, RuntimeError) as why:
-        return why
-    return err
-
-
-def _promoted(args: tuple) -> tuple | None:
-    """args converted to their common dtype (torch.promote_types: float32 and bfloat16 -> float32) when they are
-    floating-point tensors of different dtypes, as ATen's silu(gate) * up promotes (under autocast, a projection's
-    bfloat16 output next to a float32 tensor): the op then computes once and rounds once, in that dtype. None
-    otherwise (the checks then name what is wrong)."""
-    for t in args:
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
-            return None
-    dtype = args[0].dtype
-    if all(t.dtype is dtype for t in args):
-        return None
-    for t in args[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return tuple(t.to(dtype) for t in args)
+# Every public function calls its op's Op (ffn_ext._kernels): the dispatcher op by one route, with one fast path.
+# Floating-point inputs of different dtypes, which the kernels refuse, are promoted to their common dtype, as ATen's
+# act(gate) * up promotes; another error is explained by the op's checks when they find its cause.
+_OP = _kernels.OP
+_SILU, _SWIGLU = _OP["silu"], _OP["swiglu"]  # (looked up once: the commonest calls)
 
 
 def call_op(name: str, *args, **kwargs):
     """Any op of the table (backward ops too) by name, by the functional API's route: what the MLPs' lean autograd
     and Gating call."""
-    return _call(name, args, tuple(kwargs.get(k, _kernels.DEFAULTS[name][k]) for k in _KEYWORDS[name]))
+    return _OP[name](*args, **kwargs)
 
 
 def backward_recompute(grad: torch.Tensor, x: torch.Tensor, activation: str) -> tuple:
     """(grad * act'(x), act(x)) in one pass over grad and x (torch.ops.ffn_ext.<act>_backward_recompute): the
     classic FFN's lean backward, which recomputes act(z) for fc2's weight gradient instead of saving it. Internal;
     it has no autograd (RuntimeError where a gradient would be recorded)."""
-    return call_op(_act(activation).name + "_backward_recompute", grad, x)
-
-
-def _pick(function: str, key: str, value):
-    """The op family (a table entry) of ffn_ext.<function>(..., key=value), or a ValueError naming `key`."""
-    act = _OPTIONS[function].get(value) if isinstance(value, str) else None
-    if act is None:
-        raise ValueError(f"ffn_ext.{function}: `{key}` must be one of {sorted(_OPTIONS[function])}, got {value!r}")
-    return act
-
-
-_OPTIONS = {"gelu": {a.api[1]["approximate"]: a for a in ACTIVATIONS if a.api[0] == "gelu"}}
-_GELU, _GELU_TANH = _OPTIONS["gelu"]["none"], _OPTIONS["gelu"]["tanh"]
+    return _OP[_act(activation).name + "_backward_recompute"](grad, x)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """GELU with F.gelu's `approximate`: "none" (the default) is the exact form 0.5 x (1 + erf(x / sqrt 2)),
     "tanh" is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). Any other value is a ValueError."""
-    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
-    return _call(act.name, (x,))
+    return _OP[activation_for("gelu", approximate=approximate).name](x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """SiLU (swish): x * sigmoid(x)."""
-    return _call("silu", (x,))
+    return _SILU(x)
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
     """ReLU: max(x, 0); its derivative is 0 at 0 (as F.relu's)."""
-    return _call("relu", (x,))
+    return _OP["relu"](x)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """Squared ReLU: relu(x)**2 (Primer, Nemotron-H, Arcee AFM). Its derivative 2 relu(x) is unbounded; the backward
     computes grad * 2 relu(x) so that it is finite wherever that product is."""
-    return _call("relu2", (x,))
+    return _OP["relu2"](x)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """Quick GELU: x * sigmoid(1.702 x) (CLIP, transformers' QuickGELUActivation). Not the exact GELU: it differs
     from it by up to about 0.02."""
-    return _call("quick_gelu", (x,))
+    return _OP["quick_gelu"](x)
 
 
 def act(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """act(x) for any activation of the table by its name ("gelu", "gelu_tanh", "silu", "relu", "relu2",
     "quick_gelu", ...): act(x, "gelu_tanh") is gelu(x, approximate="tanh")."""
-    return _call(_act(activation).name, (x,))
+    return _OP[_act(activation).name](x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused. gate and up: same shape, dtype and device (views such as chunk(2, -1) are fine)."""
-    return _call("swiglu", (gate, up))
+    return _SWIGLU(gate, up)
 
 
 def swiglu_packed(gate_up: torch.Tensor, *, layout: str = "concat") -> torch.Tensor:
     """silu(gate) * up from one [..., 2M] tensor -> [..., M], read in place. layout="concat": gate, up =
     gate_up.chunk(2, -1); "interleaved": gate, up = gate_up[..., ::2], gate_up[..., 1::2] (GPT-OSS)."""
-    return _call("swiglu_packed", (gate_up,), (layout,))
+    return _OP["swiglu_packed"](gate_up, layout=layout)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """gelu(gate, approximate) * up, fused (Gemma's MLP with approximate="tanh"). gate and up as for swiglu."""
-    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
-    return _call(act.gated, (gate, up))
+    return _OP[activation_for("gelu", "geglu", approximate=approximate).gated](gate, up)
 
 
 def geglu_packed(gate_up: torch.Tensor, approximate: str = "none", *, layout: str = "concat") -> torch.Tensor:
     """gelu(gate, approximate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed) -> [..., M]."""
-    act = _GELU if approximate == "none" else _pick("gelu", "approximate", approximate)
-    return _call(act.gated + "_packed", (gate_up,), (layout,))
+    return _OP[activation_for("gelu", "geglu_packed", approximate=approximate).gated + "_packed"](
+        gate_up, layout=layout
+    )
 
 
 def swiglu_clamped(
@@ -280,14 +218,14 @@ def swiglu_clamped(
     GPT-OSS's experts (alpha=1.702, up_offset=1.0, limit=7.0) and DeepSeek-V4 (alpha=1.0, up_offset=0.0,
     limit=config.swiglu_limit). limit must be > 0 (ValueError; inf: no clamp). Gradients are those of that
     expression under torch's autograd (torch.clamp's: passed inside the bounds, 0 beyond)."""
-    return _call("swiglu_clamped", (gate, up), (limit, alpha, up_offset))
+    return _OP["swiglu_clamped"](gate, up, limit=limit, alpha=alpha, up_offset=up_offset)
 
 
 def swiglu_clamped_packed(
     gate_up: torch.Tensor, *, limit: float, alpha: float = 1.0, up_offset: float = 0.0, layout: str = "concat"
 ) -> torch.Tensor:
     """swiglu_clamped of one [..., 2M] tensor in `layout` (as for swiglu_packed; GPT-OSS: "interleaved")."""
-    return _call("swiglu_clamped_packed", (gate_up,), (limit, alpha, up_offset, layout))
+    return _OP["swiglu_clamped_packed"](gate_up, limit=limit, alpha=alpha, up_offset=up_offset, layout=layout)
 
 
 def _act(activation: str):
@@ -301,13 +239,13 @@ def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> tor
     """act(gate) * up for any activation of the table by its name ("silu", "gelu", "gelu_tanh", "relu", "relu2",
     "quick_gelu", ...): gated(g, u, "silu") is swiglu(g, u), gated(g, u, "gelu_tanh") is geglu(g, u,
     approximate="tanh"), gated(g, u, "relu") is ReGLU."""
-    return _call(_act(activation).gated, (gate, up))
+    return _OP[_act(activation).gated](gate, up)
 
 
 def gated_packed(gate_up: torch.Tensor, activation: str = "silu", *, layout: str = "concat") -> torch.Tensor:
     """act(gate) * up from one [..., 2M] tensor in `layout` (as for swiglu_packed), for any activation of the
     table by its name."""
-    return _call(_act(activation).gated + "_packed", (gate_up,), (layout,))
+    return _OP[_act(activation).gated + "_packed"](gate_up, layout=layout)
 
 
 # ---------------------------------------------------------------- a gated activation as one op
@@ -325,12 +263,13 @@ class Gating:
 
     Immutable and hashable; its checks are the op's (a ValueError naming the bad argument)."""
 
-    __slots__ = ("op", "params", "layout", "_extra", "_packed_extra")
+    __slots__ = ("op", "params", "layout", "_ops", "_kwargs", "_packed_kwargs")
     op: str
     params: tuple  # ((name, value), ...) in schema order, every parameter (defaults filled in)
     layout: str
-    _extra: tuple
-    _packed_extra: tuple
+    _ops: tuple  # its ops' Op objects: (op, op_packed, op_backward, op_packed_backward)
+    _kwargs: dict  # their keyword arguments: the parameters, then (packed) the layout
+    _packed_kwargs: dict
 
     def __init__(self, op: str = "swiglu", *, layout: str = "concat", **params: float) -> None:
         entry = GATED_BY_NAME.get(op) if isinstance(op, str) else None
@@ -344,9 +283,9 @@ class Gating:
         set_(self, "op", op)
         set_(self, "params", tuple((k, float(v)) for k, v in values.items()))
         set_(self, "layout", layout)
-        # the scalar arguments of its ops in schema order: the parameters, then (packed) the layout
-        set_(self, "_extra", tuple(v for _, v in self.params))
-        set_(self, "_packed_extra", self._extra + (layout,))
+        set_(self, "_ops", tuple(_OP[op + suffix] for suffix in ("", "_packed", "_backward", "_packed_backward")))
+        set_(self, "_kwargs", dict(self.params))
+        set_(self, "_packed_kwargs", {**self._kwargs, "layout": layout})
 
     @classmethod
     def of(cls, activation: str | Gating, layout: str = "concat", **params: float) -> Gating:
@@ -371,15 +310,15 @@ class Gating:
     def __call__(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
         """The op on (gate, up), or on one packed [..., 2M] tensor in this layout."""
         if up is None:
-            return _call(self.op + "_packed", (gate,), self._packed_extra)
-        return _call(self.op, (gate, up), self._extra)
+            return self._ops[1](gate, **self._packed_kwargs)
+        return self._ops[0](gate, up, **self._kwargs)
 
     def backward(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple:
         """The input gradients of __call__(gate, up) for the output gradient `grad`: (dgate, dup), or (d gate_up,)
         for one packed tensor (in its layout)."""
         if up is None:
-            return (call_op(self.op + "_packed_backward", grad, gate, layout=self.layout, **self.kwargs),)
-        return tuple(call_op(self.op + "_backward", grad, gate, up, **self.kwargs))
+            return (self._ops[3](grad, gate, **self._packed_kwargs),)
+        return tuple(self._ops[2](grad, gate, up, **self._kwargs))
 
     def __setattr__(self, name, value):
         raise AttributeError("ffn_ext.Gating is immutable")

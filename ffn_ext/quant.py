@@ -45,7 +45,7 @@ import torch
 
 from . import _kernels
 from .ops import Gating
-from .table import GATED_BY_NAME, OPS, QUANT_RECIPE_SCHEMA, QUANT_SCHEMAS, activation_for, bind_params
+from .table import GATED_BY_NAME, activation_for, bind_params
 
 __all__ = [
     "QuantRecipe",
@@ -150,7 +150,7 @@ def _recipe(op: str, recipe) -> QuantRecipe:
     return recipe
 
 
-def _group_len(op: str, recipe: QuantRecipe, k: int) -> int:
+def group_len(op: str, recipe: QuantRecipe, k: int) -> int:
     """Elements per scale along the last dim (row: all of them)."""
     if recipe.scaling == "group":
         if k % recipe.group_size:
@@ -168,7 +168,7 @@ def _pow2_up(scale: torch.Tensor) -> torch.Tensor:
 
 def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.reference_quantize"):
     """(q, scale) of h by the documented formula, with plain PyTorch ops: the tests' reference, and the ops' CPU
-    kernels (cpu_kernel)."""
+    kernels (ffn_ext._kernels.QuantOp)."""
     fmax = recipe.fp8_max
     x = h.float()
     if recipe.scaling != "tensor" and x.dim() == 0:
@@ -184,7 +184,7 @@ def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.
         groups = x.reshape(1, -1)
     else:
         k = x.shape[-1]
-        g = _group_len(op, recipe, k)
+        g = group_len(op, recipe, k)
         rows, n_groups = math.prod(x.shape[:-1]), (k // g if g else 1)  # a row of K=0: one empty group
         groups = x.reshape(rows, n_groups, g)
         amax = groups.abs().amax(-1) if g else torch.zeros((rows, n_groups), device=h.device)
@@ -215,182 +215,11 @@ def _layout(scale: torch.Tensor, recipe: QuantRecipe) -> torch.Tensor:
     return col.copy_(scale)
 
 
-# ---------------------------------------------------------------- the ops' Python kernels
-# The native library holds the quantizing ops' schemas and CUDA kernels (csrc/quant_ops.h); everything else is here,
-# as ffn_ext/_kernels.py does for the table's other ops: the checks (the recipe's: QuantRecipe's, the one statement
-# of them; the unfused op's: _kernels.check), the outputs' allocation, the CPU kernel (the unfused op, then this
-# module's formula), the fake kernel, the Autograd kernel (forward only) and the vmap rule.
-def op_names() -> list:
-    """The quantizing ops' names (torch.ops.ffn_ext.<name>): <gated>_quant and <gated>_packed_quant for every gated
-    op of the table, and quantize."""
-    return list(QUANT_SCHEMAS)
-
-
-def _unfused(name: str) -> str | None:
-    """The unfused op a quantizing op quantizes the output of (swiglu_quant -> swiglu, swiglu_packed_quant ->
-    swiglu_packed); None for quantize (h is x)."""
-    return None if name == "quantize" else name[: -len("_quant")]
-
-
-_RECIPE = tuple(f.split(" ")[-1] for f in QUANT_RECIPE_SCHEMA.split(", "))  # the recipe's schema arguments
-_FIRST_UNARY = next(n for n, s in OPS.items() if s.kind == "unary" and not s.backward)
-
-
-def check(name: str, args: tuple, kwargs: dict):
-    """Every check of quantizing op `name`: its recipe (QuantRecipe's checks, named for the op), its inputs (the
-    unfused op's checks, named for the op; quantize's x as a unary op's), and that the recipe fits h's shape.
-    Returns (recipe, h's shape)."""
-    op = f"ffn_ext.{name}"
-    try:
-        recipe = QuantRecipe(*(kwargs[k] for k in _RECIPE))
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("QuantRecipe:", f"{op}:", 1)) from None
-    unfused = _unfused(name) or _FIRST_UNARY
-    spec = OPS[unfused]
-    try:
-        _kernels.check_kinds(f"ffn_ext.{unfused}", spec.args, args)
-        _kernels.check(unfused, args, *_kernels.split_kwargs(unfused, _unfused_kwargs(unfused, kwargs)))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise type(e)(str(e).replace(f"ffn_ext.{unfused}:", f"{op}:", 1)) from None
-    shape = list(args[0].shape)
-    if spec.kind == "packed":
-        shape[-1] //= 2
-    if recipe.scaling != "tensor":
-        if not shape:
-            raise ValueError(
-                f"{op}: scaling={recipe.scaling!r} needs h with at least 1 dimension ([..., K]), got a 0-dim tensor"
-            )
-        _group_len(op, recipe, shape[-1])
-    return recipe, shape
-
-
-def _unfused_kwargs(unfused: str, kwargs: dict) -> dict:
-    """The unfused op's keyword arguments of a quantizing op's call (the dispatcher drops those at their default)."""
-    return {k: kwargs[k] for k in _kernels.KEYWORDS[unfused] if k in kwargs}
-
-
-def _alloc(ref: torch.Tensor, h_shape: list, r: QuantRecipe):
-    """(q, scale) as the CUDA kernels allocate them: q contiguous in the fp8 dtype; scale [] / [..., 1] /
-    [..., K / group_size] in scale_dtype, the "column" layout allocated [n, ...] and viewed as [..., n] (the rows'
-    index varies fastest)."""
-    q = torch.empty(h_shape, dtype=r.dtype, device=ref.device)
-    if r.scaling == "tensor":
-        return q, torch.empty((), dtype=r.scale_dtype, device=ref.device)
-    n = h_shape[-1] // r.group_size if r.scaling == "group" else 1
-    if r.scale_layout == "row":
-        return q, torch.empty((*h_shape[:-1], n), dtype=r.scale_dtype, device=ref.device)
-    col = torch.empty((n, *h_shape[:-1]), dtype=r.scale_dtype, device=ref.device)
-    return q, col.permute(*range(1, len(h_shape)), 0)
-
-
-def _fake(name: str):
-    def fake(*args, **kwargs):
-        recipe, shape = check(name, args, kwargs)
-        return _alloc(args[0], shape, recipe)
-
-    return fake
-
-
-def cpu_kernel(name: str):
-    """Op `name` with ATen: h by the unfused op (x itself for quantize), then this module's formula, written into
-    the outputs the CUDA kernels allocate. The CPU kernel; the CUDA kernel where the CUDA library is not loaded, and
-    for float64 inputs, which the CUDA kernels do not take."""
-    unfused = _unfused(name)
-
-    def kernel(*args, **kwargs):
-        recipe, shape = check(name, args, kwargs)
-        q, scale = _alloc(args[0], shape, recipe)
-        if unfused is None:
-            h = args[0]
-        else:
-            h = _kernels.route(unfused, args, _unfused_kwargs(unfused, kwargs))
-        hq, hs = reference_quantize(h, recipe, f"ffn_ext.{name}")
-        return q.copy_(hq), scale.copy_(hs)
-
-    return kernel
-
-
-def _no_cuda_kernel(name: str):
-    kernel = cpu_kernel(name)
-
-    def cuda(*args, **kwargs):
-        _kernels.warn_no_cuda_kernels()
-        return kernel(*args, **kwargs)
-
-    return cuda
-
-
-def _autograd(name: str):
-    """The Autograd kernel: refuses inputs that require grad under grad mode (the quantizing ops are not
-    differentiable: a silent constant would be a wrong gradient), else runs the op below autograd."""
-    arg_names = [a.name for a in torch._C.parse_schema("ffn_ext::" + QUANT_SCHEMAS[name]).arguments]
-
-    def kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled():
-            for arg, t in zip(arg_names, args):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    raise RuntimeError(
-                        f"ffn_ext.{name}: `{arg}` requires grad; the quantizing ops are forward only (not "
-                        "differentiable): call them under torch.no_grad() or on detached tensors"
-                    )
-        with torch._C._AutoDispatchBelowAutograd():
-            return _kernels.overload(name).redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
-
-    return kernel
-
-
-def _batch_rule(name: str):
-    """The vmap batching rule of a quantizing op: each sample quantized as if alone. Row and group scales belong to
-    a row, and the ops take every leading dimension as rows, so one call on the batch (its dim moved to the front)
-    is that; a static per-tensor scale is elementwise, the same for every sample; a dynamic per-tensor scale is a
-    sample's own amax, so that recipe runs one call per sample (what torch's fallback would do, without its
-    warning)."""
-    overload = _kernels.overload(name)
-
-    def rule(info, in_dims, *args, **kwargs):
-        b = info.batch_size
-        args = tuple(t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims))
-        if kwargs["scaling"] != "tensor":
-            return overload(*args, **kwargs), (0, 0)
-        if kwargs["static_scale"] is not None:
-            return overload(*args, **kwargs), (0, None)
-        outs = [overload(*(a[i] for a in args), **kwargs) for i in range(b)]
-        return (torch.stack([q for q, _ in outs]), torch.stack([s for _, s in outs])), (0, 0)
-
-    return rule
-
-
-def register(lib, cuda_kernels: bool) -> None:
-    """Registers the quantizing ops' kernels on `lib` (ffn_ext._kernels.register's Library, which calls this)."""
-    if cuda_kernels:  # the native library's CUDA kernels: those of the quantizing ops too, if it has them
-        cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::quantize", "CUDA")
-    for name in op_names():
-        torch.library.register_fake(f"ffn_ext::{name}", _fake(name), lib=lib)
-        _kernels.CPU_KERNELS[name] = cpu_kernel(name)
-        lib.impl(name, _kernels.CPU_KERNELS[name], "CPU")
-        if not cuda_kernels:
-            lib.impl(name, _no_cuda_kernel(name), "CUDA")
-        lib.impl(name, _autograd(name), "Autograd", with_keyset=True)
-        torch.library.register_vmap(f"ffn_ext::{name}", _batch_rule(name), lib=lib)
-
-
 # ---------------------------------------------------------------- the functional API
+# The ops (their checks, kernels and call) are ffn_ext._kernels.QuantOp: the unfused op, then the formula above.
 def _run(name: str, args: tuple, recipe, kwargs: dict):
-    """torch.ops.ffn_ext.<name> by the ops' one route (_kernels.route), the recipe's arguments added; float64 CUDA
-    inputs, which the CUDA kernels do not take, by the op's ATen kernel. An error is explained by the checks."""
-    op = f"ffn_ext.{name}"
-    kwargs = {**_recipe(op, recipe).op_kwargs(), **kwargs}
-    try:
-        a = args[0]
-        if isinstance(a, torch.Tensor) and a.is_cuda and a.dtype is torch.float64:
-            return cpu_kernel(name)(*args, **kwargs)
-        return _kernels.route(name, args, kwargs)
-    except Exception as e:
-        try:
-            check(name, args, kwargs)
-        except (TypeError, ValueError, RuntimeError) as why:
-            raise why from None
-        raise e
+    """torch.ops.ffn_ext.<name> by the ops' one route, the recipe's arguments added."""
+    return _kernels.OP[name](*args, **_recipe(f"ffn_ext.{name}", recipe).op_kwargs(), **kwargs)
 
 
 def quantize(x: torch.Tensor, recipe: QuantRecipe | None = None):
@@ -440,6 +269,3 @@ def gated_packed_quant(
     gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[Gating.of(activation).op]
     name = gated.name + "_packed_quant"
     return _run(name, (gate_up,), recipe, dict(bind_params(f"ffn_ext.{name}", gated, params), layout=layout))
-
-
-_kernels.add_hook(register)  # with the table's ops' kernels: now, if they are registered, or when they are

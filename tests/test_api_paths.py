@@ -41,7 +41,7 @@ def test_every_op_takes_its_keywords_in_schema_order_and_the_tables_schema():
     assert PARAM_OPS
     for name, s in ffn_ext.table.OPS.items():  # the scalar arguments: the keyword-only ones, in schema order
         schema = getattr(torch.ops.ffn_ext, name).default._schema
-        assert _kernels.KEYWORDS[name] == tuple(a.name for a in schema.arguments if a.kwarg_only), name
+        assert _kernels.OP[name].keywords == tuple(a.name for a in schema.arguments if a.kwarg_only), name
         assert schema == torch._C.parse_schema("ffn_ext::" + s.schema), name  # what define() registers without _C
 
 
@@ -57,15 +57,13 @@ class Spy:
             return real_below()
 
         monkeypatch.setattr(_kernels, "_below_autograd", below)
-        kernels = dict(_kernels.CPU_KERNELS)
-        for name, k in kernels.items():
+        for op in _kernels.OP.values():
 
-            def counted(*a, _k=k, **kw):
+            def counted(*a, _k=op.cpu, **kw):
                 self.fast += 1
                 return _k(*a, **kw)
 
-            kernels[name] = counted
-        monkeypatch.setattr(_kernels, "CPU_KERNELS", kernels)
+            monkeypatch.setattr(op, "fast", tuple(counted if k is op.cpu else k for k in op.fast))
 
 
 @pytest.mark.parametrize("name", [n for n in FORWARD_OPS if spec(n).params or is_packed(n)])

@@ -107,7 +107,7 @@ def run_form(name, g, packing, recipe, shape, dtype, device, gen, strided=False)
     params = g.example if g is not None else {}
     opf = getattr(torch.ops.ffn_ext, name)
     if dtype == torch.float64 and device == "cuda":  # the CUDA kernels refuse float64: the API takes the composite
-        opf = quant.cpu_kernel(name)
+        opf = ffn_ext._kernels.OP[name].cpu
     if g is None:
         x = rand_h(shape, dtype, device, gen)
         if strided:
@@ -302,10 +302,10 @@ def test_api_explains_a_kernels_guard_with_the_python_checks(monkeypatch):
     # the Python checks' error where they find the cause, and the kernel's error as it is where they do not
     from ffn_ext import _kernels
 
-    def kernel(name, args, kwargs):
-        raise RuntimeError(f"ffn_ext.{name}: a guard")
+    def kernel(*args, **kwargs):
+        raise RuntimeError("ffn_ext.quantize: a guard")
 
-    monkeypatch.setattr(_kernels, "route", kernel)
+    monkeypatch.setattr(_kernels.OP["quantize"], "fast", (kernel,) * 4)
     with pytest.raises(ValueError, match=r"^ffn_ext\.quantize: `group_size`=128 must divide the last dimension of h"):
         ffn_ext.quantize(torch.randn(2, 96))
     with pytest.raises(RuntimeError, match=r"^ffn_ext\.quantize: a guard$"):
