@@ -379,6 +379,7 @@ def _params():
 
 @pytest.mark.parametrize("case", list(_params()))
 def test_construction_computes_what_was_asked(case):
+    """The module computes its float64 composition, or raised an error KNOWN_ERRORS expects."""
     r = run(case)
     if r.outcome == "raised":
         assert known(case, KNOWN_ERRORS), f"{case.id}: raised {r.detail}"
