@@ -26,6 +26,7 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
   api_call(name, packing, params)    the public API callable of forward op `name` (gelu(approximate=),
                                gated(activation=), gated_packed(layout=), swiglu_clamped(limit=, ...), ...)
   terms(name, inputs, params)  an op (not packed) as products: which act value, times what, where (mask)
+  value(name, *inputs, params=)   a forward op (not packed) in float64 from its terms, differentiable (autograd)
   unpack(name, inputs, packing) / repack(name, outs, packing)
                                a packed op as its gated op on the two halves of gate_up and back
   reference(name, *inputs, inf_limits=False, packing=, params=)   float64 result (ATen semantics, or the limits)
@@ -36,6 +37,9 @@ op's layout= argument ("concat" [gate | up] or "interleaved" [g0, u0, g1, u1, ..
   tolerance(dtype), assert_close_to, assert_matches_reference(..., packing=, params=)
   make_layout, make_chunk_pair, make_inputs(..., packing=, params=, at_bounds=), input_shapes, LAYOUTS,
   FLOAT_DTYPES, CPU_DTYPES, DEVICES, RecordOps, poison_cuda_cache, as_tuple
+  gating_cases(), gated_modules(op, params, layout), unary_module(entry), y0_weight(y)
+                               the modules' side: every gated op with its parameters, the modules computing one,
+                               a loss weighting
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ __all__ = [
     "op_kwargs",
     "host_params",
     "terms",
+    "value",
+    "gating_cases",
+    "gated_modules",
+    "unary_module",
+    "y0_weight",
     "limit_terms",
     "unpack",
     "repack",
@@ -299,6 +308,14 @@ def _untuple(outs):
     return outs if len(outs) > 1 else outs[0]
 
 
+def value(name: str, *inputs: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+    """Forward op `name` (not packed) on float64 inputs from its terms and the table's act.ref, without detaching
+    them: autograd through it gives the op's gradients, so a module's float64 composition is written with it."""
+    ((_, x, factors, mask),) = terms(name, inputs, params)
+    v = SPECS[name].act.ref(x)[0]
+    return _select(mask, v if not factors else _prod(factors) * v)
+
+
 def _aten(name, inputs, packing, params):
     """Op `name` with the table's ATen composites (OpSpec.compute), in the inputs' dtype."""
     return SPECS[name].compute(tuple(inputs), params_of(name, params), packing)
@@ -499,6 +516,46 @@ def assert_matches_reference(
         # the ops' outputs are fresh contiguous tensors
         assert o.is_contiguous(), f"{where}: output is not contiguous (strides {o.stride()})"
         assert_close_to(o, r, dtype, where, scale=scale, spread=s, alt=a)
+
+
+# ---------------------------------------------------------------- the modules' side
+def gating_cases():
+    """(op, params, id) of every gated op of the table: its plain form, and for an op with parameters their examples
+    together and each alone (the others at their defaults, a required one at its neutral value inf)."""
+    for g in GATED:
+        if not g.params:
+            yield g.name, {}, g.name
+            continue
+        neutral = {p.name: math.inf if p.default is None else p.default for p in g.params}
+        yield g.name, g.example, f"{g.name}-all"
+        for p in g.params:
+            yield g.name, {**neutral, p.name: p.example}, f"{g.name}-{p.name}"
+
+
+def gated_modules(op: str, params: dict, layout: str) -> list:
+    """ffn_ext's gated modules computing (op, params, layout): the generic Gated(Gating) and the constructor that
+    names the activation (SwiGLU(**params), GeGLU(approximate), Gated(name))."""
+    gated = _table.GATED_BY_NAME[op]
+    kind, options = gated.act.api
+    if kind == "silu":
+        named = ffn_ext.SwiGLU(layout=layout, **params)
+    elif kind == "gelu":
+        named = ffn_ext.GeGLU(layout=layout, **options)
+    else:
+        named = ffn_ext.Gated(gated.act.name, layout=layout)
+    return [ffn_ext.Gated(ffn_ext.Gating(op, layout=layout, **params)), named]
+
+
+def unary_module(entry):
+    """The activation module named for table entry `entry`: GELU(approximate), SiLU() or Act(name)."""
+    kind, options = entry.api
+    cls = {"gelu": ffn_ext.GELU, "silu": ffn_ext.SiLU}.get(kind)
+    return ffn_ext.Act(entry.name) if cls is None else cls(**options)
+
+
+def y0_weight(y):
+    """A fixed, non-uniform weighting of the output for the loss (a sum alone would hide sign errors in dy)."""
+    return torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).reshape(y.shape)
 
 
 # ---------------------------------------------------------------- input layouts

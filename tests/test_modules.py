@@ -2,7 +2,6 @@
 (ffn_ext.mlp: gradcheck, saved bytes, peak memory, torch.compile), and sizing. "Every gated activation" tests run over
 ffn_ext/table.py's ACTIVATIONS, against the eager formula with the entry's ATen expression."""
 
-import math
 import re
 import warnings
 import weakref
@@ -16,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import ffn_ext
 from ffn_ext import mlp as M
-from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED, GATED_BY_NAME, LAYOUTS, split_packed
+from ffn_ext.table import ACTIVATIONS, BY_NAME, GATED_BY_NAME, LAYOUTS, split_packed
 
 cuda = pytest.mark.cuda
 TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -25,6 +24,7 @@ ACTS = [pytest.param(a, id=a.name) for a in ACTIVATIONS]
 
 
 from optable import RecordOps as _Ops  # noqa: E402  (records the ops that run inside it)
+from optable import gated_modules, gating_cases, y0_weight  # noqa: E402
 
 
 def _close(a, b, dtype=None):
@@ -748,33 +748,6 @@ def test_geglu_ffn_names_state_dict_and_repr():
 
 
 # ---------------------------------------------------------------- no FFN computes other than its submodules
-def _gating_cases():
-    """(op, params) of every gated op of the table: its plain form, and for an op with parameters their examples
-    together and each alone (the others at their defaults, a required one at its neutral value inf)."""
-    for g in GATED:
-        if not g.params:
-            yield pytest.param(g.name, {}, id=g.name)
-            continue
-        neutral = {p.name: math.inf if p.default is None else p.default for p in g.params}
-        yield pytest.param(g.name, g.example, id=f"{g.name}-all")
-        for p in g.params:
-            yield pytest.param(g.name, {**neutral, p.name: p.example}, id=f"{g.name}-{p.name}")
-
-
-def _act_modules(op: str, params: dict, layout: str) -> list:
-    """ffn_ext's gated modules computing (op, params, layout): the generic Gated(Gating) and the constructor that
-    names the activation (SwiGLU(**params), GeGLU(approximate), Gated(name))."""
-    gated = GATED_BY_NAME[op]
-    kind, options = gated.act.api
-    if kind == "silu":
-        named = ffn_ext.SwiGLU(layout=layout, **params)
-    elif kind == "gelu":
-        named = ffn_ext.GeGLU(layout=layout, **options)
-    else:
-        named = ffn_ext.Gated(gated.act.name, layout=layout)
-    return [ffn_ext.Gated(ffn_ext.Gating(op, layout=layout, **params)), named]
-
-
 MODES = [
     pytest.param({}, id="default"),
     pytest.param({"recompute": True}, id="recompute"),
@@ -783,7 +756,7 @@ MODES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("op,params", list(_gating_cases()))
+@pytest.mark.parametrize("op,params", [pytest.param(op, p, id=i) for op, p, i in gating_cases()])
 def test_every_gated_module_in_every_gated_ffn_computes_its_submodules(op, params, mode):
     """Every gated activation module (each gated op of the table, each parameter, both layouts, as Gated(Gating) and
     by its named constructor) put into GatedFFN (separate projections, and fused_gate_up in each layout), in every
@@ -793,7 +766,7 @@ def test_every_gated_module_in_every_gated_ffn_computes_its_submodules(op, param
     x0 = torch.randn(2, 5, 8, dtype=torch.float64) * 5
     gated = GATED_BY_NAME[op]
     for fused, layout in [(False, "concat")] + [(True, lay) for lay in LAYOUTS]:
-        for act in _act_modules(op, params, layout):
+        for act in gated_modules(op, params, layout):
             m = ffn_ext.GatedFFN(8, 12, bias=True, fused_gate_up=fused, dtype=torch.float64, **mode)
             m.act = act
             assert ffn_ext.modules.gating_of(act) == ffn_ext.Gating(op, layout=layout, **params)
@@ -820,11 +793,6 @@ def test_every_gated_module_in_every_gated_ffn_computes_its_submodules(op, param
             for got, want in ((outs[0], outs[1]), (outs[0], outs[2])):
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-
-
-def y0_weight(y):
-    """A fixed, non-uniform weighting of the output for the loss (a sum alone would hide sign errors in dy)."""
-    return torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).reshape(y.shape)
 
 
 def _unary_cases():
