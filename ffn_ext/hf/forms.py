@@ -17,6 +17,7 @@ from .. import _compat
 from .. import fp8 as _fp8
 from .. import ops as _ops
 from ..mlp import fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp
+from ..modules import FFN, GatedFFN
 from .common import (
     AGREE,
     DISAGREE,
@@ -101,6 +102,10 @@ DISAGREES_GATE = (
 NOT_PROVEN = (
     "modules listed in extra_classes whose forward ffn_ext does not recognise and whose self-check could not run "
     "(weights on meta or not plain, hooks) or gave no finite result: nothing shows they compute the form"
+)
+OWN_FORWARD = (
+    "subclasses of ffn_ext's FFN modules that override forward: they run their own forward (ffn_ext's fused one "
+    "where it calls super().forward), which patch_model does not replace"
 )
 FAILED = "modules on whose code ffn_ext's recogniser failed (a bug in ffn_ext: please report it with this message)"
 
@@ -618,6 +623,8 @@ def _why_not(module, form: Form, plan: Plan) -> str | None:
 def plan(module, extra: tuple = (), forms=FORMS) -> tuple[Form, Plan] | str | None:
     """(the form, its plan) to patch the module with, the reason to name it, or None: no form's business. Planning
     never raises: an error in it (a bug of ffn_ext's) names the module with the error (RAISE_ERRORS: raises)."""
+    if isinstance(module, (FFN, GatedFFN)):  # ffn_ext's own modules: fused already, by their class's forward
+        return None if type(module).forward in (FFN.forward, GatedFFN.forward) else OWN_FORWARD
     try:
         found = identify(module, _vouched(type(module), extra), forms)
         if found is None:
