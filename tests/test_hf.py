@@ -299,11 +299,13 @@ def test_granite_shared_mlp_subclasses_and_lookalikes():
 
 
 @pytest.mark.parametrize(
-    "hidden_act, cls", [("gelu_10", "ClippedGELUActivation"), ("mish", "MishActivation"), ("relu6", "ReLU6")]
+    "hidden_act, cls",
+    [("gelu_10", "ClippedGELUActivation"), ("not_an_activation", "NotAnActivation"), ("relu6", "ReLU6")],
 )
-def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls):
-    """gelu_10 (a clamped GELU), mish and relu6 (a clamped ReLU) look like activations of the table but are none of
-    them: named, never substituted."""
+def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls, monkeypatch):
+    """gelu_10 (a clamped GELU), Mish's math under a name no entry has and relu6 (a clamped ReLU) look like
+    activations of the table but are none of them: named, never substituted."""
+    hf_oracle.not_an_activation(monkeypatch)
     assert not any(hidden_act in a.hf_names for a in ffn_ext.table.ACTIVATIONS)
     model = _tiny("llama", hidden_act=hidden_act)
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
