@@ -98,6 +98,20 @@ def test_unpatched_hf_mlps_are_named():
     assert not any(isinstance(m, FP8GatedFFN) for m in model.modules())
 
 
+def test_patched_pairs_are_named_with_their_forms_reason():
+    """A patched form with no FP8 module, the BERT-style layer pair, is named with its form's reason (Form.not_fp8)."""
+    cfg = transformers.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=97
+    )
+    model = transformers.BertModel(cfg).eval()
+    assert ffn_ext.patch_hf_model(model) == 2
+    with pytest.warns(UserWarning) as rec:
+        assert quantize_fp8(model) is model
+    why = ffn_ext.hf.forms.BertPair.not_fp8
+    named = "encoder.layer.0 (BertLayer), encoder.layer.1 (BertLayer) are"
+    assert [str(w.message) for w in rec] == [f"ffn_ext.quantize_fp8: {named} not converted: {why}"]
+
+
 def _fp8_linear(n_in, n_out):
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
