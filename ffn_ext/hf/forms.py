@@ -1,6 +1,7 @@
 """The forms ffn_ext patches, one class each, in one registry (FORMS) that patch_model walks: each recognises a
 module's code (recognise.py) as a Plan or names it, says what keeps a recognised module from running on ffn_ext, and
-gives the gating it runs now and its fused forward. A new form is a class here, added to FORMS."""
+gives the gating it runs now, its fused forward and its FP8 module for quantize_fp8 (or why none). A new form is a
+class here, added to FORMS."""
 
 from __future__ import annotations
 
