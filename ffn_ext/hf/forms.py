@@ -191,9 +191,8 @@ def _fp8_parts(module, form: Form, plan: Plan) -> tuple[list, Gating, str | None
     wrapper on the instance (before patching: Patched.prev; after: accelerate's), would be dropped; and it computes
     the form, where Patched runs the module's own code (activation hooked or replaced, guards no longer hold)."""
     d = module.__dict__
-    if d.get(form.method) is not d[MARK] or d[MARK].prev is not None or "_hf_hook" in d or _compat.module_hooks(module):
-        return FP8_WRAPPED
-    if _compat.global_module_hooks():
+    wrapped = d.get(form.method) is not d[MARK] or d[MARK].prev is not None or "_hf_hook" in d
+    if wrapped or _compat.module_hooks(module) or _compat.global_module_hooks():
         return FP8_WRAPPED
     g = form.gating(module, plan)
     if g is None or not guards_hold(module, plan.guards):
