@@ -12,8 +12,8 @@
 //   cuda/kernels_part*.cu, cuda/quant_part*.cu  the kernels, torch-free
 //   quant.h, quant_recipe.cpp, quant_ops.h, quant_kernel.h  the FP8 quantizing ops (recipe checks, outputs,
 //                      the kernels' problems and per-lane code)
-// Fake (Meta) kernels, autograd, vmap and the CPU kernels are Python, from the table (ffn_ext/_kernels.py,
-// ffn_ext/_quant_kernels.py).
+// Fake (Meta) kernels, autograd, vmap and the CPU kernels are Python, from the table (ffn_ext/_kernels.py; the
+// quantizing ops' formula: ffn_ext/quant.py).
 #pragma once
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>

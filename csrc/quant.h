@@ -2,8 +2,8 @@
 // allocation (ffn_ext/quant.py documents the formula; quant_recipe.cpp implements these, shapes.cpp the input
 // checks). Ops, from the table (ops_table.h): <gated>_quant(gate, up, *, recipe, params) and
 // <gated>_packed_quant(gate_up, *, recipe, params, layout) for every gated op, and quantize(x, *, recipe); each
-// returns (q, scale). The ATen formula (CPU, and float64 on CUDA) is Python's (ffn_ext/quant.py, registered by
-// ffn_ext/_quant_kernels.py).
+// returns (q, scale). The ATen formula (CPU, and float64 on CUDA) is Python's (ffn_ext/quant.py), registered with
+// the other ops' Python kernels (ffn_ext/_kernels.py).
 #pragma once
 
 #include <optional>

@@ -344,6 +344,22 @@ def raise_errors(monkeypatch):
     monkeypatch.setattr(forms, "RAISE_ERRORS", True)
 
 
+class NotAnActivation(torch.nn.Module):
+    """Mish's math under a name no table entry can have: the tests that need an activation ffn_ext lacks use it, so
+    that adding one by docs/internals/adding-an-activation.md (Mish, say) breaks none of them."""
+
+    def forward(self, x):
+        return x * torch.tanh(torch.nn.functional.softplus(x))
+
+
+def not_an_activation(monkeypatch) -> str:
+    """Registers NotAnActivation in transformers' ACT2FN for the test; returns its hidden_act name."""
+    from transformers.activations import ACT2FN
+
+    monkeypatch.setitem(ACT2FN, "not_an_activation", NotAnActivation)
+    return "not_an_activation"
+
+
 def patched_as(module) -> str | None:
     """The name of the form a module is patched as, else None."""
     patched = vars(module).get(forms.MARK)

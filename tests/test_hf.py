@@ -82,6 +82,36 @@ def test_patch_is_idempotent_and_reversible_and_survives_deepcopy():
     assert ffn_ext.hf.patch_model(model) == 2
 
 
+def test_ffn_ext_modules_are_left_fused_and_subclasses_named_with_their_own_forward():
+    """ffn_ext's own FFN modules run fused already: patch_hf_model neither patches nor names them, in a model of
+    their own or as a Llama's MLP (before, they were named as MLPs whose forward it does not recognise, "run as
+    they are, unaccelerated"). A subclass that overrides forward is named as running its own forward."""
+
+    class Half(ffn_ext.GatedFFN):
+        def forward(self, x):
+            return 0.5 * super().forward(x)
+
+    class HalfFFN(ffn_ext.FFN):
+        def forward(self, x):
+            return 0.5 * super().forward(x)
+
+    own = (ffn_ext.SwiGLUFFN(8, 16), ffn_ext.SwiGLUFFN(8, 16, fused_gate_up=True), ffn_ext.GeGLUFFN(8, 16))
+    net = nn.Sequential(*own, ffn_ext.FFN(8, 16), Half(8, 16), HalfFFN(8, 16))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert ffn_ext.patch_hf_model(net) == 0
+    msgs = [str(w.message) for w in rec if "patch_model" in str(w.message)]
+    assert msgs == [f"ffn_ext.hf.patch_model: {forms.OWN_FORWARD}: Half at '4', HalfFFN at '5' (left unpatched)"]
+    assert not any(forms.MARK in vars(m) for m in net.modules())
+
+    model = _tiny("llama")
+    model.model.layers[0].mlp = ffn_ext.SwiGLUFFN(64, 176)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ffn_ext.patch_hf_model(model) == 1  # layer 1's LlamaMLP
+    assert forms.MARK not in vars(model.model.layers[0].mlp)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "phi3"])
 def test_patched_model_pickles(kind):
     """torch.save(model) of a patched model loads back patched, with the same outputs (the patched forward
@@ -269,11 +299,13 @@ def test_granite_shared_mlp_subclasses_and_lookalikes():
 
 
 @pytest.mark.parametrize(
-    "hidden_act, cls", [("gelu_10", "ClippedGELUActivation"), ("mish", "MishActivation"), ("relu6", "ReLU6")]
+    "hidden_act, cls",
+    [("gelu_10", "ClippedGELUActivation"), ("not_an_activation", "NotAnActivation"), ("relu6", "ReLU6")],
 )
-def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls):
-    """gelu_10 (a clamped GELU), mish and relu6 (a clamped ReLU) look like activations of the table but are none of
-    them: named, never substituted."""
+def test_mlps_with_an_activation_ffn_ext_lacks_are_skipped_with_a_warning_or_refused(hidden_act, cls, monkeypatch):
+    """gelu_10 (a clamped GELU), Mish's math under a name no entry has and relu6 (a clamped ReLU) look like
+    activations of the table but are none of them: named, never substituted."""
+    hf_oracle.not_an_activation(monkeypatch)
     assert not any(hidden_act in a.hf_names for a in ffn_ext.table.ACTIVATIONS)
     model = _tiny("llama", hidden_act=hidden_act)
     ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))

@@ -293,11 +293,12 @@ def test_whisper_layers_are_named_with_the_reason(ffn_dim):
         ffn_ext.patch_hf_model(model, strict=True)
 
 
-@pytest.mark.parametrize("hidden_act", ["gelu_10", "mish", "xielu"])
-def test_an_activation_ffn_ext_lacks_is_named_never_substituted(hidden_act):
+@pytest.mark.parametrize("hidden_act", ["gelu_10", "not_an_activation", "xielu"])
+def test_an_activation_ffn_ext_lacks_is_named_never_substituted(hidden_act, monkeypatch):
     """A classic MLP whose activation is not one of the table's is named with it, never run with another."""
     from transformers.models.vit.modeling_vit import ViTMLP
 
+    hf_oracle.not_an_activation(monkeypatch)
     if hidden_act == "xielu":
         act = transformers.activations.ACT2CLS["xielu"]()
     else:

@@ -181,10 +181,11 @@ def test_bf16(kind, monkeypatch):
 
 @pytest.mark.parametrize("why", ["gating", "expert_parallel"])
 def test_fallback_warns_once_and_matches(why, monkeypatch):
-    """A gating ffn_ext does not compute (Mish, not in its table) or expert parallelism: transformers' grouped_mm
-    runs, with one RuntimeWarning naming the class and the reason, whatever the number of modules and calls."""
+    """A gating ffn_ext does not compute (an activation no table entry can be) or expert parallelism: transformers'
+    grouped_mm runs, with one RuntimeWarning naming the class and the reason, whatever the number of modules and
+    calls."""
     monkeypatch.setattr(moe, "_warned", set())
-    model = _tiny("qwen3_moe", **({"hidden_act": "mish"} if why == "gating" else {}))
+    model = _tiny("qwen3_moe", **({"hidden_act": hf_oracle.not_an_activation(monkeypatch)} if why == "gating" else {}))
     if why == "expert_parallel":
         for m in _experts(model):
             m._is_expert_parallel = True

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import ffn_ext
 from ffn_ext.fp8 import FP8FFN, FP8GatedFFN, quantize_fp8
+from ffn_ext.hf.forms import FP8_PROJECTIONS, FP8_WRAPPED
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -97,6 +98,20 @@ def test_unpatched_hf_mlps_are_named():
     assert not any(isinstance(m, FP8GatedFFN) for m in model.modules())
 
 
+def test_patched_pairs_are_named_with_their_forms_reason():
+    """A patched form with no FP8 module, the BERT-style layer pair, is named with its form's reason (Form.not_fp8)."""
+    cfg = transformers.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=97
+    )
+    model = transformers.BertModel(cfg).eval()
+    assert ffn_ext.patch_hf_model(model) == 2
+    with pytest.warns(UserWarning) as rec:
+        assert quantize_fp8(model) is model
+    why = ffn_ext.hf.forms.BertPair.not_fp8
+    named = "encoder.layer.0 (BertLayer), encoder.layer.1 (BertLayer) are"
+    assert [str(w.message) for w in rec] == [f"ffn_ext.quantize_fp8: {named} not converted: {why}"]
+
+
 def _fp8_linear(n_in, n_out):
     from transformers.integrations.finegrained_fp8 import FP8Linear
 
@@ -177,3 +192,42 @@ def test_patched_clamped_mlps_quantized(name, module):
         err = _rel(m8(x), ref)
     print(f"{name}: FP8 relative error {err:.4f} vs the fp32 MLP")
     assert err < 0.1
+
+
+@pytest.mark.parametrize("where", ["gate_proj", "mlp", "wrapper", "global"])
+def test_hooked_patched_mlps_named_not_converted(where):
+    """A hook on a patched MLP's projection or on the MLP, a forward wrapper set on it after patching, or a global
+    hook changes what it computes, and the FP8 module that replaces it would drop that: quantize_fp8 leaves it as it
+    is and names it. (Before, with a hook or wrapper doubling gate_proj's output or the MLP's, layer 0's MLP was
+    converted silently: logits 0.25, 0.21 and 0.21 off, relative, against FP8's 0.016 without them.)"""
+    model = _model("llama")
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert ffn_ext.patch_hf_model(model) == 2
+    mlp = model.model.layers[0].mlp
+    double = lambda mod, args, out: 2 * out if mod is mlp or where == "gate_proj" else out  # noqa: E731
+    handle = None
+    if where == "global":
+        handle = nn.modules.module.register_module_forward_hook(double)
+    elif where == "wrapper":
+        patched = mlp.forward
+        mlp.forward = lambda x: 2 * patched(x)
+    else:
+        handle = (mlp if where == "mlp" else mlp.gate_proj).register_forward_hook(double)
+    try:
+        with torch.no_grad():
+            ref = model(ids).logits
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                quantize_fp8(model)
+            got = model(ids).logits
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert _rel(got, ref) < 0.05  # layer 1's MLP in FP8 (but with a global hook): 0.009
+    assert model.model.layers[0].mlp is mlp
+    msgs = [str(w.message) for w in rec if "not converted" in str(w.message)]
+    named = "model.layers.0.mlp (LlamaMLP) is"
+    if where == "global":
+        named = "model.layers.0.mlp (LlamaMLP), model.layers.1.mlp (LlamaMLP) are"
+    why = FP8_PROJECTIONS if where == "gate_proj" else FP8_WRAPPED
+    assert msgs == [f"ffn_ext.quantize_fp8: {named} not converted: {why}"], msgs

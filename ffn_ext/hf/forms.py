@@ -1,10 +1,12 @@
 """The forms ffn_ext patches, one class each, in one registry (FORMS) that patch_model walks: each recognises a
 module's code (recognise.py) as a Plan or names it, says what keeps a recognised module from running on ffn_ext, and
-gives the gating it runs now and its fused forward. A new form is a class here, added to FORMS."""
+gives the gating it runs now, its fused forward and its FP8 module for quantize_fp8 (or why none). A new form is a
+class here, added to FORMS."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -12,8 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _compat
+from .. import fp8 as _fp8
 from .. import ops as _ops
 from ..mlp import fusable, gated_mlp, gated_mlp_packed, linear_args, plain_mlp
+from ..modules import FFN, GatedFFN
 from .common import (
     AGREE,
     DISAGREE,
@@ -99,7 +104,22 @@ NOT_PROVEN = (
     "modules listed in extra_classes whose forward ffn_ext does not recognise and whose self-check could not run "
     "(weights on meta or not plain, hooks) or gave no finite result: nothing shows they compute the form"
 )
+OWN_FORWARD = (
+    "subclasses of ffn_ext's FFN modules that override forward: they run their own forward (ffn_ext's fused one "
+    "where it calls super().forward), which patch_model does not replace"
+)
 FAILED = "modules on whose code ffn_ext's recogniser failed (a bug in ffn_ext: please report it with this message)"
+
+# why quantize_fp8 leaves a patched MLP as it is (Form.fp8)
+FP8_WRAPPED = (
+    "it carries hooks or a forward wrapper (accelerate's), or global module hooks are set: the FP8 module would not "
+    "run them"
+)
+FP8_OWN_CODE = (
+    "it runs its own code now: its activation is no longer one ffn_ext computes or carries hooks, or an attribute "
+    "its code's `if` tests read has changed (since patching)"
+)
+FP8_PROJECTIONS = "its projections are not plain nn.Linear (or GPT-2's Conv1D) modules without hooks"
 
 
 @dataclass(frozen=True)
@@ -124,6 +144,7 @@ class Form:
     name = ""
     method = "forward"
     disagrees = DISAGREES
+    not_fp8 = "patched as a form quantize_fp8 does not convert"
 
     def recognise(self, module, read) -> Plan | Named | None:
         """The plan, or Named, when the module's code is of this form: read from its code (read(method, n_inputs))
@@ -157,6 +178,27 @@ class Form:
 
     def run(self, module, plan: Plan, x: torch.Tensor, g: Gating) -> torch.Tensor:  # the fused forward
         raise NotImplementedError
+
+    def fp8(self, module, plan: Plan, recipe: str) -> tuple[nn.Module | None, str | None]:
+        """(the FP8 module of ffn_ext.fp8 computing what the patched module runs now, None), or (None, why
+        quantize_fp8 leaves it as it is)."""
+        return None, self.not_fp8
+
+
+def _fp8_parts(module, form: Form, plan: Plan) -> tuple[list, Gating, str | None] | str:
+    """The projections, gating and linear_layout an FP8 module of the patched `module` would compute with, or why it
+    would not compute what the module runs now: it replaces the module, so hooks on it or global ones, and a forward
+    wrapper on the instance (before patching: Patched.prev; after: accelerate's), would be dropped; and it computes
+    the form, where Patched runs the module's own code (activation hooked or replaced, guards no longer hold)."""
+    d = module.__dict__
+    wrapped = d.get(form.method) is not d[MARK] or d[MARK].prev is not None or "_hf_hook" in d
+    if wrapped or _compat.module_hooks(module) or _compat.global_module_hooks():
+        return FP8_WRAPPED
+    g = form.gating(module, plan)
+    if g is None or not guards_hold(module, plan.guards):
+        return FP8_OWN_CODE
+    projs = [module._modules[n] for n in plan.names]
+    return projs, g, linear_layout(*projs)
 
 
 def _options(module) -> dict:
@@ -208,6 +250,20 @@ class _GatedForm(Form):
     def options(self, module, plan):
         return isinstance(resolve(module, plan.gate, why=True), Gating)
 
+    @staticmethod
+    def gate_up(projs: list, g: Gating) -> tuple:  # the [gate | up] weight rows and bias, one GEMM's
+        raise NotImplementedError
+
+    def fp8(self, module, plan, recipe):
+        found = _fp8_parts(module, self, plan)
+        if isinstance(found, str):
+            return None, found
+        projs, g, layout = found
+        if layout != "linear":
+            return None, FP8_PROJECTIONS
+        w, b = self.gate_up(projs, g)
+        return _fp8.FP8GatedFFN(w, b, projs[-1].weight, projs[-1].bias, g, recipe=recipe), None
+
 
 class GatedMLP(_GatedForm):
     """down(g(gate(x), up(x))), any attribute names (Llama, Qwen, Mistral, Gemma, DeepSeek's dense and shared
@@ -234,6 +290,11 @@ class GatedMLP(_GatedForm):
         return (
             Plan(GATED_NAMES, GateSpec(_act_name(module, _ACT_NAMES)), proven=False) if vouched else Named(UNKNOWN_MLP)
         )
+
+    @staticmethod
+    def gate_up(projs, g):
+        gate, up, _ = projs
+        return torch.cat([gate.weight, up.weight]), None if gate.bias is None else torch.cat([gate.bias, up.bias])
 
     def run(self, module, plan, x, g):
         gate, up, down = (module._modules[n] for n in plan.names)
@@ -274,6 +335,13 @@ class PackedMLP(_GatedForm):
         if names is None:
             return None
         return Plan(names[:2], GateSpec(_act_name(module, names[2])), proven=False) if vouched else Named(UNKNOWN_MLP)
+
+    @staticmethod
+    def gate_up(projs, g):  # interleaved rows reordered to [gate | up] once
+        w, b = projs[0].weight, projs[0].bias
+        if g.layout == "interleaved":
+            return torch.cat([w[0::2], w[1::2]]), None if b is None else torch.cat([b[0::2], b[1::2]])
+        return w, b
 
     def run(self, module, plan, x, g):
         gate_up, down = (module._modules[n] for n in plan.names)
@@ -347,6 +415,17 @@ class ClassicMLP(Form):
             return F.dropout(y, p=getattr(module, plan.drop[2:]), training=module.training)
         return mods[plan.drop](y) if plan.drop else y
 
+    def fp8(self, module, plan, recipe):
+        found = _fp8_parts(module, self, plan)
+        if isinstance(found, str):
+            return None, found
+        (fc1, fc2), g, layout = found
+        if layout is None:
+            return None, FP8_PROJECTIONS
+        w1, w2 = (p.weight.t() if layout == "conv1d" else p.weight for p in (fc1, fc2))  # Conv1D: [in, out]
+        act = functools.partial(_ops.call_op, g.activation)
+        return _fp8.FP8FFN(w1, fc1.bias, w2, fc2.bias, act, recipe), None
+
 
 class BertPair(Form):
     """A BERT-style layer's *Intermediate (act(dense(x))) and *Output (LayerNorm(dropout(dense(h)) + x)), patched at
@@ -355,6 +434,10 @@ class BertPair(Form):
 
     name, method = "pair", "feed_forward_chunk"
     disagrees = DISAGREES_CLASSIC
+    not_fp8 = (
+        "BERT-style *Intermediate / *Output layers: the projection back shares its module with the dropout, the "
+        "residual and the LayerNorm, which an FP8 MLP would have to take over"
+    )
     _CHUNK = Call("output", (Call("intermediate", (X,)), X))
     _OUTPUT = Call("LayerNorm", (_add(Call("dropout", (Call("dense", (X,)),)), In(1)),))
 
@@ -449,6 +532,7 @@ class ExpertsGate(Form):
 
     name, method = "experts_gate", "_apply_gate"
     disagrees = DISAGREES_GATE
+    not_fp8 = "MoE experts modules (3-D expert weights): ffn_ext has no FP8 grouped GEMM"
 
     def recognise(self, module, read):
         if vars(module).get("has_gate") is False or not callable(getattr(type(module), self.method, None)):
@@ -539,6 +623,8 @@ def _why_not(module, form: Form, plan: Plan) -> str | None:
 def plan(module, extra: tuple = (), forms=FORMS) -> tuple[Form, Plan] | str | None:
     """(the form, its plan) to patch the module with, the reason to name it, or None: no form's business. Planning
     never raises: an error in it (a bug of ffn_ext's) names the module with the error (RAISE_ERRORS: raises)."""
+    if isinstance(module, (FFN, GatedFFN)):  # ffn_ext's own modules: fused already, by their class's forward
+        return None if type(module).forward in (FFN.forward, GatedFFN.forward) else OWN_FORWARD
     try:
         found = identify(module, _vouched(type(module), extra), forms)
         if found is None:
