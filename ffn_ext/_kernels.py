@@ -195,6 +195,7 @@ class Op:
         # their defaults (None: required; the checks name it)
         self.defaults = {**{p.name: p.default for p in spec.params}, **({"layout": "concat"} if packed else {})}
         self.keywords = tuple(self.defaults)
+        self.aten_autograd = spec.aten_autograd  # on the CPU its autograd is ATen's, of its CPU kernel
         self.cpu = self._cpu_kernel()
         self.function = self.transform_function = None
         if spec.differentiable:
@@ -264,7 +265,7 @@ class Op:
             def record(*args, **kwargs):
                 return function.apply(*args, *self._scalars(kwargs))
 
-        return below, self.cpu, record, (self.cpu if self.spec.aten_autograd else record)
+        return below, self.cpu, record, (self.cpu if self.aten_autograd else record)
 
     # ------------------------------------------------------------ checks
     def validate(self, args: tuple, kwargs: dict, kinds: bool = False):
@@ -537,7 +538,7 @@ class Op:
             lib.impl(name, self._no_cuda_kernel(), "CUDA")
         general = self._autograd()
         lib.impl(name, general, "Autograd", with_keyset=True)
-        if self.spec.aten_autograd:
+        if self.aten_autograd:
             lib.impl(name, self._autograd_cpu(general), "AutogradCPU", with_keyset=True)
         torch.library.register_vmap(f"ffn_ext::{name}", self._batch_rule, lib=lib)
 
@@ -557,6 +558,7 @@ class QuantOp(Op):
         self.arg_names = self.spec.args
         self.defaults = {}  # (keyword arguments pass through as given)
         self.keywords = ()
+        self.aten_autograd = False
         self.cpu = self._cpu_kernel()
         self.function = self.transform_function = None
         self.overload, self.fast = None, ()

@@ -92,7 +92,7 @@ def test_gelu_module_runs_ffn_ext_kernels(approximate, op):
 @pytest.mark.parametrize("cls", [ffn_ext.GELU, ffn_ext.GeGLU, ffn_ext.GeGLUFFN])
 def test_gelu_modules_reject_unknown_approximation(cls):
     args = (8, 16) if cls is ffn_ext.GeGLUFFN else ()
-    with pytest.raises(ValueError, match=rf"{cls.__name__}: approximate must be 'none' or 'tanh'"):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: `approximate` must be one of \['none', 'tanh'\]"):
         cls(*args, approximate="erf")
 
 
