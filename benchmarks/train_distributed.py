@@ -54,6 +54,9 @@ import ffn_ext  # noqa: E402
 import ffn_ext.distributed  # noqa: E402
 
 MODES = ("1proc", "1proc_unpatched", "fsdp2", "tp", "tp_lean", "trainer_ddp", "trainer_fsdp2")
+# DeepSpeed ZeRO-3 (run where deepspeed is installed; each against the same run unpatched): patched before
+# deepspeed.initialize, built under deepspeed.zero.Init, and transformers' Trainer with from_pretrained
+ZERO3_MODES = ("zero3", "zero3_init", "trainer_zero3")
 MiB = float(1 << 20)
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): full and --quick
 SIZES = {"full": (512, 1792, 2, 8, 4, 2048, 4, 256), "quick": (64, 192, 2, 4, 2, 256, 4, 32)}
@@ -91,16 +94,20 @@ def _release_freed_memory() -> None:
 
 
 class _FFNExtOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the names of the ffn_ext ops that run inside it (forward and backward)."""
+    """Records the names of the ffn_ext ops that run inside it (forward and backward), and how often each ran."""
 
     def __init__(self):
         super().__init__()
         self.seen: set[str] = set()
+        self.counts: dict[str, int] = {}
+        self.steps: list[int] = []  # the ops each step ran, where the caller notes them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if name.startswith("ffn_ext."):
-            self.seen.add(name.split(".")[1])
+            op = name.split(".")[1]
+            self.seen.add(op)
+            self.counts[op] = self.counts.get(op, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -117,7 +124,7 @@ def _tracked(model, opt) -> dict:
 
 
 # ---------------------------------------------------------------- models
-def _hf_model(kind: str, size: tuple, patched: bool):
+def _hf_model(kind: str, size: tuple, patched: bool, pad_token_id: int | None = 0):
     import transformers
 
     hidden, inter, layers, heads, kv, vocab, _, _ = size
@@ -128,7 +135,7 @@ def _hf_model(kind: str, size: tuple, patched: bool):
         num_attention_heads=heads,
         num_key_value_heads=kv,
         max_position_embeddings=4096,
-        pad_token_id=0,
+        pad_token_id=pad_token_id,
         bos_token_id=1,
         eos_token_id=2,
     )
@@ -349,6 +356,187 @@ def run_trainer(mode: str, args, size: tuple, batches) -> dict:
         "grads_mib": tracked.get("grads_mib", float("nan")),
         "optim_mib": full["optim_mib"],
     }
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3
+def zero3_config(batch_per_rank) -> dict:
+    """ZeRO-3 with every weight partitioned (no persistence threshold) and torch's AdamW (DeepSpeed's own needs its
+    ops built); no gradient clipping, as the other modes."""
+    return {
+        "train_micro_batch_size_per_gpu": batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+
+
+def _patch(model, kind: str, opts: dict, row: dict) -> int:
+    """Patches as _hf_model does, with `opts`; notes in `row` whether the weights were partitioned then."""
+    row["partitioned_at_patch"] = any(hasattr(p, "ds_id") for p in model.parameters())
+    if kind == "qwen3_moe":
+        model.set_experts_implementation("ffn_ext")
+    return ffn_ext.patch_hf_model(model, strict=True, **opts)
+
+
+def _gathered_weights(model) -> dict:
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        return {k: p.detach().clone() for k, p in params.items()}
+
+
+def run_zero3(mode: str, args, size: tuple, batches, patched: bool = True, opts=None, path=None) -> dict:
+    """One ZeRO-3 run on this rank (the process group up, DS_ACCELERATOR=cpu): `mode` zero3 (the model built
+    plainly, patched, then deepspeed.initialize), zero3_init (built under deepspeed.zero.Init: partitioned before the
+    patch) or trainer_zero3 (Trainer with a ZeRO-3 config and from_pretrained of the model saved at `path`, patched
+    before the Trainer); each rank its half of the batch. Returns its row with the patched count, the ffn_ext op
+    counts over every step, and the gathered final weights ("weights", not printed)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    opts = opts or {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps, batch, seq = batches.shape
+    cfg = zero3_config(batch // world)
+    _release_freed_memory()
+    peak_ok = _reset_peak_rss()
+    start_rss = _status_kib("VmRSS") / 1024
+    ops, times, losses = _FFNExtOps(), [], []
+    if mode == "trainer_zero3":
+        return _trainer_zero3(args, batches, patched, opts, path, cfg, ops, start_rss, peak_ok)
+    import transformers
+
+    # the modeling modules imported outside zero.Init: its patched torch.Tensor.__new__ fails torch._dynamo's imports
+    transformers.LlamaForCausalLM, transformers.Qwen3MoeForCausalLM  # noqa: B018
+    torch.manual_seed(args.seed)
+    init = deepspeed.zero.Init(config_dict_or_path=cfg) if mode == "zero3_init" else contextlib.nullcontext()
+    with init:  # (no padding row: transformers' init zeroes it by indexing the weight, empty when partitioned)
+        model, _ = _hf_model(args.model, size, patched=False, pad_token_id=None if mode == "zero3_init" else 0)
+    row: dict = {}
+    n = _patch(model, args.model, opts, row) if patched else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model.train(), optimizer=opt, config=cfg)
+    for ids in batches:
+        t0 = time.perf_counter()
+        with ops:
+            mine = ids.tensor_split(world)[rank]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+        ops.steps.append(sum(ops.counts.values()) - sum(ops.steps))
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(float(reported) / world)
+    row.update(_row(mode, losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts, op_steps=ops.steps)
+    row["weights"] = _gathered_weights(engine.module)
+    del engine, model, opt
+    return row
+
+
+def _trainer_zero3(args, batches, patched, opts, path, cfg, ops, start_rss, peak_ok) -> dict:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    steps, batch, seq = batches.shape
+    data = batches.reshape(steps * batch, seq)
+
+    class Sequences(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="ffn_ext_trainer_"),
+        deepspeed=cfg,
+        per_device_train_batch_size=cfg["train_micro_batch_size_per_gpu"],
+        max_steps=steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)  # under deepspeed.zero.Init: the TrainingArguments say ZeRO-3
+    row: dict = {}
+    n = _patch(model, args.model, opts, row) if patched else 0
+    times: list = []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            ops.__enter__()
+            times.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **kw):
+            ops.__exit__(None, None, None)
+            ops.steps.append(sum(ops.counts.values()) - sum(ops.steps))
+            times[-1] = time.perf_counter() - times[-1]
+
+    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(), callbacks=[Watch()])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    row.update(_row("trainer_zero3", losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts)
+    row.update(op_steps=ops.steps)
+    row["weights"] = _gathered_weights(trainer.model)
+    del trainer, model
+    return row
+
+
+def save_tiny(args, size: tuple, path: str) -> None:
+    """The seeded model, saved for from_pretrained (trainer_zero3)."""
+    torch.manual_seed(args.seed)
+    model, _ = _hf_model(args.model, size, patched=False)
+    model.save_pretrained(path)
+
+
+def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[list, dict]:
+    """For a test inside an initialised 2-rank process group (tests/test_zero3.py): each of `modes` at the --quick
+    size, patched with `opts` and unpatched; returns (failures, {mode: its patched row, without the weights, plus
+    "weights_max_diff"}). A mode fails unless every gated MLP was patched (zero3_init and trainer_zero3: on weights
+    partitioned then, as zero.Init leaves them), every step ran ffn_ext's ops, and every loss and gathered final
+    weight is within 1e-5 of the unpatched run's."""
+    args = parser().parse_args(["--quick"])
+    vars(args).update(overrides)
+    size = SIZES["quick"]
+    g = torch.Generator().manual_seed(args.seed + 1)
+    batches = torch.randint(3, size[5], (args.steps, size[6], size[7]), generator=g)
+    failures, rows = [], {}
+    for mode in modes:
+        ref = run_zero3(mode, args, size, batches, patched=False, path=path)
+        got = run_zero3(mode, args, size, batches, opts=opts, path=path)
+        w_ref, w = ref.pop("weights"), got.pop("weights")
+        diff = max(float((w[k] - w_ref[k]).abs().max()) for k in w_ref)
+        loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+        rows[mode] = {**got, "weights_max_diff": diff, "loss_max_diff": loss_diff}
+        if got["patched"] < size[2]:
+            failures.append(f"{mode}: {got['patched']} modules patched, of {size[2]} gated MLPs")
+        if len(got["losses"]) != args.steps or not loss_diff <= 1e-5:
+            failures.append(f"{mode}: losses {got['losses']} against unpatched {ref['losses']}")
+        if not diff <= 1e-5:
+            failures.append(f"{mode}: gathered weights differ from unpatched by {diff:.2e}")
+        if len(got["op_steps"]) != args.steps or not all(got["op_steps"]):
+            failures.append(f"{mode}: ffn_ext ops per step {got['op_steps']}: some step ran none")
+        if got["partitioned_at_patch"] != (mode != "zero3"):
+            failures.append(f"{mode}: the weights were {'' if got['partitioned_at_patch'] else 'not '}partitioned at patch")
+        if ref["op_counts"]:
+            failures.append(f"{mode}: the unpatched run ran ffn_ext ops {ref['op_counts']}")
+    return failures, rows
 
 
 # ---------------------------------------------------------------- the ranks
