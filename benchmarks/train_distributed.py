@@ -16,6 +16,11 @@ Every rank runs every mode in turn, each from the same seeded weights and batche
   attention and embeddings replicated; every rank the whole batch;
 - tp_lean: ffn_ext.distributed.shard_gated_ffns(model, mesh): the same placements without hooks; the patched MLPs
   run tp_gated_mlp, the lean autograd on each rank's shard.
+- zero3, zero3_init, trainer_zero3 (not run by default; DeepSpeed with DS_ACCELERATOR=cpu): ZeRO-3 with the model
+  patched before deepspeed.initialize, built under deepspeed.zero.Init, and transformers' Trainer with a ZeRO-3
+  config and from_pretrained; each compared with the same run unpatched (losses, gathered final weights), its
+  ffn_ext ops counted over every step (docs/distributed.md; tests/test_zero3.py):
+    python benchmarks/train_distributed.py --quick --modes zero3,zero3_init,trainer_zero3
 A mode passes when every step's loss is within --rtol of 1proc's (fp32: the sums of a step run in another order on
 other shapes, so the losses agree to rounding, not bitwise; AdamW then amplifies that a little from step to step).
 
@@ -432,6 +437,7 @@ def run_zero3(mode: str, args, size: tuple, batches, patched: bool = True, opts=
         dist.all_reduce(reported)
         losses.append(float(reported) / world)
     row.update(_row(mode, losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts, op_steps=ops.steps)
+    row["params_mib"] = sum(p.ds_tensor.nbytes for p in model.parameters()) / MiB  # this rank's partitions
     row["weights"] = _gathered_weights(engine.module)
     del engine, model, opt
     return row
@@ -492,7 +498,7 @@ def _trainer_zero3(args, batches, patched, opts, path, cfg, ops, start_rss, peak
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     row.update(_row("trainer_zero3", losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts)
-    row.update(op_steps=ops.steps)
+    row.update(op_steps=ops.steps, params_mib=sum(p.ds_tensor.nbytes for p in model.parameters()) / MiB)
     row["weights"] = _gathered_weights(trainer.model)
     del trainer, model
     return row
@@ -503,6 +509,28 @@ def save_tiny(args, size: tuple, path: str) -> None:
     torch.manual_seed(args.seed)
     model, _ = _hf_model(args.model, size, patched=False)
     model.save_pretrained(path)
+
+
+def zero3_row(mode: str, args, size: tuple, batches) -> dict:
+    """A ZeRO-3 mode's row for the table: the patched run, its losses compared with the same run unpatched
+    ("ref_losses": zero.Init leaves transformers' init of the partitioned weights undone, so 1proc's are others)."""
+    import importlib.util
+    import tempfile
+
+    import torch.distributed as dist
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"mode": mode, "skipped": "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)"}
+    path = os.path.join(tempfile.gettempdir(), f"ffn_ext_zero3_{args.model}_{os.getppid()}")  # the ranks' torchrun
+    if mode == "trainer_zero3" and dist.get_rank() == 0 and not os.path.isdir(path):
+        save_tiny(args, size, path)
+    dist.barrier()
+    ref = run_zero3(mode, args, size, batches, patched=False, path=path)
+    row = run_zero3(mode, args, size, batches, path=path)
+    diff = max(float((row["weights"][k] - w).abs().max()) for k, w in ref["weights"].items())
+    del row["weights"], ref["weights"]
+    nan = float("nan")  # DeepSpeed holds the gradients and AdamW state in its own partitioned buffers: not counted
+    return {**row, "ref_losses": ref["losses"], "weights_max_diff": diff, "grads_mib": nan, "optim_mib": nan}
 
 
 def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[list, dict]:
@@ -533,7 +561,9 @@ def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[l
         if len(got["op_steps"]) != args.steps or not all(got["op_steps"]):
             failures.append(f"{mode}: ffn_ext ops per step {got['op_steps']}: some step ran none")
         if got["partitioned_at_patch"] != (mode != "zero3"):
-            failures.append(f"{mode}: the weights were {'' if got['partitioned_at_patch'] else 'not '}partitioned at patch")
+            failures.append(
+                f"{mode}: the weights were {'' if got['partitioned_at_patch'] else 'not '}partitioned at patch"
+            )
         if ref["op_counts"]:
             failures.append(f"{mode}: the unpatched run ran ffn_ext ops {ref['op_counts']}")
     return failures, rows
@@ -542,6 +572,9 @@ def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[l
 # ---------------------------------------------------------------- the ranks
 def worker(args) -> int:
     import torch.distributed as dist
+
+    if any(m in ZERO3_MODES for m in args.modes.split(",")):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
     torch.set_num_threads(args.threads)
     size = SIZES["quick" if args.quick else "full"]
@@ -565,7 +598,9 @@ def worker(args) -> int:
     results = []
     t_all = time.perf_counter()
     for mode in modes:
-        if mode.startswith("trainer"):
+        if mode in ZERO3_MODES:
+            r = zero3_row(mode, args, size, batches)
+        elif mode.startswith("trainer"):
             r = run_trainer(mode, args, size, batches)
         else:
             r = run_mode(mode, args, size, batches, mesh)
@@ -611,7 +646,8 @@ def report(args, size, world, per_rank, wall) -> int:
             rows.append(r0)
             continue
         ranks = [pr[i] for pr in per_rank]
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], ref["losses"])) if ref else float("nan")
+        base = r0.get("ref_losses", ref["losses"] if ref else None)  # ZeRO-3: its run unpatched
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], base)) if base else float("nan")
         ok = diff <= args.rtol
         if not ok:
             failed.append(r0["mode"])
@@ -623,14 +659,22 @@ def report(args, size, world, per_rank, wall) -> int:
             + ("" if ok else "  FAIL")
         )
         ops_seen[r0["mode"]] = r0["ffn_ext_ops"]
+        if "op_counts" in r0:  # ZeRO-3: counted over every step
+            counts = ", ".join(f"{k} x{v}" for k, v in sorted(r0["op_counts"].items()))
+            ops_seen[r0["mode"]] = [
+                f"{counts or 'none'} over the {len(r0['op_steps'])} steps ({r0['op_steps']} a step; "
+                f"{r0['patched']} modules patched; gathered weights {r0['weights_max_diff']:.1e} "
+                "from unpatched)"
+            ]
         rows.append({**r0, "max_rel_diff_vs_1proc": diff, "per_rank": ranks})
     for mode, ops in ops_seen.items():
         wrapped = next((r.get("wrapped") for r in per_rank[0] if r["mode"] == mode), None)
         wrapped = f"; Trainer wrapped the model in {wrapped}" if wrapped else ""
-        print(f"  {mode}: ffn_ext ops in step 1: {', '.join(ops) or 'none'}{wrapped}")
+        when = "" if mode in ZERO3_MODES else " in step 1"
+        print(f"  {mode}: ffn_ext ops{when}: {', '.join(ops) or 'none'}{wrapped}")
     print(
         f"(MiB per rank, rank 0's; peak RSS of every rank; max rel diff: the largest of the steps' "
-        f"|loss - 1proc| / 1proc, tolerance {args.rtol:g}; whole run {wall:.1f}s)"
+        f"|loss - 1proc| / 1proc (ZeRO-3 modes: their run unpatched), tolerance {args.rtol:g}; whole run {wall:.1f}s)"
     )
     if args.json:
         meta = {"model": args.model, "size": size, "steps": args.steps, "lr": args.lr, "world": world}
@@ -673,7 +717,7 @@ def check(mesh, modes=("fsdp2", "tp", "tp_lean"), **overrides) -> list:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=("llama", "qwen3_moe", "titan_llama3"), default="llama")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES + ZERO3_MODES)}")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)

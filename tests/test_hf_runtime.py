@@ -277,4 +277,3 @@ def test_the_leaf_flag_goes_with_the_patch():
     mlp._z3_leaf = False  # the user's own setting is theirs
     assert ffn_ext.patch_hf_model(mlp) == 1 and ffn_ext.hf.unpatch_model(mlp) == 1
     assert vars(mlp)[forms.ZERO3_LEAF] is False
-

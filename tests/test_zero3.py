@@ -80,6 +80,8 @@ def test_zero3_patched_runs_fused_and_equals_unpatched(model, options):
         results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
     failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["failures"]]
     for mode, row in results[0]["rows"].items():  # the op counts, in the test's output (pytest -rP)
-        print(f"{model} {options} {mode}: patched {row['patched']}, ops {row['op_counts']}, loss diff "
-              f"{row['loss_max_diff']:.2e}, weights diff {row['weights_max_diff']:.2e}")
+        print(
+            f"{model} {options} {mode}: patched {row['patched']}, ops {row['op_counts']}, loss diff "
+            f"{row['loss_max_diff']:.2e}, weights diff {row['weights_max_diff']:.2e}"
+        )
     assert not failures, "\n".join(failures)
