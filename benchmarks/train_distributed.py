@@ -439,6 +439,13 @@ def run_zero3(mode: str, args, size: tuple, batches, patched: bool = True, opts=
     row.update(_row(mode, losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts, op_steps=ops.steps)
     row["params_mib"] = sum(p.ds_tensor.nbytes for p in model.parameters()) / MiB  # this rank's partitions
     row["weights"] = _gathered_weights(engine.module)
+    if not patched:  # patching after deepspeed.initialize: the hooked MLPs are named with what to do, not patched
+        import warnings
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ffn_ext.patch_hf_model(engine.module)
+        row["late_named"] = any("already hooked" in str(w.message) for w in seen)
     del engine, model, opt
     return row
 
@@ -564,6 +571,8 @@ def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[l
             failures.append(
                 f"{mode}: the weights were {'' if got['partitioned_at_patch'] else 'not '}partitioned at patch"
             )
+        if ref.get("late_named") is False:
+            failures.append(f"{mode}: patching after deepspeed.initialize did not name the hooked MLPs")
         if ref["op_counts"]:
             failures.append(f"{mode}: the unpatched run ran ffn_ext ops {ref['op_counts']}")
     return failures, rows
