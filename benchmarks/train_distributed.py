@@ -385,6 +385,21 @@ def _patch(model, kind: str, opts: dict, row: dict) -> int:
     return ffn_ext.patch_hf_model(model, strict=True, **opts)
 
 
+def _load_partitioned(model, args, size: tuple) -> None:
+    """The seeded model's weights (built plainly) into `model`'s ZeRO-3 partitions: rank 0 writes them gathered,
+    DeepSpeed partitions them anew (Qwen3-MoE's experts, torch.empty until initialised, were memory's garbage)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.manual_seed(args.seed)
+    plain = dict(_hf_model(args.model, size, patched=False, pad_token_id=None)[0].named_parameters())
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            for k, p in params.items():
+                p.copy_(plain[k])
+
+
 def _gathered_weights(model) -> dict:
     import deepspeed
 
@@ -420,6 +435,8 @@ def run_zero3(mode: str, args, size: tuple, batches, patched: bool = True, opts=
     init = deepspeed.zero.Init(config_dict_or_path=cfg) if mode == "zero3_init" else contextlib.nullcontext()
     with init:  # (no padding row: transformers' init zeroes it by indexing the weight, empty when partitioned)
         model, _ = _hf_model(args.model, size, patched=False, pad_token_id=None if mode == "zero3_init" else 0)
+    if mode == "zero3_init":  # transformers' init ran on the empty partitions: load the weights, as from_pretrained
+        _load_partitioned(model, args, size)
     row: dict = {}
     n = _patch(model, args.model, opts, row) if patched else 0
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
