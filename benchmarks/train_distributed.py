@@ -537,7 +537,7 @@ def save_tiny(args, size: tuple, path: str) -> None:
 
 def zero3_row(mode: str, args, size: tuple, batches) -> dict:
     """A ZeRO-3 mode's row for the table: the patched run, its losses compared with the same run unpatched
-    ("ref_losses": zero.Init leaves transformers' init of the partitioned weights undone, so 1proc's are others)."""
+    ("ref_losses"; trainer_zero3's Trainer shuffles nothing but seeds its own way, so 1proc's are others)."""
     import importlib.util
     import tempfile
 
