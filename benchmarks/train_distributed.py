@@ -16,6 +16,11 @@ Every rank runs every mode in turn, each from the same seeded weights and batche
   attention and embeddings replicated; every rank the whole batch;
 - tp_lean: ffn_ext.distributed.shard_gated_ffns(model, mesh): the same placements without hooks; the patched MLPs
   run tp_gated_mlp, the lean autograd on each rank's shard.
+- zero3, zero3_init, trainer_zero3 (not run by default; DeepSpeed with DS_ACCELERATOR=cpu): ZeRO-3 with the model
+  patched before deepspeed.initialize, built under deepspeed.zero.Init, and transformers' Trainer with a ZeRO-3
+  config and from_pretrained; each compared with the same run unpatched (losses, gathered final weights), its
+  ffn_ext ops counted over every step (docs/distributed.md; tests/test_zero3.py):
+    python benchmarks/train_distributed.py --quick --modes zero3,zero3_init,trainer_zero3
 A mode passes when every step's loss is within --rtol of 1proc's (fp32: the sums of a step run in another order on
 other shapes, so the losses agree to rounding, not bitwise; AdamW then amplifies that a little from step to step).
 
@@ -54,6 +59,9 @@ import ffn_ext  # noqa: E402
 import ffn_ext.distributed  # noqa: E402
 
 MODES = ("1proc", "1proc_unpatched", "fsdp2", "tp", "tp_lean", "trainer_ddp", "trainer_fsdp2")
+# DeepSpeed ZeRO-3 (run where deepspeed is installed; each against the same run unpatched): patched before
+# deepspeed.initialize, built under deepspeed.zero.Init, and transformers' Trainer with from_pretrained
+ZERO3_MODES = ("zero3", "zero3_init", "trainer_zero3")
 MiB = float(1 << 20)
 # (hidden, intermediate, layers, heads, kv heads, vocab, batch, seq): full and --quick
 SIZES = {"full": (512, 1792, 2, 8, 4, 2048, 4, 256), "quick": (64, 192, 2, 4, 2, 256, 4, 32)}
@@ -91,16 +99,20 @@ def _release_freed_memory() -> None:
 
 
 class _FFNExtOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the names of the ffn_ext ops that run inside it (forward and backward)."""
+    """Records the names of the ffn_ext ops that run inside it (forward and backward), and how often each ran."""
 
     def __init__(self):
         super().__init__()
         self.seen: set[str] = set()
+        self.counts: dict[str, int] = {}
+        self.steps: list[int] = []  # the ops each step ran, where the caller notes them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         if name.startswith("ffn_ext."):
-            self.seen.add(name.split(".")[1])
+            op = name.split(".")[1]
+            self.seen.add(op)
+            self.counts[op] = self.counts.get(op, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -117,7 +129,7 @@ def _tracked(model, opt) -> dict:
 
 
 # ---------------------------------------------------------------- models
-def _hf_model(kind: str, size: tuple, patched: bool):
+def _hf_model(kind: str, size: tuple, patched: bool, pad_token_id: int | None = 0):
     import transformers
 
     hidden, inter, layers, heads, kv, vocab, _, _ = size
@@ -128,7 +140,7 @@ def _hf_model(kind: str, size: tuple, patched: bool):
         num_attention_heads=heads,
         num_key_value_heads=kv,
         max_position_embeddings=4096,
-        pad_token_id=0,
+        pad_token_id=pad_token_id,
         bos_token_id=1,
         eos_token_id=2,
     )
@@ -351,9 +363,244 @@ def run_trainer(mode: str, args, size: tuple, batches) -> dict:
     }
 
 
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3
+def zero3_config(batch_per_rank) -> dict:
+    """ZeRO-3 with every weight partitioned (no persistence threshold) and torch's AdamW (DeepSpeed's own needs its
+    ops built); no gradient clipping, as the other modes."""
+    return {
+        "train_micro_batch_size_per_gpu": batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+
+
+def _patch(model, kind: str, opts: dict, row: dict) -> int:
+    """Patches as _hf_model does, with `opts`; notes in `row` whether the weights were partitioned then."""
+    row["partitioned_at_patch"] = any(hasattr(p, "ds_id") for p in model.parameters())
+    if kind == "qwen3_moe":
+        model.set_experts_implementation("ffn_ext")
+    return ffn_ext.patch_hf_model(model, strict=True, **opts)
+
+
+def _load_partitioned(model, args, size: tuple) -> None:
+    """The seeded model's weights (built plainly) into `model`'s ZeRO-3 partitions: rank 0 writes them gathered,
+    DeepSpeed partitions them anew (Qwen3-MoE's experts, torch.empty until initialised, were memory's garbage)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.manual_seed(args.seed)
+    plain = dict(_hf_model(args.model, size, patched=False, pad_token_id=None)[0].named_parameters())
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            for k, p in params.items():
+                p.copy_(plain[k])
+
+
+def _gathered_weights(model) -> dict:
+    import deepspeed
+
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        return {k: p.detach().clone() for k, p in params.items()}
+
+
+def run_zero3(mode: str, args, size: tuple, batches, patched: bool = True, opts=None, path=None) -> dict:
+    """One ZeRO-3 run on this rank (the process group up, DS_ACCELERATOR=cpu): `mode` zero3 (the model built
+    plainly, patched, then deepspeed.initialize), zero3_init (built under deepspeed.zero.Init: partitioned before the
+    patch) or trainer_zero3 (Trainer with a ZeRO-3 config and from_pretrained of the model saved at `path`, patched
+    before the Trainer); each rank its half of the batch. Returns its row with the patched count, the ffn_ext op
+    counts over every step, and the gathered final weights ("weights", not printed)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    opts = opts or {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps, batch, seq = batches.shape
+    cfg = zero3_config(batch // world)
+    _release_freed_memory()
+    peak_ok = _reset_peak_rss()
+    start_rss = _status_kib("VmRSS") / 1024
+    ops, times, losses = _FFNExtOps(), [], []
+    if mode == "trainer_zero3":
+        return _trainer_zero3(args, batches, patched, opts, path, cfg, ops, start_rss, peak_ok)
+    import transformers
+
+    # the modeling modules imported outside zero.Init: its patched torch.Tensor.__new__ fails torch._dynamo's imports
+    transformers.LlamaForCausalLM, transformers.Qwen3MoeForCausalLM  # noqa: B018
+    torch.manual_seed(args.seed)
+    init = deepspeed.zero.Init(config_dict_or_path=cfg) if mode == "zero3_init" else contextlib.nullcontext()
+    with init:  # (no padding row: transformers' init zeroes it by indexing the weight, empty when partitioned)
+        model, _ = _hf_model(args.model, size, patched=False, pad_token_id=None if mode == "zero3_init" else 0)
+    if mode == "zero3_init":  # transformers' init ran on the empty partitions: load the weights, as from_pretrained
+        _load_partitioned(model, args, size)
+    row: dict = {}
+    n = _patch(model, args.model, opts, row) if patched else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model.train(), optimizer=opt, config=cfg)
+    for ids in batches:
+        t0 = time.perf_counter()
+        with ops:
+            mine = ids.tensor_split(world)[rank]
+            loss = engine(input_ids=mine, labels=mine).loss
+            engine.backward(loss)
+        ops.steps.append(sum(ops.counts.values()) - sum(ops.steps))
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(float(reported) / world)
+    row.update(_row(mode, losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts, op_steps=ops.steps)
+    row["params_mib"] = sum(p.ds_tensor.nbytes for p in model.parameters()) / MiB  # this rank's partitions
+    row["weights"] = _gathered_weights(engine.module)
+    if not patched:  # patching after deepspeed.initialize: the hooked MLPs are named with what to do, not patched
+        import warnings
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ffn_ext.patch_hf_model(engine.module)
+        row["late_named"] = any("already hooked" in str(w.message) for w in seen)
+    del engine, model, opt
+    return row
+
+
+def _trainer_zero3(args, batches, patched, opts, path, cfg, ops, start_rss, peak_ok) -> dict:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    steps, batch, seq = batches.shape
+    data = batches.reshape(steps * batch, seq)
+
+    class Sequences(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="ffn_ext_trainer_"),
+        deepspeed=cfg,
+        per_device_train_batch_size=cfg["train_micro_batch_size_per_gpu"],
+        max_steps=steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path)  # under deepspeed.zero.Init: the TrainingArguments say ZeRO-3
+    row: dict = {}
+    n = _patch(model, args.model, opts, row) if patched else 0
+    times: list = []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            ops.__enter__()
+            times.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **kw):
+            ops.__exit__(None, None, None)
+            ops.steps.append(sum(ops.counts.values()) - sum(ops.steps))
+            times[-1] = time.perf_counter() - times[-1]
+
+    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(), callbacks=[Watch()])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    row.update(_row("trainer_zero3", losses, times, start_rss, peak_ok, ops), patched=n, op_counts=ops.counts)
+    row.update(op_steps=ops.steps, params_mib=sum(p.ds_tensor.nbytes for p in model.parameters()) / MiB)
+    row["weights"] = _gathered_weights(trainer.model)
+    del trainer, model
+    return row
+
+
+def save_tiny(args, size: tuple, path: str) -> None:
+    """The seeded model, saved for from_pretrained (trainer_zero3)."""
+    torch.manual_seed(args.seed)
+    model, _ = _hf_model(args.model, size, patched=False)
+    model.save_pretrained(path)
+
+
+def zero3_row(mode: str, args, size: tuple, batches) -> dict:
+    """A ZeRO-3 mode's row for the table: the patched run, its losses compared with the same run unpatched
+    ("ref_losses"; trainer_zero3's Trainer shuffles nothing but seeds its own way, so 1proc's are others)."""
+    import importlib.util
+    import tempfile
+
+    import torch.distributed as dist
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"mode": mode, "skipped": "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)"}
+    path = os.path.join(tempfile.gettempdir(), f"ffn_ext_zero3_{args.model}_{os.getppid()}")  # the ranks' torchrun
+    if mode == "trainer_zero3" and dist.get_rank() == 0 and not os.path.isdir(path):
+        save_tiny(args, size, path)
+    dist.barrier()
+    ref = run_zero3(mode, args, size, batches, patched=False, path=path)
+    row = run_zero3(mode, args, size, batches, path=path)
+    diff = max(float((row["weights"][k] - w).abs().max()) for k, w in ref["weights"].items())
+    del row["weights"], ref["weights"]
+    nan = float("nan")  # DeepSpeed holds the gradients and AdamW state in its own partitioned buffers: not counted
+    return {**row, "ref_losses": ref["losses"], "weights_max_diff": diff, "grads_mib": nan, "optim_mib": nan}
+
+
+def zero3_check(modes=ZERO3_MODES, opts=None, path=None, **overrides) -> tuple[list, dict]:
+    """For a test inside an initialised 2-rank process group (tests/test_zero3.py): each of `modes` at the --quick
+    size, patched with `opts` and unpatched; returns (failures, {mode: its patched row, without the weights, plus
+    "weights_max_diff"}). A mode fails unless every gated MLP was patched (zero3_init and trainer_zero3: on weights
+    partitioned then, as zero.Init leaves them), every step ran ffn_ext's ops, and every loss and gathered final
+    weight is within 1e-5 of the unpatched run's."""
+    args = parser().parse_args(["--quick"])
+    vars(args).update(overrides)
+    size = SIZES["quick"]
+    g = torch.Generator().manual_seed(args.seed + 1)
+    batches = torch.randint(3, size[5], (args.steps, size[6], size[7]), generator=g)
+    failures, rows = [], {}
+    for mode in modes:
+        ref = run_zero3(mode, args, size, batches, patched=False, path=path)
+        got = run_zero3(mode, args, size, batches, opts=opts, path=path)
+        w_ref, w = ref.pop("weights"), got.pop("weights")
+        diff = max(float((w[k] - w_ref[k]).abs().max()) for k in w_ref)
+        loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+        rows[mode] = {**got, "weights_max_diff": diff, "loss_max_diff": loss_diff}
+        if got["patched"] < size[2]:
+            failures.append(f"{mode}: {got['patched']} modules patched, of {size[2]} gated MLPs")
+        if len(got["losses"]) != args.steps or not loss_diff <= 1e-5:
+            failures.append(f"{mode}: losses {got['losses']} against unpatched {ref['losses']}")
+        if not diff <= 1e-5:
+            failures.append(f"{mode}: gathered weights differ from unpatched by {diff:.2e}")
+        if len(got["op_steps"]) != args.steps or not all(got["op_steps"]):
+            failures.append(f"{mode}: ffn_ext ops per step {got['op_steps']}: some step ran none")
+        if got["partitioned_at_patch"] != (mode != "zero3"):
+            failures.append(
+                f"{mode}: the weights were {'' if got['partitioned_at_patch'] else 'not '}partitioned at patch"
+            )
+        if ref.get("late_named") is False:
+            failures.append(f"{mode}: patching after deepspeed.initialize did not name the hooked MLPs")
+        if ref["op_counts"]:
+            failures.append(f"{mode}: the unpatched run ran ffn_ext ops {ref['op_counts']}")
+    return failures, rows
+
+
 # ---------------------------------------------------------------- the ranks
 def worker(args) -> int:
     import torch.distributed as dist
+
+    if any(m in ZERO3_MODES for m in args.modes.split(",")):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
 
     torch.set_num_threads(args.threads)
     size = SIZES["quick" if args.quick else "full"]
@@ -377,7 +624,9 @@ def worker(args) -> int:
     results = []
     t_all = time.perf_counter()
     for mode in modes:
-        if mode.startswith("trainer"):
+        if mode in ZERO3_MODES:
+            r = zero3_row(mode, args, size, batches)
+        elif mode.startswith("trainer"):
             r = run_trainer(mode, args, size, batches)
         else:
             r = run_mode(mode, args, size, batches, mesh)
@@ -423,7 +672,8 @@ def report(args, size, world, per_rank, wall) -> int:
             rows.append(r0)
             continue
         ranks = [pr[i] for pr in per_rank]
-        diff = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], ref["losses"])) if ref else float("nan")
+        base = r0.get("ref_losses", ref["losses"] if ref else None)  # ZeRO-3: its run unpatched
+        diff = max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], base)) if base else float("nan")
         ok = diff <= args.rtol
         if not ok:
             failed.append(r0["mode"])
@@ -435,14 +685,22 @@ def report(args, size, world, per_rank, wall) -> int:
             + ("" if ok else "  FAIL")
         )
         ops_seen[r0["mode"]] = r0["ffn_ext_ops"]
+        if "op_counts" in r0:  # ZeRO-3: counted over every step
+            counts = ", ".join(f"{k} x{v}" for k, v in sorted(r0["op_counts"].items()))
+            ops_seen[r0["mode"]] = [
+                f"{counts or 'none'} over the {len(r0['op_steps'])} steps ({r0['op_steps']} a step; "
+                f"{r0['patched']} modules patched; gathered weights {r0['weights_max_diff']:.1e} "
+                "from unpatched)"
+            ]
         rows.append({**r0, "max_rel_diff_vs_1proc": diff, "per_rank": ranks})
     for mode, ops in ops_seen.items():
         wrapped = next((r.get("wrapped") for r in per_rank[0] if r["mode"] == mode), None)
         wrapped = f"; Trainer wrapped the model in {wrapped}" if wrapped else ""
-        print(f"  {mode}: ffn_ext ops in step 1: {', '.join(ops) or 'none'}{wrapped}")
+        when = "" if mode in ZERO3_MODES else " in step 1"
+        print(f"  {mode}: ffn_ext ops{when}: {', '.join(ops) or 'none'}{wrapped}")
     print(
         f"(MiB per rank, rank 0's; peak RSS of every rank; max rel diff: the largest of the steps' "
-        f"|loss - 1proc| / 1proc, tolerance {args.rtol:g}; whole run {wall:.1f}s)"
+        f"|loss - 1proc| / 1proc (ZeRO-3 modes: their run unpatched), tolerance {args.rtol:g}; whole run {wall:.1f}s)"
     )
     if args.json:
         meta = {"model": args.model, "size": size, "steps": args.steps, "lr": args.lr, "world": world}
@@ -485,7 +743,7 @@ def check(mesh, modes=("fsdp2", "tp", "tp_lean"), **overrides) -> list:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=("llama", "qwen3_moe", "titan_llama3"), default="llama")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES + ZERO3_MODES)}")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)

@@ -241,7 +241,34 @@ def _peaks(module, half: bool, numbers=()) -> list[float]:
     return [p for p in peaks if not half or p <= 300]  # fp16 / bf16: past that, the products overflow
 
 
-AGREE, DISAGREE, UNKNOWN = "agree", "disagree", "unknown"
+AGREE, DISAGREE, UNKNOWN = "agree", "disagree", "unknown"  # self_check's verdicts; else the error its code raised
+
+
+# ---------------------------------------------------------------- DeepSpeed ZeRO-3, read from its attributes
+def zero3_partitioned(module) -> list:
+    """The module's parameters that DeepSpeed ZeRO-3 partitioned (deepspeed.zero.Init, or deepspeed.initialize on a
+    model built outside it): they carry ds_id, and hold an empty tensor until gathered."""
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+
+def zero3_hooked(module) -> list[str]:
+    """The names of the module's submodules that deepspeed.initialize registered (a ds_id on the module: ZeRO-3's
+    hooks on each one, which fetch its own weights when it runs); none where the module was a ZeRO-3 leaf then."""
+    return [n for n, m in module.named_modules() if n and "ds_id" in m.__dict__]
+
+
+@contextlib.contextmanager
+def zero3_gathered(module):
+    """The module's ZeRO-3 partitioned parameters gathered whole inside (deepspeed.zero.GatheredParameters, no
+    rank modifying them; a collective: every rank plans the same modules in the same order), so that the self-check
+    runs the module's code on its real weights; nothing where none is partitioned. deepspeed is not imported here:
+    a partitioned parameter means it was."""
+    params = zero3_partitioned(module)
+    if not params:
+        yield
+        return
+    with sys.modules["deepspeed"].zero.GatheredParameters(params, modifier_rank=None):
+        yield
 
 
 def _close(out, ref, tol) -> bool | None:
@@ -283,8 +310,9 @@ def self_check(module, fused, own, first, numbers=()) -> str:
     regime: the rows scaled so that the first projection (`first`; None: the input itself, a gating's projection)
     peaks at each of _peaks (`numbers`: those written in its code), forward, and where the module has trainable
     parameters, backward too (the input's and the parameters' gradients, by autograd.grad: nothing accumulates into
-    .grad). Returns AGREE, DISAGREE (a finite difference at any regime, or the module's own code fails on plain
-    rows) or UNKNOWN: not run (_setting) or no regime gave a finite result. In eval mode (_checking); a private
+    .grad). Returns AGREE, DISAGREE (a finite difference at any regime), UNKNOWN (not run: _setting; or no regime
+    gave a finite result), or, where the module's own code raises on plain rows and on them as one sequence, that
+    error ("TypeName: message"). In eval mode (_checking); a private
     generator: the global RNG is untouched."""
     setting = _setting(module, first)
     if setting is None:
@@ -308,8 +336,8 @@ def self_check(module, fused, own, first, numbers=()) -> str:
                     x0 = x0.unsqueeze(0)
                     base = float(scale(x0).abs().max())
                     own(module, x0)
-                except Exception:
-                    return DISAGREE  # its own code fails on plain rows: not the form the fused forward computes
+                except Exception as e:  # named as the error it is: a failure is not a different result
+                    return f"{type(e).__name__}: {e}"
         if not (math.isfinite(base) and base > 0):
             return UNKNOWN
         peaks = _peaks(module, half, numbers)

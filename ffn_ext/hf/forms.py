@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from .common import (
     resolve,
     self_check,
     table_activation,
+    zero3_gathered,
+    zero3_hooked,
 )
 from .recognise import (
     Call,
@@ -53,6 +56,10 @@ from .recognise import (
 RAISE_ERRORS = False  # tests set it: an error while planning a module raises, instead of naming the module
 MARK = "_ffn_ext_patched"  # the instance attribute holding a patched module's Patched
 OPTS = "_ffn_ext_mlp_options"  # the one holding patch_model's (recompute, token_chunk) for it
+# DeepSpeed's ZeRO-3 leaf flag (deepspeed.utils.set_z3_leaf_module sets it so): deepspeed.initialize then hooks the
+# patched module alone and gathers all its weights at its forward, instead of hooking each submodule, under which
+# hooks the fused forward cannot run; nothing else reads it
+ZERO3_LEAF = "_z3_leaf"
 DEFAULT_OPTS = (False, None)
 X = In(0)
 
@@ -107,6 +114,16 @@ NOT_PROVEN = (
 OWN_FORWARD = (
     "subclasses of ffn_ext's FFN modules that override forward: they run their own forward (ffn_ext's fused one "
     "where it calls super().forward), which patch_model does not replace"
+)
+CHECK_RAISED = (
+    "their own code raised an error on the self-check's input (random rows of their width, and those rows as one "
+    "sequence), so nothing shows they compute the form"
+)
+ZERO3_LATE = (
+    "modules whose submodules DeepSpeed ZeRO-3 has already hooked (deepspeed.initialize, or the HF Trainer's "
+    "train(), ran before patch_hf_model), so ffn_ext's fused forward could not run: call ffn_ext.patch_hf_model("
+    "model) before deepspeed.initialize / trainer.train(); it marks each patched MLP a ZeRO-3 leaf module "
+    "(docs/distributed.md)"
 )
 FAILED = "modules on whose code ffn_ext's recogniser failed (a bug in ffn_ext: please report it with this message)"
 
@@ -300,6 +317,7 @@ class GatedMLP(_GatedForm):
         gate, up, down = (module._modules[n] for n in plan.names)
         if fusable((gate, up, down)):
             return gated_mlp(x, *linear_args(gate, up, down), activation=g, **_options(module))
+        options_inert(module, (gate, up, down))
         return down(g(gate(x), up(x)))
 
 
@@ -347,6 +365,7 @@ class PackedMLP(_GatedForm):
         gate_up, down = (module._modules[n] for n in plan.names)
         if fusable((gate_up, down)):
             return gated_mlp_packed(x, *linear_args(gate_up, down), activation=g, **_options(module))
+        options_inert(module, (gate_up, down))
         return down(g(gate_up(x)))
 
 
@@ -356,6 +375,7 @@ def _ffn(module, x, fc1, fc2, act: str):
     projections as modules around ffn_ext's activation op."""
     layout = linear_layout(fc1, fc2)
     if layout is None:
+        options_inert(module, (fc1, fc2))
         return fc2(_ops.call_op(act, fc1(x)))
     w = (fc1.weight, fc2.weight, fc1.bias, fc2.bias)
     return plain_mlp(x, *w, act, transposed=layout == "conv1d", **_options(module))
@@ -567,6 +587,20 @@ class ExpertsGate(Form):
 
 FORMS: tuple[Form, ...] = (ExpertsGate(), BertPair(), GatedMLP(), PackedMLP(), ClassicMLP())
 EXPERTS = FORMS[0]
+_UNUSED: dict = {}  # (experts class, implementation) -> EXPERTS.unused: it reads source code, the hook runs per call
+
+
+def experts_watch(module, args) -> None:
+    """A forward pre-hook on patched experts: their implementation switched after patching to one that never calls
+    _apply_gate ("eager", whose loop inlines the gating) warns, once, where the patched method alone could not."""
+    patched = module.__dict__.get(MARK)
+    if patched is None or patched.warned:
+        return
+    key = (type(module), getattr(module.__dict__.get("config"), "_experts_implementation", None))
+    if key not in _UNUSED:
+        _UNUSED[key] = EXPERTS.unused(module)
+    if _UNUSED[key]:
+        patched.warn(f"its implementation was switched after patching (to {key[1]!r}), whose loop never calls it")
 
 
 # ---------------------------------------------------------------- a module's plan
@@ -609,14 +643,19 @@ def _why_not(module, form: Form, plan: Plan) -> str | None:
     why = form.problem(module, plan)
     if why:
         return why
+    if zero3_hooked(module) and not module.__dict__.get(ZERO3_LEAF):
+        return ZERO3_LATE
     g = form.gating(module, plan)
     own = getattr(type(module), form.method)
     verdict = UNKNOWN  # not run under a forward wrapper the instance had, nor while the activation is hooked
     if prev is None and g is not None:
         fused = lambda x: form.run(module, plan, x, g)  # noqa: E731
-        verdict = self_check(module, fused, own, form.first(module, plan), numbers_in(own))
+        with zero3_gathered(module):
+            verdict = self_check(module, fused, own, form.first(module, plan), numbers_in(own))
     if verdict == DISAGREE:
         return form.disagrees
+    if verdict not in (AGREE, UNKNOWN):
+        return f"{CHECK_RAISED} ({verdict})"
     return NOT_PROVEN if verdict != AGREE and not plan.proven else None
 
 
@@ -649,10 +688,15 @@ class Patched:
     attributes the recognised code's `if` tests read still hold (guards) and the form's gating may run now
     (Form.gating: its activation neither hooked nor replaced by one ffn_ext lacks, its limit valid); every other call
     runs the original: `prev`, the forward the instance had when patched (a wrapper such as accelerate's hook, which
-    must run), else the class's method."""
+    must run), else the class's method. The first such call warns, naming the module (`name`, as patch_model found
+    it) and why (why_own): a module counted as patched whose fused path does not run is never silent."""
 
-    def __init__(self, module, form: Form, plan: Plan, prev=None):
+    def __init__(self, module, form: Form, plan: Plan, prev=None, name: str = ""):
         self.__self__, self.form, self.plan, self.prev = module, form, plan, prev
+        self.name = name or type(module).__name__
+        self.warned = False
+        self.leaf = False  # whether patch_model set the ZeRO-3 leaf flag (unpatch_model takes it out)
+        self.watch = None  # experts: the handle of experts_watch, the hook patch_model registered
         try:
             self.arg = next(iter(inspect.signature(self._own()).parameters), "x")
         except (TypeError, ValueError):
@@ -668,6 +712,11 @@ class Patched:
     def __call__(self, *args, **kwargs):
         module, form, plan = self.__self__, self.form, self.plan
         if self.prev is not None:
+            if not self.warned:
+                self.warn(
+                    f"the forward wrapper it had on the instance when patched ({_qualname(self.prev)}) runs instead "
+                    "and calls the class's forward (patch before wrapping: accelerate's hook then keeps ffn_ext's)"
+                )
             return self.prev(*args, **kwargs)
         if len(args) + len(kwargs) == 1 and guards_hold(module, plan.guards):
             x = args[0] if args else kwargs.get(self.arg)
@@ -675,4 +724,70 @@ class Patched:
                 g = form.gating(module, plan)
                 if g is not None:
                     return form.run(module, plan, x, g)
+        if not self.warned:
+            self.warn(self.why_own(args, kwargs))
         return getattr(type(module), form.method)(module, *args, **kwargs)
+
+    def warn(self, why: str, what: str = "") -> None:
+        """Warns, once per patch, that this module's fused path does not run (`what`: what of it does not), and
+        why; the recompute / token_chunk asked for are named as not acting."""
+        self.warned = True
+        opts = self.__self__.__dict__.get(OPTS, DEFAULT_OPTS)
+        asked = " and ".join(
+            t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}") if t
+        )
+        what = what or f"ffn_ext's fused {self.form.method}"
+        warnings.warn(
+            f"ffn_ext.hf: {self.name} ({type(self.__self__).__name__}), patched, runs without {what}: {why}"
+            + (f"; the {asked} asked for does not act" if asked else ""),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def why_own(self, args, kwargs) -> str:
+        """Why a call ran the module's own code (what __call__ tests, in its order), for the warning."""
+        module, plan = self.__self__, self.plan
+        x = args[0] if args else kwargs.get(self.arg)
+        if len(args) + len(kwargs) != 1 or not isinstance(x, torch.Tensor):
+            given = [type(a).__name__ for a in args] + [f"{k}={type(v).__name__}" for k, v in kwargs.items()]
+            return f"it was called with inputs it does not take ({', '.join(given)}; it takes one tensor)"
+        changed = [n for n, v in plan.guards if not guards_hold(module, ((n, v),))]
+        if changed:
+            return f"attributes its code tests changed after patching ({', '.join(changed)})"
+        hooked = hooked_parts(module)
+        if hooked:
+            return hooked
+        why = self.form.problem(module, plan)
+        return f"its implementation was switched after patching: {why}" if why else "its gating cannot run now"
+
+
+def _qualname(fn) -> str:
+    fn = getattr(fn, "func", fn)  # a functools.partial (accelerate's hook)
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def hooked_parts(module, parts=None) -> str:
+    """'hooks or forward wrappers on its submodules (names)' for the module's submodules (or `parts`, named) that
+    ffn_ext.mlp.fusable would run as modules, with DeepSpeed ZeRO-3's named as such; '' when none is."""
+    if not fusable(()):
+        return "global module hooks (torch.nn.modules.module.register_module_*_hook) are registered"
+    named = list(parts.items()) if parts is not None else list(module.named_modules())[1:]
+    names = [n for n, m in named if not fusable((), (m,))]
+    if not names:
+        return ""
+    ds = [n for n, m in named if "ds_id" in m.__dict__]
+    return f"hooks or forward wrappers on its submodules ({', '.join(names)})" + (
+        ": DeepSpeed ZeRO-3's, registered before the module was patched (patch before deepspeed.initialize)"
+        if ds
+        else ""
+    )
+
+
+def options_inert(module, parts: tuple) -> None:
+    """Warns once that recompute / token_chunk, asked for, do not act on `module` because its projections (`parts`)
+    run as modules, hooked or wrapped."""
+    patched = module.__dict__.get(MARK)
+    if patched is not None and not patched.warned and module.__dict__.get(OPTS, DEFAULT_OPTS) != DEFAULT_OPTS:
+        named = {n: m for n, m in module.named_modules() if any(m is p for p in parts)}
+        why = hooked_parts(module, named) or "its projections are not plain nn.Linear"
+        patched.warn(why, "ffn_ext's fused MLP (its projections run as modules, around ffn_ext's activation op)")

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 from ..mlp import check_options
-from .forms import DEFAULT_OPTS, MARK, OPTS, Patched, plan
+from .forms import DEFAULT_OPTS, EXPERTS, MARK, OPTS, ZERO3_LEAF, Patched, experts_watch, plan
 
 
 def _where(by_class: dict) -> str:
@@ -66,7 +66,7 @@ def patch_model(
                 form, p = found
                 found = form.unused(module)
                 prev = module.__dict__.get("forward") if form.method == "forward" else None
-                patched = Patched(module, form, p, prev) if found is None else None
+                patched = Patched(module, form, p, prev, name or "model") if found is None else None
             if found is not None:
                 skipped.setdefault(found, {}).setdefault(type(module).__name__, []).append(name or "model")
         if patched is not None:
@@ -97,8 +97,14 @@ def patch_model(
     for patched in todo:
         module = patched.__self__
         module.__dict__[OPTS] = opts
+        patched.warned = False  # a new call, new options: what cannot act is named anew
         if module.__dict__.get(MARK) is not patched:
             module.__dict__[patched.form.method] = module.__dict__[MARK] = patched
+            # whether or not DeepSpeed runs (it may be initialised later): a flag only ZeRO-3 reads (forms.ZERO3_LEAF)
+            patched.leaf = ZERO3_LEAF not in module.__dict__
+            module.__dict__.setdefault(ZERO3_LEAF, True)
+            if patched.form is EXPERTS:
+                patched.watch = module.register_forward_pre_hook(experts_watch)
             count += 1
     return count
 
@@ -130,6 +136,10 @@ def unpatch_model(model: nn.Module) -> int:
             d[attr] = getattr(type(module), method).__get__(module)
         else:
             del d[attr]
+        if patched.leaf:
+            d.pop(ZERO3_LEAF, None)
+        if patched.watch is not None:
+            patched.watch.remove()
         del d[MARK], d[OPTS]
         count += 1
     return count
