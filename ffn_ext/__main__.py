@@ -475,7 +475,7 @@ def ffn_timing(device, out=print) -> list:
     where = f"{_label(device)} ({device})" if gpu else f"CPU, {torch.get_num_threads()} thread(s)"
     out(
         f"\n== FFN layers on {where}, {_dname(dtype)}, {tokens} tokens (ms: min of {blocks * rounds}, alternating; "
-        f"eager / ffn_ext: median of the {blocks} blocks' ratios) =="
+        f"eager/ffn_ext: median of {blocks} blocks) =="
     )
     torch.manual_seed(2)
     layers: list[tuple[str, ffn_ext.FFN | ffn_ext.SwiGLUFFN]] = [
@@ -575,6 +575,14 @@ def op_timing(device, out=print, blocks=None, rounds=None, warmup=None, size=Non
 
 
 # ---------------------------------------------------------------- main
+def headline(info: dict) -> str:
+    """The first line (or two, within the screen's width): the version, torch, and where the ops run."""
+    import textwrap
+
+    text = f"ffn_ext {ffn_ext.__version__}, torch {info['torch_version']}: {_loader.where_it_runs(info)}"
+    return textwrap.fill(text, width=120, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ffn_ext", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -601,7 +609,7 @@ def main(argv=None) -> int:
     device = pick_device(args.device)
 
     info = ffn_ext.build_info()
-    print(f"ffn_ext {ffn_ext.__version__}, torch {info['torch_version']}: {_loader.where_it_runs(info)}")
+    print(headline(info))
     if args.verbose:
         print(ffn_ext.build_summary())
     walk()

@@ -171,7 +171,7 @@ def where_it_runs(info: dict) -> str:
     archs = (record.get("cuda_archs") if mine else None) or info.get("cuda_archs") or ""
     built = f"built for {_build.arch_names(archs)}" if archs else "built"
     if info.get("cuda_kernels") == "yes":
-        kernels = f"CUDA kernels: {built}" + (f" (CUDA {info['cuda_version']})" if info.get("cuda_version") else "")
+        kernels = f"CUDA kernels: {built}"
         if not gpu:
             runs = "the ops run PyTorch's CPU ops"
         elif archs and f"sm_{major}{minor}" not in _build.arch_names(archs) and "+PTX" not in archs:

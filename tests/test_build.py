@@ -558,6 +558,7 @@ def test_where_it_runs_says_what_the_ops_run(monkeypatch, case):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+    monkeypatch.setattr(_build, "read_record", lambda d: {})  # the library's own list, not the build's record
     info = {"native": "ffn_ext._C", "cuda_kernels": "yes", "cuda_version": "13.0", "cuda_archs": "800,900"}
     if case == "kernels off":
         info = {
@@ -571,7 +572,7 @@ def test_where_it_runs_says_what_the_ops_run(monkeypatch, case):
         info = {"native": "none: the ops are defined by ffn_ext (PyTorch's own ops)", "cuda_kernels": "no"}
     line = _loader.where_it_runs(info)
     want = {
-        "kernels, no GPU": "CUDA kernels: built for sm_80, sm_90 (CUDA 13.0); no GPU visible: the ops run PyTorch's CPU ops",
+        "kernels, no GPU": "CUDA kernels: built for sm_80, sm_90; no GPU visible: the ops run PyTorch's CPU ops",
         "kernels, GPU": "GPU: NVIDIA H200 (sm_90): CUDA tensors run ffn_ext's kernels",
         "kernels off": "CUDA kernels: built for sm_80, sm_90 (+PTX), not loaded (torch 2.13.0+cpu is a CPU-only build)",
         "no native library": "no native library",

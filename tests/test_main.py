@@ -45,7 +45,10 @@ def test_main_key_lines(full_run):
     out = full_run.stdout
     # the first line: where the ops run, as build_summary() says it (built for which GPUs, is one visible)
     where = _loader.where_it_runs(ffn_ext.build_info())
-    assert out.splitlines()[0] == f"ffn_ext {ffn_ext.__version__}, torch {torch.__version__}: {where}", out[:500]
+    assert out.startswith(demo.headline(ffn_ext.build_info()) + "\n"), out[:500]
+    assert " ".join(demo.headline(ffn_ext.build_info()).split()) == " ".join(
+        f"ffn_ext {ffn_ext.__version__}, torch {torch.__version__}: {where}".split()
+    )
     assert "CUDA kernels: " in where and ("GPU: " in where or "no GPU visible: the ops run PyTorch's CPU ops" in where)
     # the walk: shapes through the forward hooks, parameters, the saved [tokens, d_ff] tensors as measured
     assert "x (1, 16, 768) -> " in out and "(1, 16, 3072)" in out and re.search(r"down_proj \(1, 16, 768\)", out)
