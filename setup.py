@@ -11,7 +11,8 @@ build saw decides only the CUDA major of the CUDA kernels.
 
 Environment: FFN_EXT_FORCE_CPU=1 builds CPU-only; CUDA_HOME names the CUDA toolkit (unset: the toolkit that the nvcc
 on PATH runs, else /usr/local/cuda; one without its headers stops the build before it compiles: _build.find_cuda_home);
-TORCH_CUDA_ARCH_LIST picks the GPU architectures (default "8.0;9.0+PTX"); MAX_JOBS limits parallel compile jobs. Sources and flags: csrc/build.json. Making an sdist
+TORCH_CUDA_ARCH_LIST picks the GPU architectures (unset: the visible GPU's, else "8.0;9.0+PTX": _build.choose_archs);
+MAX_JOBS limits parallel compile jobs; FFN_EXT_PREBUILT=1 makes a wheel of an in-place build's binaries (.ci/wheel). Sources and flags: csrc/build.json. Making an sdist
 (`setup.py sdist`, `python -m build --sdist`) needs no torch.
 """
 
@@ -90,10 +91,20 @@ if needs_torch:
     too_old = build.too_old(torch.__version__)
     if too_old:
         sys.exit(too_old)
+    # FFN_EXT_PREBUILT=1 (.ci/wheel): the wheel takes the binaries an in-place build left (same sources, checked)
+    # instead of compiling them a second time; no toolkit is needed then.
+    prebuilt = os.environ.get(build.PREBUILT_ENV, "0") not in ("", "0")
     # Before torch.utils.cpp_extension is imported: that import takes its CUDA_HOME (and logs it), which
     # decide_cuda sets to the toolkit it found; a toolkit that cannot compile stops the build here, not in ninja.
     try:
-        with_cuda, why = build.decide_cuda()
+        if prebuilt:
+            try:
+                prebuilt_files, prebuilt_record = build.prebuilt_files(ROOT)
+            except RuntimeError as e:
+                sys.exit(str(e))
+            with_cuda, why = bool(prebuilt_record.get("cuda_kernels")), "the in-place build's binaries"
+        else:
+            with_cuda, why = build.decide_cuda()
     except build.CudaToolkitError as e:
         sys.exit(str(e))
     from torch.utils.cpp_extension import BuildExtension
@@ -127,29 +138,31 @@ if needs_torch:
     ]
     cuda_lib = build.cuda_library_relpath(ROOT)
     cuda_ext = cuda_lib.removesuffix(".so").replace("/", ".")
+    if prebuilt:
+        archs = prebuilt_record.get("cuda_archs")
+        banner = f"ffn_ext: no compiling ({build.PREBUILT_ENV}=1): the wheel takes {', '.join(prebuilt_files)}"
+    else:
+        archs, archs_why = build.choose_archs(build.config(ROOT)) if with_cuda else (None, "")
+        banner = "\n".join(build.build_plan(with_cuda, why, archs, archs_why, "_C"))
     if with_cuda:
-        archs = build.default_arch_list(build.config(ROOT))
-        banner = f"ffn_ext: building _C and {cuda_lib} for TORCH_CUDA_ARCH_LIST={archs}: {why}"
         srcs, flags, libs = build.cuda_target(ROOT)
-        cuda_lib_dirs = [
-            d for d in (os.path.join(cpp_extension.CUDA_HOME, x) for x in ("lib64", "lib")) if os.path.isdir(d)
-        ]
+        cuda_home = cpp_extension.CUDA_HOME or ""  # (none needed with FFN_EXT_PREBUILT: nothing is compiled)
+        cuda_lib_dirs = [d for d in (os.path.join(cuda_home, x) for x in ("lib64", "lib")) if os.path.isdir(d)]
         ext_modules.append(
             setuptools.Extension(
                 cuda_ext,
                 [os.path.relpath(x, ROOT) for x in srcs],
-                include_dirs=[*torch_inc, os.path.join(cpp_extension.CUDA_HOME, "include")],
+                include_dirs=[*torch_inc, os.path.join(cuda_home, "include")],
                 library_dirs=[*torch_lib, *cuda_lib_dirs],
                 libraries=libs,
                 language="c++",
                 extra_compile_args={"cxx": flags["cxx"] + ["-g0"], "nvcc": flags["nvcc"]},
             )
         )
-    else:
-        banner = f"ffn_ext: building _C only (no CUDA kernels): {why}"
 
     class BuildExt(BuildExtension):
-        """Says once what it builds, names the CUDA library as a plain shared library (no Python ABI suffix: it is
+        """Says once what it builds (seen with `pip install -v`: pip shows a build's output only then or on
+        failure), names the CUDA library as a plain shared library (no Python ABI suffix: it is
         loaded with torch.ops.load_library), and leaves the build record (_build.RECORD) next to _C."""
 
         def get_ext_filename(self, fullname):
@@ -166,6 +179,12 @@ if needs_torch:
 
         def run(self):
             print(banner, flush=True)
+            if prebuilt:
+                for rel in prebuilt_files:
+                    target = Path(self.build_lib) / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(ROOT / rel, target)
+                return
             if with_cuda and self.inplace:  # the in-place copy does not create the folder
                 (ROOT / cuda_lib).parent.mkdir(parents=True, exist_ok=True)
             if not with_cuda:  # a CUDA library an earlier build left would ship (from build/lib) and load
@@ -174,12 +193,14 @@ if needs_torch:
                     (ROOT / cuda_lib).unlink(missing_ok=True)
             super().run()
             for path in self._records():
-                path.write_text(json.dumps(build.build_record(with_cuda, ROOT), indent=1) + "\n")
+                path.write_text(json.dumps(build.build_record(with_cuda, ROOT, archs), indent=1) + "\n")
 
         def _records(self):
             return [Path(self.get_ext_fullpath("ffn_ext._C")).with_name(build.RECORD)]
 
         def get_outputs(self):
+            if prebuilt:
+                return [str(Path(self.build_lib) / rel) for rel in prebuilt_files]
             return super().get_outputs() + [str(p) for p in self._records()]
 
     cmdclass["build_ext"] = BuildExt

@@ -1,8 +1,9 @@
 """How ffn_ext is built: the shared source/flag list (csrc/build.json), where the sources are, the CUDA-or-not
 decision, and the record a build leaves next to the library it made.
 
-Used by setup.py (loaded by file path, before the package is installed) and by ffn_ext.jit. The decision never
-looks at torch.cuda.is_available(): build machines often have a CUDA toolkit and no GPU.
+Used by setup.py (loaded by file path, before the package is installed) and by ffn_ext.jit. Whether to build the
+CUDA kernels never looks at torch.cuda.is_available(): build machines often have a CUDA toolkit and no GPU; only
+the default architectures do (choose_archs: the visible GPU's alone, as torch's own extensions build).
 
 Sources: in a checkout they are the repository's csrc/; an installed package (wheel or sdist build) carries a copy
 under ffn_ext/_src/ (csrc/** and CMakeLists.txt, laid there by setup.py's build_py), so ffn_ext.jit works from an
@@ -313,11 +314,76 @@ def decide_cuda() -> tuple[bool, str]:
     return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}) and the CUDA toolkit in {home} ({how})"
 
 
-def default_arch_list(cfg: dict) -> str:
-    """Sets TORCH_CUDA_ARCH_LIST to the project default when the user has not chosen (torch would otherwise build
-    for the local GPU, or for every architecture when there is none). Returns the list in force."""
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", cfg["default_cuda_archs"])
-    return os.environ["TORCH_CUDA_ARCH_LIST"]
+def visible_gpu_archs() -> str | None:
+    """The visible GPUs' architectures as a TORCH_CUDA_ARCH_LIST ('9.0+PTX': PTX for the newest, as torch's own
+    extensions build for them), or None when this torch sees no GPU."""
+    import torch
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{major}.{minor}" for major, minor in caps) + "+PTX"
+
+
+def choose_archs(cfg: dict) -> tuple[str, str]:
+    """(the TORCH_CUDA_ARCH_LIST of a CUDA build, why): the user's; else the visible GPU's alone, as torch's own
+    extensions do (a build for one architecture takes about half the time of two); else, with no GPU visible, the
+    project default. Sets the variable, which torch's build reads. Only the architectures look at the GPU: whether
+    to build the CUDA kernels at all never does (decide_cuda)."""
+    chosen = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if chosen:
+        return chosen, "TORCH_CUDA_ARCH_LIST"
+    gpus = visible_gpu_archs()
+    if gpus:
+        chosen, why = gpus, "the visible GPU's alone (TORCH_CUDA_ARCH_LIST picks others)"
+    else:
+        chosen = cfg["default_cuda_archs"]
+        why = (
+            f"the default: no GPU visible (TORCH_CUDA_ARCH_LIST picks others; {FORCE_CPU_ENV}=1 builds in seconds, "
+            "without the CUDA kernels, which only a GPU runs)"
+        )
+    os.environ["TORCH_CUDA_ARCH_LIST"] = chosen
+    return chosen, why
+
+
+def arch_names(arch_list: str) -> str:
+    """'8.0;9.0+PTX' -> 'sm_80, sm_90 (+PTX)'; '800,900' (the library's record) -> 'sm_80, sm_90'."""
+    items = [a for a in re.split(r"[;,\s]+", arch_list.strip()) if a]
+    names = []
+    for item in items:
+        base = item.removesuffix("+PTX")
+        number = base.replace(".", "") if "." in base else str(int(base) // 10) if base.isdigit() else base
+        names.append(f"sm_{number}" + (" (+PTX)" if item.endswith("+PTX") else ""))
+    return ", ".join(names)
+
+
+# The rates the time estimate rests on (compiler CPU-seconds of a fresh build, measured: docs/building.md#build-time):
+# _C's two g++ files; the CUDA library's g++ glue; nvcc's kernel parts, once per architecture. They spread over
+# MAX_JOBS (else the cores), at most about two jobs per architecture at a time (nvcc --threads=0).
+_CPU_S_C, _CPU_S_CUDA_GLUE, _CPU_S_PER_ARCH = 10, 15, 85
+
+
+def expected_build_time(arch_list: str | None) -> str:
+    """A rough wall time for a fresh build ('about 1.5 min with 2 parallel jobs'), for the build's first lines:
+    arch_list None for a build without the CUDA kernels."""
+    archs = len([a for a in re.split(r"[;\s]+", arch_list.strip()) if a]) if arch_list else 0
+    jobs = max(1, int(os.environ.get("MAX_JOBS") or 0) or (os.cpu_count() or 1))
+    cpu_s = _CPU_S_C + (_CPU_S_CUDA_GLUE + _CPU_S_PER_ARCH * archs if archs else 0)
+    wall = cpu_s / min(jobs, 2 + 2 * archs)
+    amount = f"{wall:.0f} s" if wall < 90 else f"{wall / 60:.1f} min"
+    return f"about {amount} with {jobs} parallel job{'s' * (jobs > 1)}"
+
+
+def build_plan(with_cuda: bool, why: str, archs: str | None, archs_why: str, what: str) -> list[str]:
+    """The lines a build (setup.py, ffn_ext.jit) prints first: what it builds, with which toolkit, for which
+    architectures, and how long it should take."""
+    if not with_cuda:
+        return [f"ffn_ext: building {what} only (no CUDA kernels): {why}; {expected_build_time(None)}"]
+    return [
+        f"ffn_ext: building {what} and the CUDA kernels: {why}",
+        f"  architectures: {archs} ({arch_names(archs or '')}): {archs_why}",
+        f"  expected time: {expected_build_time(archs)} (MAX_JOBS sets them)",
+    ]
 
 
 TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10: (2 << 56) | (10 << 48), in build.json's flags
@@ -355,18 +421,45 @@ def torch_base_version(version: str) -> str:
     return version.split("+")[0]
 
 
-def build_record(with_cuda: bool, root: Path | None = None) -> dict:
+def build_record(with_cuda: bool, root: Path | None = None, archs: str | None = None) -> dict:
     """What a build of _C records next to it (RECORD): read at import without loading a library, so that the CUDA
     library is loaded only under a torch of the CUDA major it was built with (_loader.py; _C itself, stable-ABI,
-    loads under any torch >= 2.10), and ffn_ext.jit can compare the sources it was built from."""
+    loads under any torch >= 2.10), build_summary() names the architectures of a CUDA library it does not load,
+    and ffn_ext.jit can compare the sources it was built from."""
     import torch
 
     return {
         "torch_version": torch_base_version(torch.__version__),
         "torch_cuda": torch.version.cuda,
         "cuda_kernels": bool(with_cuda),
+        "cuda_archs": archs if with_cuda else None,
         "sources_hash": sources_hash(root),
     }
+
+
+PREBUILT_ENV = "FFN_EXT_PREBUILT"  # setup.py ships the in-place build's binaries instead of compiling (.ci/wheel)
+
+
+def prebuilt_files(root: Path) -> tuple[list[str], dict]:
+    """(the binaries an in-place build left in root's package, relative to root, and its record), for a wheel made
+    from them without compiling again (PREBUILT_ENV). Raises RuntimeError when there is no such build or it was
+    made from other sources than root's: a wheel must hold the code its sources describe."""
+    import importlib.machinery
+
+    package = root / "ffn_ext"
+    record = read_record(package)
+    found = [p for s in importlib.machinery.EXTENSION_SUFFIXES for p in package.glob("_C" + s)]
+    if record is None or not found:
+        raise RuntimeError(f"{PREBUILT_ENV}=1: no in-place build in {package} (_C and {RECORD}): build it first")
+    if record.get("sources_hash") != sources_hash(root):
+        raise RuntimeError(f"{PREBUILT_ENV}=1: the in-place build in {package} was made from other sources: rebuild")
+    files = [found[0], package / RECORD]
+    cuda = root / cuda_library_relpath(root)
+    if record.get("cuda_kernels"):
+        if not cuda.is_file():
+            raise RuntimeError(f"{PREBUILT_ENV}=1: {RECORD} records CUDA kernels and {cuda} is missing: rebuild")
+        files.append(cuda)
+    return [p.relative_to(root).as_posix() for p in files], record
 
 
 def read_record(directory: Path) -> dict | None:

@@ -151,3 +151,38 @@ def load_cuda_library() -> dict:
 def cuda_status() -> dict:
     """{'loaded': bool, 'reason': why not ('' when loaded), and the library's cuda_version / cuda_archs}."""
     return dict(_cuda_status)
+
+
+def where_it_runs(info: dict) -> str:
+    """One line from build_info(): whether the CUDA kernels are built, for which architectures, whether a GPU is
+    visible, and so what the ops run ('CUDA kernels: built for sm_80, sm_90 (+PTX); no GPU visible: the ops run
+    PyTorch's CPU ops'). A build made for GPUs says so on a machine without one, where it runs none of its kernels."""
+    gpu = torch.cuda.is_available()
+    if gpu:
+        major, minor = torch.cuda.get_device_capability()
+        visible = f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor})"
+    else:
+        visible = "no GPU visible"
+    if info.get("native", "").startswith("none"):
+        return f"no native library (CUDA kernels: not built); {visible}: the ops run PyTorch's own ops"
+    record = _build.read_record(_build.PACKAGE) or {}
+    # the build's own list (it says +PTX) when the loaded _C is the package's, else what the library records
+    mine = info.get("native") == "ffn_ext._C"
+    archs = (record.get("cuda_archs") if mine else None) or info.get("cuda_archs") or ""
+    built = f"built for {_build.arch_names(archs)}" if archs else "built"
+    if info.get("cuda_kernels") == "yes":
+        kernels = f"CUDA kernels: {built}"
+        if not gpu:
+            runs = "the ops run PyTorch's CPU ops"
+        elif archs and f"sm_{major}{minor}" not in _build.arch_names(archs) and "+PTX" not in archs:
+            runs = f"not built for its sm_{major}{minor}: rebuild with TORCH_CUDA_ARCH_LIST={major}.{minor}"
+        else:
+            runs = "CUDA tensors run ffn_ext's kernels, CPU tensors PyTorch's CPU ops"
+    else:
+        off = info.get("cuda_kernels_off", "")
+        if cuda_library_path().is_file():
+            kernels = f"CUDA kernels: {built}, not loaded ({off})"
+        else:
+            kernels = "CUDA kernels: not built"
+        runs = "the ops run PyTorch's own ops (ATen) on every device" if gpu else "the ops run PyTorch's CPU ops"
+    return f"{kernels}; {visible}: {runs}"

@@ -54,6 +54,18 @@ RECIPES = ("row", "block")
 _EMULATED_WARNED: set = set()  # devices the block emulation or the CPU's RowWise GEMM was named for (once each)
 
 
+def _caller_stacklevel() -> int:
+    """The stacklevel of the caller's first frame outside ffn_ext and torch: a warning then names the user's line
+    (a fixed level named torch's Module.__call__, and a fixed one breaks when a call goes through other layers)."""
+    import sys
+
+    inside = (str(__file__).rsplit("/", 1)[0] + "/", str(torch.__file__).rsplit("/", 1)[0] + "/")
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _rowwise(qa, sa, qw, sw, out_dtype):
     """(qa * sa) @ (qw * sw)^T through F.scaled_mm RowWise: qa [M, K] with sa [M, 1]; qw [N, K] with sw [1, N].
     On the CPU, named once in a warning: it runs, with the recipe's numbers, but slower than the bf16 MLP."""
@@ -68,10 +80,9 @@ def _rowwise(qa, sa, qw, sw, out_dtype):
         )
         warnings.warn(
             f"ffn_ext.quantize_fp8: recipe=\"row\" on cpu: {how}, but a CPU has no FP8 units, so the FP8 MLP is "
-            "7-10x slower than the bf16 MLP (benchmarks/bench_fp8_mlp.py); on the CPU it checks the recipe's "
-            "numbers, it is not a speed-up",
+            "7-10x slower than the bf16 MLP; on the CPU it checks the recipe's numbers, it is not a speed-up",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=_caller_stacklevel(),
         )
     if on_cpu and not _CPU_SCALED_MM:
         return ((qa.float() * sa.float()) @ (qw.float() * sw.float().t()).t()).to(out_dtype)  # sw: [1, N]
@@ -127,7 +138,7 @@ def _blockwise(qa, sa, qw, sw, out_dtype):
             "compute capability 9.0), so its GEMMs are emulated: the FP8 values dequantized and multiplied in "
             "float32 (the same numbers, slower than bf16; recipe=\"row\" runs F.scaled_mm on the CPU and every GPU)",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=_caller_stacklevel(),
         )
     a = _dequant_blocks(qa, sa, 1, 128)
     w = _dequant_blocks(qw, sw, _WEIGHT_BLOCK, _WEIGHT_BLOCK)

@@ -55,8 +55,10 @@ def load(
     """Compiles (cached by torch in build_directory or its default extension dir) and loads the library, then
     makes it ffn_ext's backend. with_cuda=None decides as setup.py does. Returns the loaded module.
 
-    A first build prints one line when it starts (what, for which GPU architectures, roughly how long, where it is
-    cached) and one when it is done; verbose=True shows the compiler's output too.
+    A first build prints what it builds, with which CUDA toolkit, for which GPU architectures (as setup.py:
+    TORCH_CUDA_ARCH_LIST, else the visible GPU's, else the project default), roughly how long it takes and where it
+    is cached, and one line when it is done; verbose=True shows the compiler's output too. It needs ninja
+    (`pip install ninja`), as torch.utils.cpp_extension.load does.
 
     The CUDA toolkit is found as setup.py finds it (_build.find_cuda_home: CUDA_HOME, else the toolkit that the nvcc
     on PATH runs, else /usr/local/cuda), and CUDA_HOME is set to it for this process; one that cannot compile raises
@@ -75,14 +77,15 @@ def load(
         )
     if with_cuda is None:
         with_cuda, why = _build.decide_cuda()
-        if verbose:
-            _say(f"CUDA kernels {'on' if with_cuda else 'off'}: {why}")
     elif with_cuda:
-        _build.cuda_toolkit()
+        home, how = _build.cuda_toolkit()
+        why = f"with_cuda=True; the CUDA toolkit in {home} ({how})"
+    else:
+        why = "with_cuda=False"
     from torch.utils import cpp_extension  # after the toolkit is chosen: its import logs the CUDA_HOME it takes
 
     root = _build.source_root()
-    archs = _build.default_arch_list(_build.config(root)) if with_cuda else None
+    archs, archs_why = _build.choose_archs(_build.config(root)) if with_cuda else (None, "")
     _build.write_ops_table(root)  # a checkout's C++ op table, from table.py (an install ships it)
     py_sources, py_flags, _ = _build.python_target(root)
     cuda_sources, cuda_flags, _ = _build.cuda_target(root) if with_cuda else ([], {}, [])
@@ -92,17 +95,11 @@ def load(
     outputs = [directory / f"{name}.so"] + ([cuda_directory / f"{cuda_name}.so"] if with_cuda else [])
     newest = max(os.path.getmtime(s) for s in _build.shipped_files_abs(root) if "csrc" in s)
     fresh = any(not p.exists() or p.stat().st_mtime < newest for p in outputs)
-    if fresh and not verbose:
-        what = (
-            f"_C and the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} (a few minutes; about 1.5 per architecture "
-            "on 2 cores)"
-            if with_cuda
-            else "_C only (the schemas; CPU-only: no CUDA kernels; under a minute)"
-        )
-        _say(
-            f"compiling {len(py_sources) + len(cuda_sources)} files from {root / 'csrc'}: {what}; cached in "
-            f"{directory} (verbose=True shows the compiler)"
-        )
+    if fresh or verbose:
+        what = f"_C ({len(py_sources) + len(cuda_sources)} files from {root / 'csrc'})"
+        for line in _build.build_plan(with_cuda, why, archs, archs_why, what):
+            _say(line.removeprefix("ffn_ext: "))
+        _say(f"cached in {directory}" + ("" if verbose else " (verbose=True shows the compiler)"))
     start = time.time()
     # The stable-ABI flags of build.json (-DTORCH_TARGET_VERSION, hidden visibility). cpp_extension.load also links
     # -ltorch_python -lc10 -ltorch (in NEEDED, no symbol used: nm -D shows only the shim's C functions).

@@ -391,10 +391,14 @@ def has_cuda_kernels() -> bool:
 
 
 def build_summary() -> str:
-    """build_info() as readable lines."""
+    """Where the ops run (whether the CUDA kernels are built, for which architectures, whether a GPU is visible),
+    then build_info() as readable lines."""
+    from . import _loader
+
     info = build_info()
     width = max(map(len, info))
-    return "\n".join(f"{k:<{width}} : {v if v not in ('', None) else '-'}" for k, v in info.items())
+    lines = [f"{k:<{width}} : {v if v not in ('', None) else '-'}" for k, v in info.items()]
+    return "\n".join([_loader.where_it_runs(info), *lines])
 
 
 _load_installed()

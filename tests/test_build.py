@@ -155,10 +155,11 @@ def test_jit_build_cpu_only(tmp_path):
     (built,) = tmp_path.glob("*.so")
     if shutil.which("nm"):
         assert not _unstable_symbols(built), f"{built} needs unstable torch symbols: {_unstable_symbols(built)[:5]}"
-    # a first build says so: one line before (what, where cached) and one after, without verbose=True
+    # a first build says so: what (no CUDA kernels, why, how long), where cached, and when done, without verbose
     said = [line for line in r.stderr.splitlines() if line.startswith("ffn_ext.jit: ")]
-    assert len(said) == 2 and "compiling" in said[0] and str(tmp_path) in said[0] and "CPU" in said[0], said
-    assert said[1].startswith("ffn_ext.jit: built and loaded in"), said
+    assert len(said) == 3 and "no CUDA kernels" in said[0] and "FFN_EXT_FORCE_CPU" in said[0], said
+    assert "about" in said[0] and str(tmp_path) in said[1], said
+    assert said[2].startswith("ffn_ext.jit: built and loaded in"), said
     print(r.stdout.splitlines()[0])
 
 
@@ -512,6 +513,97 @@ def test_use_cuda_home_points_torch_at_the_toolkit(monkeypatch):
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
     _build.use_cuda_home("/opt/cuda-x")
     assert os.environ["CUDA_HOME"] == "/opt/cuda-x" and cpp_extension.CUDA_HOME == "/opt/cuda-x"
+
+
+def test_architectures_the_users_else_the_visible_gpus_else_the_default(monkeypatch):
+    """TORCH_CUDA_ARCH_LIST wins; unset, a visible GPU's architecture alone (PTX for the newest, as torch's own
+    extensions build), and with no GPU the project default, saying so and naming FFN_EXT_FORCE_CPU; the build's first
+    lines name the toolkit, the architectures and an expected time that grows with them."""
+    cfg = {"default_cuda_archs": "8.0;9.0+PTX"}
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    assert _build.choose_archs(cfg) == ("8.6", "TORCH_CUDA_ARCH_LIST")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: [(9, 0), (8, 0)][i])
+    archs, why = _build.choose_archs(cfg)
+    assert archs == "8.0;9.0+PTX" and "visible GPU" in why and os.environ["TORCH_CUDA_ARCH_LIST"] == archs
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _build.choose_archs(cfg)[0] == "9.0+PTX"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    archs, why = _build.choose_archs(cfg)
+    assert archs == "8.0;9.0+PTX" and "no GPU visible" in why and f"{_build.FORCE_CPU_ENV}=1" in why, why
+    plan = _build.build_plan(True, "the CUDA toolkit in /opt/cuda-13.0 (named by CUDA_HOME)", archs, why, "_C")
+    assert "/opt/cuda-13.0" in plan[0] and "sm_80, sm_90 (+PTX)" in plan[1] and "no GPU visible" in plan[1], plan
+    assert "expected time: about" in plan[2], plan
+    monkeypatch.setenv("MAX_JOBS", "2")
+    seconds = [
+        float(t) * (60 if unit == "min" else 1)
+        for t, unit in (
+            re.search(r"about ([\d.]+) (s|min)", _build.expected_build_time(a)).groups() for a in (None, "9.0", archs)
+        )
+    ]
+    assert seconds == sorted(seconds) and len(set(seconds)) == 3, seconds
+    assert _build.arch_names("800,900") == "sm_80, sm_90" and _build.arch_names("10.0;9.0a") == "sm_100, sm_90a"
+
+
+@pytest.mark.parametrize("case", ["kernels, no GPU", "kernels, GPU", "kernels off", "no native library"])
+def test_where_it_runs_says_what_the_ops_run(monkeypatch, case):
+    """build_summary()'s and the main job's first line: the CUDA kernels (built? for which architectures?), whether a
+    GPU is visible, and so what the ops run; a build for GPUs on a machine without one says the CPU's ops run."""
+    gpu = case == "kernels, GPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H200")
+    monkeypatch.setattr(_build, "read_record", lambda d: {})  # the library's own list, not the build's record
+    info = {"native": "ffn_ext._C", "cuda_kernels": "yes", "cuda_version": "13.0", "cuda_archs": "800,900"}
+    if case == "kernels off":
+        info = {
+            "native": "ffn_ext._C",
+            "cuda_kernels": "no",
+            "cuda_kernels_off": "torch 2.13.0+cpu is a CPU-only build",
+        }
+        monkeypatch.setattr(_build, "read_record", lambda d: {"cuda_archs": "8.0;9.0+PTX"})
+        monkeypatch.setattr(_loader, "cuda_library_path", lambda: Path(__file__))  # a file that exists
+    if case == "no native library":
+        info = {"native": "none: the ops are defined by ffn_ext (PyTorch's own ops)", "cuda_kernels": "no"}
+    line = _loader.where_it_runs(info)
+    want = {
+        "kernels, no GPU": "CUDA kernels: built for sm_80, sm_90; no GPU visible: the ops run PyTorch's CPU ops",
+        "kernels, GPU": "GPU: NVIDIA H200 (sm_90): CUDA tensors run ffn_ext's kernels",
+        "kernels off": "CUDA kernels: built for sm_80, sm_90 (+PTX), not loaded (torch 2.13.0+cpu is a CPU-only build)",
+        "no native library": "no native library",
+    }[case]
+    assert want in line, line
+    assert ffn_ext.build_summary().splitlines()[0] == _loader.where_it_runs(ffn_ext.build_info())
+
+
+def test_a_wheel_of_the_in_place_build_needs_that_build_of_these_sources(tmp_path):
+    """FFN_EXT_PREBUILT=1 (.ci/wheel) packs the binaries an in-place build left, never a build of other sources:
+    without a build, or with its record's sources hash not the sources', it refuses."""
+    root = tmp_path / "root"
+    shutil.copytree(_build.source_root() / "csrc", root / "csrc")
+    (root / "ffn_ext").mkdir()
+    with pytest.raises(RuntimeError, match="no in-place build"):
+        _build.prebuilt_files(root)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    (root / "ffn_ext" / f"_C{suffix}").write_bytes(b"")
+    record = {"cuda_kernels": False, "sources_hash": "0" * 16}
+    (root / "ffn_ext" / _build.RECORD).write_text(json.dumps(record))
+    with pytest.raises(RuntimeError, match="other sources"):
+        _build.prebuilt_files(root)
+    record.update(sources_hash=_build.sources_hash(root), cuda_kernels=True)
+    (root / "ffn_ext" / _build.RECORD).write_text(json.dumps(record))
+    with pytest.raises(RuntimeError, match="missing"):
+        _build.prebuilt_files(root)
+    (root / _build.cuda_library_relpath(root)).parent.mkdir(parents=True)
+    (root / _build.cuda_library_relpath(root)).write_bytes(b"")
+    files, got = _build.prebuilt_files(root)
+    assert files == [f"ffn_ext/_C{suffix}", f"ffn_ext/{_build.RECORD}", _build.cuda_library_relpath(root)], files
+    assert got == record
 
 
 def test_setup_py_stops_before_compiling_on_a_broken_toolkit(tmp_path):

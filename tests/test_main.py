@@ -11,6 +11,7 @@ from conftest import HANG_GUARD_S, package_env
 
 import ffn_ext
 from ffn_ext import __main__ as demo
+from ffn_ext import _loader
 from ffn_ext.table import ACTIVATIONS
 from ffn_ext.table import OPS as TABLE_OPS
 
@@ -42,7 +43,13 @@ def test_main_fits_one_screen(full_run):
 
 def test_main_key_lines(full_run):
     out = full_run.stdout
-    assert out.startswith(f"ffn_ext {ffn_ext.__version__}: ") and "CUDA kernels" in out.splitlines()[0]
+    # the first line: where the ops run, as build_summary() says it (built for which GPUs, is one visible)
+    where = _loader.where_it_runs(ffn_ext.build_info())
+    assert out.startswith(demo.headline(ffn_ext.build_info()) + "\n"), out[:500]
+    assert " ".join(demo.headline(ffn_ext.build_info()).split()) == " ".join(
+        f"ffn_ext {ffn_ext.__version__}, torch {torch.__version__}: {where}".split()
+    )
+    assert "CUDA kernels: " in where and ("GPU: " in where or "no GPU visible: the ops run PyTorch's CPU ops" in where)
     # the walk: shapes through the forward hooks, parameters, the saved [tokens, d_ff] tensors as measured
     assert "x (1, 16, 768) -> " in out and "(1, 16, 3072)" in out and re.search(r"down_proj \(1, 16, 768\)", out)
     assert re.search(
@@ -80,6 +87,9 @@ def test_main_key_lines(full_run):
     for layer in (r"FFN 768 -> 3072, GELU", r"SwiGLUFFN 896 -> 4864"):
         for what in ("fwd", r"fwd\+bwd"):
             assert re.search(rf"{layer}\s+{what}\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out), (layer, what)
+    # which way the ratio reads, and what the CPU gains
+    assert "eager/ffn_ext" in out and "(above 1x: ffn_ext faster)" in out
+    assert ("the gain there is memory" in out) == (not GPU), out
     assert "max abs" not in out and "== Ops on" not in out
 
 

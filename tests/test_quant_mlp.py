@@ -128,8 +128,9 @@ def test_fp8_row_on_cpu_is_named_once(fresh_warning):
     m8 = quantize_fp8(ffn_ext.SwiGLUFFN(128, 256, dtype=torch.bfloat16))
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     with torch.no_grad():
-        with pytest.warns(RuntimeWarning, match=r"recipe=\"row\" on cpu: .* 7-10x slower than the bf16 MLP"):
+        with pytest.warns(RuntimeWarning, match=r"recipe=\"row\" on cpu: .* 7-10x slower than the bf16 MLP") as got:
             y = m8(x)
+        assert got[0].filename == __file__, got[0].filename  # the caller's line, not one inside torch or ffn_ext
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once
             assert torch.equal(m8(x), y)
