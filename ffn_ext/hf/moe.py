@@ -241,15 +241,26 @@ class _Experts(torch.autograd.Function):
                 if b_down is not None:
                     d_weights += (grad.float() * b_down[ids].float()).sum(-1)
                 d_weights = d_weights.to(weights.dtype)
-            g = (grad * weights.unsqueeze(-1)).to(w_down.dtype)
-            # (in place: computed in the promoted dtype and rounded once to q's, as the product's .to would)
             w = weights.unsqueeze(-1)
-            dh = q.mul_(w) if inplace and q.dtype == h.dtype else (q * w).to(h.dtype)
+            if inplace and q.dtype == h.dtype:
+                # dh over q, and the routing weights onto h, not onto a new [S, H] copy of grad: the down
+                # projection's weight gradient (h w)^T grad is h^T (grad w) (in place: computed in the promoted
+                # dtype and rounded once, as the product's .to would)
+                dh, hw = q.mul_(w), h.mul_(w)
+                gw = None
+            else:
+                dh, hw = (q * w).to(h.dtype), h.detach()
+                g = gw = (grad * w).to(w_down.dtype)
         else:
-            dh = q
+            dh, hw, gw = q, h.detach(), g
         del q
-        d_w_down = _weight_grad(h.detach(), g, transposed, groups) if need[6] else None
-        d_b_down = _rows_sum(g, ids, w_down.shape[0]).to(b_down.dtype) if b_down is not None and need[7] else None
+        d_w_down = _weight_grad(hw, g, transposed, groups) if need[6] else None
+        del hw, g
+        d_b_down = None
+        if b_down is not None and need[7]:
+            gw = (grad * weights.unsqueeze(-1)).to(w_down.dtype) if gw is None else gw
+            d_b_down = _rows_sum(gw, ids, w_down.shape[0]).to(b_down.dtype)
+        del gw
         if inplace:
             h = None
             n = gate_up.shape[0]
@@ -267,6 +278,7 @@ class _Experts(torch.autograd.Function):
         if need[4]:
             x = hidden_states[rows].to(w_up.dtype)
             d_w_up = _weight_grad(x, d_gate_up, transposed, groups)
+            del x  # (an [S, H] tensor: gone before dx, another)
         if need[0]:
             dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups)
             d_hidden = torch.zeros_like(hidden_states).index_add_(0, rows, dx.to(hidden_states.dtype))
