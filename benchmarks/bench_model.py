@@ -712,17 +712,19 @@ def main(argv=None) -> int:
             pristines[m, layers] = pristine = build_model(spec, config, dev, dtype, args.seed)
             prime(spec, plan, dev, dtype)
             payload["models"].setdefault(m, {})
-            payload["models"][m].update({
-                "class": spec.causal_lm,
-                "mlp": mlp_label(spec, config),
-                f"params_{layers}_layers": n_params(pristine),
-                "layers": plan.layers,
-                "params_per_layer": n_params(pristine.model.layers[0]) if hasattr(pristine, "model") else None,
-                "experts": experts_count(config),
-                "dtype_bytes": torch.finfo(dtype).bits // 8,
-                "attn_implementation": pristine.config._attn_implementation,
-                "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, list))},
-            })
+            payload["models"][m].update(
+                {
+                    "class": spec.causal_lm,
+                    "mlp": mlp_label(spec, config),
+                    f"params_{layers}_layers": n_params(pristine),
+                    "layers": plan.layers,
+                    "params_per_layer": n_params(pristine.model.layers[0]) if hasattr(pristine, "model") else None,
+                    "experts": experts_count(config),
+                    "dtype_bytes": torch.finfo(dtype).bits // 8,
+                    "attn_implementation": pristine.config._attn_implementation,
+                    "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, list))},
+                }
+            )
         pristine = pristines[m, layers]
         # a new batch of uniform random tokens each step (one fixed batch would be memorised within a few steps, and
         # every variant's loss would collapse to ~0); the same batches for every variant
@@ -908,8 +910,15 @@ def render(payload: dict) -> str:
             "Per layer (the slopes against the layer count of a stack, least squares over the counts run):",
             "",
             common.markdown_table(
-                ["model", "tokens", "variant", "layers", "fwd+bwd peak MiB/layer (vs)", "less its gradients (vs)",
-                 "saved MiB/layer (vs)"],
+                [
+                    "model",
+                    "tokens",
+                    "variant",
+                    "layers",
+                    "fwd+bwd peak MiB/layer (vs)",
+                    "less its gradients (vs)",
+                    "saved MiB/layer (vs)",
+                ],
                 [
                     [
                         o["model"],

@@ -65,7 +65,9 @@ def cases():
         "interleaved": (
             "eager packed",
             packed,
-            lambda x, w, wd: ffn_ext.gated_mlp_packed(x, w, wd, activation=ffn_ext.Gating("swiglu", layout="interleaved")),
+            lambda x, w, wd: ffn_ext.gated_mlp_packed(
+                x, w, wd, activation=ffn_ext.Gating("swiglu", layout="interleaved")
+            ),
         ),
         "eager clamped": ("eager clamped", gated, _eager_gated(None, clamp=True)),
         "clamped": ("eager clamped", gated, lambda x, wg, wu, wd: ffn_ext.gated_mlp(x, wg, wu, wd, activation=CLAMP)),
@@ -131,7 +133,13 @@ def main(argv=None) -> int:
         md = common.markdown_table(
             ["tokens", "case", "peak MiB", "[tokens, d_ff] tensors", "vs eager"],
             [
-                [str(r["tokens"]), r["case"], f"{r['peak_bytes'] / 2**20:.1f}", f"{r['tensors']:.2f}", common.fmt(r["vs_eager"])]
+                [
+                    str(r["tokens"]),
+                    r["case"],
+                    f"{r['peak_bytes'] / 2**20:.1f}",
+                    f"{r['tensors']:.2f}",
+                    common.fmt(r["vs_eager"]),
+                ]
                 for r in rows
             ],
         )

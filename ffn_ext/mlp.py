@@ -387,8 +387,8 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     then its h (for the down projection's weight gradient; the plain MLP's comes with dz from one step), then its
     input gradients; weight and bias gradients
     accumulate across blocks in the parameters' dtype. Peak: the saved pre (2 x rows x d_ff elements, if any) and
-    about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the default path: step = rows / 2, so 3.5 [rows, d_ff]
-    tensors where one block would make five)."""
+    about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the plain MLP: _PLAIN_BLOCK_ROWS; the default path under
+    torch.compile: step = rows / 2)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
