@@ -258,7 +258,7 @@ def _backward(ctx, dy, needs):
     if pre and ctx.pre_spent:  # an earlier backward (retain_graph=True) wrote its gradients over them: recompute
         pre = ()
     if not torch.is_grad_enabled() and ctx.plain:
-        step = ctx.chunk if ctx.chunk is not None else _plain_block(rows)
+        step = _plain_block(rows) if ctx.chunk is None else min(ctx.chunk, _plain_block(rows))
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
     if not torch.is_grad_enabled() and ctx.chunk is not None:
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, max(1, ctx.chunk // 2))
