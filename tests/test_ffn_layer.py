@@ -158,10 +158,12 @@ def _extra_peak(fn, tokens, d_model, params):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_default_path_works_in_blocks_from_split_rows(form):
+def test_default_path_works_in_blocks_from_split_rows(form, monkeypatch):
     """From mlp._SPLIT_ROWS tokens the forward makes h a block of rows at a time and the backward writes its
     gradients over the saved gate and up (_inplace_backward): peak about 2.3 [tokens, d_ff] tensors beyond y, dx and
-    the gradients, the saved projections and a few blocks (one block: 4.7; eager autograd: 5.5+)."""
+    the gradients with 8 blocks, the saved projections and a few blocks (one block: 4.7; eager autograd: 5.5+).
+    (_MIN_BLOCK_ROWS, which keeps the CPU's GEMMs large, set to 1: 8 blocks of 128 rows.)"""
+    monkeypatch.setattr(M, "_MIN_BLOCK_ROWS", 1)
     tokens, d_model, d_ff = M._SPLIT_ROWS, 16, 64
     act = ACTIVATIONS[-1]
     ws, wd, bs, bd = _params(form, d_model, d_ff, False, dtype=torch.float32)
@@ -204,6 +206,7 @@ def _gated_call(gating, form, ws, wd, bs, bd, **opts):
 def split_at_8(monkeypatch):
     """The in-place backward (_inplace_backward) from 8 rows: 74 tokens run it in 8 blocks, the last one short."""
     monkeypatch.setattr(M, "_SPLIT_ROWS", 8)
+    monkeypatch.setattr(M, "_MIN_BLOCK_ROWS", 1)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
