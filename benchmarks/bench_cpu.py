@@ -255,12 +255,20 @@ def main(argv=None) -> int:
         default=0.3,
         help="skip shapes whose single fwd+bwd run is estimated above this (default 0.3 s)",
     )
+    ap.add_argument("--pairs", default=None, help="d_model x d_ff pairs, e.g. 768x3072,4096x14336 (replace the grid's)")
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts (replace the grid's)")
+    ap.add_argument("--impls", default=None, help="comma-separated implementations to run (default: all)")
     ap.add_argument(
         "--out", type=Path, default=None, help="output directory (default benchmarks/results/<date>_<device>/)"
     )
     args = ap.parse_args(argv)
     dtype = torch.float32
     pairs, tokens = (QUICK_PAIRS, QUICK_TOKENS) if args.quick else (PAIRS, TOKENS)
+    if args.pairs:
+        pairs = [tuple(int(v) for v in p.split("x")) for p in args.pairs.split(",")]
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    wanted = None if args.impls is None else set(args.impls.split(","))
     threads = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
     blocks = args.blocks or (1 if args.quick else 6)
     reps = blocks * max(1, (args.reps or (3 if args.quick else 60)) // blocks)  # whole blocks: what the report says
@@ -289,6 +297,8 @@ def main(argv=None) -> int:
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             for name, ours, eager, params in impls:
+                if wanted is not None and name not in wanted:
+                    continue
                 res = measure(ours, eager, params, x, reps, warmup, run_s, blocks)
                 for what, (a, b, calls, ratio) in res.items():
                     rows.append(

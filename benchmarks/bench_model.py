@@ -215,7 +215,7 @@ class Plan:
     models: list[str]
     tokens: list[int]
     batch: int
-    layers: int
+    layers: list[int]  # layer counts: a stack at each (the per-layer figures are the slopes over them)
     experts: dict  # model -> number of experts
     warmup: int
     steps: int
@@ -224,6 +224,7 @@ class Plan:
     variants: list[str]
     compile_models: list[str]
     lr: float
+    optimizer: str = "adamw"  # or "sgd": no optimizer state, so that a stack at real widths fits a CPU's memory
 
 
 # the run order (see main)
@@ -251,16 +252,16 @@ def plan_for(mode: str, device_type: str) -> Plan:
     all_models = list(MODELS)
     real_experts = {m: MODELS[m].kw[k] for m, k in EXPERTS_KEY.items()}
     if mode == "smoke":
-        return Plan(all_models, [32], 1, 2, {}, 1, 1, "fp32", 8, QUICK_VARIANTS + LIGER_VARIANTS, [], 1e-4)
+        return Plan(all_models, [32], 1, [2], {}, 1, 1, "fp32", 8, QUICK_VARIANTS + LIGER_VARIANTS, [], 1e-4)
     if device_type == "cuda":
         base = QUICK_VARIANTS + LIGER_VARIANTS
         if mode == "quick":  # a device check's stage: compile of one model only, last
-            return Plan(all_models, [4096], 1, 2, real_experts, 2, 5, "bf16", 1024, base, ["llama-3-8b"], 1e-4)
+            return Plan(all_models, [4096], 1, [2], real_experts, 2, 5, "bf16", 1024, base, ["llama-3-8b"], 1e-4)
         return Plan(
             all_models,
             [4096, 16384],
             1,
-            2,
+            [2],
             real_experts,
             3,
             10,
@@ -272,12 +273,12 @@ def plan_for(mode: str, device_type: str) -> Plan:
         )
     cpu_experts = {"qwen3-30b-a3b": 16, "gpt-oss-20b": 8}
     if mode == "quick":  # under 5 minutes on 2 cores: 1 layer, 128 tokens, 1 + 2 steps, no torch.compile
-        return Plan(all_models, [128], 1, 1, cpu_experts, 1, 2, "fp32", 32, QUICK_VARIANTS + LIGER_VARIANTS, [], 1e-4)
+        return Plan(all_models, [128], 1, [1], cpu_experts, 1, 2, "fp32", 32, QUICK_VARIANTS + LIGER_VARIANTS, [], 1e-4)
     return Plan(
         all_models,
         [512],
         1,
-        1,
+        [1],
         cpu_experts,
         1,
         3,
@@ -290,15 +291,15 @@ def plan_for(mode: str, device_type: str) -> Plan:
 
 
 # ---------------------------------------------------------------- building
-def build_config(spec: ModelSpec, plan: Plan, tiny: bool):
+def build_config(spec: ModelSpec, plan: Plan, tiny: bool, layers: int):
     import transformers
 
     kw = dict(spec.tiny if tiny else spec.kw)
-    kw.update(vocab_size=128 if tiny else 1024, num_hidden_layers=plan.layers, tie_word_embeddings=False)
+    kw.update(vocab_size=128 if tiny else 1024, num_hidden_layers=layers, tie_word_embeddings=False)
     if spec.name in EXPERTS_KEY and not tiny and spec.name in plan.experts:
         kw[EXPERTS_KEY[spec.name]] = plan.experts[spec.name]
     if spec.layer_types:
-        kw["layer_types"] = [spec.layer_types[i % len(spec.layer_types)] for i in range(plan.layers)]
+        kw["layer_types"] = [spec.layer_types[i % len(spec.layer_types)] for i in range(layers)]
     return getattr(transformers, spec.config)(**kw)
 
 
@@ -398,7 +399,7 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
         if issubclass(w.category, RuntimeWarning) and "ffn_ext" in str(w.message):
             notes.append(f"{spec.name} / {variant.name}: {str(w.message)[:300]}")
     params = list(model.parameters())
-    opt = make_adamw(params, plan.lr, dev)
+    opt = make_optimizer(plan.optimizer, params, plan.lr)
     step_model = torch.compile(model) if variant.compile else model
     times, losses, saved, step_peak, overall = [], [], None, None, 0
     total = plan.warmup + plan.steps
@@ -470,15 +471,17 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
 def prime(spec: ModelSpec, plan: Plan, dev: torch.device, dtype: torch.dtype) -> None:
     """One step of the model's tiny form, unrecorded: the one-time allocations of its code path (thread pools, BLAS
     and cuBLAS workspaces, lazily imported kernels) would otherwise land in the first variant's peak memory."""
-    model = build_model(spec, build_config(spec, dataclasses.replace(plan, layers=1), tiny=True), dev, dtype, 0)
+    model = build_model(spec, build_config(spec, plan, tiny=True, layers=1), dev, dtype, 0)
     ids = torch.randint(0, model.config.vocab_size, (1, 16), device=dev)
-    opt = make_adamw(list(model.parameters()), 1e-4, dev)
+    opt = make_optimizer(plan.optimizer, list(model.parameters()), 1e-4)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     common.synchronize(dev)
 
 
-def make_adamw(params, lr: float, dev: torch.device):
+def make_optimizer(kind: str, params, lr: float):
+    if kind == "sgd":  # no state: a stack's parameters and gradients are what the step adds to the activations
+        return torch.optim.SGD(params, lr=lr)
     try:  # fused: one kernel (CUDA) or loop (CPU) over every tensor, no foreach temporaries in the peak
         return torch.optim.AdamW(params, lr=lr, fused=True)
     except (RuntimeError, TypeError):
@@ -518,7 +521,18 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (see --plan)")
     ap.add_argument("--tokens", default=None, help="tokens per step, comma-separated (batch 1 unless --batch)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (tokens are per sequence)")
-    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument(
+        "--layers",
+        default=None,
+        help="decoder layers, comma-separated: a stack at each count, and the per-layer figures (the slope of the "
+        "step's peak and of the saved bytes against layers) when there are several",
+    )
+    ap.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default=None,
+        help="the step's optimizer (default adamw; sgd keeps no state, for stacks at real widths on a CPU)",
+    )
     ap.add_argument("--experts", type=int, default=None, help="experts of the MoE models (CPU default: 16 and 8)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (K = warmup + steps)")
@@ -562,7 +576,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--variants: unknown {bad}; known: {','.join(all_variants)}")
         if "unpatched" not in plan.variants:
             plan.variants.insert(0, "unpatched")  # every figure is relative to it
-    for name in ("batch", "layers", "warmup", "steps", "token_chunk", "lr"):
+    if args.layers:
+        plan.layers = [int(n) for n in args.layers.split(",")]
+    for name in ("batch", "warmup", "steps", "token_chunk", "lr", "optimizer"):
         if getattr(args, name) is not None:
             setattr(plan, name, getattr(args, name))
     if args.tokens:
@@ -577,36 +593,44 @@ def main(argv=None) -> int:
         args.budget_s = CPU_QUICK_BUDGET_S
     if args.budget_s == 0:
         args.budget_s = None
-    if plan.steps < 1 or plan.warmup < 0 or plan.layers < 1 or plan.batch < 1 or min(plan.tokens) < 2:
+    if plan.steps < 1 or plan.warmup < 0 or min(plan.layers) < 1 or plan.batch < 1 or min(plan.tokens) < 2:
         raise SystemExit("--steps >= 1, --warmup >= 0, --layers >= 1, --batch >= 1 and --tokens >= 2")
     variants = {v.name: v for v in variants_for(plan.token_chunk)}
 
     # the work list: (model, tokens, variant) in run order: the eager variants first, compile last (it costs most)
     work, skipped = [], []
     for tokens in plan.tokens:
-        for m in plan.models:
-            spec = MODELS[m]
-            for vname in plan.variants:
-                v = variants[vname]
-                reason = why_not(v, spec, plan, torch.device(dev_type), args, mode)
-                if reason is None:
-                    work.append((m, tokens, v))
-                elif reason:
-                    skipped.append({"model": m, "tokens": tokens, "variant": vname, "reason": reason})
+        for layers in plan.layers:
+            for m in plan.models:
+                spec = MODELS[m]
+                for vname in plan.variants:
+                    v = variants[vname]
+                    reason = why_not(v, spec, plan, torch.device(dev_type), args, mode)
+                    if reason is None:
+                        work.append((m, tokens, layers, v))
+                    elif reason and layers == plan.layers[0]:
+                        skipped.append({"model": m, "tokens": tokens, "variant": vname, "reason": reason})
     # the run order: by PRIORITY, then model; every model's unpatched row first, the memory options next, torch.compile
     # last (it costs most): a --budget-s cut then drops the least telling rows of every model, not whole models
-    work.sort(key=lambda w: (plan.tokens.index(w[1]), PRIORITY.index(w[2].name), plan.models.index(w[0])))
+    work.sort(
+        key=lambda w: (
+            plan.tokens.index(w[1]),
+            plan.layers.index(w[2]),
+            PRIORITY.index(w[3].name),
+            plan.models.index(w[0]),
+        )
+    )
 
     head = (
-        f"bench_model {mode} on {dev_type}: {plan.dtype}, {plan.layers} layer(s), batch {plan.batch} x tokens "
+        f"bench_model {mode} on {dev_type}: {plan.dtype}, {'/'.join(map(str, plan.layers))} layer(s), batch {plan.batch} x tokens "
         f"{plan.tokens}, vocab {128 if mode == 'smoke' else 1024}, {plan.warmup} warm-up + {plan.steps} timed steps "
-        f"(K = {plan.warmup + plan.steps}), AdamW lr {plan.lr}, token_chunk {plan.token_chunk}"
+        f"(K = {plan.warmup + plan.steps}), {'AdamW' if plan.optimizer == 'adamw' else 'SGD'} lr {plan.lr}, token_chunk {plan.token_chunk}"
         + (f", experts {plan.experts}" if plan.experts and mode != "smoke" else "")
     )
     if args.plan:
         print(head)
-        for m, tokens, v in work:
-            print(f"  run   {m:<14} {tokens:>6} tok  {v.name:<20} {v.what}")
+        for m, tokens, layers, v in work:
+            print(f"  run   {m:<14} {tokens:>6} tok {layers:>3} layers  {v.name:<20} {v.what}")
         for s in skipped:
             print(f"  skip  {s['model']:<14} {s['tokens']:>6} tok  {s['variant']:<20} {s['reason']}")
         return 0
@@ -619,7 +643,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     elif mode == "smoke" and dev.type == "cpu":
         torch.set_num_threads(1)  # as the other smoke runs: OpenMP waits on a busy machine dwarf tiny GEMMs
-    if any(v.compile for _, _, v in work):
+    if any(v.compile for *_, v in work):
         common.setup_compile()
     dtype = common.DTYPES[plan.dtype]
     notes = [head]
@@ -650,6 +674,7 @@ def main(argv=None) -> int:
     def write_partial():  # after every variant: a run cut short (a device stage's time limit) keeps what ran
         out_dir.mkdir(parents=True, exist_ok=True)
         relate(payload["results"])
+        payload["per_layer"] = per_layer(payload["results"], payload["models"])
         text = json.dumps(payload, indent=1, default=str) + "\n"
         (out_dir / "model.json").write_text(text)
         (out_dir / "model.md").write_text(render(payload) + "\n")
@@ -657,14 +682,14 @@ def main(argv=None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(text)
 
-    pristines: dict = {}  # model -> its seeded, untouched copy (every model's is held: the run goes round them)
-    took: dict = {}  # (model, tokens) -> seconds its longest variant so far took
-    for k, (m, tokens, v) in enumerate(work, 1):
+    pristines: dict = {}  # (model, layers) -> its seeded, untouched copy (every model's: the run goes round them)
+    took: dict = {}  # (model, tokens, layers) -> seconds its longest variant so far took
+    for k, (m, tokens, layers, v) in enumerate(work, 1):
         spec = MODELS[m]
         elapsed = time.perf_counter() - t_start
         if args.budget_s is not None:
             # what it will take: as long as this model's longest variant so far, and a compile more
-            need = took.get((m, tokens), 0.0) + (args.compile_reserve_s if v.compile else 0.0)
+            need = took.get((m, tokens, layers), 0.0) + (args.compile_reserve_s if v.compile else 0.0)
             if elapsed + need > args.budget_s:
                 reason = f"--budget-s {args.budget_s:g}: {elapsed:.0f} s spent" + (
                     f", this one needs ~{need:.0f} s" if need else ""
@@ -673,27 +698,34 @@ def main(argv=None) -> int:
                 notes.append(f"not run: {m} / {v.name}: {reason}")
                 print(f"[{k}/{len(work)}] {m} / {v.name}: skipped ({reason})", file=sys.stderr, flush=True)
                 continue
-        prefix = f"[{k}/{len(work)} {elapsed:5.0f}s] {m} {tokens} tok / {v.name}"
+        prefix = f"[{k}/{len(work)} {elapsed:5.0f}s] {m} {tokens} tok {layers} layers / {v.name}"
 
         def log(msg, prefix=prefix):
             if not quiet:
                 print(f"{prefix}: {msg}", file=sys.stderr, flush=True)
 
-        if m not in pristines:
-            config = build_config(spec, plan, tiny=mode == "smoke")
+        if (m, layers) not in pristines:
+            for key in [key for key in pristines if key[1] != layers]:  # the stacks of other depths are done
+                del pristines[key]
+            config = build_config(spec, plan, tiny=mode == "smoke", layers=layers)
             log("building the model")
-            pristines[m] = pristine = build_model(spec, config, dev, dtype, args.seed)
+            pristines[m, layers] = pristine = build_model(spec, config, dev, dtype, args.seed)
             prime(spec, plan, dev, dtype)
-            payload["models"][m] = {
-                "class": spec.causal_lm,
-                "mlp": mlp_label(spec, config),
-                "params": n_params(pristine),
-                "layers": plan.layers,
-                "experts": experts_count(config),
-                "attn_implementation": pristine.config._attn_implementation,
-                "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, list))},
-            }
-        pristine = pristines[m]
+            payload["models"].setdefault(m, {})
+            payload["models"][m].update(
+                {
+                    "class": spec.causal_lm,
+                    "mlp": mlp_label(spec, config),
+                    f"params_{layers}_layers": n_params(pristine),
+                    "layers": plan.layers,
+                    "params_per_layer": n_params(pristine.model.layers[0]) if hasattr(pristine, "model") else None,
+                    "experts": experts_count(config),
+                    "dtype_bytes": torch.finfo(dtype).bits // 8,
+                    "attn_implementation": pristine.config._attn_implementation,
+                    "config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, list))},
+                }
+            )
+        pristine = pristines[m, layers]
         # a new batch of uniform random tokens each step (one fixed batch would be memorised within a few steps, and
         # every variant's loss would collapse to ~0); the same batches for every variant
         g = torch.Generator().manual_seed(args.seed + 1)
@@ -705,7 +737,7 @@ def main(argv=None) -> int:
             # variant's steps, then put back so that the next variants run transformers' code
             with restored(*modeling_modules(pristine)) if v.liger else contextlib.nullcontext():
                 row = run_variant(spec, v, pristine, plan, tokens * plan.batch, dev, batches, log, notes)
-            row["mlp"], row["seq_len"] = payload["models"][m]["mlp"], tokens
+            row["mlp"], row["seq_len"], row["layers"] = payload["models"][m]["mlp"], tokens, layers
             payload["results"].append(row)
             log(f"{row['tokens_per_s']:.1f} tokens/s, saved {common.fmt(_mib(row['saved_bytes']), '.1f')} MiB")
         except Exception as e:  # a variant that fails is reported, the others still run
@@ -719,12 +751,13 @@ def main(argv=None) -> int:
             )
             print(f"{prefix}: ERROR {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
             torch._dynamo.reset()
-        took[m, tokens] = max(took.get((m, tokens), 0.0), time.perf_counter() - t_variant)
+        took[m, tokens, layers] = max(took.get((m, tokens, layers), 0.0), time.perf_counter() - t_variant)
         write_partial()
     pristines.clear()
     pristine = batches = None
     payload["wall_s"] = time.perf_counter() - t_start
     relate(payload["results"])
+    payload["per_layer"] = per_layer(payload["results"], payload["models"])
     markdown = render(payload)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -740,15 +773,57 @@ def _mib(b):
 
 def relate(rows: list[dict]) -> None:
     """Each row's figures relative to the unpatched row of its model and tokens."""
-    base = {(r["model"], r["tokens"]): r for r in rows if r["variant"] == "unpatched"}
+    base = {(r["model"], r["tokens"], r.get("layers")): r for r in rows if r["variant"] == "unpatched"}
     for r in rows:
-        b = base.get((r["model"], r["tokens"]))
+        b = base.get((r["model"], r["tokens"], r.get("layers")))
         r["speedup"] = _ratio(r["tokens_per_s"], b and b["tokens_per_s"])
         r["saved_vs"] = _ratio(r["saved_bytes"], b and b["saved_bytes"])
         r["peak_vs"] = _ratio(r["peak_bytes"], b and b["peak_bytes"])
         r["step_peak_vs"] = _ratio(r.get("step_peak_bytes"), b and b.get("step_peak_bytes"))
         r["loss_rel"] = None if b is None else r["loss_k"] / b["loss_k"] - 1.0
         r["loss_max_rel"] = None if b is None else max(abs(x / y - 1.0) for x, y in zip(r["losses"], b["losses"]))
+
+
+def _slope(points: list) -> float | None:
+    """The least-squares slope of (x, y) points; None for fewer than two distinct x."""
+    xs = [x for x, y in points if y is not None]
+    ys = [y for x, y in points if y is not None]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def per_layer(rows: list[dict], models: dict) -> list[dict]:
+    """Per model, tokens and variant run at several layer counts: the slopes against layers of the step's forward +
+    backward peak and of the saved bytes (what one more layer adds), the peak's less the layer's parameter gradients
+    (its activations and the backward's transients), each also against unpatched's slope."""
+    out = []
+    for key in dict.fromkeys((r["model"], r["tokens"], r["variant"]) for r in rows):
+        got = sorted((r for r in rows if (r["model"], r["tokens"], r["variant"]) == key), key=lambda r: r["layers"])
+        peak = _slope([(r["layers"], r.get("step_peak_bytes")) for r in got])
+        if peak is None:
+            continue
+        per = models.get(key[0], {}).get("params_per_layer")
+        grads = None if per is None else per * models[key[0]].get("dtype_bytes", 4)
+        out.append(
+            {
+                "model": key[0],
+                "tokens": key[1],
+                "variant": key[2],
+                "layers": [r["layers"] for r in got],
+                "step_peak_per_layer": peak,
+                "saved_per_layer": _slope([(r["layers"], r.get("saved_bytes")) for r in got]),
+                "grad_bytes_per_layer": grads,
+                "activation_per_layer": None if grads is None else peak - grads,
+            }
+        )
+    base = {(o["model"], o["tokens"]): o for o in out if o["variant"] == "unpatched"}
+    for o in out:
+        b = base.get((o["model"], o["tokens"]))
+        for k in ("step_peak_per_layer", "saved_per_layer", "activation_per_layer"):
+            o[k + "_vs"] = _ratio(o[k], b and b[k])
+    return out
 
 
 def _with_vs(value, vs, spec: str) -> str:
@@ -764,7 +839,12 @@ def render(payload: dict) -> str:
     order = {m: i for i, m in enumerate(plan["models"])}
     rows = sorted(
         payload["results"],
-        key=lambda r: (plan["tokens"].index(r["seq_len"]), order[r["model"]], PRIORITY.index(r["variant"])),
+        key=lambda r: (
+            plan["tokens"].index(r["seq_len"]),
+            order[r["model"]],
+            r.get("layers", 0),
+            PRIORITY.index(r["variant"]),
+        ),
     )
     cpu = meta["device_type"] == "cpu"
     peak_head = "peak RSS MiB (vs)" if cpu else "peak alloc MiB (vs)"
@@ -772,6 +852,7 @@ def render(payload: dict) -> str:
         "model",
         "MLP",
         "tokens",
+        "layers",
         "variant",
         "tokens/s",
         "× unpatched",
@@ -789,6 +870,7 @@ def render(payload: dict) -> str:
                 r["model"],
                 r["mlp"],
                 r["tokens"],
+                r.get("layers", "-"),
                 r["variant"],
                 common.fmt(r["tokens_per_s"], ".4g"),
                 common.fmt(r["speedup"], ".2f"),
@@ -821,6 +903,39 @@ def render(payload: dict) -> str:
         f"step K = {k}; Δ rel: loss@K / unpatched's - 1 (same weights, same batches). vs, × unpatched: against the "
         f"model's unpatched row.",
     ]
+    stack = payload.get("per_layer") or []
+    if stack:
+        lines += [
+            "",
+            "Per layer (the slopes against the layer count of a stack, least squares over the counts run):",
+            "",
+            common.markdown_table(
+                [
+                    "model",
+                    "tokens",
+                    "variant",
+                    "layers",
+                    "fwd+bwd peak MiB/layer (vs)",
+                    "less its gradients (vs)",
+                    "saved MiB/layer (vs)",
+                ],
+                [
+                    [
+                        o["model"],
+                        o["tokens"],
+                        o["variant"],
+                        ",".join(map(str, o["layers"])),
+                        _with_vs(o["step_peak_per_layer"], o["step_peak_per_layer_vs"], ".1f"),
+                        _with_vs(o["activation_per_layer"], o["activation_per_layer_vs"], ".1f"),
+                        _with_vs(o["saved_per_layer"], o["saved_per_layer_vs"], ".1f"),
+                    ]
+                    for o in stack
+                ],
+            ),
+            "",
+            "less its gradients: the peak's slope less one layer's parameter gradients (its parameters' bytes): the "
+            "activations a layer adds to the peak, and its backward's transients.",
+        ]
     if payload["skipped"]:
         why: dict = {}  # (variant, reason) -> models
         for s in payload["skipped"]:

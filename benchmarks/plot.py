@@ -243,7 +243,7 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
     if plt is None:
         return []
     res, meta = payload["results"], payload["meta"]
-    groups = list(dict.fromkeys((r["model"], r["tokens"]) for r in res))
+    groups = list(dict.fromkeys((r["model"], r["tokens"], r.get("layers")) for r in res))
     cpu = meta["device_type"] == "cpu"
     panels = (
         ("tokens_per_s", "tokens/s", 1.0),
@@ -252,8 +252,8 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
         ("peak_bytes", "peak RSS above start (MiB)" if cpu else "peak allocated (MiB)", 2**-20),
     )
     fig, axes = plt.subplots(len(groups), len(panels), figsize=(16, 2.6 * len(groups) + 0.6), squeeze=False)
-    for i, (model, tokens) in enumerate(groups):
-        rows = [r for r in res if r["model"] == model and r["tokens"] == tokens]
+    for i, (model, tokens, layers) in enumerate(groups):
+        rows = [r for r in res if (r["model"], r["tokens"], r.get("layers")) == (model, tokens, layers)]
         names = [r["variant"] for r in rows]
         colours = [
             "tab:blue"
@@ -283,11 +283,36 @@ def plot_model(payload: dict, out_dir: Path) -> list[Path]:
             if i == len(groups) - 1:
                 ax.set_xlabel(label, fontsize=8)
             if j == 0:
-                ax.set_title(f"{model}, {tokens} tokens", fontsize=8, loc="left")
+                depth = "" if layers is None else f", {layers} layer{'s' if layers != 1 else ''}"
+                ax.set_title(f"{model}, {tokens} tokens{depth}", fontsize=8, loc="left")
             elif i == 0:
                 ax.set_title(label, fontsize=8)
-    fig.suptitle(f"whole-model training step (forward, loss, backward, AdamW) — {_label(meta)}", fontsize=10)
-    return [_save(fig, out_dir / "model.png")]
+    fig.suptitle(f"whole-model training step (forward, loss, backward, optimizer) — {_label(meta)}", fontsize=10)
+    paths = [_save(fig, out_dir / "model.png")]
+    if len({r.get("layers") for r in res}) > 1:
+        paths.append(_plot_model_stack(plt, res, meta, out_dir))
+    return paths
+
+
+def _plot_model_stack(plt, res, meta, out_dir: Path) -> Path:
+    """The step's forward + backward peak against the layer count, a line per variant, a panel per model and
+    tokens: model_stack.png (the per-layer figures of bench_model are these lines' slopes)."""
+    groups = list(dict.fromkeys((r["model"], r["tokens"]) for r in res))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.8), squeeze=False)
+    for ax, (model, tokens) in zip(axes[0], groups):
+        rows = [r for r in res if (r["model"], r["tokens"]) == (model, tokens) and r.get("step_peak_bytes")]
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            pts = sorted((r["layers"], r["step_peak_bytes"] / 2**30) for r in rows if r["variant"] == variant)
+            style = dict(color="k", ls="--") if variant == "unpatched" else {}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant, **style)
+        ax.set_title(f"{model}, {tokens} tokens", fontsize=9)
+        ax.set_xlabel("layers", fontsize=8)
+        ax.set_ylabel("forward+backward peak (GiB)", fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"a stack's training step peak against its layers — {_label(meta)}", fontsize=10)
+    return _save(fig, out_dir / "model_stack.png")
 
 
 def main(argv=None) -> int:

@@ -179,7 +179,7 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
     [in, out] weights), `op` the activation's unary op. Saves the weights as given (views made here would not carry
     double backward to them)."""
     ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
-    ctx.plain, ctx.transposed = plain, transposed
+    ctx.plain, ctx.transposed, ctx.pre_spent = plain, transposed, False
     saved_w = (*ws, wd)
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
@@ -189,7 +189,9 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
             ctx.chunk, pre = chunk, ()
         else:
             pre = _project(x, ws, bs)
-            y = _linear_out(_activate(op, pre), wd, bd)
+            y = _blocked_down(op, pre, wd, bd, x) if _in_blocks(x) else None
+            if y is None:
+                y = _linear_out(_activate(op, pre), wd, bd)
             ctx.chunk, ctx.dtype = None, pre[0].dtype
             if recompute:
                 pre = ()
@@ -221,10 +223,16 @@ def _autocast_cache_off(x):
 _autocast_available = torch.amp.is_autocast_available
 
 
-# From this many rows (tokens) the backward runs in two halves (_chunked_backward over the saved projections):
-# peak 3.5 [rows, d_ff] tensors instead of 5 (eager autograd: about 6), for GEMMs of half the rows. Below it the
-# weight gradients dominate the peak and one block saves launches.
+# From this many rows (tokens) the gated backward writes its gradients over the projections (_inplace_backward):
+# peak 3 [rows, d_ff] tensors instead of 5 (eager autograd: about 6). Below it the weight gradients dominate the
+# peak, and one block saves the copies and launches.
 _SPLIT_ROWS = 1024
+# _inplace_backward's blocks: the gating's backward makes 2 / _INPLACE_BLOCKS of the projections' bytes before it
+# copies them over the block
+_INPLACE_BLOCKS = 8
+# ... of at least this many rows: smaller blocks cut the GEMMs of dh and of the down projection's weight gradient
+# too small on the CPU (bench_cpu: 0.76x eager at 1024 tokens with 128-row blocks)
+_MIN_BLOCK_ROWS = 512
 # The plain MLP's backward (one [rows, d_ff] tensor saved) runs over blocks of at most this many rows: each block
 # makes dz, act(z) and fc2's input gradient (3 x block x d_ff), so at 4096 tokens the peak is the saved z plus
 # 0.375 [tokens, d_ff] tensors instead of 3 (measured: tests/test_plain_mlp.py, benchmarks/bench_ffn.py --classic).
@@ -250,12 +258,18 @@ def _backward(ctx, dy, needs):
         ws, wd = (ws[0].t(),), wd.t()
     n_x, n_ws, n_wd, n_bs, n_bd = needs[0], needs[1 : 1 + k], needs[1 + k], needs[2 + k : 2 + 2 * k], needs[2 + 2 * k]
     rows = x.numel() // max(x.shape[-1], 1)
+    if pre and ctx.pre_spent:  # an earlier backward (retain_graph=True) wrote its gradients over them: recompute
+        pre = ()
     if not torch.is_grad_enabled() and ctx.plain:
-        step = ctx.chunk if ctx.chunk is not None else _plain_block(rows)
+        step = _plain_block(rows) if ctx.chunk is None else min(ctx.chunk, _plain_block(rows))
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
-    if not torch.is_grad_enabled() and (ctx.chunk is not None or rows >= _SPLIT_ROWS):
-        step = max(1, ctx.chunk // 2) if ctx.chunk is not None else -(-rows // 2)
-        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
+    if not torch.is_grad_enabled() and ctx.chunk is not None:
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, max(1, ctx.chunk // 2))
+    if not torch.is_grad_enabled() and rows >= _SPLIT_ROWS:
+        if not torch.compiler.is_compiling():
+            return _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre)
+        # compiled: halves without writes over the saved projections (inductor plans the buffers itself)
+        return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, -(-rows // 2))
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
     if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
@@ -281,13 +295,103 @@ def _backward(ctx, dy, needs):
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
+def _in_blocks(x) -> bool:
+    """Whether the forward makes h (the plain MLP's act(z)) a block of rows at a time (_SPLIT_ROWS rows or more); not
+    under torch.compile, whose inductor plans the buffers itself."""
+    return x.numel() // max(x.shape[-1], 1) >= _SPLIT_ROWS and not torch.compiler.is_compiling()
+
+
+def _step(rows: int) -> int:
+    return max(1, _MIN_BLOCK_ROWS, -(-rows // _INPLACE_BLOCKS))
+
+
+def _blocked_down(op, pre, wd, bd, x):
+    """down(op(pre)) with h made _INPLACE_BLOCKS blocks of rows at a time, each block's output written into y: the
+    forward's peak is the projections and a block of h (and, on the CPU, of act(gate)) instead of the projections,
+    h and act(gate). None where F.linear would have cast differently (down's dtype not the projections', without
+    autocast): the caller then runs it whole."""
+    dtype = pre[0].dtype
+    if (wd.dtype != dtype or (bd is not None and bd.dtype != dtype)) and not _autocasting(x):
+        return None
+    wd, bd = _cast(wd, dtype), _cast(bd, dtype)
+    rows = [_rows(p) for p in pre]
+    n = rows[0].shape[0]
+    y = rows[0].new_empty((n, wd.shape[0]))
+    step = _step(n)
+    with _no_autocast(x):
+        for s in range(0, n, step):
+            h = _activate(op, tuple(p[s : s + step] for p in rows))
+            if bd is None:
+                torch.mm(h, wd.t(), out=y[s : s + step])
+            else:
+                torch.addmm(bd, h, wd.t(), out=y[s : s + step])
+            del h
+    return _unview(y, (*x.shape[:-1], wd.shape[0]))
+
+
+def _autocasting(x) -> bool:
+    device = x.device.type
+    return _autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+def _owned(t):
+    """A tensor on t's memory with a version counter of its own: the backward writes its gradients there over a
+    projection it saved, so that a second backward (retain_graph=True) finds ctx.pre_spent and recomputes the
+    projection instead of failing autograd's version check on it (tests/test_ffn_layer.py::test_retain_graph)."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=()):
+    """The gated MLPs' backward from _SPLIT_ROWS rows, written over buffers it owns: the saved projections (or those
+    it recomputes, `pre` empty). Over _INPLACE_BLOCKS blocks of rows: the block's h, for the down projection's
+    weight gradient (accumulated in its dtype), then its dh and the gating's backward of it, copied over the
+    block's projections; then the input and weight gradients of the whole projections, one GEMM each. Peak: the
+    projections (2 [rows, d_ff] tensors) and a few blocks (eager autograd: about 6 [rows, d_ff] tensors)."""
+    k, op, dtype, wd_dtype = ctx.k, ctx.op, ctx.dtype, wd.dtype
+    dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
+    ws = tuple(_cast(w, dtype) for w in ws)
+    if pre:
+        ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
+        pre = tuple(_owned(p) for p in pre)
+    else:
+        pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
+    dyr = _rows(dy)
+    d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
+    d_bd = dyr.sum(0) if n_bd else None
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    d_pre = [_rows(p) for p in pre]  # (a view where pre is contiguous; else a copy, as much ours)
+    del pre
+    n = dyr.shape[0]
+    step = _step(n)
+    for s in range(0, n, step):
+        block, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
+            h = _activate(op, block)
+            d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
+            del h
+        if want_pre:
+            grads = _act_backward(op, dys.matmul(wd), block)
+            for i in range(k):
+                block[i].copy_(grads[i])
+            del grads
+        del block
+    if want_pre:
+        for i in range(k):
+            if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
+                d_x = d_pre[i].matmul(ws[i]) if d_x is None else d_x.addmm_(d_pre[i], ws[i])
+            d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
+            d_pre[i] = None
+        d_x = None if d_x is None else d_x.reshape(x.shape)
+    return (d_x, *d_ws, d_wd, *d_bs, d_bd)
+
+
 def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(), step=1):
     """Backward over blocks of `step` rows: the block's projections (sliced from the saved `pre`, else recomputed),
     then its h (for the down projection's weight gradient; the plain MLP's comes with dz from one step), then its
     input gradients; weight and bias gradients
     accumulate across blocks in the parameters' dtype. Peak: the saved pre (2 x rows x d_ff elements, if any) and
-    about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the default path: step = rows / 2, so 3.5 [rows, d_ff]
-    tensors where one block would make five)."""
+    about 2.5 x step x d_ff (token_chunk: step = chunk // 2; the plain MLP: _PLAIN_BLOCK_ROWS; the default path under
+    torch.compile: step = rows / 2)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)

@@ -349,9 +349,32 @@ def test_bench_model_smoke(tmp_path):
     skipped = {(s["model"], s["variant"]): s["reason"] for s in data["skipped"]}
     assert skipped[("llama-3-8b", "compile")].startswith("--smoke"), skipped
     md = (tmp_path / "model.md").read_text()
-    assert "| model | MLP | tokens | variant |" in md and "Not run:" in md
+    assert "| model | MLP | tokens | layers | variant |" in md and "Not run:" in md
     if _has_matplotlib():
         assert (tmp_path / "model.png").stat().st_size > 1000
+
+
+def test_bench_model_stack_smoke(tmp_path):
+    """bench_model.py --layers 1,3 (a stack at two depths, SGD): a row per depth and variant, and the per-layer
+    figures: recompute's saved bytes grow by exactly the eager MLP's four [tokens, d_ff] tensors a layer less than
+    unpatched's; the stack plot is written."""
+    pytest.importorskip("transformers")
+    args = ("--no-progress", "--models", "llama-3-8b", "--variants", "recompute", "--layers", "1,3")
+    _run("bench_model.py", tmp_path, args=(*args, "--optimizer", "sgd"))
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert not data["errors"], data["errors"]
+    assert {(r["variant"], r["layers"]) for r in data["results"]} == {
+        (v, n) for v in ("unpatched", "recompute") for n in (1, 3)
+    }
+    per = {o["variant"]: o for o in data["per_layer"]}
+    cfg = data["models"]["llama-3-8b"]["config"]
+    eager_mlp = 4 * 32 * cfg["intermediate_size"] * 4  # fp32 [32 tokens, d_ff] x 4, per layer
+    saved = per["unpatched"]["saved_per_layer"] - per["recompute"]["saved_per_layer"]
+    assert abs(saved - eager_mlp) < 1e-6 * eager_mlp, (saved, eager_mlp)
+    assert per["unpatched"]["step_peak_per_layer"] > 0 and per["recompute"]["step_peak_per_layer_vs"] is not None
+    assert "Per layer" in (tmp_path / "model.md").read_text()
+    if _has_matplotlib():
+        assert (tmp_path / "model_stack.png").stat().st_size > 1000
 
 
 def test_bench_model_plan(capsys, monkeypatch):
@@ -366,7 +389,7 @@ def test_bench_model_plan(capsys, monkeypatch):
     assert bench_model.main(["--plan", "--quick", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "bf16, 2 layer(s), batch 1 x tokens [4096]" in out and "'qwen3-30b-a3b': 128" in out, out
-    runs = {(p[1], p[4]) for p in (line.split() for line in out.splitlines() if line.startswith("  run "))}
+    runs = {(p[1], p[6]) for p in (line.split() for line in out.splitlines() if line.startswith("  run "))}
     for m in bench_model.MODELS:
         assert (m, "unpatched") in runs and (m, "ffn_ext") in runs, (m, runs)
     assert ("llama-3-8b", "compile+ffn_ext") in runs and ("gemma-3-4b", "compile") not in runs, runs

@@ -293,3 +293,23 @@ def test_post_expert_norm_and_bias_grads_match_grouped_mm():
     torch.testing.assert_close(x.grad, x0.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(weights.grad, w0.grad, atol=1e-4, rtol=1e-4)
     hf_oracle.grads_equal(experts, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_retain_graph_second_backward_is_right(kind):
+    """The backward writes d_gate_up over the gate_up it saved; under retain_graph=True a second backward recomputes
+    gate_up from the layer's input (the first spent it) and gives grouped_mm's gradients again, for a new output
+    gradient each time."""
+    experts, (x, index, weights) = _experts_call(kind, "ffn_ext")
+    ref = copy.deepcopy(experts)
+    ref.config = copy.copy(ref.config)
+    ref.config._experts_implementation = "grouped_mm"
+    x0, w0 = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    out, out0 = experts(x, index, weights), ref(x0, index, w0)
+    params, params0 = list(experts.parameters()), list(ref.parameters())
+    for _ in range(2):
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, [x, weights, *params], g, retain_graph=True)
+        want = torch.autograd.grad(out0, [x0, w0, *params0], g, retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

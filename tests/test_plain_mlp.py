@@ -155,9 +155,10 @@ def _fwd_bwd_peak(fn, x, params, g):
 
 def test_peak_memory_at_4096_tokens_below_three_quarters_of_eager():
     """Peak memory of forward + backward, BERT-base/GPT-2's 768 -> 3072 at 4096 tokens, GELU, with biases: <= 0.75x
-    eager autograd's (measured 0.70x: z, y, dx, the weight gradients and one 512-row block's three temporaries,
-    2.25 [tokens, d_ff] tensors, against eager's z, act(z), d act(z), y and dW2, 3.2); recompute and token_chunk
-    lower still."""
+    eager autograd's (z, y, dx, the weight gradients and one 512-row block's three temporaries, against eager's z,
+    act(z), d act(z), y and dW2, 3.2 [tokens, d_ff] tensors); recompute no higher (from mlp._SPLIT_ROWS rows the
+    forward makes act(z) in blocks and the backward works in 512-row blocks: all three peak alike, at the gradients
+    and a block) and token_chunk no higher."""
     tokens, d_model, d_ff = 4096, 768, 3072
     act = ACTIVATIONS[0]
     w1, w2, b1, b2 = _weights(d_model, d_ff, True, False, dtype=torch.float32, scale=0.03)
@@ -171,7 +172,7 @@ def test_peak_memory_at_4096_tokens_below_three_quarters_of_eager():
     unit = tokens * d_ff * 4
     assert eager >= 3 * unit, eager / unit  # z, act(z) and d act(z) at once: the test can fail
     assert ours <= 0.75 * eager, (ours / eager, ours / unit, eager / unit)
-    assert recompute < ours and chunked < recompute, (recompute / unit, chunked / unit)
+    assert recompute <= ours and chunked <= recompute, (recompute / unit, chunked / unit)
 
 
 @pytest.mark.parametrize("transposed", LAYOUTS)

@@ -21,8 +21,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .. import mlp
 from . import forms
 from .common import Gating, guards_hold
+
+_BLOCKS = mlp._INPLACE_BLOCKS  # the gating's backward in blocks of rows, each copied over its block of gate_up
 
 _RECOGNISED = "_ffn_ext_experts_gate"  # the instance's recognised and checked gating, once (guards: every call)
 
@@ -198,21 +201,35 @@ class _Experts(torch.autograd.Function):
     def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed):
         gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         y = _down(gating(gate_up), ids, w_down, b_down, transposed, groups)
-        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, gate_up, w_up, w_down, b_down, weights)
+        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, gate_up, w_up, b_up, w_down, b_down, weights)
         ctx.gating, ctx.transposed, ctx.bounds = gating, transposed, groups._bounds
-        ctx.has_b_up = b_up is not None
+        ctx.spent = False  # the backward writes d_gate_up over gate_up: a second one (retain_graph) recomputes it
         return _weighted(y, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden_states, rows, ids, offs, gate_up, w_up, w_down, b_down, weights = ctx.saved_tensors
+        hidden_states, rows, ids, offs, gate_up, w_up, b_up, w_down, b_down, weights = ctx.saved_tensors
         gating, transposed = ctx.gating, ctx.transposed
         groups = _Groups(offs)
         groups._bounds = ctx.bounds
         need = ctx.needs_input_grad
-        with torch.enable_grad():
-            gu = gate_up.detach().requires_grad_()
-            h = gating(gu)
+        # Without grad mode (no create_graph) the gradients go over buffers this backward owns: d_gate_up over the
+        # saved gate_up (or its recomputation, after an earlier backward wrote over it), dh over q; h is dropped once
+        # the down projection's weight gradient is made. Peak: gate_up, h and q (4 [S, I] tensors; grouped_mm's
+        # autograd: about 7), then gate_up, q and 2 / _BLOCKS of gate_up.
+        inplace = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if ctx.spent:
+            gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
+        elif inplace:
+            ctx.spent = True
+            gate_up = mlp._owned(gate_up)
+        gu = None
+        if inplace:
+            h = gating(gate_up)
+        else:
+            with torch.enable_grad():
+                gu = gate_up.detach().requires_grad_()
+                h = gating(gu)
         g = grad.to(w_down.dtype)
         # q = grad @ w_down[e]^T unweighted: the hidden gradient is q * weight, and the routing weight's gradient
         # <grad, y> = <q, h> + <grad, b_down[e]>, so y need not be recomputed
@@ -224,19 +241,44 @@ class _Experts(torch.autograd.Function):
                 if b_down is not None:
                     d_weights += (grad.float() * b_down[ids].float()).sum(-1)
                 d_weights = d_weights.to(weights.dtype)
-            g = (grad * weights.unsqueeze(-1)).to(w_down.dtype)
-            dh = (q * weights.unsqueeze(-1)).to(h.dtype)
+            w = weights.unsqueeze(-1)
+            if inplace and q.dtype == h.dtype:
+                # dh over q, and the routing weights onto h, not onto a new [S, H] copy of grad: the down
+                # projection's weight gradient (h w)^T grad is h^T (grad w) (in place: computed in the promoted
+                # dtype and rounded once, as the product's .to would)
+                dh, hw = q.mul_(w), h.mul_(w)
+                gw = None
+            else:
+                dh, hw = (q * w).to(h.dtype), h.detach()
+                g = gw = (grad * w).to(w_down.dtype)
         else:
-            dh = q
-        d_w_down = _weight_grad(h.detach(), g, transposed, groups) if need[6] else None
-        d_b_down = _rows_sum(g, ids, w_down.shape[0]).to(b_down.dtype) if b_down is not None and need[7] else None
-        (d_gate_up,) = torch.autograd.grad(h, gu, dh)
-        del h, gu
-        d_b_up = _rows_sum(d_gate_up, ids, w_up.shape[0]).to(w_up.dtype) if ctx.has_b_up and need[5] else None
+            dh, hw, gw = q, h.detach(), g
+        del q
+        d_w_down = _weight_grad(hw, g, transposed, groups) if need[6] else None
+        del hw, g
+        d_b_down = None
+        if b_down is not None and need[7]:
+            gw = (grad * weights.unsqueeze(-1)).to(w_down.dtype) if gw is None else gw
+            d_b_down = _rows_sum(gw, ids, w_down.shape[0]).to(b_down.dtype)
+        del gw
+        if inplace:
+            h = None
+            n = gate_up.shape[0]
+            step = max(1, -(-n // _BLOCKS))
+            for s in range(0, n, step):
+                (d,) = gating.backward(dh[s : s + step], gate_up[s : s + step])
+                gate_up[s : s + step].copy_(d)
+                del d
+            d_gate_up = gate_up
+        else:
+            (d_gate_up,) = torch.autograd.grad(h, gu, dh)
+        del h, gu, dh, gate_up
+        d_b_up = _rows_sum(d_gate_up, ids, w_up.shape[0]).to(w_up.dtype) if b_up is not None and need[5] else None
         d_w_up = d_hidden = None
         if need[4]:
             x = hidden_states[rows].to(w_up.dtype)
             d_w_up = _weight_grad(x, d_gate_up, transposed, groups)
+            del x  # (an [S, H] tensor: gone before dx, another)
         if need[0]:
             dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups)
             d_hidden = torch.zeros_like(hidden_states).index_add_(0, rows, dx.to(hidden_states.dtype))
