@@ -164,6 +164,7 @@ def _jvp(fn, primals: tuple, tangents: tuple):
 
 
 # ---------------------------------------------------------------- one op
+_cuda_kernels = False  # the native library's CUDA kernels are loaded (register)
 _cuda_off: str | None = None  # why the CUDA kernels are off (the loader's reason), for the warning
 _warned_no_cuda = False
 _dtensor_registrar: Callable[[], bool] | None = None  # ops._register_dtensor: True when it registered the strategies
@@ -546,7 +547,7 @@ class Op:
 class QuantOp(Op):
     """A quantizing op (<gated>_quant, <gated>_packed_quant, quantize: ffn_ext.quant): (q, scale) of the unfused op's
     output by a recipe (QuantRecipe's fields as keyword arguments). Forward only; its CPU kernel is the unfused op,
-    then ffn_ext.quant's formula. `quant`: that module (it imports this one)."""
+    then ffn_ext.quant's formula. `quant`: that module (add_quant)."""
 
     def __init__(self, name: str, quant) -> None:
         self.quant = quant
@@ -663,7 +664,7 @@ class QuantOp(Op):
 
 _RECIPE = tuple(f.split(" ")[-1] for f in QUANT_RECIPE_SCHEMA.split(", "))  # the recipe's schema arguments
 
-OP: dict[str, Op] = {name: Op(name) for name in OPS}  # every op of the namespace by name; register adds the quant ops
+OP: dict[str, Op] = {name: Op(name) for name in OPS}  # every op of the namespace by name (add_quant: the quant ops)
 
 
 def op(name: str) -> Op:
@@ -701,17 +702,26 @@ def register(cuda_kernels: bool, cuda_off: str | None = None, dtensor_registrar=
     """Registers every op's Python kernels and autograd, once the schemas exist. cuda_kernels: whether the native
     library has CUDA kernels; without, the CPU kernels serve CUDA tensors, and warn once, giving `cuda_off` (why they
     are off) when known. dtensor_registrar: registers the DTensor strategies when a DTensor first fails a call."""
-    global _cuda_off, _dtensor_registrar
+    global _cuda_off, _cuda_kernels, _dtensor_registrar
     if _libs:
         return
-    from . import quant  # (it imports this module: the quantizing ops join here, once the package is loaded)
-
-    _cuda_off, _dtensor_registrar = cuda_off, dtensor_registrar
+    _cuda_off, _cuda_kernels, _dtensor_registrar = cuda_off, cuda_kernels, dtensor_registrar
     lib = torch.library.Library("ffn_ext", "IMPL")  # noqa: TOR901  # (not a new namespace: the schemas exist)
     _libs.append(lib)
-    for name in QUANT_SCHEMAS:
-        OP.setdefault(name, QuantOp(name, quant))
-    # (a native library may have the table's CUDA kernels without the quantizing ops')
-    quant_cuda = cuda_kernels and torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::quantize", "CUDA")
     for o in OP.values():
-        o.register(lib, quant_cuda if isinstance(o, QuantOp) else cuda_kernels)
+        o.register(lib, _quant_cuda() if isinstance(o, QuantOp) else cuda_kernels)
+
+
+def _quant_cuda() -> bool:
+    """The native library has the quantizing ops' CUDA kernels (it may have the table's without them)."""
+    return _cuda_kernels and torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::quantize", "CUDA")
+
+
+def add_quant(quant) -> None:
+    """The quantizing ops join OP, made with ffn_ext.quant's recipe and formula (`quant`, which imports this module:
+    it calls this), registered now if register() has run, else with the other ops."""
+    for name in QUANT_SCHEMAS:
+        if name not in OP:
+            OP[name] = QuantOp(name, quant)
+            if _libs:
+                OP[name].register(_libs[0], _quant_cuda())

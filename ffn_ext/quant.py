@@ -39,6 +39,7 @@ The ops are torch.ops.ffn_ext.<gated>_quant, <gated>_packed_quant and quantize (
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -269,3 +270,6 @@ def gated_packed_quant(
     gated = GATED_BY_NAME.get(activation) or GATED_BY_NAME[Gating.of(activation).op]
     name = gated.name + "_packed_quant"
     return _run(name, (gate_up,), recipe, dict(bind_params(f"ffn_ext.{name}", gated, params), layout=layout))
+
+
+_kernels.add_quant(sys.modules[__name__])  # the quantizing ops' Ops, with this module's recipe and formula
