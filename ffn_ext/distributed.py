@@ -254,13 +254,14 @@ def tp_gated_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """ffn_ext.gated_mlp (the lean autograd: saves x, gate, up; recomputes h) with tensor-parallel weights on a 1-D
     mesh: w_gate, w_up (and b_gate, b_up) DTensors Shard(0) (column parallel), w_down Shard(1) (row parallel),
     b_down Replicate; x a local tensor, the same on every rank. Each rank runs the lean MLP on its d_ff shard and
     the partial outputs are summed across ranks (one all_reduce forward, one for x's gradient backward); the
     weights' gradients are DTensors with the weights' placements. Returns a local tensor, the same on every rank.
-    recompute and token_chunk as gated_mlp's, on each rank's shard. What tp_plan's module hooks cost instead: the
+    recompute, token_chunk and saved_dtype as gated_mlp's, on each rank's shard. What tp_plan's module hooks cost instead: the
     projections run as modules (no lean autograd), 4 saved tensors; shard_gated_ffns places the weights without
     hooks, so the FFN modules (and patched Hugging Face MLPs) call this."""
     from torch.distributed.tensor import Replicate, Shard
@@ -290,6 +291,7 @@ def tp_gated_mlp(
         activation=activation,
         recompute=recompute,
         token_chunk=token_chunk,
+        saved_dtype=saved_dtype,
     )
     y = _SumOverRanks.apply(y, group)
     return y if b_down is None else y + b_down.to_local()
@@ -317,6 +319,7 @@ def tp_plain_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
     transposed: bool = False,
 ) -> torch.Tensor:
     """ffn_ext.plain_mlp (the lean autograd: saves x and fc1's output) with tensor-parallel weights on a 1-D mesh:
@@ -343,6 +346,7 @@ def tp_plain_mlp(
         activation=activation,
         recompute=recompute,
         token_chunk=token_chunk,
+        saved_dtype=saved_dtype,
         transposed=transposed,
     )
     y = _SumOverRanks.apply(y, group)

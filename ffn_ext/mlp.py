@@ -173,13 +173,13 @@ def _linear_out(h, wd, bd):
     return y if y.dim() == 2 else torch.ops.aten._unsafe_view(y, y.shape)
 
 
-def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transposed=False):
+def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, transposed=False):
     """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,), and `op` their
     gated op; the plain MLP's: (w_fc1,), (b_fc1,), wd = w_fc2 (nn.Linear layout, or transposed=True: Conv1D's
     [in, out] weights), `op` the activation's unary op. Saves the weights as given (views made here would not carry
-    double backward to them)."""
+    double backward to them), and the projections in `saved` (saved_dtype) where it is not their own dtype."""
     ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
-    ctx.plain, ctx.transposed, ctx.pre_spent = plain, transposed, False
+    ctx.plain, ctx.transposed, ctx.pre_spent, ctx.saved = plain, transposed, False, None
     saved_w = (*ws, wd)
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
@@ -195,6 +195,8 @@ def _forward(ctx, op, recompute, chunk, x, ws, wd, bs, bd, plain=False, transpos
             ctx.chunk, ctx.dtype = None, pre[0].dtype
             if recompute:
                 pre = ()
+            elif saved is not None and saved != ctx.dtype:
+                ctx.saved, pre = saved, keep(pre, saved, 2 if ctx.k == 1 and not plain else 1)
     ctx.save_for_backward(x, *saved_w, *bs, *pre)
     return y
 
@@ -249,6 +251,79 @@ def _backward_recompute(act: str, grad, z):
     return tuple(_ops.backward_recompute(grad, z, act))
 
 
+# saved_dtype: the projections kept for backward in FP8 (a float32 scale per 1 x 128 group of each row: DeepSeek-V3's
+# activation cache; 64 or 32 where d_ff is no multiple of 128) or bf16 (fp32 training), read back a block at a time
+SAVED_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+_SAVED_GROUPS = (128, 64, 32)
+
+
+def _saved_group(d_ff: int) -> int | None:
+    """The FP8 cache's group length for projections of width d_ff (a packed one's halves: never a group across
+    gate and up), or None when none of _SAVED_GROUPS divides it."""
+    return next((g for g in _SAVED_GROUPS if d_ff % g == 0), None)
+
+
+def check_saved_dtype(fn: str, saved_dtype, d_ff: int, recompute=False, token_chunk=None):
+    """saved_dtype when valid for `fn` with projections of width d_ff, else a ValueError naming it."""
+    if saved_dtype is None:
+        return None
+    if not isinstance(saved_dtype, torch.dtype) or saved_dtype not in SAVED_DTYPES:
+        raise ValueError(
+            f"ffn_ext.{fn}: `saved_dtype` must be None, torch.float8_e4m3fn or torch.bfloat16, got {saved_dtype!r}"
+        )
+    if recompute or token_chunk is not None:
+        raise ValueError(
+            f"ffn_ext.{fn}: `saved_dtype` is the dtype the projections are kept in for backward; recompute=True and "
+            "token_chunk keep none: pass one or the other"
+        )
+    if saved_dtype == torch.float8_e4m3fn and _saved_group(d_ff) is None:
+        raise ValueError(
+            f"ffn_ext.{fn}: `saved_dtype`=torch.float8_e4m3fn keeps the projections with a scale per group of "
+            f"{' / '.join(map(str, _SAVED_GROUPS))} elements of a row: d_ff={d_ff} is a multiple of none (use "
+            "torch.bfloat16 or None)"
+        )
+    return saved_dtype
+
+
+def keep(pre, saved, halves) -> tuple:
+    """The projections as kept for backward: (values, scale) each; the scale is None for bf16."""
+    if saved != torch.float8_e4m3fn:
+        return tuple(t for p in pre for t in (p.to(saved), None))
+    from .quant import QuantRecipe, quantize  # (ops level: imported on the first call, not with ffn_ext.mlp)
+
+    group = _saved_group(pre[0].shape[-1] // halves)
+    assert group is not None  # check_saved_dtype refused d_ff before the Function ran
+    recipe = QuantRecipe(group_size=group)
+    return tuple(t for p in pre for t in quantize(p, recipe))
+
+
+class Kept:
+    """A projection kept in saved_dtype, read back in the compute dtype: whole (`whole()`) or by rows of its
+    [rows, width] view (`kept[s:e]`), so that the backward never holds more than a block of it widened."""
+
+    def __init__(self, q, scale, dtype):
+        self.q, self.scale, self.dtype = q, scale, dtype
+
+    def _read(self, q, scale):
+        if scale is None:
+            return q.to(self.dtype)
+        wide = torch.promote_types(self.dtype, torch.float32)  # float64 reads the FP8 values exactly
+        g = q.shape[-1] // scale.shape[-1]
+        v = q.reshape(*scale.shape, g).to(wide) * scale.to(wide).unsqueeze(-1)
+        return v.reshape(q.shape).to(self.dtype)
+
+    def whole(self):
+        return self._read(self.q, self.scale)
+
+    def __getitem__(self, rows: slice):
+        return self._read(_rows(self.q)[rows], None if self.scale is None else _rows(self.scale)[rows])
+
+
+def _rows_of(p):
+    """A saved projection as rows to slice: a tensor's [rows, width] view, or a Kept."""
+    return p if isinstance(p, Kept) else _rows(p)
+
+
 def _backward(ctx, dy, needs):
     """The gradients of (x, *ws, wd, *bs, bd) (needs: which are wanted, in that order)."""
     k, op, dtype = ctx.k, ctx.op, ctx.dtype
@@ -260,6 +335,8 @@ def _backward(ctx, dy, needs):
     rows = x.numel() // max(x.shape[-1], 1)
     if pre and ctx.pre_spent:  # an earlier backward (retain_graph=True) wrote its gradients over them: recompute
         pre = ()
+    if pre and ctx.saved is not None:  # kept in saved_dtype (never written over)
+        pre = tuple(Kept(pre[i], pre[i + 1], dtype) for i in range(0, len(pre), 2))
     if not torch.is_grad_enabled() and ctx.plain:
         step = _plain_block(rows) if ctx.chunk is None else min(ctx.chunk, _plain_block(rows))
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
@@ -275,6 +352,8 @@ def _backward(ctx, dy, needs):
     if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
         # functions of x and the weights; with token_chunk that is the whole projection at once)
         pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
+    elif isinstance(pre[0], Kept):
+        pre = tuple(p.whole() for p in pre)
     # Peak memory (one block: fewer than _SPLIT_ROWS rows, or create_graph): each [tokens, d_ff] gradient is dropped
     # as soon as it is used and h is recomputed last, so at most three such tensors (dh, d_gate, d_up) live beside
     # gate and up; eager autograd has up to seven (tests/test_modules.py::test_backward_peak_memory_below_eager).
@@ -350,7 +429,11 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     k, op, dtype, wd_dtype = ctx.k, ctx.op, ctx.dtype, wd.dtype
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
-    if pre:
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    kept = pre if pre and isinstance(pre[0], Kept) else None  # saved_dtype: read a block at a time, into new buffers
+    if kept:
+        pre = tuple(dy.new_empty(p.q.shape, dtype=dtype) for p in kept) if want_pre else ()
+    elif pre:
         ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
         pre = tuple(_owned(p) for p in pre)
     else:
@@ -358,13 +441,13 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     dyr = _rows(dy)
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     d_bd = dyr.sum(0) if n_bd else None
-    want_pre = n_x or any(n_ws) or any(n_bs)
     d_pre = [_rows(p) for p in pre]  # (a view where pre is contiguous; else a copy, as much ours)
     del pre
     n = dyr.shape[0]
     step = _step(n)
     for s in range(0, n, step):
-        block, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        out, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        block = [p[s : s + step] for p in kept] if kept else out
         if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
             h = _activate(op, block)
             d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
@@ -372,9 +455,9 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
         if want_pre:
             grads = _act_backward(op, dys.matmul(wd), block)
             for i in range(k):
-                block[i].copy_(grads[i])
+                out[i].copy_(grads[i])
             del grads
-        del block
+        del block, out
     if want_pre:
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
@@ -396,7 +479,7 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
     bsc = tuple(_cast(b, dtype) for b in bs)
-    pre_rows = tuple(_rows(p) for p in pre)
+    pre_rows = tuple(_rows_of(p) for p in pre)
     n = xr.shape[0]
     d_x = xr.new_empty(xr.shape) if n_x else None
     d_ws, d_bs, d_wd, d_bd = [None] * k, [None] * k, None, None
@@ -440,19 +523,19 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)
 
 
-# The Functions take the activation (the gated MLPs' Gating, the plain MLP's table name), recompute (bool) and
-# token_chunk (int or None) first; their gradients are None.
+# The Functions take the activation (the gated MLPs' Gating, the plain MLP's table name), recompute (bool),
+# token_chunk (int or None) and saved_dtype (None or one of SAVED_DTYPES) first; their gradients are None.
 class _GatedMLP(torch.autograd.Function):
     """y = down(gating(gate(x), up(x))); saves x, gate, up (recompute or token_chunk: x only); recomputes h in
     backward."""
 
     @staticmethod
-    def forward(ctx, gating, recompute, chunk, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
-        return _forward(ctx, gating, recompute, chunk, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
+    def forward(ctx, gating, recompute, chunk, saved, x, w_gate, w_up, w_down, b_gate, b_up, b_down):
+        return _forward(ctx, gating, recompute, chunk, saved, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down)
 
     @staticmethod
     def backward(ctx, dy):
-        return (None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[3:]))
+        return (None, None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[4:]))
 
 
 class _GatedMLPPacked(torch.autograd.Function):
@@ -460,12 +543,12 @@ class _GatedMLPPacked(torch.autograd.Function):
     (recompute or token_chunk: x only); recomputes h in backward."""
 
     @staticmethod
-    def forward(ctx, gating, recompute, chunk, x, w_gate_up, w_down, b_gate_up, b_down):
-        return _forward(ctx, gating, recompute, chunk, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
+    def forward(ctx, gating, recompute, chunk, saved, x, w_gate_up, w_down, b_gate_up, b_down):
+        return _forward(ctx, gating, recompute, chunk, saved, x, (w_gate_up,), w_down, (b_gate_up,), b_down)
 
     @staticmethod
     def backward(ctx, dy):
-        return (None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[3:]))
+        return (None, None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[4:]))
 
 
 class _PlainMLP(torch.autograd.Function):
@@ -475,14 +558,25 @@ class _PlainMLP(torch.autograd.Function):
     gradients come back in the layout given."""
 
     @staticmethod
-    def forward(ctx, activation, recompute, chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2):
+    def forward(ctx, activation, recompute, chunk, saved, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2):
         return _forward(
-            ctx, activation, recompute, chunk, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, plain=True, transposed=transposed
+            ctx,
+            activation,
+            recompute,
+            chunk,
+            saved,
+            x,
+            (w_fc1,),
+            w_fc2,
+            (b_fc1,),
+            b_fc2,
+            plain=True,
+            transposed=transposed,
         )
 
     @staticmethod
     def backward(ctx, dy):
-        return (None, None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[4:]))
+        return (None, None, None, None, None, *_backward(ctx, dy, ctx.needs_input_grad[5:]))
 
 
 def _plain(op, x, ws, wd, bs, bd, chunk):
@@ -568,17 +662,21 @@ def _tp(weights: tuple, x) -> bool:
     return bool(_tp_mlps) and _compat.has_dtensor(weights) and not _compat.has_dtensor((x,))
 
 
-def _run(fn, g, x, ws, wd, bs, bd, recompute, token_chunk):
+def _run(fn, g, x, ws, wd, bs, bd, recompute, token_chunk, saved_dtype=None):
     """Every gated functional form: its Gating `g`, the projections ((w_gate, w_up) or (w_gate_up,)), the options;
     the autograd.Function where _lean_autograd says so, else the plain ops."""
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = check_options(fn, recompute, token_chunk)
+    if saved_dtype is not None:
+        saved_dtype = check_saved_dtype(fn, saved_dtype, wd.shape[-1], recompute, token_chunk)
     if type(ws[0]) not in _PLAIN and len(ws) == 2 and _tp(ws, x):  # tensor-parallel weights (shard_gated_ffns)
-        return _tp_mlps["gated"](x, *ws, wd, *bs, bd, activation=g, recompute=recompute, token_chunk=token_chunk)
+        return _tp_mlps["gated"](
+            x, *ws, wd, *bs, bd, activation=g, recompute=recompute, token_chunk=token_chunk, saved_dtype=saved_dtype
+        )
     if _lean_autograd(fn, x, (*ws, wd)):
         if len(ws) == 1:
-            return _GatedMLPPacked.apply(g, recompute, token_chunk, x, ws[0], wd, bs[0], bd)
-        return _GatedMLP.apply(g, recompute, token_chunk, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
+            return _GatedMLPPacked.apply(g, recompute, token_chunk, saved_dtype, x, ws[0], wd, bs[0], bd)
+        return _GatedMLP.apply(g, recompute, token_chunk, saved_dtype, x, ws[0], ws[1], wd, bs[0], bs[1], bd)
     return _plain(g, x, ws, wd, bs, bd, token_chunk)
 
 
@@ -591,7 +689,14 @@ _OPTIONS_DOC = """
     backward in chunks of N // 2), so no tensor inside the MLP has more than N x 2*d_ff elements; it implies
     recompute. Weight and bias gradients accumulate across chunks in the parameters' dtype (under autocast with
     fp32 parameters, not rounded to 16 bits per chunk). token_chunk >= the token count is the default path. Under
-    create_graph=True (double backward) the backward of a token_chunk call recomputes the projections whole."""
+    create_graph=True (double backward) the backward of a token_chunk call recomputes the projections whole.
+
+    saved_dtype=torch.float8_e4m3fn keeps gate and up for backward in FP8 with a float32 scale per 1 x 128 group of
+    each row (64 or 32 where d_ff is no multiple of 128; DeepSeek-V3's activation cache): half of their bf16 bytes
+    (a quarter of eager's four [tokens, d_ff] tensors), and half of fp32's with saved_dtype=torch.bfloat16. The forward's output is unchanged, bit for bit;
+    the backward reads them back a block of rows at a time, so its gradients carry their rounding (FP8: a few
+    percent). Not with recompute=True or token_chunk (nothing kept), and create_graph=True recomputes the
+    projections from x; any other value is a ValueError."""
 
 
 def gated_mlp(
@@ -606,6 +711,7 @@ def gated_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """down(act(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd, for the table activation
     `activation` ("silu", "gelu", "gelu_tanh", ...; a ValueError otherwise).
@@ -623,6 +729,7 @@ def gated_mlp(
         b_down,
         recompute,
         token_chunk,
+        saved_dtype,
     )
 
 
@@ -636,6 +743,7 @@ def gated_mlp_packed(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first (one GEMM for both; the
     backward's dx and weight gradient are one GEMM each too). Saves x and gate_up [tokens, 2*d_ff]."""
@@ -649,6 +757,7 @@ def gated_mlp_packed(
         b_down,
         recompute,
         token_chunk,
+        saved_dtype,
     )
 
 
@@ -663,10 +772,13 @@ def swiglu_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """down(silu(x @ w_gate^T + b_gate) * (x @ w_up^T + b_up)) with the lean autograd: gated_mlp(...,
     activation="silu")."""
-    return _run("swiglu_mlp", _SWIGLU, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk)
+    return _run(
+        "swiglu_mlp", _SWIGLU, x, (w_gate, w_up), w_down, (b_gate, b_up), b_down, recompute, token_chunk, saved_dtype
+    )
 
 
 def swiglu_mlp_packed(
@@ -678,10 +790,22 @@ def swiglu_mlp_packed(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same for a packed gate/up projection (Phi-3, SwiGLUFFN(fused_gate_up=True)): w_gate_up [2*d_ff, d_model],
     gate rows first. Saves x and gate_up [tokens, 2*d_ff]."""
-    return _run("swiglu_mlp_packed", _SWIGLU, x, (w_gate_up,), w_down, (b_gate_up,), b_down, recompute, token_chunk)
+    return _run(
+        "swiglu_mlp_packed",
+        _SWIGLU,
+        x,
+        (w_gate_up,),
+        w_down,
+        (b_gate_up,),
+        b_down,
+        recompute,
+        token_chunk,
+        saved_dtype,
+    )
 
 
 def geglu_mlp(
@@ -696,6 +820,7 @@ def geglu_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """down(gelu(x @ w_gate^T + b_gate, approximate) * (x @ w_up^T + b_up)) with the lean autograd; approximate as
     F.gelu's: "none" (exact, erf) or "tanh" (Gemma's gelu_pytorch_tanh): gated_mlp with "gelu" / "gelu_tanh"."""
@@ -709,6 +834,7 @@ def geglu_mlp(
         b_down,
         recompute,
         token_chunk,
+        saved_dtype,
     )
 
 
@@ -722,6 +848,7 @@ def geglu_mlp_packed(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same for a packed gate/up projection: w_gate_up [2*d_ff, d_model], gate rows first."""
     return _run(
@@ -734,6 +861,7 @@ def geglu_mlp_packed(
         b_down,
         recompute,
         token_chunk,
+        saved_dtype,
     )
 
 
@@ -747,6 +875,7 @@ def plain_mlp(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
     transposed: bool = False,
 ) -> torch.Tensor:
     """The classic FFN, fc2(act(fc1(x))) = act(x @ w_fc1^T + b_fc1) @ w_fc2^T + b_fc2, with the lean autograd, for
@@ -761,6 +890,7 @@ def plain_mlp(
     blocks of rows so that its temporaries stay a fraction of z. recompute=True saves only x (backward recomputes
     fc1: one more GEMM); token_chunk=N runs forward and backward over chunks of N tokens (implies recompute), so no
     tensor inside has more than N x d_ff elements; weight gradients accumulate in the parameters' dtype.
+    saved_dtype keeps z in FP8 or bf16, as the gated MLPs' gate and up (_OPTIONS_DOC).
 
     Without grad mode, under torch.jit.trace and under torch.func transforms the plain ops run (_lean_autograd).
     Weights on the meta device with a real x raise ValueError."""
@@ -768,6 +898,9 @@ def plain_mlp(
     if recompute is not False or token_chunk is not None:
         recompute, token_chunk = check_options("plain_mlp", recompute, token_chunk)
     transposed = _transposed(transposed)
+    if saved_dtype is not None:
+        d_ff = w_fc2.shape[0 if transposed else -1]
+        saved_dtype = check_saved_dtype("plain_mlp", saved_dtype, d_ff, recompute, token_chunk)
     if type(w_fc1) not in _PLAIN and _tp((w_fc1, w_fc2), x):  # tensor-parallel weights (shard_plain_ffns)
         return _tp_mlps["plain"](
             x,
@@ -778,10 +911,11 @@ def plain_mlp(
             activation=a,
             recompute=recompute,
             token_chunk=token_chunk,
+            saved_dtype=saved_dtype,
             transposed=transposed,
         )
     if _lean_autograd("plain_mlp", x, (w_fc1, w_fc2)):
-        return _PlainMLP.apply(a, recompute, token_chunk, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2)
+        return _PlainMLP.apply(a, recompute, token_chunk, saved_dtype, transposed, x, w_fc1, w_fc2, b_fc1, b_fc2)
     if transposed:
         w_fc1, w_fc2 = w_fc1.t(), w_fc2.t()  # views: F.linear's GEMM reads them transposed
     return _plain(a, x, (w_fc1,), w_fc2, (b_fc1,), b_fc2, token_chunk)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from . import ops as _ops
 from .mlp import (  # noqa: F401  (their home before ffn_ext.mlp: still importable here)
     check_options,
+    check_saved_dtype,
     fusable,
     gated_mlp,
     gated_mlp_packed,
@@ -305,11 +306,12 @@ class FFN(nn.Module):
     ...; case-insensitive). Training keeps one [tokens, d_ff] tensor
     (up_proj's output; eager PyTorch keeps two: it and act's output) and recomputes the activation in backward.
     recompute=True keeps none (only x), token_chunk=N bounds every tensor inside by N x d_ff elements, forward and
-    backward; both are attributes, settable at any time. Hooks on the submodules, a projection that is not a plain
+    backward, and saved_dtype (torch.float8_e4m3fn or torch.bfloat16) is the dtype it is kept in; all three are
+    attributes, settable at any time. Hooks on the submodules, a projection that is not a plain
     nn.Linear or an `act` replaced by a module that is not one of ffn_ext's activation modules (Act, GELU, SiLU:
     activation_of) make it run its submodules, as GatedFFN."""
 
-    recompute, token_chunk = False, None  # class defaults: older pickles load
+    recompute, token_chunk, saved_dtype = False, None, None  # class defaults: older pickles load
 
     def __init__(
         self,
@@ -322,6 +324,7 @@ class FFN(nn.Module):
         *,
         recompute: bool = False,
         token_chunk: int | None = None,
+        saved_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         key = activation.lower() if isinstance(activation, str) else activation
@@ -331,7 +334,8 @@ class FFN(nn.Module):
                 "use ffn_ext.GatedFFN, SwiGLUFFN or GeGLUFFN)"
             )
         check_options("FFN", recompute, token_chunk)
-        self.recompute, self.token_chunk = recompute, token_chunk
+        check_saved_dtype("FFN", saved_dtype, d_ff, recompute, token_chunk)
+        self.recompute, self.token_chunk, self.saved_dtype = recompute, token_chunk, saved_dtype
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias, device=device, dtype=dtype)
         self.act = _unary_module(BY_NAME[key])
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias, device=device, dtype=dtype)
@@ -347,13 +351,24 @@ class FFN(nn.Module):
         name = activation_of(act)
         if name is not None and fusable((u, d), (act,)):
             w1, w2, b1, b2 = linear_args(u, d)
-            return plain_mlp(x, w1, w2, b1, b2, name, recompute=self.recompute, token_chunk=self.token_chunk)
+            return plain_mlp(
+                x,
+                w1,
+                w2,
+                b1,
+                b2,
+                name,
+                recompute=self.recompute,
+                token_chunk=self.token_chunk,
+                saved_dtype=self.saved_dtype,
+            )
         return d(act(u(x)))
 
     def extra_repr(self) -> str:
         opts = (
             "recompute=True" if self.recompute else "",
             "" if self.token_chunk is None else f"token_chunk={self.token_chunk}",
+            "" if self.saved_dtype is None else f"saved_dtype={self.saved_dtype}",
         )
         return f"activation={self.activation!r}" + "".join(", " + o for o in opts if o)
 
@@ -414,7 +429,9 @@ class GatedFFN(nn.Module):
     Training keeps two [tokens, d_ff] tensors (gate, up) instead of eager PyTorch's four; h is recomputed in
     backward (ffn_ext.mlp.gated_mlp). recompute=True keeps none (only x; backward recomputes the projections) and
     token_chunk=N runs forward and backward over chunks of N tokens (long sequences: no tensor inside the MLP larger
-    than N x 2*d_ff elements); both are attributes, settable at any time (ffn_ext.mlp's docs give the trade).
+    than N x 2*d_ff elements); saved_dtype=torch.float8_e4m3fn keeps gate and up in FP8 with a scale per 1 x 128
+    group (half of their bf16 bytes; torch.bfloat16: half of fp32's), the output unchanged and the gradients
+    within a few percent; all three are attributes, settable at any time (ffn_ext.mlp's docs give the trade).
 
     `activation` may also be a Gating (ffn_ext.Gating: any gated op of the table with its parameters, e.g. the
     clamped SwiGLU, and the layout of gate_up_proj's rows with fused_gate_up). The fused forward computes the Gating
@@ -424,11 +441,11 @@ class GatedFFN(nn.Module):
     When hooks (forward or backward) are registered on the projections or on `act` (or globally), one of them has a
     forward wrapper set on the instance (accelerate's hooks, CPU/disk offload), a projection is not a plain
     nn.Linear (LoRA, quantized layers) or `act` is not one of ffn_ext's gated modules (gating_of is None), the
-    submodules run as modules, so the hooks and wrappers run and the replacement is what runs; recompute and
-    token_chunk do not apply then. torch.jit.trace records the plain ops.
+    submodules run as modules, so the hooks and wrappers run and the replacement is what runs; recompute,
+    token_chunk and saved_dtype do not apply then. torch.jit.trace records the plain ops.
     """
 
-    fused_gate_up, recompute, token_chunk = False, False, None  # class defaults: older pickles load
+    fused_gate_up, recompute, token_chunk, saved_dtype = False, False, None, None  # class defaults: older pickles load
 
     def __init__(
         self,
@@ -442,6 +459,7 @@ class GatedFFN(nn.Module):
         fused_gate_up: bool = False,
         recompute: bool = False,
         token_chunk: int | None = None,
+        saved_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         who = type(self).__name__
@@ -449,8 +467,10 @@ class GatedFFN(nn.Module):
         if not isinstance(fused_gate_up, bool):
             raise ValueError(f"ffn_ext.{who}: `fused_gate_up` must be True or False, got {fused_gate_up!r}")
         check_options(who, recompute, token_chunk)
+        check_saved_dtype(who, saved_dtype, d_ff, recompute, token_chunk)
         self.d_model, self.d_ff = d_model, d_ff
         self.fused_gate_up, self.recompute, self.token_chunk = fused_gate_up, recompute, token_chunk
+        self.saved_dtype = saved_dtype
         if fused_gate_up:
             self.gate_up_proj = nn.Linear(d_model, 2 * d_ff, bias=bias, device=device, dtype=dtype)
             self.register_state_dict_post_hook(_save_split)
@@ -477,13 +497,26 @@ class GatedFFN(nn.Module):
             if g is not None and fusable((gu, d), (act,)):
                 w, wd, b, bd = linear_args(gu, d)
                 return gated_mlp_packed(
-                    x, w, wd, b, bd, activation=g, recompute=self.recompute, token_chunk=self.token_chunk
+                    x,
+                    w,
+                    wd,
+                    b,
+                    bd,
+                    activation=g,
+                    recompute=self.recompute,
+                    token_chunk=self.token_chunk,
+                    saved_dtype=self.saved_dtype,
                 )
             return d(act(gu(x)))
         gp, up = mods["gate_proj"], mods["up_proj"]
         if g is not None and fusable((gp, up, d), (act,)):
             return gated_mlp(
-                x, *linear_args(gp, up, d), activation=g, recompute=self.recompute, token_chunk=self.token_chunk
+                x,
+                *linear_args(gp, up, d),
+                activation=g,
+                recompute=self.recompute,
+                token_chunk=self.token_chunk,
+                saved_dtype=self.saved_dtype,
             )
         return d(act(gp(x), up(x)))
 
@@ -492,6 +525,7 @@ class GatedFFN(nn.Module):
             "fused_gate_up=True" if self.fused_gate_up else "",
             "recompute=True" if self.recompute else "",
             "" if self.token_chunk is None else f"token_chunk={self.token_chunk}",
+            "" if self.saved_dtype is None else f"saved_dtype={self.saved_dtype}",
         )
         return "".join(", " + o for o in opts if o)
 
@@ -530,7 +564,7 @@ class SwiGLUFFN(GatedFFN):
     Clamped (DeepSeek-V4's shared expert, a GPT-OSS-style dense MLP): `limit`, `alpha`, `up_offset` as SwiGLU's
     (its act is ``SwiGLU(limit=, alpha=, up_offset=, layout=)``); `layout` is that of gate_up_proj's rows with
     fused_gate_up ("interleaved": GPT-OSS's [g0, u0, g1, u1, ...]). d_ff=None: the 8/3 rule rounded up to
-    `multiple_of` (swiglu_hidden_dim). fused_gate_up, recompute, token_chunk, training memory, hooks, wrappers and
+    `multiple_of` (swiglu_hidden_dim). fused_gate_up, recompute, token_chunk, saved_dtype, training memory, hooks, wrappers and
     replaced submodules: as GatedFFN.
     """
 
@@ -546,6 +580,7 @@ class SwiGLUFFN(GatedFFN):
         fused_gate_up: bool = False,
         recompute: bool = False,
         token_chunk: int | None = None,
+        saved_dtype: torch.dtype | None = None,
         limit: float | None = None,
         alpha: float = 1.0,
         up_offset: float = 0.0,
@@ -562,6 +597,7 @@ class SwiGLUFFN(GatedFFN):
             fused_gate_up=fused_gate_up,
             recompute=recompute,
             token_chunk=token_chunk,
+            saved_dtype=saved_dtype,
         )
 
     def extra_repr(self) -> str:
@@ -571,7 +607,7 @@ class SwiGLUFFN(GatedFFN):
 class GeGLUFFN(GatedFFN):
     """GeGLU FFN: down_proj(gelu(gate_proj(x), approximate) * up_proj(x)) (GatedFFN with activation "gelu" or
     "gelu_tanh"), approximate as nn.GELU's: "none" (exact, erf) or "tanh" (Gemma: its MLP's state_dict loads
-    unchanged). fused_gate_up, recompute, token_chunk, training memory, hooks, wrappers and replaced submodules: as
+    unchanged). fused_gate_up, recompute, token_chunk, saved_dtype, training memory, hooks, wrappers and replaced submodules: as
     GatedFFN."""
 
     def __init__(
@@ -586,6 +622,7 @@ class GeGLUFFN(GatedFFN):
         fused_gate_up: bool = False,
         recompute: bool = False,
         token_chunk: int | None = None,
+        saved_dtype: torch.dtype | None = None,
     ):
         act = _gelu_entry("GeGLUFFN", approximate)
         super().__init__(
@@ -598,6 +635,7 @@ class GeGLUFFN(GatedFFN):
             fused_gate_up=fused_gate_up,
             recompute=recompute,
             token_chunk=token_chunk,
+            saved_dtype=saved_dtype,
         )
 
     @property

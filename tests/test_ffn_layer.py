@@ -503,7 +503,7 @@ def test_tiny_llama_patched_with_token_chunk_trains_the_same():
     # the MLPs ran the chunked autograd, and a later call sets the options anew (nothing newly patched)
     assert "_GatedMLP" in type(mlps[0](torch.randn(4, 32, dtype=torch.float64, requires_grad=True)).grad_fn).__name__
     assert ffn_ext.patch_hf_model(model) == 0
-    assert all(m.__dict__["_ffn_ext_mlp_options"] == (False, None) for m in mlps)
+    assert all(m.__dict__["_ffn_ext_mlp_options"] == (False, None, None) for m in mlps)
 
 
 def test_patch_options_name_the_modules_they_do_not_apply_to():

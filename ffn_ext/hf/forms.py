@@ -55,12 +55,12 @@ from .recognise import (
 
 RAISE_ERRORS = False  # tests set it: an error while planning a module raises, instead of naming the module
 MARK = "_ffn_ext_patched"  # the instance attribute holding a patched module's Patched
-OPTS = "_ffn_ext_mlp_options"  # the one holding patch_model's (recompute, token_chunk) for it
+OPTS = "_ffn_ext_mlp_options"  # the one holding patch_model's (recompute, token_chunk, saved_dtype) for it
 # DeepSpeed's ZeRO-3 leaf flag (deepspeed.utils.set_z3_leaf_module sets it so): deepspeed.initialize then hooks the
 # patched module alone and gathers all its weights at its forward, instead of hooking each submodule, under which
 # hooks the fused forward cannot run; nothing else reads it
 ZERO3_LEAF = "_z3_leaf"
-DEFAULT_OPTS = (False, None)
+DEFAULT_OPTS = (False, None, None)
 X = In(0)
 
 # why a module was left unpatched (the keys of patch_model's warning)
@@ -219,8 +219,29 @@ def _fp8_parts(module, form: Form, plan: Plan) -> tuple[list, Gating, str | None
 
 
 def _options(module) -> dict:
-    """ffn_ext.mlp's recompute and token_chunk for a patched module, as patch_model set them."""
-    return dict(zip(("recompute", "token_chunk"), module.__dict__.get(OPTS, DEFAULT_OPTS)))
+    """ffn_ext.mlp's recompute, token_chunk and saved_dtype for a patched module, as patch_model set them."""
+    return dict(zip(("recompute", "token_chunk", "saved_dtype"), module.__dict__.get(OPTS, DEFAULT_OPTS)))
+
+
+def saved_dtype_of(module):
+    """The saved_dtype patch_model set on `module` (the experts implementation "ffn_ext" reads it), or None."""
+    return module.__dict__.get(OPTS, DEFAULT_OPTS)[2]
+
+
+def asked(opts, experts: bool = False) -> str:
+    """patch_model's options `opts` that are not the defaults, as text ("recompute=True and token_chunk=8"); for
+    experts, those that never act on them (recompute, token_chunk: their experts implementation runs the
+    projections; saved_dtype acts through the implementation "ffn_ext")."""
+    recompute, chunk, saved = opts
+    return " and ".join(
+        t
+        for t in (
+            recompute and "recompute=True",
+            chunk is not None and f"token_chunk={chunk}",
+            saved is not None and not experts and f"saved_dtype={saved}",
+        )
+        if t
+    )
 
 
 # ---------------------------------------------------------------- gated MLPs: down(g(gate(x), up(x))), packed
@@ -601,6 +622,15 @@ def experts_watch(module, args) -> None:
         _UNUSED[key] = EXPERTS.unused(module)
     if _UNUSED[key]:
         patched.warn(f"its implementation was switched after patching (to {key[1]!r}), whose loop never calls it")
+    elif saved_dtype_of(module) is not None and key[1] != "ffn_ext":
+        patched.warned = True
+        warnings.warn(
+            f"ffn_ext.hf: {patched.name} ({type(module).__name__}): the saved_dtype={saved_dtype_of(module)} asked "
+            f"for does not act: its experts implementation is {key[1]!r}, which keeps its own tensors for backward "
+            "(saved_dtype acts through experts_implementation=\"ffn_ext\")",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 # ---------------------------------------------------------------- a module's plan
@@ -732,14 +762,11 @@ class Patched:
         """Warns, once per patch, that this module's fused path does not run (`what`: what of it does not), and
         why; the recompute / token_chunk asked for are named as not acting."""
         self.warned = True
-        opts = self.__self__.__dict__.get(OPTS, DEFAULT_OPTS)
-        asked = " and ".join(
-            t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}") if t
-        )
+        inert = asked(self.__self__.__dict__.get(OPTS, DEFAULT_OPTS))
         what = what or f"ffn_ext's fused {self.form.method}"
         warnings.warn(
             f"ffn_ext.hf: {self.name} ({type(self.__self__).__name__}), patched, runs without {what}: {why}"
-            + (f"; the {asked} asked for does not act" if asked else ""),
+            + (f"; the {inert} asked for does not act" if inert else ""),
             RuntimeWarning,
             stacklevel=3,
         )

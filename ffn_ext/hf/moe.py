@@ -198,17 +198,19 @@ class _Experts(torch.autograd.Function):
     indices and weights; backward recomputes the gating from the projection."""
 
     @staticmethod
-    def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed):
+    def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed, saved):
         gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         y = _down(gating(gate_up), ids, w_down, b_down, transposed, groups)
-        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, gate_up, w_up, b_up, w_down, b_down, weights)
+        ctx.dtype, ctx.saved = gate_up.dtype, None if saved == gate_up.dtype else saved
+        kept = (gate_up, None) if ctx.saved is None else mlp.keep((gate_up,), saved, 2)  # saved_dtype: (q, scale)
+        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, *kept, w_up, b_up, w_down, b_down, weights)
         ctx.gating, ctx.transposed, ctx.bounds = gating, transposed, groups._bounds
         ctx.spent = False  # the backward writes d_gate_up over gate_up: a second one (retain_graph) recomputes it
         return _weighted(y, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden_states, rows, ids, offs, gate_up, w_up, b_up, w_down, b_down, weights = ctx.saved_tensors
+        hidden_states, rows, ids, offs, gate_up, scale, w_up, b_up, w_down, b_down, weights = ctx.saved_tensors
         gating, transposed = ctx.gating, ctx.transposed
         groups = _Groups(offs)
         groups._bounds = ctx.bounds
@@ -218,7 +220,9 @@ class _Experts(torch.autograd.Function):
         # the down projection's weight gradient is made. Peak: gate_up, h and q (4 [S, I] tensors; grouped_mm's
         # autograd: about 7), then gate_up, q and 2 / _BLOCKS of gate_up.
         inplace = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if ctx.spent:
+        if ctx.saved is not None:  # kept in saved_dtype: read back whole, a buffer of this backward's own
+            gate_up = mlp.Kept(gate_up, scale, ctx.dtype).whole()
+        elif ctx.spent:
             gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         elif inplace:
             ctx.spent = True
@@ -282,7 +286,7 @@ class _Experts(torch.autograd.Function):
         if need[0]:
             dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups)
             d_hidden = torch.zeros_like(hidden_states).index_add_(0, rows, dx.to(hidden_states.dtype))
-        return d_hidden, None, None, None, d_w_up, d_b_up, d_w_down, d_b_down, d_weights, None, None
+        return d_hidden, None, None, None, d_w_up, d_b_up, d_w_down, d_b_down, d_weights, None, None, None
 
 
 def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -319,7 +323,11 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     fused_weights = None if norm else weights
     tensors = (hidden_states, self.gate_up_proj, self.down_proj, b_up, b_down, fused_weights)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        out = _Experts.apply(*args, fused_weights, gating, transposed)
+        saved = forms.saved_dtype_of(self)
+        if saved is not None:
+            d_ff = self.down_proj.shape[-2 if transposed else -1]
+            mlp.check_saved_dtype(f"experts of {type(self).__name__}", saved, d_ff)
+        out = _Experts.apply(*args, fused_weights, gating, transposed, saved)
     else:
         gate_up = _up(hidden_states, rows, ids, self.gate_up_proj, b_up, transposed, groups)
         h = gating(gate_up)

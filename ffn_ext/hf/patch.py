@@ -6,10 +6,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+import torch
 import torch.nn as nn
 
-from ..mlp import check_options
-from .forms import DEFAULT_OPTS, EXPERTS, MARK, OPTS, ZERO3_LEAF, Patched, experts_watch, plan
+from ..mlp import check_options, check_saved_dtype
+from .forms import EXPERTS, MARK, OPTS, ZERO3_LEAF, Patched, asked, experts_watch, plan
 
 
 def _where(by_class: dict) -> str:
@@ -27,6 +28,7 @@ def patch_model(
     *,
     recompute: bool = False,
     token_chunk: int | None = None,
+    saved_dtype: torch.dtype | None = None,
 ) -> int:
     """Patches in place every module of `model` whose code ffn_ext recognises as a form it computes (docs/hf.md):
     gated MLPs down(act(gate(x)) * up(x)) and their packed forms, clamped SwiGLU MLPs, classic MLPs
@@ -50,8 +52,16 @@ def patch_model(
     saved input; token_chunk=N: forward and backward over chunks of N tokens). A later call sets them anew on the
     MLPs patched before. They do not apply to the MoE experts (transformers' experts implementation runs their
     projections): with other than the defaults, those are named in a RuntimeWarning (strict=True: a ValueError,
-    nothing patched)."""
-    opts = check_options("patch_model", recompute, token_chunk)
+    nothing patched).
+
+    saved_dtype (torch.float8_e4m3fn or torch.bfloat16): the dtype the same MLPs keep their projections in for
+    backward (ffn_ext.mlp's saved_dtype; a module whose d_ff no FP8 group divides raises at its forward), and the
+    experts' [tokens, 2 x d_ff] projection where their experts implementation is "ffn_ext" (a forward under
+    another names it, once, as not acting)."""
+    opts = (
+        *check_options("patch_model", recompute, token_chunk),
+        check_saved_dtype("patch_model", saved_dtype, 128, recompute, token_chunk),
+    )
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
         raise TypeError(f"ffn_ext.hf.patch_model: extra_classes must be classes (nn.Module subclasses), got {extra!r}")
@@ -71,7 +81,7 @@ def patch_model(
                 skipped.setdefault(found, {}).setdefault(type(module).__name__, []).append(name or "model")
         if patched is not None:
             todo.append(patched)
-            if opts != DEFAULT_OPTS and not patched.form.options(module, patched.plan):
+            if asked(opts, patched.form is EXPERTS) and not patched.form.options(module, patched.plan):
                 not_chunked.setdefault(type(module).__name__, []).append(name or "model")
     msgs = []  # (message, what happens to them without strict)
     if skipped:
@@ -79,9 +89,7 @@ def patch_model(
             ("; ".join(f"{reason}: {_where(by_class)}" for reason, by_class in skipped.items()), " (left unpatched)")
         )
     if not_chunked:
-        what = " and ".join(
-            t for t in (opts[0] and "recompute=True", opts[1] is not None and f"token_chunk={opts[1]}") if t
-        )
+        what = asked(opts, experts=True)
         msgs.append(
             (
                 f"{what} does not apply to {_where(not_chunked)}: MoE experts, whose projections transformers' "
