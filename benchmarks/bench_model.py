@@ -186,6 +186,12 @@ def variants_for(token_chunk: int) -> list[Variant]:
             patch={"token_chunk": token_chunk},
         ),
         Variant("experts=ffn_ext", 'set_experts_implementation("ffn_ext")', ("moe",), experts="ffn_ext"),
+        Variant(
+            "fp8 cache",
+            "patch_hf_model(model, saved_dtype=torch.float8_e4m3fn) (MoE: with experts=ffn_ext)",
+            patch={"saved_dtype": torch.float8_e4m3fn},
+            experts="ffn_ext",
+        ),
         Variant("experts=eager", 'set_experts_implementation("eager"), unpatched', ("moe",), experts="eager"),
         Variant("compile", "torch.compile(unpatched)", experts="grouped_mm", compile=True),
         Variant(
@@ -233,6 +239,7 @@ PRIORITY = [
     "recompute",
     "experts=ffn_ext",
     "ffn_ext",
+    "fp8 cache",
     "token_chunk",
     "experts=eager",
     "liger-mlp",

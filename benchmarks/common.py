@@ -732,6 +732,7 @@ class CpuAllocPeak:
 
     def __init__(self):
         self.peak: int | None = None
+        self.live: int | None = None
         self._prof = None
 
     @staticmethod
@@ -775,4 +776,5 @@ class CpuAllocPeak:
             live += n
             peak = max(peak, live)
         self.peak = peak if allocs else None
+        self.live = live if allocs else None  # what the block left allocated
         return False

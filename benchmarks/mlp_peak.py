@@ -3,11 +3,12 @@
 
     python benchmarks/mlp_peak.py                              # 4096 tokens, 256 -> 1024, fp32 (issue 45's case)
     python benchmarks/mlp_peak.py --tokens 1024,4096 --d-model 256 --d-ff 1024 --out /tmp/x
+    python benchmarks/mlp_peak.py --dtype bfloat16 --cases eager,default,fp8_cache    # the FP8 cache of bf16 training
 
 The peak is the CPU allocator's live bytes above the step's start (common.CpuAllocPeak: the profiler's allocation
 events, ops on their ordinary paths), for y = mlp(x); torch.autograd.grad(y, [x, *params], dy) with x, dy and the
-parameters made before. Reported in [tokens, d_ff] tensors of the dtype and as a fraction of the eager
-composition's peak (HF's down(act(gate(x)) * up(x)), fc2(act(fc1(x))) for the classic FFN): the smallest of
+parameters made before, and what the forward leaves allocated for backward (kept: its live bytes at the forward's
+end, less y's). Reported in [tokens, d_ff] tensors of the dtype and as a fraction of the eager composition's (HF's down(act(gate(x)) * up(x)), fc2(act(fc1(x))) for the classic FFN): the smallest of
 --repeats runs each (allocation order does not vary; the repeats catch a stray allocation). Writes mlp_peak.json and
 mlp_peak.md into --out when given.
 """
@@ -60,6 +61,8 @@ def cases():
         "default": ("eager", gated, mlp),
         "recompute": ("eager", gated, lambda *a: mlp(*a, recompute=True)),
         "token_chunk=1024": ("eager", gated, lambda *a: mlp(*a, token_chunk=1024)),
+        "fp8_cache": ("eager", gated, lambda *a: mlp(*a, saved_dtype=torch.float8_e4m3fn)),
+        "bf16_cache": ("eager", gated, lambda *a: mlp(*a, saved_dtype=torch.bfloat16)),
         "eager packed": ("eager packed", packed, _eager_packed),
         "packed": ("eager packed", packed, pk),
         "interleaved": (
@@ -79,7 +82,8 @@ def cases():
 
 
 def peak(fn, shapes, tokens, d_model, dtype, repeats):
-    best = None
+    """(the step's peak, the bytes the forward keeps for backward), the smallest over the repeats."""
+    best = kept = None
     for _ in range(repeats):
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(tokens, d_model, generator=gen, dtype=dtype).requires_grad_()
@@ -88,8 +92,13 @@ def peak(fn, shapes, tokens, d_model, dtype, repeats):
         with common.CpuAllocPeak() as p:
             grads = torch.autograd.grad(fn(x, *params), [x, *params], dy)
         del grads
+        with common.CpuAllocPeak() as fwd:  # (a profiler of its own: they do not nest)
+            y = fn(x, *params)
+        left = fwd.live - y.untyped_storage().nbytes()
+        del y
         best = p.peak if best is None else min(best, p.peak)
-    return best
+        kept = left if kept is None else min(kept, left)
+    return best, kept
 
 
 def main(argv=None) -> int:
@@ -98,22 +107,24 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--cases", default=None, help="comma-separated subset of: " + ", ".join(cases()))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dtype = torch.float32
+    dtype = getattr(torch, args.dtype)
     table = cases()
     names = args.cases.split(",") if args.cases else list(table)
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         unit = tokens * args.d_ff * dtype.itemsize
-        got = {}
+        got, kept = {}, {}
         for name in names:
             ref, shapes, fn = table[name]
-            got[name] = peak(fn, shapes(args.d_model, args.d_ff), tokens, args.d_model, dtype, args.repeats)
+            got[name], kept[name] = peak(fn, shapes(args.d_model, args.d_ff), tokens, args.d_model, dtype, args.repeats)
         for name in names:
             ref = table[name][0]
             base = got[ref] if ref in got else None
+            kept_base = kept[ref] if ref in kept else None
             rows.append(
                 dict(
                     tokens=tokens,
@@ -121,17 +132,32 @@ def main(argv=None) -> int:
                     peak_bytes=got[name],
                     tensors=got[name] / unit,
                     vs_eager=None if base is None else got[name] / base,
+                    kept_bytes=kept[name],
+                    kept_tensors=kept[name] / unit,
+                    kept_vs_eager=None if not kept_base else kept[name] / kept_base,
                 )
             )
             vs = "" if base is None else f"  {got[name] / base:.3f}x {ref}"
-            print(f"{tokens:6d} {name:18s} {got[name] / 2**20:8.1f} MiB  {got[name] / unit:5.2f} [T, d_ff]{vs}")
+            kvs = "" if not kept_base else f"  {kept[name] / kept_base:.3f}x"
+            print(
+                f"{tokens:6d} {name:18s} {got[name] / 2**20:8.1f} MiB  {got[name] / unit:5.2f} [T, d_ff]{vs}"
+                f"   kept {kept[name] / unit:5.2f} [T, d_ff]{kvs}"
+            )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = common.metadata(torch.device("cpu"), "mlp_peak", sys.argv if argv is None else argv)
         (out / "mlp_peak.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         md = common.markdown_table(
-            ["tokens", "case", "peak MiB", "[tokens, d_ff] tensors", "vs eager"],
+            [
+                "tokens",
+                "case",
+                "peak MiB",
+                "[tokens, d_ff] tensors",
+                "vs eager",
+                "kept [tokens, d_ff]",
+                "kept vs eager",
+            ],
             [
                 [
                     str(r["tokens"]),
@@ -139,10 +165,13 @@ def main(argv=None) -> int:
                     f"{r['peak_bytes'] / 2**20:.1f}",
                     f"{r['tensors']:.2f}",
                     common.fmt(r["vs_eager"]),
+                    f"{r['kept_tensors']:.2f}",
+                    common.fmt(r["kept_vs_eager"]),
                 ]
                 for r in rows
             ],
         )
+        md = f"{args.dtype}, d_model {args.d_model}, d_ff {args.d_ff}; [tokens, d_ff] tensors of {args.dtype}\n\n" + md
         (out / "mlp_peak.md").write_text(md + "\n")
     return 0
 

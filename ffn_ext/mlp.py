@@ -120,11 +120,11 @@ def _no_autocast(x):
     return torch.autocast(x.device.type, enabled=False)
 
 
-def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
+def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False, on_pre=None):
     """y = down(op(gate_up(x))) over chunks of `chunk` rows of x (leading dims flattened): no tensor larger than
     chunk x 2*d_ff is made. Computes in the dtype the first chunk's projection takes (autocast's, else x's) with
     every operand cast to it once. Writes each chunk of y in place (functional=True: concatenates, for torch.func
-    transforms). Returns (y, that dtype)."""
+    transforms). on_pre(start row, projections) sees each chunk's projections. Returns (y, that dtype)."""
     xr = _rows(x)
     first = _project(xr[:chunk], ws, bs)
     dtype = first[0].dtype
@@ -137,6 +137,8 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False):
         for s in range(0, n, chunk):
             pre = first if s == 0 else _project(xr[s : s + chunk], ws, bs)
             first = None
+            if on_pre is not None:
+                on_pre(s, pre)
             h = _activate(op, pre)
             del pre
             if functional:
@@ -181,12 +183,18 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
     ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
     ctx.plain, ctx.transposed, ctx.pre_spent, ctx.saved = plain, transposed, False, None
     saved_w = (*ws, wd)
+    halves = 2 if ctx.k == 1 and not plain else 1  # a packed projection's FP8 groups stay within gate or up
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
     with _autocast_cache_off(x):
         if _chunks(x, chunk):
             y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, chunk)
             ctx.chunk, pre = chunk, ()
+        elif saved is not None and _in_blocks(x):  # the projections made, used and kept a block of rows at a time
+            rows = x.numel() // x.shape[-1]
+            keeper = _Keeper(saved, halves, rows)
+            y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, _step(rows), on_pre=keeper.add)
+            ctx.chunk, ctx.saved, pre = None, saved, keeper.tensors(tuple(x.shape[:-1]))
         else:
             pre = _project(x, ws, bs)
             y = _blocked_down(op, pre, wd, bd, x) if _in_blocks(x) else None
@@ -196,7 +204,7 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
             if recompute:
                 pre = ()
             elif saved is not None and saved != ctx.dtype:
-                ctx.saved, pre = saved, keep(pre, saved, 2 if ctx.k == 1 and not plain else 1)
+                ctx.saved, pre = saved, keep(pre, saved, halves)
     ctx.save_for_backward(x, *saved_w, *bs, *pre)
     return y
 
@@ -285,16 +293,54 @@ def check_saved_dtype(fn: str, saved_dtype, d_ff: int, recompute=False, token_ch
     return saved_dtype
 
 
-def keep(pre, saved, halves) -> tuple:
-    """The projections as kept for backward: (values, scale) each; the scale is None for bf16."""
-    if saved != torch.float8_e4m3fn:
-        return tuple(t for p in pre for t in (p.to(saved), None))
-    from .quant import QuantRecipe, quantize  # (ops level: imported on the first call, not with ffn_ext.mlp)
+class _Keeper:
+    """Writes the projections into their cache a block of rows at a time (`add`, blocks of [rows, width]), so that
+    the quantization's temporaries stay a block's: FP8 values and a float32 scale per group, or bf16 values."""
 
-    group = _saved_group(pre[0].shape[-1] // halves)
-    assert group is not None  # check_saved_dtype refused d_ff before the Function ran
-    recipe = QuantRecipe(group_size=group)
-    return tuple(t for p in pre for t in quantize(p, recipe))
+    def __init__(self, saved, halves: int, rows: int):
+        self.saved, self.halves, self.rows = saved, halves, rows
+        self.bufs: list = []
+
+    def add(self, s: int, pre) -> None:
+        fp8 = self.saved == torch.float8_e4m3fn
+        if not self.bufs:
+            width = pre[0].shape[-1]
+            group = _saved_group(width // self.halves) if fp8 else None
+            self.recipe = None
+            if fp8:
+                from .quant import QuantRecipe  # (ops level: imported on the first use, not with ffn_ext.mlp)
+
+                assert group is not None  # check_saved_dtype refused d_ff before the Function ran
+                self.recipe = QuantRecipe(group_size=group)
+            for p in pre:
+                q = p.new_empty((self.rows, p.shape[-1]), dtype=self.saved)
+                scale = p.new_empty((self.rows, p.shape[-1] // group), dtype=torch.float32) if fp8 else None
+                self.bufs.append((q, scale))
+        for (q, scale), p in zip(self.bufs, pre):
+            e = s + p.shape[0]
+            if scale is None:
+                q[s:e].copy_(p)
+            else:
+                from .quant import quantize
+
+                qb, sb = quantize(p, self.recipe)
+                q[s:e].copy_(qb)
+                scale[s:e].copy_(sb)
+
+    def tensors(self, lead: tuple) -> tuple:
+        """(values, scale) of each projection, in its shape lead + (width,); the scale None for bf16."""
+        return tuple(t.view(*lead, -1) if t is not None else None for q, scale in self.bufs for t in (q, scale))
+
+
+def keep(pre, saved, halves) -> tuple:
+    """The projections `pre` as kept for backward in `saved` (halves: 2 for a packed [gate | up] projection, whose
+    FP8 groups never span both): (values, scale) each, the scale None for bf16."""
+    rows = [_rows(p) for p in pre]
+    n = rows[0].shape[0]
+    keeper, step = _Keeper(saved, halves, n), _step(n)
+    for s in range(0, n, step):
+        keeper.add(s, tuple(r[s : s + step] for r in rows))
+    return keeper.tensors(tuple(pre[0].shape[:-1]))
 
 
 class Kept:
@@ -343,6 +389,8 @@ def _backward(ctx, dy, needs):
     if not torch.is_grad_enabled() and ctx.chunk is not None:
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, max(1, ctx.chunk // 2))
     if not torch.is_grad_enabled() and rows >= _SPLIT_ROWS:
+        if pre and isinstance(pre[0], Kept):  # blocks read from the cache: no [rows, d_ff] tensor made whole
+            return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, _step(rows))
         if not torch.compiler.is_compiling():
             return _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre)
         # compiled: halves without writes over the saved projections (inductor plans the buffers itself)
@@ -429,11 +477,7 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     k, op, dtype, wd_dtype = ctx.k, ctx.op, ctx.dtype, wd.dtype
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
-    want_pre = n_x or any(n_ws) or any(n_bs)
-    kept = pre if pre and isinstance(pre[0], Kept) else None  # saved_dtype: read a block at a time, into new buffers
-    if kept:
-        pre = tuple(dy.new_empty(p.q.shape, dtype=dtype) for p in kept) if want_pre else ()
-    elif pre:
+    if pre:
         ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
         pre = tuple(_owned(p) for p in pre)
     else:
@@ -441,13 +485,13 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     dyr = _rows(dy)
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     d_bd = dyr.sum(0) if n_bd else None
+    want_pre = n_x or any(n_ws) or any(n_bs)
     d_pre = [_rows(p) for p in pre]  # (a view where pre is contiguous; else a copy, as much ours)
     del pre
     n = dyr.shape[0]
     step = _step(n)
     for s in range(0, n, step):
-        out, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
-        block = [p[s : s + step] for p in kept] if kept else out
+        block, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
         if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
             h = _activate(op, block)
             d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
@@ -455,9 +499,9 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
         if want_pre:
             grads = _act_backward(op, dys.matmul(wd), block)
             for i in range(k):
-                out[i].copy_(grads[i])
+                block[i].copy_(grads[i])
             del grads
-        del block, out
+        del block
     if want_pre:
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM

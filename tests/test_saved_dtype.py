@@ -296,3 +296,15 @@ def test_experts_implementation_takes_saved_dtype():
     model.set_experts_implementation("grouped_mm")
     with pytest.warns(RuntimeWarning, match="saved_dtype=torch.float8_e4m3fn asked for does not act"):
         model(impl.IDS)
+
+
+def test_torch_compile():
+    # compiled, the forward makes the projections whole (inductor plans the buffers) and keeps them as eager does
+    torch.manual_seed(0)
+    m = ffn_ext.SwiGLUFFN(D_MODEL, D_FF, saved_dtype=FP8)
+    x = torch.randn(mlp._SPLIT_ROWS + 3, D_MODEL, requires_grad=True)
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, m(x), rtol=1e-6, atol=1e-6)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (g0,) = torch.autograd.grad(m(x).sum(), x)
+    torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-5)
