@@ -130,6 +130,12 @@ def implementations(d_model: int, d_ff: int, dtype) -> list:
             gated_w,
         ),
         (
+            "swiglu_mlp (fp8 cache)",
+            lambda x: ffn_ext.swiglu_mlp(x, wg, wu, wd, saved_dtype=torch.float8_e4m3fn),
+            lambda x: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd),
+            gated_w,
+        ),
+        (
             "geglu_mlp (tanh)",
             lambda x: ffn_ext.geglu_mlp(x, wg, wu, wd, approximate="tanh"),
             lambda x: F.linear(tanh(F.linear(x, wg)) * F.linear(x, wu), wd),

@@ -630,15 +630,6 @@ class QuantOp(Op):
 
         return kernel
 
-    def _kernels(self) -> tuple:
-        overload = self.overload
-
-        def below(*args, **kwargs):
-            with _below_autograd():
-                return overload(*args, **kwargs)
-
-        return below, self.cpu, overload, overload  # (recording: the Autograd kernel refuses)
-
     def _no_formula(self, args: tuple) -> RuntimeError:
         arg = next((n for n, t in zip(self.arg_names, args) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         what = f"`{arg}` requires grad" if arg else "an input has a forward-mode tangent"

@@ -389,7 +389,10 @@ def _backward(ctx, dy, needs):
     if not torch.is_grad_enabled() and ctx.chunk is not None:
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, max(1, ctx.chunk // 2))
     if not torch.is_grad_enabled() and rows >= _SPLIT_ROWS:
-        if pre and isinstance(pre[0], Kept):  # blocks read from the cache: no [rows, d_ff] tensor made whole
+        if pre and isinstance(pre[0], Kept) and rows > x.shape[-1]:
+            # blocks read from the cache, no [rows, d_ff] tensor made whole, and the weight gradients accumulated
+            # across them: held through the blocks, they cost less than whole projections' gradients where rows >
+            # d_model (else _inplace_backward: whole gradients, written a block at a time)
             return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, _step(rows))
         if not torch.compiler.is_compiling():
             return _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre)
@@ -470,14 +473,19 @@ def _owned(t):
 
 def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=()):
     """The gated MLPs' backward from _SPLIT_ROWS rows, written over buffers it owns: the saved projections (or those
-    it recomputes, `pre` empty). Over _INPLACE_BLOCKS blocks of rows: the block's h, for the down projection's
+    it recomputes, `pre` empty), or new ones where `pre` is the saved_dtype cache (Kept), which it reads a block at
+    a time. Over _INPLACE_BLOCKS blocks of rows: the block's h, for the down projection's
     weight gradient (accumulated in its dtype), then its dh and the gating's backward of it, copied over the
     block's projections; then the input and weight gradients of the whole projections, one GEMM each. Peak: the
     projections (2 [rows, d_ff] tensors) and a few blocks (eager autograd: about 6 [rows, d_ff] tensors)."""
     k, op, dtype, wd_dtype = ctx.k, ctx.op, ctx.dtype, wd.dtype
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
-    if pre:
+    want_pre = n_x or any(n_ws) or any(n_bs)
+    kept = pre if pre and isinstance(pre[0], Kept) else None  # saved_dtype: read a block at a time, into new buffers
+    if kept:
+        pre = tuple(dy.new_empty(p.q.shape, dtype=dtype) for p in kept) if want_pre else ()
+    elif pre:
         ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
         pre = tuple(_owned(p) for p in pre)
     else:
@@ -485,13 +493,13 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     dyr = _rows(dy)
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     d_bd = dyr.sum(0) if n_bd else None
-    want_pre = n_x or any(n_ws) or any(n_bs)
     d_pre = [_rows(p) for p in pre]  # (a view where pre is contiguous; else a copy, as much ours)
     del pre
     n = dyr.shape[0]
     step = _step(n)
     for s in range(0, n, step):
-        block, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        out, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        block = [p[s : s + step] for p in kept] if kept else out
         if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
             h = _activate(op, block)
             d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
@@ -499,9 +507,9 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
         if want_pre:
             grads = _act_backward(op, dys.matmul(wd), block)
             for i in range(k):
-                block[i].copy_(grads[i])
+                out[i].copy_(grads[i])
             del grads
-        del block
+        del block, out
     if want_pre:
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM

@@ -241,18 +241,12 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_llama():
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=61,
-        max_position_embeddings=32,
-        pad_token_id=0,
-    )
+    import hf_oracle
+
     torch.manual_seed(9)
-    return transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**hf_oracle.TINY_DECODER, hidden_size=32, intermediate_size=128)
+    )
 
 
 @pytest.mark.parametrize("saved", [FP8, BF16], ids=["fp8", "bf16"])
@@ -260,7 +254,7 @@ def test_patch_hf_model_takes_saved_dtype(saved):
     ref = _tiny_llama()
     model = copy.deepcopy(ref)
     assert ffn_ext.patch_hf_model(model, saved_dtype=saved) == 2
-    ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 97, (2, 13), generator=torch.Generator().manual_seed(1))
     losses = [m(ids, labels=ids).loss for m in (ref, model)]
     for loss in losses:
         loss.backward()
@@ -308,3 +302,31 @@ def test_torch_compile():
     (g,) = torch.autograd.grad(y.sum(), x)
     (g0,) = torch.autograd.grad(m(x).sum(), x)
     torch.testing.assert_close(g, g0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d_model", [D_MODEL, mlp._SPLIT_ROWS + 200], ids=["rows>d_model", "rows<d_model"])
+def test_both_blocked_backwards(d_model):
+    # from _SPLIT_ROWS rows the backward reads the cache in blocks: accumulating the weight gradients across them
+    # where rows > d_model, else writing whole projections' gradients a block at a time; the same numbers either way
+    rows = mlp._SPLIT_ROWS + 100
+    gen = torch.Generator().manual_seed(7)
+    leaves = [
+        t.double().requires_grad_()
+        for t in (
+            torch.randn(rows, d_model, generator=gen),
+            torch.randn(D_FF, d_model, generator=gen) / d_model**0.5,
+            torch.randn(D_FF, d_model, generator=gen) / d_model**0.5,
+            torch.randn(d_model, D_FF, generator=gen) / D_FF**0.5,
+        )
+    ]
+    dy = torch.randn(rows, d_model, generator=gen, dtype=torch.float64)
+    y = ffn_ext.swiglu_mlp(*leaves, saved_dtype=FP8)
+    got = torch.autograd.grad(y, leaves, dy)
+    # the same FP8 values, read whole: the small path's (one block below _SPLIT_ROWS rows, run on halves)
+    halves = [ffn_ext.swiglu_mlp(leaves[0][s], *leaves[1:], saved_dtype=FP8) for s in (slice(0, 562), slice(562, None))]
+    want = torch.autograd.grad(torch.cat(halves), leaves, dy)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+    exact = torch.autograd.grad(_gated_ref("silu", False)(*leaves), leaves, dy)
+    for g, e in zip(got, exact):
+        assert 1e-4 < _rel(g, e) < TOL[FP8]
