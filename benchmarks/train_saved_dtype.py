@@ -248,6 +248,7 @@ def plot(path: Path, runs: list[dict], variants: list[str], seeds: list[int], fl
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("note: matplotlib is not installed; plot skipped", file=sys.stderr)
         return None
@@ -262,6 +263,8 @@ def plot(path: Path, runs: list[dict], variants: list[str], seeds: list[int], fl
         ax.fill_between(steps, stack.min(0).values, stack.max(0).values, color=COLORS[v], alpha=0.2, lw=0)
     ax.axhline(floor, color="k", ls="--", lw=1, label=f"floor {floor:.3f} (chain entropy)")
     ax.set_yscale("log")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 1.5, not 1.5 x 10^0
+        axis(matplotlib.ticker.FormatStrFormatter("%.1f"))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats), mean of seeds; range shaded")
     ax.grid(alpha=0.3, which="both")
@@ -292,6 +295,29 @@ def plot(path: Path, runs: list[dict], variants: list[str], seeds: list[int], fl
     return path
 
 
+def _title(meta: dict, seeds: list) -> str:
+    return f"tiny Llama on a Markov chain, {len(seeds)} seeds, {meta['date'][:10]}, {meta['device_name']}"
+
+
+def replot(out: Path) -> int:
+    """Redraws a results directory's plot from the CSV and JSON a run wrote (as benchmarks/plot.py does for the
+    others)."""
+    import json
+
+    payload = json.loads((out / "train_saved_dtype.json").read_text())
+    losses: dict = {}
+    with open(out / "train_saved_dtype.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            losses.setdefault((row["variant"], int(row["seed"])), []).append(float(row["loss"]))
+    runs = [dict(variant=v, seed=s, losses=ls) for (v, s), ls in losses.items()]
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    seeds = list(dict.fromkeys(r["seed"] for r in runs))
+    meta, args = payload["meta"], payload["args"]
+    window = min(int(args["final_steps"]), int(args["steps"]))
+    print(plot(out / "train_saved_dtype.png", runs, variants, seeds, payload["floor"], _title(meta, seeds), window))
+    return 0
+
+
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,7 +339,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: tiny GEMMs, busy machine)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--replot", type=Path, default=None, help="redraw DIR's train_saved_dtype.png from its csv/json")
     args = ap.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -390,7 +419,7 @@ def main(argv=None) -> int:
             variants,
             seeds,
             floor,
-            f"tiny Llama on a Markov chain, {len(seeds)} seeds, {meta['date'][:10]}, {meta['device_name']}",
+            _title(meta, seeds),
             min(args.final_steps, args.steps),
         )
         files += [png] if png else []
