@@ -6,6 +6,7 @@ is well formed, runs its GPU-free stage, and its GPU stages reach every op."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -315,6 +316,24 @@ def test_moe_saved_bytes_quick():
     eager, grouped, _batched, ours = (float(v) for v in sizes)
     assert 0 < ours < grouped < eager, rows[0]
     assert all(float(t.rstrip("x")) > 0 for t in times), rows[0]
+
+
+def test_train_saved_dtype_quick(tmp_path):
+    """benchmarks/train_saved_dtype.py at tiny widths, 2 seeds x 4 steps, the default patch and the FP8 cache: the
+    CSV has every step of every run, the first step's loss is the same in both (the forward is unchanged), the
+    floor lies between 0 and a uniform guess, and the table states the goal."""
+    pytest.importorskip("transformers")
+    args = ("--variants", "default,fp8", "--seeds", "0,1", "--steps", "4", "--batch", "2", "--seq", "8")
+    tiny = ("--hidden", "32", "--intermediate", "128", "--warmup", "1", "--final-steps", "2", "--held-out", "4")
+    _quick("train_saved_dtype.py", *args, *tiny, "--out", str(tmp_path))
+    with open(tmp_path / "train_saved_dtype.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 4
+    first = {(r["variant"], r["seed"]): r["loss"] for r in rows if r["step"] == "1"}
+    assert first["default", "0"] == first["fp8", "0"] and first["default", "1"] == first["fp8", "1"], first
+    data = json.loads((tmp_path / "train_saved_dtype.json").read_text())
+    assert 0 < data["floor"] < math.log(64), data["floor"]
+    assert "Goal (issue 45)" in (tmp_path / "train_saved_dtype.md").read_text()
 
 
 def test_bench_model_smoke(tmp_path):
