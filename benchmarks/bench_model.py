@@ -398,8 +398,10 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
         if variant.liger:
             applied.append(apply_liger(spec, model, variant.liger))
         # under experts_implementation="ffn_ext" the experts compute their gating themselves: the patched
-        # _apply_gate would not be called (these MoE models have no dense MLP to patch)
-        if variant.patch is not None and not (spec.kind == "moe" and variant.experts == "ffn_ext"):
+        # _apply_gate would not be called (these MoE models have no dense MLP to patch); a patch with options
+        # (saved_dtype) still runs, as that implementation reads them from the patched experts
+        moe_ffn_ext = spec.kind == "moe" and variant.experts == "ffn_ext"
+        if variant.patch is not None and (variant.patch or not moe_ffn_ext):
             n = ffn_ext.patch_hf_model(model, **variant.patch)
             applied.append(f"patch_hf_model({', '.join(f'{k}={v}' for k, v in variant.patch.items())}): {n} modules")
     for w in caught:
