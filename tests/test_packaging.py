@@ -1,7 +1,8 @@
 """Packaging off the happy path: what the sdist holds, what the wheel requires, plain `pip install .`
 stopping at once with the command to run, a _C built for another torch named at import, the sources an install
-ships for ffn_ext.jit, and the public C++ header covering the table. CI's packaging stage (.ci/run) builds the
-sdist, a wheel from it, installs it into a clean venv and runs these tests (and others) from outside the tree.
+ships for ffn_ext.jit, the public C++ header covering the table, and an installed CUDA build's kernels loading
+under its CUDA major only. CI's packaging stage (.ci/packaging) installs the sdist and the CUDA wheel into clean venvs
+and runs these tests from outside the tree (the wheel's under three torches).
 """
 
 from __future__ import annotations
