@@ -1,7 +1,8 @@
 """Packaging off the happy path: what the sdist holds, what the wheel requires, plain `pip install .`
 stopping at once with the command to run, a _C built for another torch named at import, the sources an install
-ships for ffn_ext.jit, and the public C++ header covering the table. CI's packaging stage (.ci/run) builds the
-sdist, a wheel from it, installs it into a clean venv and runs these tests (and others) from outside the tree.
+ships for ffn_ext.jit, the public C++ header covering the table, and an installed CUDA build's kernels loading
+under its CUDA major only. CI's packaging stage (.ci/packaging) installs the sdist and the CUDA wheel into clean venvs
+and runs these tests from outside the tree (the wheel's under three torches).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 from conftest import HANG_GUARD_S, needs_source_tree
 
+import ffn_ext
 from ffn_ext import _build, _loader, table
 from ffn_ext.table import OPS
 
@@ -166,6 +168,27 @@ def test_cuda_library_loads_only_under_its_cuda_major(tmp_path, monkeypatch):
         p.unlink()
     with pytest.raises(ImportError, match="ffn_ext._C is not built"):
         _loader.check_installed_C()
+
+
+def test_an_installed_cuda_build_loads_its_kernels_only_under_its_cuda_major():
+    """An installed ffn_ext with the CUDA kernels (the CUDA wheel, .ci/wheel): under a torch of the build's CUDA major
+    they load, with the CUDA runtime of torch's own wheels (no CUDA toolkit needed); under any other torch they are
+    off and build_info() says why. (In a checkout, .ci/cross-torch checks the same of the in-place build.)"""
+    if _build.in_checkout():
+        pytest.skip("an installed package's CUDA library (tests run from outside the checkout)")
+    record = _build.read_record(_build.PACKAGE)
+    if not record or not record["cuda_kernels"]:
+        pytest.skip("this ffn_ext was built without the CUDA kernels")
+    info = ffn_ext.build_info()
+    assert info["native"] == "ffn_ext._C" and _loader.cuda_library_path().is_file(), info
+    built, running = record["torch_cuda"], torch.version.cuda
+    if running and built.split(".")[0] == running.split(".")[0]:
+        assert info["cuda_kernels"] == "yes", info
+        if not os.environ.get("LD_LIBRARY_PATH"):  # (a toolkit's library path would come first)
+            cudart = set(re.findall(r"\S*libcudart\.so\S*", Path("/proc/self/maps").read_text()))
+            assert cudart and all("site-packages" in p for p in cudart), cudart
+    else:
+        assert info["cuda_kernels"] == "no" and info["cuda_kernels_off"], info
 
 
 def test_sources_reachable_for_jit():
