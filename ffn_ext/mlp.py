@@ -179,7 +179,7 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
     """The Functions' forward: ws, bs = (w_gate, w_up), (b_gate, b_up), or (w_gate_up,), (b_gate_up,), and `op` their
     gated op; the plain MLP's: (w_fc1,), (b_fc1,), wd = w_fc2 (nn.Linear layout, or transposed=True: Conv1D's
     [in, out] weights), `op` the activation's unary op. Saves the weights as given (views made here would not carry
-    double backward to them), and the projections in `saved` (saved_dtype) where it is not their own dtype."""
+    double backward to them), and the projections as `saved` (saved_dtype) says."""
     ctx.op, ctx.k, ctx.bd_dtype = op, len(ws), None if bd is None else bd.dtype
     ctx.plain, ctx.transposed, ctx.pre_spent, ctx.saved = plain, transposed, False, None
     saved_w = (*ws, wd)
@@ -300,30 +300,28 @@ class _Keeper:
     def __init__(self, saved, halves: int, rows: int):
         self.saved, self.halves, self.rows = saved, halves, rows
         self.bufs: list = []
+        self.fp8 = saved == torch.float8_e4m3fn
+        if self.fp8:
+            from .quant import QuantRecipe, quantize  # (ops level: imported on the first use, not with ffn_ext.mlp)
+
+            self.recipe_of, self.quantize = QuantRecipe, quantize
 
     def add(self, s: int, pre) -> None:
-        fp8 = self.saved == torch.float8_e4m3fn
         if not self.bufs:
-            width = pre[0].shape[-1]
-            group = _saved_group(width // self.halves) if fp8 else None
-            self.recipe = None
-            if fp8:
-                from .quant import QuantRecipe  # (ops level: imported on the first use, not with ffn_ext.mlp)
-
+            group = _saved_group(pre[0].shape[-1] // self.halves) if self.fp8 else None
+            if self.fp8:
                 assert group is not None  # check_saved_dtype refused d_ff before the Function ran
-                self.recipe = QuantRecipe(group_size=group)
+                self.recipe = self.recipe_of(group_size=group)
             for p in pre:
                 q = p.new_empty((self.rows, p.shape[-1]), dtype=self.saved)
-                scale = p.new_empty((self.rows, p.shape[-1] // group), dtype=torch.float32) if fp8 else None
+                scale = p.new_empty((self.rows, p.shape[-1] // group), dtype=torch.float32) if group else None
                 self.bufs.append((q, scale))
         for (q, scale), p in zip(self.bufs, pre):
             e = s + p.shape[0]
             if scale is None:
                 q[s:e].copy_(p)
             else:
-                from .quant import quantize
-
-                qb, sb = quantize(p, self.recipe)
+                qb, sb = self.quantize(p, self.recipe)
                 q[s:e].copy_(qb)
                 scale[s:e].copy_(sb)
 
@@ -745,9 +743,9 @@ _OPTIONS_DOC = """
 
     saved_dtype=torch.float8_e4m3fn keeps gate and up for backward in FP8 with a float32 scale per 1 x 128 group of
     each row (64 or 32 where d_ff is no multiple of 128; DeepSeek-V3's activation cache): half of their bf16 bytes
-    (a quarter of eager's four [tokens, d_ff] tensors), and half of fp32's with saved_dtype=torch.bfloat16. The forward's output is unchanged, bit for bit;
-    the backward reads them back a block of rows at a time, so its gradients carry their rounding (FP8: a few
-    percent). Not with recompute=True or token_chunk (nothing kept), and create_graph=True recomputes the
+    (a quarter of eager's four [tokens, d_ff] tensors); saved_dtype=torch.bfloat16 keeps half of fp32's. The
+    forward's output is unchanged, bit for bit; the backward reads them back a block of rows at a time, so its
+    gradients carry their rounding (FP8: a few percent). Not with recompute=True or token_chunk (nothing kept), and create_graph=True recomputes the
     projections from x; any other value is a ValueError."""
 
 
