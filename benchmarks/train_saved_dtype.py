@@ -241,7 +241,6 @@ def write_md(path: Path, header: list[str], table: str, verdict, floor: float, r
     path.write_text("\n".join(lines) + "\n")
 
 
-
 def plot(path: Path, runs: list[dict], variants: list[str], seeds: list[int], floor: float, title: str, window: int):
     try:
         import matplotlib
