@@ -353,7 +353,7 @@ class Kept:
             return q.to(self.dtype)
         wide = torch.promote_types(self.dtype, torch.float32)  # float64 reads the FP8 values exactly
         g = q.shape[-1] // scale.shape[-1]
-        v = q.reshape(*scale.shape, g).to(wide) * scale.to(wide).unsqueeze(-1)
+        v = q.reshape(*scale.shape, g).to(wide).mul_(scale.to(wide).unsqueeze(-1))  # (one temporary)
         return v.reshape(q.shape).to(self.dtype)
 
     def whole(self):

@@ -280,12 +280,17 @@ def test_experts_implementation_takes_saved_dtype():
         out = model(impl.IDS, labels=impl.IDS)
     out0 = ref(impl.IDS, labels=impl.IDS)
     torch.testing.assert_close(out.logits, out0.logits, rtol=1e-4, atol=1e-4)
-    out.loss.backward()
+    out.loss.backward(retain_graph=True)
     out0.loss.backward()
     experts = [(n, p, p0) for (n, p), p0 in zip(model.named_parameters(), ref.parameters()) if ".experts." in n]
     assert experts
     for n, p, p0 in experts:
         assert 1e-5 < _rel(p.grad, p0.grad.double()) < TOL[FP8], n
+    first = [p.grad.clone() for _, p, _ in experts]
+    model.zero_grad()
+    out.loss.backward()  # again: the cache is read, never written over
+    for (n, p, _), g in zip(experts, first):
+        assert torch.equal(p.grad, g), n
     # under another experts implementation, it does not act: named once
     model.set_experts_implementation("grouped_mm")
     with pytest.warns(RuntimeWarning, match="saved_dtype=torch.float8_e4m3fn asked for does not act"):

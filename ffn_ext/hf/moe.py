@@ -200,9 +200,12 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed, saved):
         gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
-        y = _down(gating(gate_up), ids, w_down, b_down, transposed, groups)
+        h = gating(gate_up)
         ctx.dtype, ctx.saved = gate_up.dtype, None if saved == gate_up.dtype else saved
         kept = (gate_up, None) if ctx.saved is None else mlp.keep((gate_up,), saved, 2)  # saved_dtype: (q, scale)
+        del gate_up  # (with saved_dtype: gone before the down projection's output is made)
+        y = _down(h, ids, w_down, b_down, transposed, groups)
+        del h
         ctx.save_for_backward(hidden_states, rows, ids, groups.offs, *kept, w_up, b_up, w_down, b_down, weights)
         ctx.gating, ctx.transposed, ctx.bounds = gating, transposed, groups._bounds
         ctx.spent = False  # the backward writes d_gate_up over gate_up: a second one (retain_graph) recomputes it
@@ -220,15 +223,23 @@ class _Experts(torch.autograd.Function):
         # the down projection's weight gradient is made. Peak: gate_up, h and q (4 [S, I] tensors; grouped_mm's
         # autograd: about 7), then gate_up, q and 2 / _BLOCKS of gate_up.
         inplace = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if ctx.saved is not None:  # kept in saved_dtype: read back whole, a buffer of this backward's own
-            gate_up = mlp.Kept(gate_up, scale, ctx.dtype).whole()
+        kept = None
+        if ctx.saved is not None:  # kept in saved_dtype: read a block at a time in place (h, then d_gate_up into a
+            # buffer made once h is gone), else whole
+            kept = mlp.Kept(gate_up, scale, ctx.dtype)
+            gate_up = None if inplace else kept.whole()
         elif ctx.spent:
             gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         elif inplace:
             ctx.spent = True
             gate_up = mlp._owned(gate_up)
         gu = None
-        if inplace:
+        if inplace and kept is not None:
+            n, step = kept.q.shape[0], max(1, -(-kept.q.shape[0] // _BLOCKS))
+            h = hidden_states.new_empty((n, kept.q.shape[-1] // 2), dtype=ctx.dtype)
+            for s in range(0, n, step):
+                h[s : s + step] = gating(kept[s : s + step])
+        elif inplace:
             h = gating(gate_up)
         else:
             with torch.enable_grad():
@@ -267,12 +278,15 @@ class _Experts(torch.autograd.Function):
         del gw
         if inplace:
             h = None
+            if kept is not None:
+                gate_up = dh.new_empty(kept.q.shape, dtype=ctx.dtype)
             n = gate_up.shape[0]
             step = max(1, -(-n // _BLOCKS))
             for s in range(0, n, step):
-                (d,) = gating.backward(dh[s : s + step], gate_up[s : s + step])
+                block = gate_up[s : s + step] if kept is None else kept[s : s + step]
+                (d,) = gating.backward(dh[s : s + step], block)
                 gate_up[s : s + step].copy_(d)
-                del d
+                del d, block
             d_gate_up = gate_up
         else:
             (d_gate_up,) = torch.autograd.grad(h, gu, dh)
