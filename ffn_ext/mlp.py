@@ -271,8 +271,9 @@ def _saved_group(d_ff: int) -> int | None:
     return next((g for g in _SAVED_GROUPS if d_ff % g == 0), None)
 
 
-def check_saved_dtype(fn: str, saved_dtype, d_ff: int, recompute=False, token_chunk=None):
-    """saved_dtype when valid for `fn` with projections of width d_ff, else a ValueError naming it."""
+def check_saved_dtype(fn: str, saved_dtype, d_ff: int | None, recompute=False, token_chunk=None):
+    """saved_dtype when valid for `fn` with projections of width d_ff (None: not known yet, each call checks its
+    own), else a ValueError naming it."""
     if saved_dtype is None:
         return None
     if not isinstance(saved_dtype, torch.dtype) or saved_dtype not in SAVED_DTYPES:
@@ -284,7 +285,7 @@ def check_saved_dtype(fn: str, saved_dtype, d_ff: int, recompute=False, token_ch
             f"ffn_ext.{fn}: `saved_dtype` is the dtype the projections are kept in for backward; recompute=True and "
             "token_chunk keep none: pass one or the other"
         )
-    if saved_dtype == torch.float8_e4m3fn and _saved_group(d_ff) is None:
+    if saved_dtype == torch.float8_e4m3fn and d_ff is not None and _saved_group(d_ff) is None:
         raise ValueError(
             f"ffn_ext.{fn}: `saved_dtype`=torch.float8_e4m3fn keeps the projections with a scale per group of "
             f"{' / '.join(map(str, _SAVED_GROUPS))} elements of a row: d_ff={d_ff} is a multiple of none (use "

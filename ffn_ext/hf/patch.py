@@ -60,7 +60,7 @@ def patch_model(
     another names it, once, as not acting)."""
     opts = (
         *check_options("patch_model", recompute, token_chunk),
-        check_saved_dtype("patch_model", saved_dtype, 128, recompute, token_chunk),
+        check_saved_dtype("patch_model", saved_dtype, None, recompute, token_chunk),
     )
     extra = tuple(extra_classes)
     if not all(isinstance(c, type) for c in extra):
