@@ -50,6 +50,11 @@ std::pair<Tensor, Tensor> alloc_quant(const char* op, const Tensor& ref, const s
 void check_x(const char* op, const Tensor& x);
 void check_gated(const char* op, const Tensor& gate, const Tensor& up);
 int64_t check_packed(const char* op, const Tensor& gate_up);  // returns M of [..., 2M]
+// The FP8 activation cache's ops (cache_ops.h): group_size (32, 64 or 128) divides gate's last dim M, returned; and
+// the cached backward's (grad [..., M], q float8_e4m3fn [..., 2M], scale float32 [..., 2M / G] for such a G), which
+// returns G.
+int64_t check_cache_group(const char* op, const Tensor& gate, int64_t group);
+int64_t check_cache(const char* op, const Tensor& grad, const Tensor& q, const Tensor& scale);
 
 // The checks and allocation every kernel of an op starts with, for quantize, <gated>_quant and
 // <gated>_packed_quant: the parameters, the inputs, then alloc_quant for h's shape.

@@ -232,5 +232,26 @@ void check_gated(const char* op, const Tensor& gate, const Tensor& up) {
   check_like(op, "up", up, "gate", gate);
 }
 int64_t check_packed(const char* op, const Tensor& gate_up) { return ffn_ext::check_packed(op, gate_up); }
+int64_t check_cache_group(const char* op, const Tensor& gate, int64_t group) {
+  FFN_EXT_CHECK(group == 32 || group == 64 || group == 128, op, ": `group_size` must be 32, 64 or 128");
+  FFN_EXT_CHECK(gate.dim() >= 1 && gate.size(-1) % group == 0, op,
+                ": `group_size` must divide the last dimension of `gate`");
+  return gate.size(-1);
+}
+int64_t check_cache(const char* op, const Tensor& grad, const Tensor& q, const Tensor& scale) {
+  check_input(op, "grad", grad);
+  FFN_EXT_CHECK(grad.dim() >= 1, op, ": `grad` must have at least 1 dimension ([..., M])");
+  const int64_t m = grad.size(-1);
+  auto sizes = with_last(grad, 2 * m);
+  FFN_EXT_CHECK(dtype_of(q) == ScalarType::Float8_e4m3fn && same_device(q, grad) && vec(q.sizes()) == sizes, op,
+                ": `q` must be a float8_e4m3fn tensor [..., 2M] on `grad`'s device, `grad` [..., M]");
+  const int64_t n = scale.dim() == grad.dim() ? scale.size(-1) : 0;
+  const int64_t group = n > 0 && (2 * m) % n == 0 ? 2 * m / n : 0;
+  sizes.back() = n;
+  FFN_EXT_CHECK(dtype_of(scale) == ScalarType::Float && same_device(scale, grad) && vec(scale.sizes()) == sizes &&
+                    (group == 32 || group == 64 || group == 128) && m % group == 0,
+                op, ": `scale` must be a float32 tensor [..., 2M / G] on `grad`'s device, G 32, 64 or 128 dividing M");
+  return group;
+}
 }  // namespace quant
 }  // namespace ffn_ext

@@ -31,9 +31,20 @@ from typing import Any
 import torch
 
 from . import _compat
-from .table import LAYOUTS, OPS, QUANT_RECIPE_SCHEMA, QUANT_SCHEMAS, SCHEMAS, bind_params, check_params
+from .table import (
+    CACHE_GROUP_SIZES,
+    CACHE_SCHEMAS,
+    GATED_BY_NAME,
+    LAYOUTS,
+    OPS,
+    QUANT_RECIPE_SCHEMA,
+    QUANT_SCHEMAS,
+    SCHEMAS,
+    bind_params,
+    check_params,
+)
 
-__all__ = ["FLOAT_DTYPES", "Op", "QuantOp", "op", "eager", "define", "register", "undefine"]
+__all__ = ["FLOAT_DTYPES", "Op", "QuantOp", "CacheOp", "op", "eager", "define", "register", "undefine"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _FLOATS = frozenset(FLOAT_DTYPES)
@@ -653,6 +664,117 @@ class QuantOp(Op):
         return (torch.stack([q for q, _ in outs]), torch.stack([s for _, s in outs])), (0, 0)
 
 
+class CacheOp(QuantOp):
+    """An FP8 activation cache op (table.CACHE_SCHEMAS): <gated>_cache(gate, up, *, group_size, params) -> (h, q,
+    scale) and <gated>_cached_backward(grad, q, scale, *, params) -> (dgate, dup, h). Forward only (they serve
+    ffn_ext.mlp's autograd); the CPU kernel is the gated op and ffn_ext.quant's formula (cache), or the cache read
+    back and the gated op's backward and forward (cached_backward), the CUDA kernels' results to their rounding."""
+
+    def __init__(self, name: str, quant) -> None:
+        self.quant, self.backward = quant, name.endswith("_cached_backward")
+        gated = name[: -len("_cached_backward")] if self.backward else name[: -len("_cache")]
+        self.gated = GATED_BY_NAME[gated]
+        self.checked = OP[gated]
+        self.spec = self.checked.spec
+        self.name, self.qualname = name, f"ffn_ext.{name}"
+        self.arg_names = ("grad", "q", "scale") if self.backward else ("gate", "up")
+        self.defaults, self.keywords, self.aten_autograd = {}, (), False
+        self.cpu = self._cpu_kernel()
+        self.function = self.transform_function = None
+        self.overload, self.fast = None, ()
+
+    def validate(self, args: tuple, kwargs: dict, kinds: bool = False):
+        """Every check, named for the op. Returns (the gated op's parameters, the group size)."""
+        op = self.qualname
+        kwargs = dict(kwargs)
+        if not self.backward:
+            group = kwargs.pop("group_size", 128)
+            checked = self.checked
+            try:
+                params, _ = checked.validate(args, kwargs, kinds=True)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise type(e)(str(e).replace(f"{checked.qualname}:", f"{op}:", 1)) from None
+            if isinstance(group, bool) or group not in CACHE_GROUP_SIZES:
+                raise ValueError(f"{op}: `group_size` must be one of {CACHE_GROUP_SIZES}, got {group!r}")
+            gate = args[0]
+            if gate.dim() == 0 or gate.shape[-1] % group:
+                raise ValueError(
+                    f"{op}: `group_size`={group} must divide the last dimension of `gate`, got shape {list(gate.shape)}"
+                )
+            return params, group
+        for name, t in zip(self.arg_names, args):
+            err = _kind_error(op, name, t)
+            if err is not None:
+                raise err from None
+        params = bind_params(op, self.gated, kwargs)
+        if self.gated.params:
+            check_params(op, self.gated, params)
+        grad, q, scale = args
+        if grad.dtype not in _FLOATS:
+            raise _dtype_error(op, "grad", grad)
+        if grad.dim() == 0:
+            raise ValueError(f"{op}: expected `grad` to have at least 1 dimension ([..., M]), got a 0-dim tensor")
+        m = grad.shape[-1]
+        lead = list(grad.shape[:-1])
+        if q.dtype != torch.float8_e4m3fn or q.device != grad.device or list(q.shape) != lead + [2 * m]:
+            raise ValueError(
+                f"{op}: expected `q` to be a float8_e4m3fn tensor of shape {lead + [2 * m]} on {grad.device} "
+                f"(`grad` [..., M], `q` [..., 2M]), got {q.dtype} {list(q.shape)} on {q.device}"
+            )
+        n = scale.shape[-1] if scale.dim() == grad.dim() else 0
+        group = 2 * m // n if n and (2 * m) % n == 0 else 0
+        if (
+            scale.dtype != torch.float32
+            or scale.device != grad.device
+            or list(scale.shape) != lead + [n]
+            or group not in CACHE_GROUP_SIZES
+            or m % group
+        ):
+            raise ValueError(
+                f"{op}: expected `scale` to be a float32 tensor of shape [..., 2M / G] on {grad.device}, G one of "
+                f"{CACHE_GROUP_SIZES} dividing M={m}, got {scale.dtype} {list(scale.shape)} on {scale.device}"
+            )
+        return params, group
+
+    def fake(self, *args, **kwargs):
+        _, group = self.validate(args, kwargs)
+        ref = args[0]
+        if self.backward:
+            return tuple(torch.empty(ref.shape, dtype=ref.dtype, device=ref.device) for _ in range(3))
+        lead, m = ref.shape[:-1], ref.shape[-1]
+        return (
+            torch.empty(ref.shape, dtype=ref.dtype, device=ref.device),
+            torch.empty((*lead, 2 * m), dtype=torch.float8_e4m3fn, device=ref.device),
+            torch.empty((*lead, 2 * m // group), dtype=torch.float32, device=ref.device),
+        )
+
+    def _cpu_kernel(self) -> Callable:
+        """The ATen formula: the gated op (its CPU kernel) and ffn_ext.quant's formula, or its reading back. Also the
+        CUDA kernel where the CUDA library has none, and for float64 inputs."""
+        fwd, bwd = OP[self.gated.name], OP[self.gated.name + "_backward"]
+
+        def cache(gate, up, **kwargs):
+            params, group = self.validate((gate, up), kwargs)
+            h = fwd(gate, up, **params).contiguous()
+            recipe = self.quant.QuantRecipe(group_size=group)
+            q, scale = self.quant.reference_quantize(torch.cat((gate, up), -1), recipe, self.qualname)
+            return h, q, scale
+
+        def cached_backward(grad, q, scale, **kwargs):
+            params, _ = self.validate((grad, q, scale), kwargs)
+            gate, up = self.quant.dequantize(q, scale, grad.dtype).chunk(2, -1)
+            dgate, dup = bwd(grad, gate, up, **params)
+            return dgate.contiguous(), dup.contiguous(), fwd(gate, up, **params).contiguous()
+
+        return cached_backward if self.backward else cache
+
+    def _batch_rule(self, info, in_dims, *args, **kwargs):
+        """Row by row, so one call on the batch (its dim moved to the front) is each sample's."""
+        b = info.batch_size
+        args = tuple(t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims))
+        return self.overload(*args, **kwargs), (0, 0, 0)
+
+
 _RECIPE = tuple(f.split(" ")[-1] for f in QUANT_RECIPE_SCHEMA.split(", "))  # the recipe's schema arguments
 
 OP: dict[str, Op] = {name: Op(name) for name in OPS}  # every op of the namespace by name (add_quant: the quant ops)
@@ -700,19 +822,19 @@ def register(cuda_kernels: bool, cuda_off: str | None = None, dtensor_registrar=
     lib = torch.library.Library("ffn_ext", "IMPL")  # noqa: TOR901  # (not a new namespace: the schemas exist)
     _libs.append(lib)
     for o in OP.values():
-        o.register(lib, _quant_cuda() if isinstance(o, QuantOp) else cuda_kernels)
+        o.register(lib, _native_cuda(o) if isinstance(o, QuantOp) else cuda_kernels)
 
 
-def _quant_cuda() -> bool:
-    """The native library has the quantizing ops' CUDA kernels (it may have the table's without them)."""
-    return _cuda_kernels and torch._C._dispatch_has_kernel_for_dispatch_key("ffn_ext::quantize", "CUDA")
+def _native_cuda(o: Op) -> bool:
+    """The native library has this quantizing or cache op's CUDA kernel (it may have the table's without them)."""
+    return _cuda_kernels and torch._C._dispatch_has_kernel_for_dispatch_key(f"ffn_ext::{o.name}", "CUDA")
 
 
 def add_quant(quant) -> None:
-    """The quantizing ops join OP, made with ffn_ext.quant's recipe and formula (`quant`, which imports this module:
-    it calls this), registered now if register() has run, else with the other ops."""
-    for name in QUANT_SCHEMAS:
+    """The quantizing and FP8 cache ops join OP, made with ffn_ext.quant's recipe and formula (`quant`, which
+    imports this module: it calls this), registered now if register() has run, else with the other ops."""
+    for name in (*QUANT_SCHEMAS, *CACHE_SCHEMAS):
         if name not in OP:
-            OP[name] = QuantOp(name, quant)
+            OP[name] = CacheOp(name, quant) if name in CACHE_SCHEMAS else QuantOp(name, quant)
             if _libs:
-                OP[name].register(_libs[0], _quant_cuda())
+                OP[name].register(_libs[0], _native_cuda(OP[name]))

@@ -124,7 +124,8 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False, on_pre=None):
     """y = down(op(gate_up(x))) over chunks of `chunk` rows of x (leading dims flattened): no tensor larger than
     chunk x 2*d_ff is made. Computes in the dtype the first chunk's projection takes (autocast's, else x's) with
     every operand cast to it once. Writes each chunk of y in place (functional=True: concatenates, for torch.func
-    transforms). on_pre(start row, projections) sees each chunk's projections. Returns (y, that dtype)."""
+    transforms). on_pre(start row, projections) sees each chunk's projections, and may return their h (made in the
+    same pass as what it keeps). Returns (y, that dtype)."""
     xr = _rows(x)
     first = _project(xr[:chunk], ws, bs)
     dtype = first[0].dtype
@@ -137,9 +138,9 @@ def _chunked(op, x, ws, wd, bs, bd, chunk, functional=False, on_pre=None):
         for s in range(0, n, chunk):
             pre = first if s == 0 else _project(xr[s : s + chunk], ws, bs)
             first = None
-            if on_pre is not None:
-                on_pre(s, pre)
-            h = _activate(op, pre)
+            h = None if on_pre is None else on_pre(s, pre)
+            if h is None:
+                h = _activate(op, pre)
             del pre
             if functional:
                 outs.append(F.linear(h, wd, bd))
@@ -184,6 +185,8 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
     ctx.plain, ctx.transposed, ctx.pre_spent, ctx.saved = plain, transposed, False, None
     saved_w = (*ws, wd)
     halves = 2 if ctx.k == 1 and not plain else 1  # a packed projection's FP8 groups stay within gate or up
+    # the FP8 cache written by the gated op's own pass (<gated>_cache), read by its cached backward
+    ctx.fused = fused = saved == torch.float8_e4m3fn and _cache_fusable(op, plain, ctx.k)
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
     with _autocast_cache_off(x):
@@ -192,19 +195,26 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
             ctx.chunk, pre = chunk, ()
         elif saved is not None and _in_blocks(x):  # the projections made, used and kept a block of rows at a time
             rows = x.numel() // x.shape[-1]
-            keeper = _Keeper(saved, halves, rows)
+            keeper = _Keeper(saved, halves, rows, op if fused else None)
             y, ctx.dtype = _chunked(op, x, ws, wd, bs, bd, _step(rows), on_pre=keeper.add)
             ctx.chunk, ctx.saved, pre = None, saved, keeper.tensors(tuple(x.shape[:-1]))
         else:
             pre = _project(x, ws, bs)
-            y = _blocked_down(op, pre, wd, bd, x) if _in_blocks(x) else None
-            if y is None:
-                y = _linear_out(_activate(op, pre), wd, bd)
             ctx.chunk, ctx.dtype = None, pre[0].dtype
-            if recompute:
-                pre = ()
-            elif saved is not None and saved != ctx.dtype:
-                ctx.saved, pre = saved, keep(pre, saved, halves)
+            if fused and saved != ctx.dtype:  # (below _SPLIT_ROWS rows, or compiled)
+                h, *cache = _cache(op, pre)
+                y = _linear_out(h, wd, bd)
+                del h
+                ctx.saved, pre = saved, tuple(c.view(*x.shape[:-1], -1) for c in cache)
+            else:
+                ctx.fused = False
+                y = _blocked_down(op, pre, wd, bd, x) if _in_blocks(x) else None
+                if y is None:
+                    y = _linear_out(_activate(op, pre), wd, bd)
+                if recompute:
+                    pre = ()
+                elif saved is not None and saved != ctx.dtype:
+                    ctx.saved, pre = saved, keep(pre, saved, halves)
     ctx.save_for_backward(x, *saved_w, *bs, *pre)
     return y
 
@@ -294,12 +304,30 @@ def check_saved_dtype(fn: str, saved_dtype, d_ff: int | None, recompute=False, t
     return saved_dtype
 
 
+def _cache_fusable(op, plain: bool, k: int) -> bool:
+    """Whether the FP8 cache is written and read by the gated op's cache ops (<gated>_cache, _cached_backward):
+    a gated MLP with gate and up separate or packed "concat". The classic FFN and the interleaved layout keep theirs
+    through ffn_ext.quantize and read it with PyTorch's ops."""
+    return not plain and isinstance(op, Gating) and (k == 2 or op.layout == "concat")
+
+
+def _cache(op, pre) -> tuple:
+    """(h, q, scale) of the projections `pre` ((gate, up), or (gate_up,) "concat") by <gated>_cache: q [..., 2M]
+    holds gate's FP8 values then up's."""
+    gate, up = pre if len(pre) == 2 else pre[0].chunk(2, -1)
+    group = _saved_group(gate.shape[-1])
+    assert group is not None  # check_saved_dtype refused d_ff before the Function ran
+    return op.cache(gate, up, group)
+
+
 class _Keeper:
     """Writes the projections into their cache a block of rows at a time (`add`, blocks of [rows, width]), so that
-    the quantization's temporaries stay a block's: FP8 values and a float32 scale per group, or bf16 values."""
+    the quantization's temporaries stay a block's: FP8 values and a float32 scale per group, or bf16 values. With
+    `op` (a Gating: _cache_fusable) one (values, scale) pair for both projections, written by <gated>_cache, and
+    `add` returns the block's h."""
 
-    def __init__(self, saved, halves: int, rows: int):
-        self.saved, self.halves, self.rows = saved, halves, rows
+    def __init__(self, saved, halves: int, rows: int, op=None):
+        self.saved, self.halves, self.rows, self.op = saved, halves, rows, op
         self.bufs: list = []
         self.fp8 = saved == torch.float8_e4m3fn
         if self.fp8:
@@ -307,7 +335,15 @@ class _Keeper:
 
             self.recipe_of, self.quantize = QuantRecipe, quantize
 
-    def add(self, s: int, pre) -> None:
+    def add(self, s: int, pre):
+        if self.op is not None:
+            h, qb, sb = _cache(self.op, pre)
+            if not self.bufs:
+                self.bufs.append((qb.new_empty((self.rows, qb.shape[-1])), sb.new_empty((self.rows, sb.shape[-1]))))
+            q, scale = self.bufs[0]
+            q[s : s + qb.shape[0]].copy_(qb)
+            scale[s : s + sb.shape[0]].copy_(sb)
+            return h
         if not self.bufs:
             group = _saved_group(pre[0].shape[-1] // self.halves) if self.fp8 else None
             if self.fp8:
@@ -325,6 +361,7 @@ class _Keeper:
                 qb, sb = self.quantize(p, self.recipe)
                 q[s:e].copy_(qb)
                 scale[s:e].copy_(sb)
+        return None
 
     def tensors(self, lead: tuple) -> tuple:
         """(values, scale) of each projection, in its shape lead + (width,); the scale None for bf16."""
@@ -352,16 +389,36 @@ class Kept:
     def _read(self, q, scale):
         if scale is None:
             return q.to(self.dtype)
-        wide = torch.promote_types(self.dtype, torch.float32)  # float64 reads the FP8 values exactly
-        g = q.shape[-1] // scale.shape[-1]
-        v = q.reshape(*scale.shape, g).to(wide).mul_(scale.to(wide).unsqueeze(-1))  # (one temporary)
-        return v.reshape(q.shape).to(self.dtype)
+        from .quant import dequantize  # (ops level: imported on the first use, not with ffn_ext.mlp)
+
+        return dequantize(q, scale, self.dtype)
 
     def whole(self):
         return self._read(self.q, self.scale)
 
     def __getitem__(self, rows: slice):
         return self._read(_rows(self.q)[rows], None if self.scale is None else _rows(self.scale)[rows])
+
+
+class Cached:
+    """Both projections' FP8 cache as <gated>_cache wrote it (q [rows, 2M]: gate's values, then up's; its scales),
+    read by the gated op's cached backward a block of rows at a time (`step`), which makes d_gate, d_up and h in one
+    pass. k: 2 (gate and up) or 1 (gate_up "concat"): the gradients' form."""
+
+    def __init__(self, q, scale, dtype, op, k: int):
+        self.q, self.scale, self.dtype, self.op, self.k = _rows(q), _rows(scale), dtype, op, k
+
+    def halves(self) -> tuple:
+        """The cache as the projections' Kept (gate and up, or gate_up), for the paths that read the values."""
+        if self.k == 1:
+            return (Kept(self.q, self.scale, self.dtype),)
+        m, n = self.q.shape[-1] // 2, self.scale.shape[-1] // 2
+        return Kept(self.q[:, :m], self.scale[:, :n], self.dtype), Kept(self.q[:, m:], self.scale[:, n:], self.dtype)
+
+    def step(self, dh, rows: slice = slice(None)) -> tuple:
+        """([d_gate, d_up] or [d_gate_up], h) of `rows` from their h's gradient dh ([rows, M])."""
+        dg, du, h = self.op.cached_backward(dh, self.q[rows], self.scale[rows])
+        return ([dg, du] if self.k == 2 else [torch.cat((dg, du), -1)]), h
 
 
 def _rows_of(p):
@@ -381,14 +438,19 @@ def _backward(ctx, dy, needs):
     if pre and ctx.pre_spent:  # an earlier backward (retain_graph=True) wrote its gradients over them: recompute
         pre = ()
     if pre and ctx.saved is not None:  # kept in saved_dtype (never written over)
-        pre = tuple(Kept(pre[i], pre[i + 1], dtype) for i in range(0, len(pre), 2))
+        if ctx.fused:
+            pre = (Cached(*pre, dtype, op, k),)
+            if not (n_x or any(n_ws) or any(n_bs)):  # h alone: read the values (the cached backward makes d_pre)
+                pre = pre[0].halves()
+        else:
+            pre = tuple(Kept(pre[i], pre[i + 1], dtype) for i in range(0, len(pre), 2))
     if not torch.is_grad_enabled() and ctx.plain:
         step = _plain_block(rows) if ctx.chunk is None else min(ctx.chunk, _plain_block(rows))
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, step)
     if not torch.is_grad_enabled() and ctx.chunk is not None:
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, max(1, ctx.chunk // 2))
     if not torch.is_grad_enabled() and rows >= _SPLIT_ROWS:
-        if pre and isinstance(pre[0], Kept) and rows > x.shape[-1]:
+        if pre and isinstance(pre[0], (Kept, Cached)) and rows > x.shape[-1]:
             # blocks read from the cache, no [rows, d_ff] tensor made whole, and the weight gradients accumulated
             # across them: held through the blocks, they cost less than whole projections' gradients where rows >
             # d_model (else _inplace_backward: whole gradients, written a block at a time)
@@ -399,9 +461,12 @@ def _backward(ctx, dy, needs):
         return _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre, -(-rows // 2))
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
+    cached = None
     if not pre or torch.is_grad_enabled():  # recompute or token_chunk, or create_graph=True (then gate and up must be
         # functions of x and the weights; with token_chunk that is the whole projection at once)
         pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
+    elif isinstance(pre[0], Cached):
+        cached, pre = pre[0], ()
     elif isinstance(pre[0], Kept):
         pre = tuple(p.whole() for p in pre)
     # Peak memory (one block: fewer than _SPLIT_ROWS rows, or create_graph): each [tokens, d_ff] gradient is dropped
@@ -410,14 +475,20 @@ def _backward(ctx, dy, needs):
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
     want_pre = n_x or any(n_ws) or any(n_bs)
     if want_pre:
-        d_pre = _act_backward(op, dy.matmul(wd), pre)
+        if pre:
+            d_pre = _act_backward(op, dy.matmul(wd), pre)
+        else:  # the FP8 cache (want_pre: _backward kept it whole): d_pre and h from one pass, h used at once
+            d_pre, h = cached.step(_rows(dy.matmul(wd)))
+            if n_wd:
+                d_wd = _wgrad(h, _rows(dy)) if ctx.transposed else _wgrad(_rows(dy), h)
+            del h, cached
         for i in range(k):
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
                 d_x = d_pre[i].matmul(ws[i]) if d_x is None else _rows(d_x).addmm_(_rows(d_pre[i]), ws[i])
             d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i], ctx.transposed)
             d_pre[i] = None
         d_x = None if d_x is None else d_x.reshape(x.shape)
-    if n_wd:  # recompute h
+    if n_wd and d_wd is None:  # recompute h
         h = _rows(_activate(op, pre))
         d_wd = _wgrad(h, _rows(dy)) if ctx.transposed else _wgrad(_rows(dy), h)
     d_bd = _rows(dy).sum(0) if n_bd else None
@@ -481,8 +552,13 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     dy, x, wd = _cast(dy, dtype), _cast(x, dtype), _cast(wd, dtype)
     ws = tuple(_cast(w, dtype) for w in ws)
     want_pre = n_x or any(n_ws) or any(n_bs)
-    kept = pre if pre and isinstance(pre[0], Kept) else None  # saved_dtype: read a block at a time, into new buffers
-    if kept:
+    kept = pre if pre and isinstance(pre[0], (Kept, Cached)) else None  # saved_dtype: read a block at a time, into
+    # new buffers (the cached backward's: gate_up's [rows, 2M] or gate's and up's [rows, M])
+    cached = kept[0] if kept and isinstance(kept[0], Cached) else None
+    if cached is not None:
+        m = cached.q.shape[-1] // 2
+        pre = tuple(dy.new_empty((cached.q.shape[0], 2 * m // k), dtype=dtype) for _ in range(k))
+    elif kept:
         pre = tuple(dy.new_empty(p.q.shape, dtype=dtype) for p in kept) if want_pre else ()
     elif pre:
         ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
@@ -498,6 +574,15 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     step = _step(n)
     for s in range(0, n, step):
         out, dys = [p[s : s + step] for p in d_pre], dyr[s : s + step]
+        if cached is not None:  # (want_pre: _backward made the cache Kept halves where only h is wanted)
+            grads, h = cached.step(dys.matmul(wd), slice(s, s + step))
+            if n_wd:
+                d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
+            del h
+            for i in range(k):
+                out[i].copy_(grads[i])
+            del grads, out
+            continue
         block = [p[s : s + step] for p in kept] if kept else out
         if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
             h = _activate(op, block)
@@ -530,7 +615,8 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     xr, dyr = _cast(_rows(x), dtype), _cast(_rows(dy), dtype)
     wsc, wdc = tuple(_cast(w, dtype) for w in ws), _cast(wd, dtype)
     bsc = tuple(_cast(b, dtype) for b in bs)
-    pre_rows = tuple(_rows_of(p) for p in pre)
+    cached = pre[0] if pre and isinstance(pre[0], Cached) else None  # (want_pre: see _backward)
+    pre_rows = () if cached is not None else tuple(_rows_of(p) for p in pre)
     n = xr.shape[0]
     d_x = xr.new_empty(xr.shape) if n_x else None
     d_ws, d_bs, d_wd, d_bd = [None] * k, [None] * k, None, None
@@ -538,13 +624,17 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
     tr = ctx.transposed
     for s in range(0, n, step):
         xs, dys = xr[s : s + step], dyr[s : s + step]
-        pre = tuple(p[s : s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
         d_pre = None
-        if ctx.plain and want_pre and n_wd:  # d_fc1 and h = act(fc1) from one elementwise step
-            d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
-            d_pre = [d_pre]
+        if cached is not None:  # d_pre and h from the FP8 cache in one pass
+            pre = ()
+            d_pre, h = cached.step(dys.matmul(wdc), slice(s, s + step))
         else:
-            h = _activate(op, pre) if n_wd else None
+            pre = tuple(p[s : s + step] for p in pre_rows) if pre_rows else _project(xs, wsc, bsc)
+            if ctx.plain and want_pre and n_wd:  # d_fc1 and h = act(fc1) from one elementwise step
+                d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
+                d_pre = [d_pre]
+            else:
+                h = _activate(op, pre) if n_wd else None
         if n_wd:
             d_wd = _acc_mm(d_wd, h, dys, wd.dtype) if tr else _acc_mm(d_wd, dys, h, wd.dtype)
         del h  # before the gated backward's d_pre: a [step, d_ff] tensor fewer at its peak

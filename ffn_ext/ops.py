@@ -320,6 +320,17 @@ class Gating:
             return (self._ops[3](grad, gate, **self._packed_kwargs),)
         return tuple(self._ops[2](grad, gate, up, **self._kwargs))
 
+    def cache(self, gate: torch.Tensor, up: torch.Tensor, group_size: int = 128) -> tuple:
+        """(h, q, scale) in one pass: h = self(gate, up), and gate and up in FP8 (float8_e4m3fn) for backward, q
+        [..., 2M] holding gate's values then up's, scale [..., 2M / group_size] their float32 scale per group
+        (ffn_ext.quant's formula): the op's <gated>_cache."""
+        return tuple(_OP[self.op + "_cache"](gate, up, group_size=group_size, **self._kwargs))
+
+    def cached_backward(self, grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tuple:
+        """(dgate, dup, h) of gate and up read back from cache()'s q and scale, in grad's dtype, in one pass: the
+        op's <gated>_cached_backward."""
+        return tuple(_OP[self.op + "_cached_backward"](grad, q, scale, **self._kwargs))
+
     def __setattr__(self, name, value):
         raise AttributeError("ffn_ext.Gating is immutable")
 

@@ -201,6 +201,16 @@ def reference_quantize(h: torch.Tensor, recipe: QuantRecipe, op: str = "ffn_ext.
     return q, _layout(scale, recipe)
 
 
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale in `dtype` for row-layout group scales ([..., K] and [..., K / G], G dividing K): each value
+    widened (float32, float64 for float64, which reads the FP8 values exactly), times its group's scale, rounded to
+    `dtype` once; one temporary of the wide dtype."""
+    wide = torch.promote_types(dtype, torch.float32)
+    g = q.shape[-1] // scale.shape[-1]
+    v = q.reshape(*scale.shape, g).to(wide).mul_(scale.to(wide).unsqueeze(-1))
+    return v.reshape(q.shape).to(dtype)
+
+
 def _fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (within +-fp8_max, or NaN) cast to fp8, NaN as the positive canonical NaN 0x7F (torch's cast keeps the
     NaN's sign bit, which float arithmetic does not define; the GPU's conversion gives 0x7F)."""

@@ -560,9 +560,36 @@ def _quant_schemas() -> dict:
 
 
 QUANT_SCHEMAS = _quant_schemas()  # name -> schema
+
+# The FP8 activation cache's ops (saved_dtype=torch.float8_e4m3fn in ffn_ext.mlp), for every gated op:
+#   <gated>_cache(gate, up, *, group_size=128, params) -> (h, q, scale): h the gated op's output; gate and up
+#     quantized by ffn_ext.quant's formula (float8_e4m3fn, float32 scales per 1 x group_size group) into q [..., 2M]
+#     (gate's values, then up's) and scale [..., 2M / group_size], in one pass;
+#   <gated>_cached_backward(grad, q, scale, *, params) -> (dgate, dup, h): gate and up read back from the cache
+#     (fp8 * scale, rounded to grad's dtype), then the gated op's backward and forward of them, in one pass.
+# Forward only (they serve the MLPs' autograd); csrc/cache_kernel.h has their CUDA kernels.
+CACHE_GROUP_SIZES = (128, 64, 32)
+
+
+def _cache_schemas() -> dict:
+    out = {}
+    for g in GATED:
+        params = [f"float {p.name}" + ("" if p.default is None else f"={p.default!r}") for p in g.params]
+        kw = ", ".join(["*", "int group_size=128", *params])
+        out[g.name + "_cache"] = f"{g.name}_cache(Tensor gate, Tensor up, {kw}) -> (Tensor, Tensor, Tensor)"
+        back = ", ".join(["Tensor grad", "Tensor q", "Tensor scale", *(["*", *params] if params else [])])
+        out[g.name + "_cached_backward"] = f"{g.name}_cached_backward({back}) -> (Tensor, Tensor, Tensor)"
+    return out
+
+
+CACHE_SCHEMAS = _cache_schemas()  # name -> schema
 # Every schema of the ffn_ext namespace, (schema, pointwise) in registration order: what the native library
 # registers (csrc/registration.cpp, from the generated ops_table.h) and, without one, ffn_ext._kernels.define.
-SCHEMAS = [(s.schema, s.pointwise) for s in OPS.values()] + [(q, False) for q in QUANT_SCHEMAS.values()]
+SCHEMAS = (
+    [(s.schema, s.pointwise) for s in OPS.values()]
+    + [(q, False) for q in QUANT_SCHEMAS.values()]
+    + [(c, False) for c in CACHE_SCHEMAS.values()]
+)
 
 
 def op_spec(name: str) -> OpSpec:

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 import ffn_ext
+from ffn_ext.table import CACHE_SCHEMAS, GATED_BY_NAME
 from ffn_ext.table import OPS as SPECS
 
 STANDIN_ENV = "FFN_EXT_CUDA_STANDIN"  # 0: without a GPU, every cuda test skips (no stand-in run)
@@ -69,7 +70,11 @@ NO_STANDIN = {
     **{
         name: "opcheck's fake-tensor and AOT-dispatch checks make meta tensors from the device the inputs report, "
         "which in the stand-in is not their storage's (its cpu parametrization runs the same Python)"
-        for name in ("test_opcheck.py::test_opcheck", "test_opcheck.py::test_opcheck_partial_requires_grad_and_bf16")
+        for name in (
+            "test_opcheck.py::test_opcheck",
+            "test_opcheck.py::test_opcheck_partial_requires_grad_and_bf16",
+            "test_cache_ops.py::test_opcheck",
+        )
     },
     "test_threads.py::test_concurrent_first_calls_cuda": "first calls from 16 threads in a subprocess, on real CUDA tensors: outside the stand-in",
 }
@@ -134,6 +139,12 @@ class _EmulatedKernels(TorchDispatchMode):
         ):
             return func(*args, **kwargs)
         op = name.split("::", 1)[1]
+        if op in CACHE_SCHEMAS:  # the FP8 activation cache's ops (their kernels: _emulate_cache)
+            gated = GATED_BY_NAME[op[: op.rindex("_cache")]]
+            params = [float(kwargs.get(p.name, p.default)) for p in gated.params]
+            outs = native.testing()._emulate_cache(op, list(args), params, int(kwargs.get("group_size", 128)))
+            self.calls[op] = self.calls.get(op, 0) + 1
+            return tuple(outs)
         spec = SPECS[op]
         params = [float(kwargs.get(p.name, p.default)) for p in spec.params]
         outs = native.testing()._emulate_cuda(op, list(args), SMS, params, kwargs.get("layout", "concat"))

@@ -5,6 +5,7 @@ compiled from ffn_ext's own headers. They are not part of ffn_ext (its _C and it
   _host_fp8(x, format), _host_quant_scale(amax, fp8_max, pow2)   ffn_math.h's FP8 conversion and group scale
   _emulate_cuda(op, inputs, sms=132, params=[], layout="concat")  a row op's whole CUDA launch emulated on the host
   _emulate_quant(op, inputs, params, layout, format, ...)         a quantizing op's CUDA launches emulated
+  _emulate_cache(op, inputs, params, group_size)                   an FP8 cache op's CUDA launch emulated
 
 testing() returns the module, building it first when it is missing or older than its sources (tests/csrc/*, the
 headers under ffn_ext's csrc/); a build that fails raises with the compiler's output, so that a test needing it

@@ -17,6 +17,7 @@ by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every architectu
   * the vector path (sass_reader.vector_path) moves kUnroll 16-byte packs per operand (an interleaved pair
     operand: two per VEC elements) and issues all its loads before any floating-point math (csrc/rows.h);
   * sm_90's quantizing kernels convert to fp8 with the hardware instruction;
+  * the FP8 activation cache's kernels: once per (kind, gated op, dtype), no spills, their vector accesses;
 and the binary holds exactly the SASS and PTX the architecture list asked for (TORCH_CUDA_ARCH_LIST, else
 default_cuda_archs of csrc/build.json), which must also be what the build reports (build_info()['cuda_archs']).
 Skips when the extension has no CUDA kernels or no cuobjdump is found.
@@ -94,7 +95,18 @@ def _quant_kind(name: str) -> str | None:
 
 
 def _is_quant(name: str) -> bool:
-    return _quant_kind(name) is not None
+    """A quantizing kernel, or one of the FP8 activation cache's (checked apart from the row kernels too)."""
+    return _quant_kind(name) is not None or _cache_kernel(name) is not None
+
+
+CACHE_KINDS = ("cache_kernel", "cached_backward_kernel")  # <gated>_cache, <gated>_cached_backward
+_CACHE = re.compile(r"5quant.*?\d+(cache_kernel|cached_backward_kernel)I(N3c108BFloat16E|N3c104HalfE|f)(?=N)")
+
+
+def _cache_kernel(name: str) -> tuple[str, str] | None:
+    """(kind, dtype) of ffn_ext::quant::(anonymous)::cache_kernel / cached_backward_kernel<T, Gate>, mangled."""
+    m = _CACHE.search(name)
+    return (m.group(1), S.DTYPES[m.group(2)][0]) if m else None
 
 
 def test_quant_kernels_use_no_stack_or_local_memory():
@@ -118,6 +130,46 @@ def test_quant_kernel_inventory():
         kinds = [_quant_kind(n) for a, n in res if a == arch and _is_quant(n)]
         counts = {k: kinds.count(k) for k in QUANT_KINDS}
         assert counts == dict.fromkeys(QUANT_KINDS, per), f"sm_{arch}: {counts}, expected {per} of each"
+
+
+def test_cache_kernels_inventory_and_no_spills():
+    """The FP8 activation cache's kernels (csrc/cache_kernel.h, in quant_part*.cu): per arch, each kind once per
+    (gated op, input dtype: float32, float16, bfloat16), and no stack or local memory."""
+    res = {k: v for k, v in S.parse_resources(dump("res")).items() if _cache_kernel(k[1]) is not None}
+    archs = {a for a, _ in res}
+    assert archs, "no cache_kernel in the extension's resource usage"
+    for arch in sorted(archs):
+        kinds = [_cache_kernel(n)[0] for a, n in res if a == arch]
+        counts = {k: kinds.count(k) for k in CACHE_KINDS}
+        assert counts == dict.fromkeys(CACHE_KINDS, 3 * len(GATED)), f"sm_{arch}: {counts}"
+    bad = {f"sm_{a} {n}": r for (a, n), r in res.items() if r.get("STACK") or r.get("LOCAL")}
+    assert not bad, f"cache kernels with stack or local memory: {bad}"
+
+
+def test_cache_kernels_vector_accesses_and_conversion():
+    """_cache loads a chunk of gate and of up with 16-byte loads, stores h's chunk with 16-byte stores and each
+    fp8 chunk with an 8-byte store, converting with F2FP.SATFINITE.E4M3 on sm_90 (none on sm_80: the software
+    path); _cached_backward loads its fp8 chunks with 8-byte loads and grad's with 16-byte ones, and stores dgate,
+    dup and h with 16-byte stores (benchmarks/sass_budget.py does not trace these)."""
+    funcs = {k: v for k, v in S.parse_sass(dump("sass")).items() if _cache_kernel(k[1]) is not None}
+    assert funcs, "no cache kernel in the extension's SASS"
+    load64 = re.compile(r"\bLDG(?:\.[A-Z0-9_]+)*\.64\b")
+    store64 = re.compile(r"\bSTG(?:\.[A-Z0-9_]+)*\.64\b")
+    for (arch, name), ins in funcs.items():
+        kind, dtype = _cache_kernel(name)
+        ops = [op for _, op in ins]
+        chunk = S.QUANT_LANE * S.DTYPE_SIZE[dtype] // 16  # 16-byte accesses per chunk of 8 elements
+        count = lambda r: sum(r.search(op) is not None for op in ops)  # noqa: E731
+        where = f"sm_{arch} {kind} {dtype}"
+        convs = {m.group(1) for op in ops if (m := S.F2FP_FP8.search(op))}
+        if kind == "cache_kernel":
+            assert count(S.LOAD_128) >= 2 * chunk, f"{where}: 16-byte loads"
+            assert count(S.STORE_128) >= chunk and count(store64) >= 2, f"{where}: h's or the fp8 chunks' stores"
+            assert convs == ({"E4M3"} if arch >= 89 else set()), f"{where}: fp8 conversions {convs}"
+        else:
+            assert count(load64) >= 2 and count(S.LOAD_128) >= chunk, f"{where}: the cache's or grad's loads"
+            assert count(S.STORE_128) >= 3 * chunk, f"{where}: dgate, dup and h's stores"
+            assert not convs, f"{where}: converts to fp8"
 
 
 def _quant_funcs(arch: int) -> dict:

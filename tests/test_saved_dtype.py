@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ffn_ext
 from ffn_ext import mlp
@@ -335,3 +336,38 @@ def test_both_blocked_backwards(d_model):
     exact = torch.autograd.grad(_gated_ref("silu", False)(*leaves), leaves, dy)
     for g, e in zip(got, exact):
         assert 1e-4 < _rel(g, e) < TOL[FP8]
+
+
+class _Calls(TorchDispatchMode):
+    """Counts the ffn_ext ops the dispatcher runs (with a mode active every op call takes the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("ffn_ext::"):
+            self.ops[name[9:]] = self.ops.get(name[9:], 0) + 1
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("form", ["swiglu", "geglu_tanh_packed", "clamped_interleaved"])
+def test_the_gated_ops_own_pass_writes_and_reads_the_fp8_cache(form, rows):
+    # gate and up separate or packed "concat": <gated>_cache makes h and the FP8 cache in one pass and
+    # <gated>_cached_backward reads it (d_gate, d_up and h in one pass, no recompute of h, no widened copy); the
+    # interleaved layout quantizes with ffn_ext.quantize and reads the cache with PyTorch's ops
+    call, _, packed = FORMS[form]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, D_MODEL, generator=gen, requires_grad=True)
+    w = [t.requires_grad_() for t in _weights(packed, gen)]
+    with _Calls() as calls:
+        y = call(x, w, FP8)
+        torch.autograd.grad(y.sum(), [x, *w])
+    op = {"swiglu": "swiglu", "geglu_tanh_packed": "geglu_tanh"}.get(form)
+    if op is None:
+        assert calls.ops.get("quantize") and not any("cache" in k for k in calls.ops), calls.ops
+        return
+    assert calls.ops.get(op + "_cache") and calls.ops.get(op + "_cached_backward"), calls.ops
+    assert "quantize" not in calls.ops and op not in calls.ops and op + "_backward" not in calls.ops, calls.ops

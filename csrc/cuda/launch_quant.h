@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../cache_kernel.h"
 #include "../quant_kernel.h"
 
 namespace ffn_ext {
@@ -30,8 +31,15 @@ inline int64_t tensor_blocks(const QuantProblem& p, int sms) {
 template <typename T, class F, bool Pair>
 cudaError_t launch_quant(const QuantProblem& p, const F& f, cudaStream_t stream, int sms, float* parts);
 
+// The FP8 activation cache's kernels (../cache_kernel.h) for (T, Gate) on `stream`, one launch each; returns the
+// launch error.
+template <typename T, class Gate>
+cudaError_t launch_cache(const CacheProblem& p, const Gate& gate, cudaStream_t stream, int sms);
+template <typename T, class Gate>
+cudaError_t launch_cached_backward(const CacheProblem& p, const Gate& gate, cudaStream_t stream, int sms);
+
 // Takes the address of every launch_quant<T, F, Pair> of part Part, so that quant_part<Part>.cu, which explicitly
-// instantiates it, emits them (and their kernels) for ops.cpp. `keep` only has to be opaque to the compiler;
+// instantiates it, emits them (and launch_cache / launch_cached_backward of its gated lines) (and their kernels) for ops.cpp. `keep` only has to be opaque to the compiler;
 // nothing calls this.
 template <int Part>
 void quant_kernels_of_part(void (*keep)(const void*));

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <string>
 
+#include "../cache_ops.h"
 #include "../quant_ops.h"
 #include "../quant_recipe.cpp"
 #include "../row_ops.h"
@@ -93,6 +94,19 @@ struct CudaQuant {
   }
 };
 
+// CacheOps<CudaCache>: the FP8 activation cache's problems (../cache_ops.h).
+struct CudaCache {
+  using Guard = cuda::Guard;
+  template <typename T, class Gate>
+  static void cache(const quant::CacheProblem& p, const Gate& gate) {
+    STD_CUDA_CHECK((quant::launch_cache<T, Gate>(p, gate, current_stream(), sm_count())));
+  }
+  template <typename T, class Gate>
+  static void cached_backward(const quant::CacheProblem& p, const Gate& gate) {
+    STD_CUDA_CHECK((quant::launch_cached_backward<T, Gate>(p, gate, current_stream(), sm_count())));
+  }
+};
+
 }  // namespace
 }  // namespace cuda
 }  // namespace ffn_ext
@@ -101,6 +115,7 @@ struct CudaQuant {
 STABLE_TORCH_LIBRARY_IMPL(ffn_ext, CUDA, m) {
   ffn_ext::rows::impl_all<ffn_ext::cuda::CudaLauncher>(m);
   ffn_ext::quant::impl_quant_all<ffn_ext::cuda::CudaQuant>(m);
+  ffn_ext::quant::impl_cache_all<ffn_ext::cuda::CudaCache>(m);
 }
 
 // What this library was built with, for ffn_ext/_loader.py (ctypes, without going through torch):

@@ -108,7 +108,58 @@ __global__ void __launch_bounds__(kThreads) quant_tensor_kernel(QuantProblem p, 
   tensor_quant<T, F, Pair>(p, f, i, step, 1.0f / scale);
 }
 
+// The FP8 activation cache (../cache_kernel.h): the group kernel's shape, with gate's and up's amaxes shuffled.
+template <typename T, class Gate>
+__global__ void __launch_bounds__(kThreads) cache_kernel(CacheProblem p, Gate gate) {
+  const int64_t per_row = cache_lanes_per_row(p);
+  const int64_t total = p.rows * per_row;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int shift = lane_shift(p.lanes);
+  const bool writer = (threadIdx.x & (p.lanes - 1)) == 0;
+  if (per_row == 0) return;
+  LaneCursor l(static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, step, per_row);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads; base < total; base += step, l.next()) {
+    const bool ok = l.row < p.rows;
+    float g[kGroupChunks][kLaneElems], u[kGroupChunks][kLaneElems];
+    float mg = 0.0f, mu = 0.0f;
+    if (ok) cache_lane_h<T>(p, gate, l.row, l.chunk, shift, g, u, mg, mu);
+#pragma unroll
+    for (int w = 1; w < kMaxLanes; w <<= 1) {
+      if (w < p.lanes) {
+        mg = amax_step(mg, __shfl_xor_sync(0xffffffffu, mg, w));
+        mu = amax_step(mu, __shfl_xor_sync(0xffffffffu, mu, w));
+      }
+    }
+    if (ok) cache_lane_store(p, l.row, l.chunk, shift, g, u, mg, mu, writer);
+  }
+}
+
+template <typename T, class Gate>
+__global__ void __launch_bounds__(kThreads) cached_backward_kernel(CacheProblem p, Gate gate) {
+  const int64_t per_row = cached_lanes_per_row(p);
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  if (per_row == 0) return;
+  for (LaneCursor l(static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x, step, per_row); l.row < p.rows;
+       l.next()) {
+    cached_backward_lane<T>(p, gate, l.row, l.chunk);
+  }
+}
+
 }  // namespace
+
+template <typename T, class Gate>
+cudaError_t launch_cache(const CacheProblem& p, const Gate& gate, cudaStream_t stream, int sms) {
+  const int64_t blocks = cache_blocks(p.rows * cache_lanes_per_row(p), static_cast<int64_t>(sms) * 8);
+  cache_kernel<T, Gate><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, gate);
+  return cudaGetLastError();
+}
+
+template <typename T, class Gate>
+cudaError_t launch_cached_backward(const CacheProblem& p, const Gate& gate, cudaStream_t stream, int sms) {
+  const int64_t blocks = cache_blocks(p.rows * cached_lanes_per_row(p), static_cast<int64_t>(sms) * 8);
+  cached_backward_kernel<T, Gate><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, gate);
+  return cudaGetLastError();
+}
 
 template <typename T, class F, bool Pair>
 cudaError_t launch_quant(const QuantProblem& p, const F& f, cudaStream_t stream, int sms, float* parts) {
@@ -158,12 +209,23 @@ void keep_quant_types(void (*keep)(const void*)) {  // the fused dtypes (QuantOp
 // What QuantOps<CudaQuant> (ops.cpp) runs for a line: a gated op's GatedH with two operands (the op and its
 // concat packed form) and with an interleaved pair; quantize's Identity. One missing here is an undefined symbol
 // when `import ffn_ext` loads _C.
+template <class Gate>
+void keep_cache_types(void (*keep)(const void*)) {  // the cache ops' dtypes (CacheOps::typed)
+  keep(reinterpret_cast<const void*>(&launch_cache<float, Gate>));
+  keep(reinterpret_cast<const void*>(&launch_cache<c10::Half, Gate>));
+  keep(reinterpret_cast<const void*>(&launch_cache<c10::BFloat16, Gate>));
+  keep(reinterpret_cast<const void*>(&launch_cached_backward<float, Gate>));
+  keep(reinterpret_cast<const void*>(&launch_cached_backward<c10::Half, Gate>));
+  keep(reinterpret_cast<const void*>(&launch_cached_backward<c10::BFloat16, Gate>));
+}
+
 template <int Part>
 void quant_kernels_of_part(void (*keep)(const void*)) {
 #define FFN_EXT_KEEP_QUANT(name, Gate, P) \
   if constexpr (kQuantLine_##name % kQuantParts == Part) { \
     keep_quant_types<GatedH<math::Gate>, false>(keep); \
     keep_quant_types<GatedH<math::Gate>, true>(keep); \
+    keep_cache_types<math::Gate>(keep); \
   }
   FFN_EXT_GATED(FFN_EXT_KEEP_QUANT)
 #undef FFN_EXT_KEEP_QUANT

@@ -7,11 +7,13 @@
 #include "stable_target.h"  // first: the target version, before any torch header
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "cache_ops.h"
 #include "quant_ops.h"
 #include "quant_recipe.cpp"
 #include "shapes.cpp"
@@ -46,7 +48,58 @@ struct HostQuant {
   }
 };
 using K = quant::QuantKernels<HostQuant>;
+
+// The cache ops' launches on the host, with small grids (at most 3 blocks) so that the grid-stride loops run more
+// than once. Outputs poisoned first (h, dgate, dup NaN; q 0xA5; scales 12345.0f): what a kernel never writes fails
+// the comparison.
+struct HostCache {
+  using Guard = HostQuant::Guard;
+  template <typename T>
+  static void poison(void* out, int64_t n) {
+    if (out == nullptr) return;
+    T* o = static_cast<T*>(out);
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+  }
+  template <typename T, class Gate>
+  static void cache(const quant::CacheProblem& p, const Gate& gate) {
+    poison<T>(p.h, p.rows * p.cols);
+    std::memset(p.q, 0xA5, static_cast<size_t>(p.rows * 2 * p.cols));
+    for (int64_t i = 0; i < p.rows * 2 * p.cols / p.group; ++i) p.scale[i] = 12345.0f;
+    quant::emulate_cache<T>(p, gate, quant::emulated_grid(p.rows * quant::cache_lanes_per_row(p)));
+  }
+  template <typename T, class Gate>
+  static void cached_backward(const quant::CacheProblem& p, const Gate& gate) {
+    for (void* o : {p.h, p.dgate, p.dup}) poison<T>(o, p.rows * p.cols);
+    quant::emulate_cached_backward<T>(p, gate, quant::emulated_grid(p.rows * quant::cached_lanes_per_row(p)));
+  }
+};
+using KC = quant::CacheKernels<HostCache>;
 }  // namespace
+
+Handles emulate_cache(const std::string& op, const Handles& in, const Doubles& prm, int64_t group_size) {
+  const std::vector<Tensor> a(in.begin(), in.end());
+  std::tuple<Tensor, Tensor, Tensor> out;
+  bool found = false;
+#define FFN_EXT_EMU_CACHE(name, Gate, P) \
+  if (op == #name "_cache" || op == #name "_cached_backward") { \
+    found = true; \
+    params_from<math::Gate::Params>(op, prm); \
+    [[maybe_unused]] const double limit = prm.size() > 0 ? prm[0] : 0.0, alpha = prm.size() > 1 ? prm[1] : 0.0, \
+                                  up_offset = prm.size() > 2 ? prm[2] : 0.0; \
+    const size_t n = op == #name "_cache" ? 2 : 3; \
+    if (a.size() != n) usage_error("_emulate_cache: ", op, " takes ", std::to_string(n), " inputs"); \
+    out = n == 2 ? KC::name##_cache(a[0], a[1], group_size FFN_EXT_P_ARGS_##P) \
+                 : KC::name##_cached_backward(a[0], a[1], a[2] FFN_EXT_P_ARGS_##P); \
+  }
+  FFN_EXT_GATED(FFN_EXT_EMU_CACHE)
+#undef FFN_EXT_EMU_CACHE
+  if (!found) usage_error("_emulate_cache: unknown op '", op, "'");
+  Handles h(3, nullptr);
+  FFN_EXT_SHIM(aoti_torch_new_tensor_handle(std::get<0>(out).get(), &h[0]));
+  FFN_EXT_SHIM(aoti_torch_new_tensor_handle(std::get<1>(out).get(), &h[1]));
+  FFN_EXT_SHIM(aoti_torch_new_tensor_handle(std::get<2>(out).get(), &h[2]));
+  return h;
+}
 
 Handles emulate_quant(const std::string& op, const Handles& in, const Doubles& prm, const std::string& layout,
                       int32_t dtype, const std::string& scaling, int64_t group_size, bool pow2_scales,

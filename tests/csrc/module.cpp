@@ -76,6 +76,12 @@ std::vector<at::Tensor> emulate_quant_py(const std::string& op, const std::vecto
   });
 }
 
+std::vector<at::Tensor> emulate_cache_py(const std::string& op, const std::vector<at::Tensor>& in,
+                                         const Doubles& params, int64_t group_size) {
+  return python_errors(
+      [&] { return from_handles(emulate_cache(op, to_handles("_emulate_cache", in), params, group_size)); });
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace ffn_ext
@@ -99,4 +105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A quantizing op's CUDA kernel (quant_ops.h) with its launches (quant_kernel.h's per-lane and per-thread "
         "code: the group, row and tensor kernels, block by block and thread by thread) emulated on the host with "
         "CPU tensors. Errors as _emulate_cuda's.");
+  m.def("_emulate_cache", &ffn_ext::testing::emulate_cache_py, py::arg("op"), py::arg("inputs"),
+        py::arg("params") = Doubles{}, py::arg("group_size") = 128,
+        "An FP8 activation cache op's CUDA kernel (cache_ops.h: <gated>_cache with inputs [gate, up], or "
+        "<gated>_cached_backward with [grad, q, scale]) with its launch (cache_kernel.h's per-lane code, block by "
+        "block and thread by thread) emulated on the host with CPU tensors. Errors as _emulate_cuda's.");
 }

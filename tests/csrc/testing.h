@@ -70,6 +70,8 @@ using Handles = std::vector<AtenTensorHandle>;
 Handles emulate_cuda(const std::string& op, const Handles& in, int sms, const Doubles& params,
                      const std::string& layout);
 
+// emulate_quant.cpp: an FP8 activation cache op's CUDA kernel (cache_ops.h's CacheKernels), launch run on the host.
+Handles emulate_cache(const std::string& op, const Handles& in, const Doubles& params, int64_t group_size);
 // emulate_quant.cpp: a quantizing op's CUDA kernel (quant_ops.h's QuantKernels) with its launches run on the host.
 // dtype / scale_dtype: c10's ScalarType codes, as the schema passes them.
 Handles emulate_quant(const std::string& op, const Handles& in, const Doubles& params, const std::string& layout,
