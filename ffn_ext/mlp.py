@@ -186,7 +186,7 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
     saved_w = (*ws, wd)
     halves = 2 if ctx.k == 1 and not plain else 1  # a packed projection's FP8 groups stay within gate or up
     # the FP8 cache written by the gated op's own pass (<gated>_cache), read by its cached backward
-    ctx.fused = fused = saved == torch.float8_e4m3fn and _cache_fusable(op, plain, ctx.k)
+    ctx.fused = fused = not plain and cache_fusable(op, saved, ctx.k)
     if transposed:  # compute on [out, in] views of Conv1D's [in, out] weights (F.linear reads them in place)
         ws, wd = (ws[0].t(),), wd.t()
     with _autocast_cache_off(x):
@@ -201,11 +201,11 @@ def _forward(ctx, op, recompute, chunk, saved, x, ws, wd, bs, bd, plain=False, t
         else:
             pre = _project(x, ws, bs)
             ctx.chunk, ctx.dtype = None, pre[0].dtype
-            if fused and saved != ctx.dtype:  # (below _SPLIT_ROWS rows, or compiled)
-                h, *cache = _cache(op, pre)
+            if fused:  # (below _SPLIT_ROWS rows, or compiled)
+                h, *kept = cache(op, pre)
                 y = _linear_out(h, wd, bd)
                 del h
-                ctx.saved, pre = saved, tuple(c.view(*x.shape[:-1], -1) for c in cache)
+                ctx.saved, pre = saved, tuple(c.view(*x.shape[:-1], -1) for c in kept)
             else:
                 ctx.fused = False
                 y = _blocked_down(op, pre, wd, bd, x) if _in_blocks(x) else None
@@ -304,14 +304,14 @@ def check_saved_dtype(fn: str, saved_dtype, d_ff: int | None, recompute=False, t
     return saved_dtype
 
 
-def _cache_fusable(op, plain: bool, k: int) -> bool:
-    """Whether the FP8 cache is written and read by the gated op's cache ops (<gated>_cache, _cached_backward):
-    a gated MLP with gate and up separate or packed "concat". The classic FFN and the interleaved layout keep theirs
-    through ffn_ext.quantize and read it with PyTorch's ops."""
-    return not plain and isinstance(op, Gating) and (k == 2 or op.layout == "concat")
+def cache_fusable(op, saved, k: int) -> bool:
+    """Whether the FP8 cache (saved = torch.float8_e4m3fn) of a gated MLP's projections is written and read by its
+    Gating's cache ops (<gated>_cache, _cached_backward): gate and up separate (k = 2) or packed "concat" (k = 1).
+    The classic FFN and the interleaved layout keep theirs through ffn_ext.quantize and read it with PyTorch's ops."""
+    return saved == torch.float8_e4m3fn and isinstance(op, Gating) and (k == 2 or op.layout == "concat")
 
 
-def _cache(op, pre) -> tuple:
+def cache(op, pre) -> tuple:
     """(h, q, scale) of the projections `pre` ((gate, up), or (gate_up,) "concat") by <gated>_cache: q [..., 2M]
     holds gate's FP8 values then up's."""
     gate, up = pre if len(pre) == 2 else pre[0].chunk(2, -1)
@@ -337,7 +337,7 @@ class _Keeper:
 
     def add(self, s: int, pre):
         if self.op is not None:
-            h, qb, sb = _cache(self.op, pre)
+            h, qb, sb = cache(self.op, pre)
             if not self.bufs:
                 self.bufs.append((qb.new_empty((self.rows, qb.shape[-1])), sb.new_empty((self.rows, sb.shape[-1]))))
             q, scale = self.bufs[0]

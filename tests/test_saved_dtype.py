@@ -278,10 +278,14 @@ def test_experts_implementation_takes_saved_dtype():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # patched and run by "ffn_ext": no warning
         ffn_ext.patch_hf_model(model, saved_dtype=FP8)
-        out = model(impl.IDS, labels=impl.IDS)
+        with _Calls() as calls:
+            out = model(impl.IDS, labels=impl.IDS)
+    assert calls.ops.get("swiglu_cache") and "quantize" not in calls.ops, calls.ops  # one pass: h and the cache
     out0 = ref(impl.IDS, labels=impl.IDS)
     torch.testing.assert_close(out.logits, out0.logits, rtol=1e-4, atol=1e-4)
-    out.loss.backward(retain_graph=True)
+    with _Calls() as calls:
+        out.loss.backward(retain_graph=True)
+    assert calls.ops.get("swiglu_cached_backward"), calls.ops  # d_gate_up read from the cache inside the kernel
     out0.loss.backward()
     experts = [(n, p, p0) for (n, p), p0 in zip(model.named_parameters(), ref.parameters()) if ".experts." in n]
     assert experts

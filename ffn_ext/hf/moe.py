@@ -200,9 +200,13 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed, saved):
         gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
-        h = gating(gate_up)
         ctx.dtype, ctx.saved = gate_up.dtype, None if saved == gate_up.dtype else saved
-        kept = (gate_up, None) if ctx.saved is None else mlp.keep((gate_up,), saved, 2)  # saved_dtype: (q, scale)
+        ctx.fused = ctx.saved is not None and mlp.cache_fusable(gating, saved, 1)
+        if ctx.fused:  # h and the FP8 cache in one pass; backward's d_gate_up read from it in one too
+            h, *kept = mlp.cache(gating, (gate_up,))
+        else:
+            h = gating(gate_up)
+            kept = (gate_up, None) if ctx.saved is None else mlp.keep((gate_up,), saved, 2)  # saved_dtype: (q, scale)
         del gate_up  # (with saved_dtype: gone before the down projection's output is made)
         y = _down(h, ids, w_down, b_down, transposed, groups)
         del h
@@ -283,6 +287,13 @@ class _Experts(torch.autograd.Function):
             n = gate_up.shape[0]
             step = max(1, -(-n // _BLOCKS))
             for s in range(0, n, step):
+                if ctx.fused:  # the FP8 cache read inside the kernel (its h is dropped: made above)
+                    dg, du, _ = gating.cached_backward(dh[s : s + step], kept.q[s : s + step], kept.scale[s : s + step])
+                    half = dg.shape[-1]
+                    gate_up[s : s + step, :half].copy_(dg)
+                    gate_up[s : s + step, half:].copy_(du)
+                    del dg, du
+                    continue
                 block = gate_up[s : s + step] if kept is None else kept[s : s + step]
                 (d,) = gating.backward(dh[s : s + step], block)
                 gate_up[s : s + step].copy_(d)
