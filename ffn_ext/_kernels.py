@@ -757,12 +757,14 @@ class CacheOp(QuantOp):
             params, group = self.validate((gate, up), kwargs)
             h = fwd(gate, up, **params).contiguous()
             recipe = self.quant.QuantRecipe(group_size=group)
-            q, scale = self.quant.reference_quantize(torch.cat((gate, up), -1), recipe, self.qualname)
-            return h, q, scale
+            # each half alone (no group spans both): the formula's temporaries are gate's size, not [..., 2M]
+            qs = [self.quant.reference_quantize(t, recipe, self.qualname) for t in (gate, up)]
+            return h, torch.cat([q for q, _ in qs], -1), torch.cat([s for _, s in qs], -1)
 
         def cached_backward(grad, q, scale, **kwargs):
             params, _ = self.validate((grad, q, scale), kwargs)
-            gate, up = self.quant.dequantize(q, scale, grad.dtype).chunk(2, -1)
+            read = self.quant.dequantize
+            gate, up = (read(a, b, grad.dtype) for a, b in zip(q.chunk(2, -1), scale.chunk(2, -1)))
             dgate, dup = bwd(grad, gate, up, **params)
             return dgate.contiguous(), dup.contiguous(), fwd(gate, up, **params).contiguous()
 
