@@ -749,24 +749,44 @@ class CacheOp(QuantOp):
         )
 
     def _cpu_kernel(self) -> Callable:
-        """The ATen formula: the gated op (its CPU kernel) and ffn_ext.quant's formula, or its reading back. Also the
-        CUDA kernel where the CUDA library has none, and for float64 inputs."""
-        fwd, bwd = OP[self.gated.name], OP[self.gated.name + "_backward"]
+        """The ATen formula: the gated op (its CPU kernel) and ffn_ext.quant's formula, or its reading back, by blocks
+        of rows written into the outputs, so that the formula's temporaries are a block's (the CUDA kernels hold none):
+        the MLPs' peak on the CPU stays below what reading the cache whole cost. Also the CUDA kernel where the CUDA
+        library has none, and for float64 inputs."""
+        fwd, bwd, quant = OP[self.gated.name], OP[self.gated.name + "_backward"], self.quant
 
         def cache(gate, up, **kwargs):
             params, group = self.validate((gate, up), kwargs)
-            h = fwd(gate, up, **params).contiguous()
-            recipe = self.quant.QuantRecipe(group_size=group)
-            # each half alone (no group spans both): the formula's temporaries are gate's size, not [..., 2M]
-            qs = [self.quant.reference_quantize(t, recipe, self.qualname) for t in (gate, up)]
-            return h, torch.cat([q for q, _ in qs], -1), torch.cat([s for _, s in qs], -1)
+            lead, m = gate.shape[:-1], gate.shape[-1]
+            g, u = gate.reshape(-1, m), up.reshape(-1, m)
+            n, k = g.shape[0], m // group
+            h = gate.new_empty((n, m))
+            q = gate.new_empty((n, 2 * m), dtype=torch.float8_e4m3fn)
+            scale = gate.new_empty((n, 2 * k), dtype=torch.float32)
+            recipe = quant.QuantRecipe(group_size=group)
+            for s, e in _blocks(n):
+                h[s:e] = fwd(g[s:e], u[s:e], **params)
+                for j, t in enumerate((g[s:e], u[s:e])):  # each half alone: no group spans both
+                    qb, sb = quant.reference_quantize(t, recipe, self.qualname)
+                    q[s:e, j * m : (j + 1) * m] = qb
+                    scale[s:e, j * k : (j + 1) * k] = sb
+            return h.view(*lead, m), q.view(*lead, 2 * m), scale.view(*lead, 2 * k)
 
         def cached_backward(grad, q, scale, **kwargs):
             params, _ = self.validate((grad, q, scale), kwargs)
-            read = self.quant.dequantize
-            gate, up = (read(a, b, grad.dtype) for a, b in zip(q.chunk(2, -1), scale.chunk(2, -1)))
-            dgate, dup = bwd(grad, gate, up, **params)
-            return dgate.contiguous(), dup.contiguous(), fwd(gate, up, **params).contiguous()
+            m = grad.shape[-1]
+            d, qr, sr = grad.reshape(-1, m), q.reshape(-1, 2 * m), scale.reshape(-1, scale.shape[-1])
+            k = sr.shape[-1] // 2
+            outs = [torch.empty(grad.shape, dtype=grad.dtype, device=grad.device) for _ in range(3)]
+            dg, du, h = (o.view(-1, m) for o in outs)
+            for s, e in _blocks(d.shape[0]):
+                g, u = (
+                    quant.dequantize(qr[s:e, j * m : (j + 1) * m], sr[s:e, j * k : (j + 1) * k], grad.dtype)
+                    for j in (0, 1)
+                )
+                dg[s:e], du[s:e] = bwd(d[s:e], g, u, **params)
+                h[s:e] = fwd(g, u, **params)
+            return tuple(outs)
 
         return cached_backward if self.backward else cache
 
@@ -775,6 +795,12 @@ class CacheOp(QuantOp):
         b = info.batch_size
         args = tuple(t.movedim(d, 0) if d is not None else t.expand(b, *t.shape) for t, d in zip(args, in_dims))
         return self.overload(*args, **kwargs), (0, 0, 0)
+
+
+def _blocks(rows: int):
+    """(start, end) of the CPU cache kernels' blocks: 8 per call, of at least 128 rows."""
+    step = max(128, -(-rows // 8))
+    return ((s, min(s + step, rows)) for s in range(0, rows, step))
 
 
 _RECIPE = tuple(f.split(" ")[-1] for f in QUANT_RECIPE_SCHEMA.split(", "))  # the recipe's schema arguments
