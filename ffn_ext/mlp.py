@@ -323,7 +323,7 @@ def cache(op, pre) -> tuple:
 class _Keeper:
     """Writes the projections into their cache a block of rows at a time (`add`, blocks of [rows, width]), so that
     the quantization's temporaries stay a block's: FP8 values and a float32 scale per group, or bf16 values. With
-    `op` (a Gating: _cache_fusable) one (values, scale) pair for both projections, written by <gated>_cache, and
+    `op` (a Gating: cache_fusable) one (values, scale) pair for both projections, written by <gated>_cache, and
     `add` returns the block's h."""
 
     def __init__(self, saved, halves: int, rows: int, op=None):
