@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -378,7 +379,9 @@ def modeling_modules(model) -> list:
 
 
 # ---------------------------------------------------------------- one variant
-def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, batches, log, notes, build=None) -> dict:
+def run_variant(
+    spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, batches, log, notes, build=None
+) -> dict:
     """Copies the pristine model (or, with `build`, builds it anew: the same seeded weights), applies the variant,
     runs warm-up + timed steps; the row of the table."""
     common.free_memory(dev)
@@ -756,7 +759,11 @@ def main(argv=None) -> int:
             # Liger rebinds names in the modeling module that the forward looks up at each call: kept for the
             # variant's steps, then put back so that the next variants run transformers' code
             with restored(*modeling_modules(pristine)) if v.liger else contextlib.nullcontext():
-                build = (lambda c=pristine.config: build_model(spec, c, dev, dtype, args.seed)) if args.rebuild else None
+                build = (
+                    functools.partial(build_model, spec, pristine.config, dev, dtype, args.seed)
+                    if args.rebuild
+                    else None
+                )
                 row = run_variant(spec, v, pristine, plan, tokens * plan.batch, dev, batches, log, notes, build)
             row["mlp"], row["seq_len"], row["layers"] = payload["models"][m]["mlp"], tokens, layers
             payload["results"].append(row)
