@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -378,8 +379,11 @@ def modeling_modules(model) -> list:
 
 
 # ---------------------------------------------------------------- one variant
-def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, batches, log, notes) -> dict:
-    """Copies the pristine model, applies the variant, runs warm-up + timed steps; the row of the table."""
+def run_variant(
+    spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, batches, log, notes, build=None
+) -> dict:
+    """Copies the pristine model (or, with `build`, builds it anew: the same seeded weights), applies the variant,
+    runs warm-up + timed steps; the row of the table."""
     common.free_memory(dev)
     common.release_heap()
     base_rss = common.rss_bytes()
@@ -388,7 +392,7 @@ def run_variant(spec, variant: Variant, pristine, plan: Plan, tokens: int, dev, 
         torch.cuda.synchronize(dev)
         base_cuda = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    model = copy.deepcopy(pristine)
+    model = copy.deepcopy(pristine) if build is None else build()
     applied = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -558,6 +562,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's)")
     ap.add_argument("--compile-reserve-s", type=float, default=45.0, help="time a compile variant needs of --budget-s")
+    ap.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="build each variant's model anew from the seed (the same weights) instead of copying one kept pristine "
+        "model: one model less in memory, for deeper stacks at real widths on a CPU (the pristine is kept on the "
+        "meta device)",
+    )
     ap.add_argument("--plan", action="store_true", help="print what would run and exit (no model is built)")
     args = ap.parse_args(argv)
     mode = common.mode_of(args)
@@ -718,7 +729,10 @@ def main(argv=None) -> int:
                 del pristines[key]
             config = build_config(spec, plan, tiny=mode == "smoke", layers=layers)
             log("building the model")
-            pristines[m, layers] = pristine = build_model(spec, config, dev, dtype, args.seed)
+            # --rebuild: the pristine has no storage (its counts, config and classes only); each variant builds its own
+            pristines[m, layers] = pristine = build_model(
+                spec, config, torch.device("meta") if args.rebuild else dev, dtype, args.seed
+            )
             prime(spec, plan, dev, dtype)
             payload["models"].setdefault(m, {})
             payload["models"][m].update(
@@ -745,7 +759,12 @@ def main(argv=None) -> int:
             # Liger rebinds names in the modeling module that the forward looks up at each call: kept for the
             # variant's steps, then put back so that the next variants run transformers' code
             with restored(*modeling_modules(pristine)) if v.liger else contextlib.nullcontext():
-                row = run_variant(spec, v, pristine, plan, tokens * plan.batch, dev, batches, log, notes)
+                build = (
+                    functools.partial(build_model, spec, pristine.config, dev, dtype, args.seed)
+                    if args.rebuild
+                    else None
+                )
+                row = run_variant(spec, v, pristine, plan, tokens * plan.batch, dev, batches, log, notes, build)
             row["mlp"], row["seq_len"], row["layers"] = payload["models"][m]["mlp"], tokens, layers
             payload["results"].append(row)
             log(f"{row['tokens_per_s']:.1f} tokens/s, saved {common.fmt(_mib(row['saved_bytes']), '.1f')} MiB")

@@ -396,6 +396,21 @@ def test_bench_model_stack_smoke(tmp_path):
         assert (tmp_path / "model_stack.png").stat().st_size > 1000
 
 
+def test_bench_model_rebuild_smoke(tmp_path):
+    """bench_model.py --rebuild (each variant's model built from the seed, no kept copy) trains the same weights as
+    the deep copies: every row's losses and saved bytes equal those of the run without it."""
+    pytest.importorskip("transformers")
+    args = ("--no-progress", "--no-plots", "--models", "llama-3-8b", "--variants", "recompute", "--optimizer", "sgd")
+    rows = {}
+    for name, extra in (("copy", ()), ("rebuild", ("--rebuild",))):
+        _run("bench_model.py", tmp_path / name, args=(*args, *extra))
+        data = json.loads((tmp_path / name / "model.json").read_text())
+        assert not data["errors"], data["errors"]
+        rows[name] = {r["variant"]: (r["losses"], r["saved_bytes"]) for r in data["results"]}
+    assert set(rows["copy"]) == {"unpatched", "recompute"}
+    assert rows["rebuild"] == rows["copy"]
+
+
 def test_bench_model_plan(capsys, monkeypatch):
     """bench_model.py --plan builds no model and needs no GPU: the GPU quick plan (what the device check's model
     stage runs) is bf16, 2 layers, 4096 tokens, every model with the memory options, torch.compile of Llama only;
