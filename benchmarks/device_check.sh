@@ -99,8 +99,11 @@ fi
 # The quantizing kernels (csrc/cuda/quant_kernels.cuh, in four quant_part<i>.cu: 135 kernels, the group, row and
 # tensor kernels, none run on a GPU when written): their CUDA tests against quant.py's reference (bit for bit; every recipe, so the row kernel and both
 # tensor launches), then swiglu_quant against swiglu + quantize and torch.compile of it at the decode shape and
-# 4096 x 14336, bf16, for group-128, row, dynamic and static tensor scaling. Not yet timed: 60 s and 90 s.
-stage quant_tests 60 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quant.py
+# 4096 x 14336, bf16, for group-128, row, dynamic and static tensor scaling. Not yet timed: 60 s and 90 s. With
+# them the FP8 activation cache's kernels (csrc/cache_kernel.h: <gated>_cache, <gated>_cached_backward, none run on a
+# GPU when written) against their ATen formula, and the MLPs' saved_dtype on CUDA.
+stage quant_tests 60 $PY -m pytest -q -m cuda -p no:cacheprovider tests/test_quant.py tests/test_cache_ops.py \
+  tests/test_saved_dtype.py
 stage bench_quant 90 $PY benchmarks/bench_quant.py --quick --device cuda
 # The FP8 MLP (ffn_ext.quantize_fp8): recipe="row" and "block" against bf16 at 64 tokens, and the block recipe's
 # sm_90 path (F.scaled_mm BlockWise1x128 x BlockWise128x128: its arguments were only checked with F.scaled_mm mocked)
