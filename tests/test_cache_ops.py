@@ -75,6 +75,20 @@ def test_kernel_emulation_bit_identical(dtype):
             _same(hb, emu._emulate_cuda(g.name, [g_back, u_back], params=params)[0], f"{what}: backward's h")
 
 
+def test_a_cache_off_an_8_byte_boundary_is_read():
+    # the kernel reads q 8 bytes at a time: a view of it one byte on is copied by the glue first, same values
+    emu = native.testing()
+    gate, up, grad = (torch.randn(3, 64) for _ in range(3))
+    _, q, scale = emu._emulate_cache("swiglu_cache", [gate, up], [], 32)
+    shifted = torch.empty(q.numel() + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 8
+    want = emu._emulate_cache("swiglu_cached_backward", [grad, q, scale], [])
+    got = emu._emulate_cache("swiglu_cached_backward", [grad, shifted, scale], [])
+    for g, w, what in zip(got, want, ("dgate", "dup", "h")):
+        _same(g, w, what)
+
+
 def test_fp8_read_back_is_exact():
     # every float8_e4m3fn byte (subnormals, -0, NaN) as up's value, read back by the kernel as torch casts it: with
     # gate 1.0 and grad 1, reglu's dgate = grad * up * (gate > 0) is up itself

@@ -6,9 +6,11 @@
 // here as cuda/ops.cpp compiles them, rather than taken from ffn_ext's libraries, whose symbols are not an interface.
 #include "stable_target.h"  // first: the target version, before any torch header
 
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -69,6 +71,8 @@ struct HostCache {
   }
   template <typename T, class Gate>
   static void cached_backward(const quant::CacheProblem& p, const Gate& gate) {
+    // the device's 8-byte loads of q fault off an 8-byte boundary, where the host's memcpy would not
+    if (reinterpret_cast<uintptr_t>(p.q) % 8 != 0) throw std::runtime_error("_cached_backward: q misaligned");
     for (void* o : {p.h, p.dgate, p.dup}) poison<T>(o, p.rows * p.cols);
     quant::emulate_cached_backward<T>(p, gate, quant::emulated_grid(p.rows * quant::cached_lanes_per_row(p)));
   }
