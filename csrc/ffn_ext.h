@@ -87,6 +87,9 @@ std::tuple<Tensor, Tensor> alloc_unary_backward_recompute(const char* op, const 
 Tensor alloc_gated(const char* op, const Tensor& gate, const Tensor& up);  // swiglu, geglu, ...
 std::tuple<Tensor, Tensor> alloc_gated_backward(const char* op, const Tensor& grad, const Tensor& gate,
                                                 const Tensor& up);
+// name_backward_recompute: (dgate, dup, h), all three of alloc_gated_backward's shape and format
+std::tuple<Tensor, Tensor, Tensor> alloc_gated_backward_recompute(const char* op, const Tensor& grad,
+                                                                  const Tensor& gate, const Tensor& up);
 Tensor alloc_gated_packed(const char* op, const Tensor& gate_up);
 Tensor alloc_gated_packed_backward(const char* op, const Tensor& grad, const Tensor& gate_up);
 

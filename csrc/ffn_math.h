@@ -351,6 +351,18 @@ struct GatedBwd : PlainLayout {  // in: grad, gate, up; out: dgate, dup
     gate.template bwd<Fast>(in[0], in[1], in[2], out[0], out[1]);
   }
 };
+// The gated MLPs' lean backward (h recomputed for the down projection's weight gradient, not saved): dgate, dup and
+// h = gate(gate, up) from one read of grad, gate and up.
+template <class Gate>
+struct GatedBwdRecompute : PlainLayout {  // in: grad, gate, up; out: dgate, dup, gate(gate, up)
+  static constexpr int NI = 3, NO = 3;
+  Gate gate;
+  explicit GatedBwdRecompute(Gate g = Gate{typename Gate::Params{}}) : gate(g) {}
+  template <bool Fast, typename A> FFN_HD void apply(const A* in, A* out) const {
+    gate.template bwd<Fast>(in[0], in[1], in[2], out[0], out[1]);
+    out[2] = gate.template fwd<Fast>(in[1], in[2]);
+  }
+};
 // F with inputs PairIn, PairIn + 1 (and outputs PairOut, PairOut + 1) stored interleaved in one operand,
 // [a0, b0, a1, b1, ...]: the packed ops' layout="interleaved" (GPT-OSS). -1: no such pair.
 template <class F, int PairIn, int PairOut>

@@ -169,6 +169,16 @@ struct Ops {
                              std::array<Tensor, 2>{std::get<0>(outs), std::get<1>(outs)});
     return outs;
   }
+  template <class Gate>
+  static std::tuple<Tensor, Tensor, Tensor> gated_backward_recompute(const char* op, const typename Gate::Params& prm,
+                                                                     const Tensor& grad, const Tensor& gate,
+                                                                     const Tensor& up) {
+    check_params(op, prm);
+    auto outs = alloc_gated_backward_recompute(op, grad, gate, up);
+    run_same_shape<Launcher>(math::GatedBwdRecompute<Gate>(Gate(for_dtype(prm, dtype_of(gate)))), {grad, gate, up},
+                             std::array<Tensor, 3>{std::get<0>(outs), std::get<1>(outs), std::get<2>(outs)});
+    return outs;
+  }
 
   // Packed: gate and up are read in place from each row of gate_up (row stride of gate_up): its two halves
   // ("concat"), or its even and odd elements ("interleaved": one operand of pairs, rows.h; a contiguous gate_up is
@@ -253,6 +263,7 @@ struct Kernels {
   using O = Ops<Launcher>;
   using T = const Tensor&;
   using Pair = std::tuple<Tensor, Tensor>;
+  using Triple = std::tuple<Tensor, Tensor, Tensor>;
 #define FFN_EXT_KERNELS_ACT(name, Act, ...) \
   static Tensor name(T x) { return O::template unary<math::Act>("ffn_ext." #name, x); } \
   static Tensor name##_backward(T g, T x) { \
@@ -267,6 +278,10 @@ struct Kernels {
   } \
   static Pair name##_backward(T g, T gate, T up FFN_EXT_P_DECL_##P) { \
     return O::template gated_backward<math::Gate>("ffn_ext." #name "_backward", FFN_EXT_P_MAKE_##P, g, gate, up); \
+  } \
+  static Triple name##_backward_recompute(T g, T gate, T up FFN_EXT_P_DECL_##P) { \
+    return O::template gated_backward_recompute<math::Gate>("ffn_ext." #name "_backward_recompute", \
+                                                            FFN_EXT_P_MAKE_##P, g, gate, up); \
   } \
   static Tensor name##_packed(T gu FFN_EXT_P_DECL_##P, const std::string& layout) { \
     return O::template gated_packed<math::Gate>("ffn_ext." #name "_packed", FFN_EXT_P_MAKE_##P, gu, layout); \
@@ -297,6 +312,7 @@ void impl_all(torch::stable::detail::StableLibrary& m) {
   if constexpr (kLine_##name % Parts == Part) { \
     m.impl(#name, TORCH_BOX(&K::name)); \
     m.impl(#name "_backward", TORCH_BOX(&K::name##_backward)); \
+    m.impl(#name "_backward_recompute", TORCH_BOX(&K::name##_backward_recompute)); \
     m.impl(#name "_packed", TORCH_BOX(&K::name##_packed)); \
     m.impl(#name "_packed_backward", TORCH_BOX(&K::name##_packed_backward)); \
   }

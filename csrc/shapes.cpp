@@ -181,6 +181,12 @@ std::tuple<Tensor, Tensor> alloc_gated_backward(const char* op, const Tensor& gr
   return {empty_format(gate, vec(gate.sizes()), fmt), empty_format(gate, vec(gate.sizes()), fmt)};
 }
 
+std::tuple<Tensor, Tensor, Tensor> alloc_gated_backward_recompute(const char* op, const Tensor& grad,
+                                                                  const Tensor& gate, const Tensor& up) {
+  auto [dgate, dup] = alloc_gated_backward(op, grad, gate, up);
+  return {dgate, dup, empty_format(gate, vec(gate.sizes()), same_shape_format({&grad, &gate, &up}))};
+}
+
 Tensor alloc_gated_packed(const char* op, const Tensor& gate_up) {
   const int64_t m = check_packed(op, gate_up);
   return empty_format(gate_up, with_last(gate_up, m));

@@ -50,6 +50,7 @@ _OPS_TABLE_DOC = """\
 // FFN_EXT_ACTIVATIONS(X): X(name, Act), one line per activation:
 //   ops  name(Tensor x) -> Tensor                       act(x)
 //        name_backward(Tensor grad, Tensor x) -> Tensor grad * act'(x)
+//        name_backward_recompute(Tensor grad, Tensor x) -> (Tensor, Tensor)  (grad * act'(x), act(x))
 //   Act  its functor in ffn_math.h (f, df for the kernels, and bwd where act' is unbounded)
 //
 // FFN_EXT_SCHEMAS(X): X("schema", pointwise), every schema of the namespace (table.py's SCHEMAS: the ops below and the
@@ -59,6 +60,8 @@ _OPS_TABLE_DOC = """\
 // over an activation above; or a gate of its own), P its keyword parameters (FFN_EXT_P_* below):
 //   ops  name(Tensor gate, Tensor up[, *, P]) -> Tensor                       gate(gate, up)
 //        name_backward(Tensor grad, Tensor gate, Tensor up[, *, P]) -> (Tensor, Tensor)   (dgate, dup)
+//        name_backward_recompute(Tensor grad, Tensor gate, Tensor up[, *, P]) -> (Tensor, Tensor, Tensor)
+//                                                                  (dgate, dup, gate(gate, up))
 //        name_packed(Tensor gate_up, *[, P], str layout="concat") -> Tensor       [..., 2M] -> [..., M]
 //        name_packed_backward(Tensor grad, Tensor gate_up, *[, P], str layout="concat") -> Tensor  [..., 2M]
 //   layout of gate_up (and of the packed backward's [dgate, dup]): "concat" [gate | up] (gate = gate_up[..., :M]),

@@ -363,10 +363,16 @@ class Op:
             return kernel
         act, act_backward = spec.act.aten, spec.act.aten_backward
         form: Callable
-        if spec.recompute:
+        if spec.recompute and spec.kind == "unary":
 
             def form(grad, x):
                 return act_backward(grad, x), act(x)
+
+        elif spec.recompute:
+
+            def form(grad, gate, up):  # (dgate, dup, h): act(gate) made once, h written over it after dup
+                a = act(gate)
+                return act_backward(grad * up, gate), grad * a, a.mul_(up)
 
         elif spec.kind == "unary":
             form = act_backward if spec.backward else act
@@ -390,13 +396,12 @@ class Op:
 
             return one
 
-        def two(*args):
+        def several(*args):
             if not _plain(args):
                 self.validate(args, {})
-            a, b = form(*args)
-            return laid_out(args, a), laid_out(args, b)
+            return tuple(laid_out(args, o) for o in form(*args))
 
-        return two
+        return several
 
     def _no_cuda_kernel(self) -> Callable:
         kernel = self.cpu

@@ -269,6 +269,13 @@ def _backward_recompute(act: str, grad, z):
     return tuple(_ops.backward_recompute(grad, z, act))
 
 
+def _fused_form(op, k: int) -> bool:
+    """Whether the gated ops that take gate and up apart (<gated>_backward_recompute, _cache) serve a gated MLP's
+    projections as they are: gate and up separate (k = 2), or packed "concat", whose halves they read in place (the
+    interleaved halves are strided: they would be copied first)."""
+    return isinstance(op, Gating) and (k == 2 or op.layout == "concat")
+
+
 # saved_dtype: the projections kept for backward in FP8 (a float32 scale per 1 x 128 group of each row: DeepSeek-V3's
 # activation cache; 64 or 32 where d_ff is no multiple of 128) or bf16 (fp32 training), read back a block at a time
 SAVED_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
@@ -308,7 +315,7 @@ def cache_fusable(op, saved, k: int) -> bool:
     """Whether the FP8 cache (saved = torch.float8_e4m3fn) of a gated MLP's projections is written and read by its
     Gating's cache ops (<gated>_cache, _cached_backward): gate and up separate (k = 2) or packed "concat" (k = 1).
     The classic FFN and the interleaved layout keep theirs through ffn_ext.quantize and read it with PyTorch's ops."""
-    return saved == torch.float8_e4m3fn and isinstance(op, Gating) and (k == 2 or op.layout == "concat")
+    return saved == torch.float8_e4m3fn and _fused_form(op, k)
 
 
 def cache(op, pre) -> tuple:
@@ -584,6 +591,15 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             del grads, out
             continue
         block = [p[s : s + step] for p in kept] if kept else out
+        if n_wd and want_pre and _fused_form(op, k):  # d_gate, d_up and h in one pass, h used at once
+            *grads, h = op.backward_recompute(dys.matmul(wd), *block)
+            d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
+            del h, block
+            dst = out if k == 2 else out[0].chunk(2, -1)
+            for i in range(2):
+                dst[i].copy_(grads[i])
+            del grads, out, dst
+            continue
         if n_wd:  # h of the block, for the down projection's weight gradient, accumulated in its dtype
             h = _activate(op, block)
             d_wd = _acc_mm(d_wd, dys, h, wd_dtype)
@@ -633,6 +649,9 @@ def _chunked_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             if ctx.plain and want_pre and n_wd:  # d_fc1 and h = act(fc1) from one elementwise step
                 d_pre, h = _backward_recompute(op, dys.matmul(wdc), pre[0])
                 d_pre = [d_pre]
+            elif want_pre and n_wd and k == 2:  # d_gate, d_up and h in one pass (a packed block's gradients would
+                # be joined by a copy: its two passes cost no more)
+                *d_pre, h = op.backward_recompute(dys.matmul(wdc), *pre)
             else:
                 h = _activate(op, pre) if n_wd else None
         if n_wd:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import _kernels
-from .table import BY_NAME, GATED_BY_NAME, LAYOUTS, activation_for, bind_params, check_params
+from .table import BY_NAME, GATED_BY_NAME, LAYOUTS, activation_for, bind_params, check_params, split_packed
 
 __all__ = [
     "gelu",
@@ -267,7 +267,7 @@ class Gating:
     op: str
     params: tuple  # ((name, value), ...) in schema order, every parameter (defaults filled in)
     layout: str
-    _ops: tuple  # its ops' Op objects: (op, op_packed, op_backward, op_packed_backward)
+    _ops: tuple  # its ops' Op objects: (op, op_packed, op_backward, op_packed_backward, op_backward_recompute)
     _kwargs: dict  # their keyword arguments: the parameters, then (packed) the layout
     _packed_kwargs: dict
 
@@ -283,7 +283,13 @@ class Gating:
         set_(self, "op", op)
         set_(self, "params", tuple((k, float(v)) for k, v in values.items()))
         set_(self, "layout", layout)
-        set_(self, "_ops", tuple(_OP[op + suffix] for suffix in ("", "_packed", "_backward", "_packed_backward")))
+        set_(
+            self,
+            "_ops",
+            tuple(
+                _OP[op + suffix] for suffix in ("", "_packed", "_backward", "_packed_backward", "_backward_recompute")
+            ),
+        )
         set_(self, "_kwargs", dict(self.params))
         set_(self, "_packed_kwargs", {**self._kwargs, "layout": layout})
 
@@ -319,6 +325,14 @@ class Gating:
         if up is None:
             return (self._ops[3](grad, gate, **self._packed_kwargs),)
         return tuple(self._ops[2](grad, gate, up, **self._kwargs))
+
+    def backward_recompute(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple:
+        """(dgate, dup, h) in one pass: backward(grad, gate, up)'s gradients and h = self(gate, up), the op's
+        <gated>_backward_recompute (no autograd: it serves backward passes). For one packed tensor its halves in this
+        layout are read as views, and dgate and dup come separate."""
+        if up is None:
+            gate, up = split_packed(gate, self.layout)
+        return tuple(self._ops[4](grad, gate, up, **self._kwargs))
 
     def cache(self, gate: torch.Tensor, up: torch.Tensor, group_size: int = 128) -> tuple:
         """(h, q, scale) in one pass: h = self(gate, up), and gate and up in FP8 (float8_e4m3fn) for backward, q

@@ -4,13 +4,15 @@ functional API (ops.py), the modules, Hugging Face patching, ``python -m ffn_ext
 from here, so an activation is one entry (README, "Adding an activation").
 
 Each activation ``act`` gives two dispatcher ops, torch.ops.ffn_ext.<op>, and each gated op (GATED: act(gate) * up
-for each activation, and gated ops with parameters of their own, such as swiglu_clamped) four:
+for each activation, and gated ops with parameters of their own, such as swiglu_clamped) five:
 
     <name>(x)                           act(x)
     <name>_backward(grad, x)            grad * act'(x)
     <name>_backward_recompute(grad, x)  (grad * act'(x), act(x)), one pass, no autograd (the classic FFN's backward)
     <gated>(gate, up, *, params)        act(gate) * up, or the gated op's own function of (gate, up)
     <gated>_backward(grad, gate, up, *, params)   (dgate, dup)
+    <gated>_backward_recompute(grad, gate, up, *, params)   (dgate, dup, h), one pass, no autograd (the lean MLPs'
+                                        backward: h for the down projection's weight gradient, not saved)
     <gated>_packed(gate_up, *, params, layout="concat")   [..., 2M] -> [..., M]; layout "concat": gate, up =
                                         gate_up[..., :M], gate_up[..., M:]; "interleaved": gate_up[..., ::2], [..., 1::2]
     <gated>_packed_backward(grad, gate_up, *, params, layout="concat")   -> (dgate, dup) packed in that layout
@@ -454,23 +456,27 @@ class OpSpec:
     n_outputs: int
     gated: Gated | None = None  # the gated op, for kind "gated" and "packed"
     params: tuple = ()  # its Params (keyword-only); packed ops also take layout="concat" | "interleaved"
-    # <act>_backward_recompute(grad, x) -> (grad * act'(x), act(x)) in one pass: the classic FFN's lean backward
-    # (act(x) recomputed for fc2's weight gradient, not saved)
+    # <act>_backward_recompute(grad, x) -> (grad * act'(x), act(x)) and <gated>_backward_recompute(grad, gate, up) ->
+    # (dgate, dup, h) in one pass: the lean MLPs' backward (h recomputed for the down projection's weight gradient,
+    # not saved)
     recompute: bool = False
     differentiable: bool = True  # has an autograd formula (the recompute ops have none: they serve backward passes)
 
     @property
     def forward_name(self) -> str:
         if self.recompute:
-            return self.act.name
+            return self.name[: -len("_backward_recompute")]
         return self.name[: -len("_backward")] if self.backward else self.name
 
     def compute(self, args: tuple, params: dict, layout: str | None = "concat"):
         """The op on tensors `args` with the table's ATen forms (differentiable ATen ops throughout): the CPU
         kernel's result after its checks, and the ATen column of the main job's and the tests' checks. params: a
         gated op's parameters, all of them; layout: a packed op's."""
-        if self.recompute:
+        if self.recompute and self.kind == "unary":
             return self.act.aten_backward(*args), self.act.aten(args[1])
+        if self.recompute:
+            assert self.gated is not None
+            return (*self.gated.backward(*args, **params), self.gated.forward(*args[1:], **params))
         if self.kind == "unary":
             return self.act.aten_backward(*args) if self.backward else self.act.aten(*args)
         g = self.gated
@@ -528,6 +534,18 @@ def _gated_specs(g: Gated):
     return (
         OpSpec(n, a, "gated", False, ("gate", "up"), 1, g, p),
         OpSpec(n + "_backward", a, "gated", True, ("grad", "gate", "up"), 2, g, p),
+        OpSpec(
+            n + "_backward_recompute",
+            a,
+            "gated",
+            True,
+            ("grad", "gate", "up"),
+            3,
+            g,
+            p,
+            recompute=True,
+            differentiable=False,
+        ),
         OpSpec(n + "_packed", a, "packed", False, ("gate_up",), 1, g, p),
         OpSpec(n + "_packed_backward", a, "packed", True, ("grad", "gate_up"), 1, g, p),
     )

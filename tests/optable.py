@@ -268,7 +268,8 @@ def terms(name: str, inputs, params: dict | None = None):
     p = params_of(name, params)
     if s.backward:
         grad, gate, up = inputs
-        return list(_table.gated_terms(s.gated, gate, up, grad, **p))
+        back = list(_table.gated_terms(s.gated, gate, up, grad, **p))
+        return back + (list(_table.gated_terms(s.gated, gate, up, **p)) if s.recompute else [])
     gate, up = inputs
     return list(_table.gated_terms(s.gated, gate, up, **p))
 

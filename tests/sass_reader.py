@@ -170,6 +170,10 @@ def _kernels() -> dict[str, KernelSpec]:
                 spec.name, len(spec.args), spec.n_outputs
             )
             continue
+        if spec.recompute:
+            k = Kernel("GatedBwdRecompute", gate_struct(spec.gated), "", 0)
+            specs[k.functor] = KernelSpec(spec.name, len(spec.args), spec.n_outputs)
+            continue
         gated = OPS[spec.gated.name + ("_backward" if spec.backward else "")]  # the (unpacked) gated op
         plain = Kernel(_SHAPES[("gated", spec.backward)], gate_struct(spec.gated), "", 0)
         if spec.kind == "gated":

@@ -326,16 +326,16 @@ def test_dispatcher_ops_carry_a_forward_mode_tangent(no_grad):
 
 @pytest.mark.parametrize("name", NO_AUTOGRAD_OPS)
 def test_ops_without_autograd_raise_where_a_gradient_would_be_recorded(name):
-    """The ops the table marks differentiable=False (<act>_backward_recompute, which serves the classic FFN's
-    backward) raise a clear error where autograd would record them (an input requiring grad under grad mode, a
-    dual tensor), and compute without a graph under no_grad."""
+    """The ops the table marks differentiable=False (<act>_backward_recompute and <gated>_backward_recompute, which
+    serve the lean MLPs' backward) raise a clear error where autograd would record them (an input requiring grad
+    under grad mode, a dual tensor), and compute without a graph under no_grad."""
     import torch.autograd.forward_ad as fwAD
 
-    grad, x = make_inputs(name, (3, 4), torch.float64)
+    *ins, x = make_inputs(name, (3, 4), torch.float64)
     with pytest.raises(RuntimeError, match=f"ffn_ext::{name} has no autograd formula"):
-        call(name)(grad, x.requires_grad_(True))
+        call(name)(*ins, x.requires_grad_(True))
     with torch.no_grad():
-        outs = call(name)(grad, x)
-    assert all(o.grad_fn is None for o in outs)
+        outs = call(name)(*ins, x)
+    assert len(outs) == spec(name).n_outputs and all(o.grad_fn is None for o in outs)
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="has no autograd formula"):
-        call(name)(grad, fwAD.make_dual(x.detach(), torch.randn_like(x)))
+        call(name)(*ins, fwAD.make_dual(x.detach(), torch.randn_like(x)))

@@ -235,6 +235,43 @@ def test_inplace_backward_fp64(split_at_8, gating, form, bias, recompute):
         assert torch.equal(a.detach(), b)
 
 
+class _Ops(TorchDispatchMode):
+    """Counts the ffn_ext ops the dispatcher runs (with a mode active every op call takes the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("ffn_ext::"):
+            self.ops[name[9:]] = self.ops.get(name[9:], 0) + 1
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("opts", [{}, {"recompute": True}, {"token_chunk": 16}], ids=["saved", "recompute", "chunk"])
+@pytest.mark.parametrize("form", LAYOUT_FORMS)
+def test_blocked_backward_makes_h_in_the_gradients_pass(split_at_8, form, opts):
+    """Where the backward runs in blocks, each block's d_gate, d_up and h (the down projection's weight gradient's)
+    come from one pass, <gated>_backward_recompute, for gate and up separate and packed "concat" (token_chunk:
+    separate only, where no copy joins the gradients); the interleaved layout keeps the gated op and its backward,
+    two passes. The gradients are the composition's (test_inplace_backward_fp64, test_options_*)."""
+    torch.manual_seed(3)
+    gating = ffn_ext.Gating("swiglu_clamped", **GATED_BY_NAME["swiglu_clamped"].example)
+    ws, wd, bs, bd = _params("separate" if form == "separate" else "packed", 12, 20, True)
+    x = torch.randn(2, 37, 12, dtype=torch.float64, requires_grad=True)
+    y = _gated_call(gating, form, ws, wd, bs, bd, **opts)(x)
+    with _Ops() as calls:
+        torch.autograd.grad(y.sum(), _leaves(x, ws, wd, bs, bd))
+    name, fused = gating.op, form == "separate" or (form == "concat" and "token_chunk" not in opts)
+    blocks = -(-74 // (8 if "token_chunk" in opts else M._step(74)))
+    if fused:
+        assert calls.ops == {name + "_backward_recompute": blocks}, calls.ops
+    else:
+        packed = name + "_packed"
+        assert calls.ops == {packed: blocks, packed + "_backward": blocks}, calls.ops
+
+
 @pytest.mark.parametrize("opts", [{}, {"recompute": True}, {"token_chunk": 16}], ids=["saved", "recompute", "chunk"])
 @pytest.mark.parametrize("form", LAYOUT_FORMS)
 def test_retain_graph_second_backward_is_right(split_at_8, form, opts):

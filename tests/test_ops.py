@@ -829,17 +829,24 @@ def test_outputs_keep_channels_last(name, fmt, shape):
         "cpu": lambda *a: optable.op(name)(*a, **kw),
         "emulated_cuda": lambda *a: emulate(name, list(a), 132, host_params(name), "concat"),
     }
+    # ATen's vectorized and scalar loops differ in the last bits, relative to the terms a formula cancels and the
+    # factors multiplying it (S and M: gelu_tanh's derivative at x = -5.1 times grad * up = -12 is 1.3e-5 one way,
+    # -0 the other)
+    scales = [s + m for _, s, m in optable.limit_terms(name, [t.double() for t in ins], kw or None)]
+
+    def close(got, want, path):
+        for g, w, s in zip(got, want, scales):
+            assert ((g.double() - w.double()).abs() <= 1e-5 * (1 + w.double().abs() + s)).all(), path
+
     for path, fn in paths.items():
         want = as_tuple(fn(*ins))  # the path's own result on contiguous inputs (the paths differ in the last bits)
         got = as_tuple(fn(*cl))
-        for g, w in zip(got, want):
-            assert g.is_contiguous(memory_format=fmt), (path, g.stride())
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+        assert all(g.is_contiguous(memory_format=fmt) for g in got), (path, [g.stride() for g in got])
+        close(got, want, path)
         if len(cl) > 1:  # formats that disagree: contiguous outputs
-            mixed = [cl[0], *ins[1:]]
-            for g, w in zip(as_tuple(fn(*mixed)), want):
-                assert g.is_contiguous(), (path, g.stride())
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=path)  # ATen loops: last bits
+            got = as_tuple(fn(cl[0], *ins[1:]))
+            assert all(g.is_contiguous() for g in got), (path, [g.stride() for g in got])
+            close(got, want, path)
     with FakeTensorMode() as mode:
         fake = as_tuple(optable.op(name)(*[mode.from_tensor(t) for t in cl], **kw))
     assert [f.stride() for f in fake] == [g.stride() for g in as_tuple(optable.op(name)(*cl, **kw))]

@@ -30,8 +30,8 @@ void keep_all_types(void (*keep)(const void*)) {  // AT_DISPATCH_FLOATING_TYPES_
 }
 
 // The functors row_ops.h's Ops runs for a table line: an activation's unary, unary_backward and
-// unary_backward_recompute; a gate's gated and gated_backward (also the concat packed ops') and the interleaved
-// packed ops'. This list follows Ops: a functor missing here is an undefined symbol when `import ffn_ext` loads _C.
+// unary_backward_recompute; a gate's gated, gated_backward (both also the concat packed ops') and
+// gated_backward_recompute, and the interleaved packed ops'. This list follows Ops: a functor missing here is an undefined symbol when `import ffn_ext` loads _C.
 template <int Part>
 void kernels_of_part(void (*keep)(const void*)) {
 #define FFN_EXT_KEEP_ACT(name, Act, ...) \
@@ -44,6 +44,7 @@ void kernels_of_part(void (*keep)(const void*)) {
   if constexpr (kLine_##name % kCudaParts == Part) { \
     keep_all_types<math::GatedFwd<math::Gate>>(keep); \
     keep_all_types<math::GatedBwd<math::Gate>>(keep); \
+    keep_all_types<math::GatedBwdRecompute<math::Gate>>(keep); \
     keep_all_types<math::Interleaved<math::GatedFwd<math::Gate>, 0, -1>>(keep); \
     keep_all_types<math::Interleaved<math::GatedBwd<math::Gate>, 1, 0>>(keep); \
   }

@@ -26,6 +26,11 @@ constexpr int min_blocks() {
   // ReGLU's backward in 16-bit: ptxas spilled 8 bytes at 128 registers on sm_80 (its select-only math lets the
   // scheduler keep more loaded vectors live); uncapped, it does not spill. Its speed is not yet measured on a GPU.
   if constexpr (sizeof(T) == 2 && std::is_same_v<F, math::GatedBwd<math::Glu<math::Relu>>>) return 1;
+  // The gated backward that also writes h over GELU and GELU-tanh: six operands' packs (96 registers) and erf's or
+  // tanh's math spilled 8 bytes at 128 (fp32 on sm_80, 16-bit on sm_90); uncapped they do not. The other gates fit.
+  if constexpr (std::is_same_v<F, math::GatedBwdRecompute<math::Glu<math::Gelu>>> ||
+                std::is_same_v<F, math::GatedBwdRecompute<math::Glu<math::GeluTanh>>>)
+    return 1;
   return F::NI + F::NO == 2 ? 5 : 2;
 }
 

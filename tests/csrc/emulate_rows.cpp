@@ -105,6 +105,13 @@ const std::map<std::string, Entry>& table() {
           auto [dgate, dup] = K::name##_backward(a[0], a[1], a[2] FFN_EXT_P_ARGS_##P); \
           return {dgate, dup}; \
         }}}, \
+      {#name "_backward_recompute", \
+       {3, \
+        [](S op, const V& a, const Doubles& prm, S) -> V { \
+          FFN_EXT_EMU_PARAMS(Gate) \
+          auto [dgate, dup, h] = K::name##_backward_recompute(a[0], a[1], a[2] FFN_EXT_P_ARGS_##P); \
+          return {dgate, dup, h}; \
+        }}}, \
       {#name "_packed", \
        {1, \
         [](S op, const V& a, const Doubles& prm, S lay) -> V { \

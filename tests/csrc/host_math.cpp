@@ -78,9 +78,15 @@ std::vector<at::Tensor> host_math(const std::string& op, const std::vector<at::T
      using G = math::Gate; \
      return host_apply(math::GatedFwd<G>(G(params_for(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
    }}, \
-      {#name "_backward", [](const std::string& op, const V& in, const Doubles& prm) { \
+      {#name "_backward", \
+       [](const std::string& op, const V& in, const Doubles& prm) { \
          using G = math::Gate; \
          return host_apply(math::GatedBwd<G>(G(params_for(params_from<G::Params>(op, prm), dtype_of(in)))), in); \
+       }}, \
+      {#name "_backward_recompute", [](const std::string& op, const V& in, const Doubles& prm) { \
+         using G = math::Gate; \
+         return host_apply(math::GatedBwdRecompute<G>(G(params_for(params_from<G::Params>(op, prm), dtype_of(in)))), \
+                           in); \
        }},
       FFN_EXT_ACTIVATIONS(FFN_EXT_HOST_ACT) FFN_EXT_GATED(FFN_EXT_HOST_GATED)
 #undef FFN_EXT_HOST_ACT
