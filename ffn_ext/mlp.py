@@ -548,6 +548,13 @@ def _owned(t):
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
+def _release(t):
+    """Frees t's memory now: a saved projection the backward has written over and used (_owned), which autograd's
+    reference would otherwise hold to the end of the backward. Only spent buffers: ctx.pre_spent keeps a second
+    backward from reading them."""
+    t.untyped_storage().resize_(0)
+
+
 def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=()):
     """The gated MLPs' backward from _SPLIT_ROWS rows, written over buffers it owns: the saved projections (or those
     it recomputes, `pre` empty), or new ones where `pre` is the saved_dtype cache (Kept), which it reads a block at
@@ -567,10 +574,11 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
         pre = tuple(dy.new_empty((cached.q.shape[0], 2 * m // k), dtype=dtype) for _ in range(k))
     elif kept:
         pre = tuple(dy.new_empty(p.q.shape, dtype=dtype) for p in kept) if want_pre else ()
-    elif pre:
+    owned = bool(pre) and not kept  # the saved projections, written over
+    if owned:
         ctx.pre_spent = True  # before the first write: a backward that fails midway leaves them spent too
         pre = tuple(_owned(p) for p in pre)
-    else:
+    elif not kept:
         pre = _project(x, ws, tuple(_cast(b, dtype) for b in bs))
     dyr = _rows(dy)
     d_x, d_ws, d_bs, d_wd = None, [None] * k, [None] * k, None
@@ -615,6 +623,8 @@ def _inplace_backward(ctx, dy, x, ws, wd, bs, n_x, n_ws, n_wd, n_bs, n_bd, pre=(
             if n_x:  # dx = d_gate @ w_gate + d_up @ w_up: the sum in the second GEMM
                 d_x = d_pre[i].matmul(ws[i]) if d_x is None else d_x.addmm_(d_pre[i], ws[i])
             d_ws[i], d_bs[i] = _param_grads(x, d_pre[i], n_ws[i], n_bs[i])
+            if owned:
+                _release(d_pre[i])
             d_pre[i] = None
         d_x = None if d_x is None else d_x.reshape(x.shape)
     return (d_x, *d_ws, d_wd, *d_bs, d_bd)

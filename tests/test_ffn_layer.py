@@ -302,6 +302,44 @@ def test_retain_graph_second_backward_is_right(split_at_8, form, opts):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("form", LAYOUT_FORMS)
+def test_backward_frees_the_projections_it_wrote_over(split_at_8, form):
+    """The blocked backward writes d_gate / d_up over the projections it saved and frees each once its input and
+    weight gradients are made, not when autograd drops what it saved at the end of the backward: the storages
+    the forward saved are empty by the time the next projection's gradients are made, and the gradients are the
+    composition's."""
+    gating = ffn_ext.Gating("swiglu")
+    torch.manual_seed(47)
+    ws, wd, bs, bd = _params("separate" if form == "separate" else "packed", 12, 20, True)
+    x = torch.randn(74, 12, dtype=torch.float64, requires_grad=True)
+    leaves = _leaves(x, ws, wd, bs, bd)
+    saved = []  # the saved [74, d_ff] projections' storages (the pack hook's reference keeps the objects alive)
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[0] == 74 and t.shape[1] != 12:
+            saved.append(t.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = _gated_call(gating, form, ws, wd, bs, bd)(x)
+    assert len(saved) == (2 if form == "separate" else 1)
+    sizes = []
+    param_grads = M._param_grads
+
+    def record(*args, **kwargs):  # at each projection's gradients: how many saved projections still hold memory
+        sizes.append(sum(s.nbytes() > 0 for s in saved))
+        return param_grads(*args, **kwargs)
+
+    gy = torch.randn_like(y)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(M, "_param_grads", record)
+        g = torch.autograd.grad(y, leaves, gy)
+    assert sizes == list(range(len(saved), 0, -1)) and all(s.nbytes() == 0 for s in saved), sizes
+    y0 = _eager_gated(gating, form, x, ws, wd, bs, bd)
+    for a, b in zip(g, torch.autograd.grad(y0, leaves, gy)):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_token_chunk_peak_memory_does_not_grow_with_tokens(form):
     """Peak bytes allocated inside forward + backward, less what must be there anyway (y, dx, the weight and bias
