@@ -313,3 +313,34 @@ def test_retain_graph_second_backward_is_right(kind):
         want = torch.autograd.grad(out0, [x0, w0, *params0], g, retain_graph=True)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_backward_holds_no_sorted_gradient_nor_spent_gate_up(kind):
+    """The sum over top_k is inside the experts' Function, which gathers the sorted rows' gradient from the tokens'
+    [T, H] itself and drops it before the gating's backward (autograd's index backward would make an [S, H] one and
+    hold it through the whole backward); the saved [S, 2I] gate_up that the backward writes d_gate_up over is freed
+    once used, before the input's gradient is made. The gradients are grouped_mm's."""
+    experts, (x, index, weights) = _experts_call(kind, "ffn_ext")
+    ref = copy.deepcopy(experts)
+    ref.config = copy.copy(ref.config)
+    ref.config._experts_implementation = "grouped_mm"
+    saved = []  # the saved [S, 2I] projection's storage (the pack hook's reference keeps the object alive)
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[0] == index.numel() and t.is_floating_point():
+            saved.append(t.untyped_storage())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = experts(x, index, weights)
+    assert type(out.grad_fn).__name__ == "_ExpertsBackward" and out.shape == x.shape
+    assert len(saved) == 1 and saved[0].nbytes() > 0
+    x0, w0 = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    out0 = ref(x0, index, w0)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, weights, *experts.parameters()], g)
+    assert saved[0].nbytes() == 0
+    want = torch.autograd.grad(out0, [x0, w0, *ref.parameters()], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

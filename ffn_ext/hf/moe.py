@@ -192,13 +192,43 @@ def _weighted(y, weights):
     return y if weights is None else y * weights.unsqueeze(-1)
 
 
+def _inverse(perm):
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _unsorted_sum(y, inv, top_k):
+    """The expert-sorted rows y [S, H] back in token order, summed over top_k as transformers' implementations do it
+    (a reshape and sum, deterministic): [S / top_k, H]."""
+    return y[inv].view(-1, top_k, y.shape[-1]).sum(dim=1)
+
+
 class _Experts(torch.autograd.Function):
-    """The experts' [S, H] output of the expert-sorted rows (times their routing weights, when given). Saves the
-    unsorted input [T, H] (which the router's linear keeps alive too), the [S, 2I] projection and [S]-sized
-    indices and weights; backward recomputes the gating from the projection."""
+    """The experts' output: with `inv` (the sorted rows' inverse permutation) the tokens' [T, H], the rows (times
+    their routing weights) summed over top_k; without it (a post-expert norm comes between) the sorted rows' [S, H].
+    Saves the unsorted input [T, H] (which the router's linear keeps alive too), the [S, 2I] projection and
+    [S]-sized indices and weights; backward recomputes the gating from the projection, and gathers the rows'
+    gradient from the tokens' itself (autograd's index backward would hold an [S, H] one through it)."""
 
     @staticmethod
-    def forward(ctx, hidden_states, rows, ids, groups, w_up, b_up, w_down, b_down, weights, gating, transposed, saved):
+    def forward(
+        ctx,
+        hidden_states,
+        rows,
+        ids,
+        groups,
+        w_up,
+        b_up,
+        w_down,
+        b_down,
+        weights,
+        gating,
+        transposed,
+        saved,
+        inv,
+        top_k,
+    ):
         gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         ctx.dtype, ctx.saved = gate_up.dtype, None if saved == gate_up.dtype else saved
         ctx.fused = ctx.saved is not None and mlp.cache_fusable(gating, saved, 1)
@@ -210,10 +240,15 @@ class _Experts(torch.autograd.Function):
         del gate_up  # (with saved_dtype: gone before the down projection's output is made)
         y = _down(h, ids, w_down, b_down, transposed, groups)
         del h
-        ctx.save_for_backward(hidden_states, rows, ids, groups.offs, *kept, w_up, b_up, w_down, b_down, weights)
+        biased = b_up is not None or b_down is not None  # (ids: the biases' rows only)
+        ctx.save_for_backward(
+            hidden_states, rows, ids if biased else None, groups.offs, *kept, w_up, b_up, w_down, b_down, weights
+        )
         ctx.gating, ctx.transposed, ctx.bounds = gating, transposed, groups._bounds
         ctx.spent = False  # the backward writes d_gate_up over gate_up: a second one (retain_graph) recomputes it
-        return _weighted(y, weights)
+        y = _weighted(y, weights)
+        ctx.rows_dtype, ctx.reduced = y.dtype, inv is not None
+        return y if inv is None else _unsorted_sum(y, inv, top_k)
 
     @staticmethod
     def backward(ctx, grad):
@@ -222,12 +257,14 @@ class _Experts(torch.autograd.Function):
         groups = _Groups(offs)
         groups._bounds = ctx.bounds
         need = ctx.needs_input_grad
+        if ctx.reduced:  # the tokens' gradient to the sorted rows' (the sum's and the reorder's backward)
+            grad = grad.to(ctx.rows_dtype)[rows]
         # Without grad mode (no create_graph) the gradients go over buffers this backward owns: d_gate_up over the
         # saved gate_up (or its recomputation, after an earlier backward wrote over it), dh over q; h is dropped once
         # the down projection's weight gradient is made. Peak: gate_up, h and q (4 [S, I] tensors; grouped_mm's
         # autograd: about 7), then gate_up, q and 2 / _BLOCKS of gate_up.
         inplace = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        kept = None
+        kept, owned = None, False
         if ctx.saved is not None:  # kept in saved_dtype: read a block at a time in place (h, then d_gate_up into a
             # buffer made once h is gone), else whole
             kept = mlp.Kept(gate_up, scale, ctx.dtype)
@@ -235,7 +272,7 @@ class _Experts(torch.autograd.Function):
         elif ctx.spent:
             gate_up = _up(hidden_states, rows, ids, w_up, b_up, transposed, groups)
         elif inplace:
-            ctx.spent = True
+            ctx.spent = owned = True
             gate_up = mlp._owned(gate_up)
         gu = None
         if inplace and kept is not None:
@@ -279,7 +316,7 @@ class _Experts(torch.autograd.Function):
         if b_down is not None and need[7]:
             gw = (grad * weights.unsqueeze(-1)).to(w_down.dtype) if gw is None else gw
             d_b_down = _rows_sum(gw, ids, w_down.shape[0]).to(b_down.dtype)
-        del gw
+        del gw, grad  # (the rows' gradient: gone before the gating's backward)
         if inplace:
             h = None
             if kept is not None:
@@ -288,7 +325,9 @@ class _Experts(torch.autograd.Function):
             step = max(1, -(-n // _BLOCKS))
             for s in range(0, n, step):
                 if ctx.fused:  # the FP8 cache read inside the kernel (its h is dropped: made above)
-                    dg, du, _ = gating.cached_backward(dh[s : s + step], kept.q[s : s + step], kept.scale[s : s + step])
+                    dg, du = gating.cached_backward(dh[s : s + step], kept.q[s : s + step], kept.scale[s : s + step])[
+                        :2
+                    ]
                     half = dg.shape[-1]
                     gate_up[s : s + step, :half].copy_(dg)
                     gate_up[s : s + step, half:].copy_(du)
@@ -308,10 +347,13 @@ class _Experts(torch.autograd.Function):
             x = hidden_states[rows].to(w_up.dtype)
             d_w_up = _weight_grad(x, d_gate_up, transposed, groups)
             del x  # (an [S, H] tensor: gone before dx, another)
+        dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups) if need[0] else None
+        if owned:  # the saved gate_up, spent: autograd's reference would hold it to the end of this backward
+            mlp._release(d_gate_up)
+        del d_gate_up
         if need[0]:
-            dx = _gmm(d_gate_up, _as_right(w_up, transposed).transpose(-2, -1), groups)
             d_hidden = torch.zeros_like(hidden_states).index_add_(0, rows, dx.to(hidden_states.dtype))
-        return d_hidden, None, None, None, d_w_up, d_b_up, d_w_down, d_b_down, d_weights, None, None, None
+        return d_hidden, None, None, None, d_w_up, d_b_up, d_w_down, d_b_down, d_weights, None, None, None, None, None
 
 
 def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -326,7 +368,6 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if gating is None:
         return _fallback(self, "its gating is not one ffn_ext op computes", hidden_states, top_k_index, top_k_weights)
 
-    num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.shape[-1]
     num_experts = self.gate_up_proj.shape[0]
     ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
@@ -352,7 +393,10 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if saved is not None:
             d_ff = self.down_proj.shape[-2 if transposed else -1]
             mlp.check_saved_dtype(f"experts of {type(self).__name__}", saved, d_ff)
-        out = _Experts.apply(*args, fused_weights, gating, transposed, saved)
+        inv = None if norm else _inverse(perm)  # (the sum over top_k inside: see _Experts)
+        out = _Experts.apply(*args, fused_weights, gating, transposed, saved, inv, num_top_k)
+        if not norm:
+            return out.to(hidden_states.dtype)
     else:
         gate_up = _up(hidden_states, rows, ids, self.gate_up_proj, b_up, transposed, groups)
         h = gating(gate_up)
@@ -361,11 +405,7 @@ def ffn_ext_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if norm:
         out = _weighted(self.post_expert_norm(out), weights)
 
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    # the sum over top_k as transformers' implementations do it (a reshape and sum, deterministic)
-    out = out[inv].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return out.to(hidden_states.dtype)
+    return _unsorted_sum(out, _inverse(perm), num_top_k).to(hidden_states.dtype)
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
