@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_modules import _LiveBytes
+from test_saved_dtype import _Calls as _Ops
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -233,20 +234,6 @@ def test_inplace_backward_fp64(split_at_8, gating, form, bias, recompute):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
     for a, b in zip((*leaves, gy), before):
         assert torch.equal(a.detach(), b)
-
-
-class _Ops(TorchDispatchMode):
-    """Counts the ffn_ext ops the dispatcher runs (with a mode active every op call takes the dispatcher)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: dict = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        if name.startswith("ffn_ext::"):
-            self.ops[name[9:]] = self.ops.get(name[9:], 0) + 1
-        return func(*args, **kwargs or {})
 
 
 @pytest.mark.parametrize("opts", [{}, {"recompute": True}, {"token_chunk": 16}], ids=["saved", "recompute", "chunk"])
