@@ -7,8 +7,8 @@ $CUDA_HOME/bin or PATH) dumps the SASS of the built extension (the loaded ffn_ex
 by FFN_EXT_SASS_LIB, e.g. a CMake-built libffn_ext_ops.so). For every architecture:
   * the binary holds exactly the rows_kernel instantiations that ffn_ext.table predicts (sass_reader.KERNELS:
     UnaryFwd/UnaryBwd/UnaryBwdRecompute per activation, GatedFwd/GatedBwd/GatedBwdRecompute per gated op over its
-    gate functor (Glu<Act>, or its own: SwigluClamped), and each packed op's Interleaved<GatedFwd<G>, 0, -1> / Interleaved<GatedBwd<G>, 1, 0>; x 4
-    dtypes, VEC = 16 bytes / sizeof(T)) and no other kernel, so an op added to one table and not the other fails;
+    gate functor (Glu<Act>, or its own: SwigluClamped), and each packed op's Interleaved<GatedFwd<G>, 0, -1> /
+    Interleaved<GatedBwd<G>, 1, 0>; x 4 dtypes, VEC = 16 bytes / sizeof(T)) and no other kernel, so an op added to one table and not the other fails;
     and each FP8 quantizing kernel once per (kind, op, dtype, layout);
   * the vector body uses 128-bit global loads (LDG...128) and stores (STG...128), at least one per operand (the
     quantizing kernels: 16-byte loads and the 8-byte fp8 store);
@@ -265,7 +265,8 @@ def test_kernel_list_follows_the_table():
     """sass_reader.KERNELS is the op table read as kernels: per activation its C++ functor (CamelCase of the
     name, as csrc/ops_table.h spells it) in UnaryFwd / UnaryBwd / UnaryBwdRecompute; per gated op its gate functor
     (Glu<Act> for act(gate) * up, else the CamelCase of the op's name) in GatedFwd / GatedBwd, which the concat packed
-    ops run too, and GatedBwdRecompute, and in Interleaved<GatedFwd<G>, 0, -1> / Interleaved<GatedBwd<G>, 1, 0> for the interleaved layout."""
+    ops run too, and GatedBwdRecompute, and in Interleaved<GatedFwd<G>, 0, -1> / Interleaved<GatedBwd<G>, 1, 0> for
+    the interleaved layout."""
     assert S.act_struct("gelu") == "Gelu" and S.act_struct("gelu_tanh") == "GeluTanh" and S.act_struct("silu") == "Silu"
     assert S.gate_struct(GATED_BY_NAME["swiglu"]) == "Glu<Silu>"
     assert S.gate_struct(GATED_BY_NAME["geglu_tanh"]) == "Glu<GeluTanh>"

@@ -31,7 +31,8 @@ void keep_all_types(void (*keep)(const void*)) {  // AT_DISPATCH_FLOATING_TYPES_
 
 // The functors row_ops.h's Ops runs for a table line: an activation's unary, unary_backward and
 // unary_backward_recompute; a gate's gated, gated_backward (both also the concat packed ops') and
-// gated_backward_recompute, and the interleaved packed ops'. This list follows Ops: a functor missing here is an undefined symbol when `import ffn_ext` loads _C.
+// gated_backward_recompute, and the interleaved packed ops'. This list follows Ops: a functor missing here is an
+// undefined symbol when `import ffn_ext` loads _C.
 template <int Part>
 void kernels_of_part(void (*keep)(const void*)) {
 #define FFN_EXT_KEEP_ACT(name, Act, ...) \

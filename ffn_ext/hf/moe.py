@@ -324,10 +324,9 @@ class _Experts(torch.autograd.Function):
             n = gate_up.shape[0]
             step = max(1, -(-n // _BLOCKS))
             for s in range(0, n, step):
-                if ctx.fused:  # the FP8 cache read inside the kernel (its h is dropped: made above)
-                    dg, du = gating.cached_backward(dh[s : s + step], kept.q[s : s + step], kept.scale[s : s + step])[
-                        :2
-                    ]
+                if ctx.fused:  # the FP8 cache read inside the kernel (its h is dropped at once: made above)
+                    part = slice(s, s + step)
+                    dg, du = gating.cached_backward(dh[part], kept.q[part], kept.scale[part])[:2]
                     half = dg.shape[-1]
                     gate_up[s : s + step, :half].copy_(dg)
                     gate_up[s : s + step, half:].copy_(du)
